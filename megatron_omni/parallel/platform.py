@@ -1,0 +1,242 @@
+"""Device and communication backend choice, process start-up, and the CPU shims Megatron-Core needs.
+
+This is the only module of the project that names devices and backends. Everything else asks it:
+`device()` for where tensors live, `backend()` for the collective backend, `init_distributed()` to join
+the job. On a machine without a GPU, `init_distributed()` first applies `apply_cpu_shims()`, which makes
+Megatron-Core 0.16.1 run on CPU with gloo (it was written for CUDA; the list below is what was found
+necessary by running it, see docs/environment notes):
+
+- `torch.cuda.current_device()` is used as a device argument for buffers -> returns the CPU device;
+- `torch.cuda.synchronize()` in the pipeline p2p code -> a no-op (CPU work is synchronous);
+- the model-parallel RNG tracker and its `_get/_set_cuda_rng_state` helpers -> CPU generator state;
+- `device="cuda"` literals in the causal-mask helpers, the fused-softmax mask and the schedules'
+  token counter -> the CPU device.
+
+The shims are idempotent and only ever applied when CUDA is absent.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import types
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+_SHIMS_APPLIED = False
+
+
+def has_gpu() -> bool:
+    """True when a CUDA device is usable."""
+    return torch.cuda.is_available()
+
+
+def device_type() -> str:
+    """'cuda' when a GPU is usable, else 'cpu'."""
+    return "cuda" if has_gpu() else "cpu"
+
+
+def device() -> torch.device:
+    """The device this process computes on (the local GPU under torchrun, else the CPU)."""
+    if has_gpu():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def backend() -> str:
+    """The collective backend: nccl with GPUs, gloo on CPU."""
+    return "nccl" if has_gpu() else "gloo"
+
+
+def synchronize() -> None:
+    """Wait for queued device work (timing); a no-op on CPU."""
+    if has_gpu():
+        torch.cuda.synchronize()
+
+
+def max_memory_allocated() -> int:
+    """Peak bytes allocated on the device since start, or 0 on CPU (use process RSS there)."""
+    return torch.cuda.max_memory_allocated() if has_gpu() else 0
+
+
+def init_distributed(
+    *,
+    rank: int | None = None,
+    world_size: int | None = None,
+    init_method: str | None = None,
+    timeout_s: float = 600.0,
+) -> None:
+    """Join the job's default process group (torchrun's env:// by default) on the right backend.
+
+    On CPU, applies the Megatron-Core shims first. Safe to call when already initialised.
+    """
+    if not has_gpu():
+        apply_cpu_shims()
+    else:
+        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        torch.cuda.set_device(local_rank)
+    _ensure_global_memory_buffer()
+    if dist.is_initialized():
+        return
+    rank = int(os.environ.get("RANK", "0")) if rank is None else rank
+    world_size = int(os.environ.get("WORLD_SIZE", "1")) if world_size is None else world_size
+    if init_method is None:
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", "29500")
+        init_method = "env://"
+    dist.init_process_group(
+        backend=backend(),
+        init_method=init_method,
+        rank=rank,
+        world_size=world_size,
+        timeout=datetime.timedelta(seconds=timeout_s),
+    )
+
+
+def _ensure_global_memory_buffer() -> None:
+    """Megatron-Core's local attention takes scratch tensors from a process-wide buffer (not a group)."""
+    from megatron.core import parallel_state
+
+    if getattr(parallel_state, "_GLOBAL_MEMORY_BUFFER", None) is None:
+        parallel_state._set_global_memory_buffer()
+
+
+def destroy_distributed() -> None:
+    """Leave the job (destroys every process group)."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def megatron_config_defaults() -> dict[str, Any]:
+    """`TransformerConfig` settings this platform needs (CPU: CPU initialisation, no CUDA-only fusions)."""
+    if has_gpu():
+        return {"use_cpu_initialization": False}
+    return {
+        "use_cpu_initialization": True,
+        "gradient_accumulation_fusion": False,
+        "bias_activation_fusion": False,
+        "bias_dropout_fusion": False,
+        "masked_softmax_fusion": False,
+        "apply_rope_fusion": False,
+        "persist_layer_norm": False,
+    }
+
+
+def seed_everything(seed: int, tp_rank: int = 0) -> None:
+    """Seed torch and Megatron-Core's RNG tracker (its model-parallel stream differs per tp rank).
+
+    The tp rank is passed in (never read from Megatron's global state).
+    """
+    from megatron.core.tensor_parallel import random as mcore_random
+
+    if not has_gpu():
+        apply_cpu_shims()
+    torch.manual_seed(seed)
+    mcore_random.model_parallel_cuda_manual_seed(seed, tp_rank=tp_rank, ep_rank=0, etp_rank=0)
+
+
+# ----------------------------------------------------------------------------------------- CPU shims
+
+
+def _cpu_current_device() -> torch.device:
+    return torch.device("cpu")
+
+
+def _cpu_get_rng_state(device: Any = None, clone: bool = False, graph_safe: bool = False) -> torch.Tensor:
+    return torch.get_rng_state()
+
+
+def _cpu_set_rng_state(new_state: torch.Tensor, device: Any = -1, graph_safe: bool = False) -> None:
+    torch.set_rng_state(new_state)
+
+
+def _make_cpu_rng_tracker(base: type) -> type:
+    """A `CudaRNGStatesTracker` that keeps CPU generator states, with the same add/fork behaviour."""
+
+    class CpuRNGStatesTracker(base):  # type: ignore[misc, valid-type]
+        def add(self, name: str, seed: int) -> None:
+            if seed in self.seeds_:
+                raise Exception(f"seed {seed} already exists")
+            self.seeds_.add(seed)
+            if name in self.states_:
+                raise Exception(f"rng state {name} already exists")
+            orig = torch.get_rng_state()
+            torch.manual_seed(seed)
+            self.states_[name] = torch.get_rng_state()
+            torch.set_rng_state(orig)
+
+    return CpuRNGStatesTracker
+
+
+def _rebind_device_literal(fn: Callable) -> Callable:
+    """A copy of `fn` whose globals see a `torch` proxy that maps device="cuda" to the CPU."""
+    proxy = _TorchCpuProxy()
+    glb = dict(fn.__globals__)
+    glb["torch"] = proxy
+    new_fn = types.FunctionType(fn.__code__, glb, fn.__name__, fn.__defaults__, fn.__closure__)
+    new_fn.__kwdefaults__ = fn.__kwdefaults__
+    new_fn.__dict__.update(fn.__dict__)
+    new_fn.__wrapped__ = fn  # type: ignore[attr-defined]
+    return new_fn
+
+
+class _TorchCpuProxy(types.ModuleType):
+    """Looks like `torch`; tensor factories called with device="cuda" create CPU tensors instead."""
+
+    def __init__(self) -> None:
+        super().__init__("torch")
+
+    def __getattr__(self, name: str) -> Any:
+        attr = getattr(torch, name)
+        if name in ("zeros", "ones", "empty", "tensor", "full", "arange"):
+
+            def factory(*args: Any, **kwargs: Any) -> torch.Tensor:
+                dev = kwargs.get("device")
+                if dev is not None and torch.device(dev).type == "cuda":
+                    kwargs["device"] = "cpu"
+                return attr(*args, **kwargs)
+
+            return factory
+        return attr
+
+
+def apply_cpu_shims() -> None:
+    """Make Megatron-Core 0.16.1 run on CPU (see the module docstring). Idempotent; CPU only."""
+    global _SHIMS_APPLIED
+    if _SHIMS_APPLIED or has_gpu():
+        return
+    torch.cuda.current_device = _cpu_current_device  # type: ignore[assignment]
+    torch.cuda.synchronize = lambda device=None: None  # type: ignore[assignment]
+
+    from megatron.core.tensor_parallel import random as mcore_random
+
+    mcore_random._get_cuda_rng_state = _cpu_get_rng_state
+    mcore_random._set_cuda_rng_state = _cpu_set_rng_state
+    if not getattr(mcore_random.CudaRNGStatesTracker, "_megatron_omni_cpu", False):
+        tracker = _make_cpu_rng_tracker(mcore_random.CudaRNGStatesTracker)
+        tracker._megatron_omni_cpu = True
+        mcore_random.CudaRNGStatesTracker = tracker
+    # The tracker may have been created before the shim: rebuild it with the CPU class.
+    mcore_random.initialize_rng_tracker(force_reset=True)
+
+    from megatron.core.fusions import fused_softmax
+    from megatron.core.pipeline_parallel import schedules
+    from megatron.core.transformer import utils as transformer_utils
+
+    for module, names in (
+        (transformer_utils, ("get_default_causal_mask", "get_sliding_window_causal_mask")),
+        (schedules, ("forward_backward_no_pipelining", "forward_backward_pipelining_with_interleaving",
+                     "forward_backward_pipelining_without_interleaving")),
+    ):
+        for name in names:
+            fn = getattr(module, name, None)
+            if fn is not None and not hasattr(fn, "__wrapped__"):
+                setattr(module, name, _rebind_device_literal(fn))
+    # fused_softmax imports the mask helpers by name.
+    for name in ("get_default_causal_mask", "get_sliding_window_causal_mask"):
+        if hasattr(fused_softmax, name):
+            setattr(fused_softmax, name, getattr(transformer_utils, name))
+    _SHIMS_APPLIED = True

@@ -1,0 +1,161 @@
+"""Run a function on N spawned gloo ranks, with a timeout so a hung rank fails the test instead of CI.
+
+`run_ranks(fn, world_size, *args)` runs `fn(rank, world_size, *args)` on `world_size` ranks that form one
+gloo job on a free loopback port, and returns the per-rank results in rank order. If any rank raises, the
+test fails with that rank's traceback; if the ranks do not all finish within `timeout_s`, the test fails
+naming the ranks that did not.
+
+Ranks are spawned (never forked) interpreters. Importing torch + Megatron-Core costs ~10 s of CPU per
+process, so the ranks of one world size are kept as a pool for the whole pytest session and reused by
+later tests; a pool whose task failed or timed out is killed and replaced by fresh processes, so one
+broken test cannot leave gloo state behind for the next. Tests must therefore create their own process
+groups (`build_parallel_groups`) and not rely on process-global state between calls.
+"""
+
+from __future__ import annotations
+
+import atexit
+import multiprocessing as mp
+import os
+import queue
+import socket
+import time
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+
+class RankFailed(AssertionError):
+    """A spawned rank raised; the message carries its traceback."""
+
+
+class RanksTimedOut(AssertionError):
+    """Some ranks did not finish within the timeout (a hang or deadlock)."""
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rank_main(rank: int, world_size: int, port: int, tasks: Any, results: Any, parent_pid: int) -> None:
+    os.environ.update(
+        RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size),
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1",
+    )
+    try:
+        import torch
+
+        torch.set_num_threads(1)
+        from megatron_omni.parallel import platform
+
+        platform.init_distributed(
+            rank=rank, world_size=world_size, init_method=f"tcp://127.0.0.1:{port}", timeout_s=300
+        )
+    except BaseException:  # noqa: BLE001 - the traceback goes back to the test
+        results.put(("error", rank, -1, traceback.format_exc()))
+        return
+    while True:
+        try:
+            task = tasks.get(timeout=5.0)
+        except queue.Empty:
+            if os.getppid() != parent_pid:  # the test process is gone
+                return
+            continue
+        if task is None:
+            break
+        task_id, fn, args, kwargs = task
+        try:
+            out = fn(rank, world_size, *args, **kwargs)
+            results.put(("ok", rank, task_id, out))
+        except BaseException:  # noqa: BLE001
+            results.put(("error", rank, task_id, traceback.format_exc()))
+    platform.destroy_distributed()
+
+
+class _RankPool:
+    def __init__(self, world_size: int) -> None:
+        ctx = mp.get_context("spawn")
+        self.world_size = world_size
+        self.results = ctx.Queue()
+        self.tasks = [ctx.Queue() for _ in range(world_size)]
+        port = free_port()
+        # Not daemonic: a rank may start helper processes of its own (distributed checkpoint save does).
+        self.procs = [
+            ctx.Process(target=_rank_main, args=(r, world_size, port, self.tasks[r], self.results, os.getpid()))
+            for r in range(world_size)
+        ]
+        for p in self.procs:
+            p.start()
+        self.next_id = 0
+
+    def run(self, fn: Callable, args: tuple, kwargs: dict, timeout_s: float) -> list[Any]:
+        task_id = self.next_id
+        self.next_id += 1
+        for q in self.tasks:
+            q.put((task_id, fn, args, kwargs))
+        outputs: dict[int, Any] = {}
+        deadline = time.monotonic() + timeout_s
+        while len(outputs) < self.world_size:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                missing = sorted(set(range(self.world_size)) - set(outputs))
+                raise RanksTimedOut(
+                    f"ranks {missing} of {self.world_size} did not finish within {timeout_s:.0f} s "
+                    f"(running {fn.__module__}.{fn.__name__})"
+                )
+            try:
+                status, rank, got_id, payload = self.results.get(timeout=min(remaining, 1.0))
+            except queue.Empty:
+                dead = [r for r, p in enumerate(self.procs) if r not in outputs and not p.is_alive()]
+                if dead and self.results.empty():
+                    time.sleep(0.5)
+                    if self.results.empty():
+                        raise RankFailed(
+                            f"rank {dead[0]} exited with code {self.procs[dead[0]].exitcode} without a result"
+                        ) from None
+                continue
+            if status == "error":
+                raise RankFailed(f"rank {rank} of {self.world_size} failed:\n{payload}")
+            if got_id == task_id:
+                outputs[rank] = payload
+        return [outputs[r] for r in range(self.world_size)]
+
+    def close(self, graceful: bool) -> None:
+        if graceful:
+            for q in self.tasks:
+                q.put(None)
+            for p in self.procs:
+                p.join(timeout=10)
+        for p in self.procs:
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=5)
+
+
+_POOLS: dict[int, _RankPool] = {}
+
+
+@atexit.register
+def _close_pools() -> None:
+    for pool in _POOLS.values():
+        pool.close(graceful=True)
+    _POOLS.clear()
+
+
+def run_ranks(fn: Callable, world_size: int, *args: Any, timeout_s: float = 240.0, **kwargs: Any) -> list[Any]:
+    """Run `fn(rank, world_size, *args, **kwargs)` on `world_size` gloo ranks; return results by rank.
+
+    `fn` must be importable (a module-level function) and its arguments and result picklable.
+    """
+    pool = _POOLS.get(world_size)
+    if pool is None:
+        pool = _POOLS[world_size] = _RankPool(world_size)
+        timeout_s += 120.0  # the first task also waits for the ranks to start and import torch
+    try:
+        return pool.run(fn, args, kwargs, timeout_s)
+    except BaseException:
+        _POOLS.pop(world_size, None)
+        pool.close(graceful=False)
+        raise

@@ -1,0 +1,47 @@
+"""The rank harness itself: results come back in rank order, a failing rank fails the test with its
+traceback, and a hung rank fails the test within the timeout instead of stalling the suite."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from tests.distributed.harness import RankFailed, RanksTimedOut, run_ranks
+
+
+def _all_reduce_rank(rank: int, world_size: int) -> float:
+    t = torch.tensor([float(rank)])
+    dist.all_reduce(t)
+    return float(t)
+
+
+def _fail_on_rank_one(rank: int, world_size: int) -> None:
+    if rank == 1:
+        raise ValueError("deliberate failure on rank one")
+
+
+def _hang_on_rank_zero(rank: int, world_size: int) -> None:
+    if rank == 0:
+        time.sleep(60)
+
+
+def test_results_in_rank_order() -> None:
+    assert run_ranks(_all_reduce_rank, 2) == [1.0, 1.0]
+
+
+def test_failing_rank_shows_traceback() -> None:
+    with pytest.raises(RankFailed, match="deliberate failure on rank one"):
+        run_ranks(_fail_on_rank_one, 2)
+    # The broken pool was replaced: the next job runs on fresh ranks.
+    assert run_ranks(_all_reduce_rank, 2) == [1.0, 1.0]
+
+
+def test_hung_rank_times_out() -> None:
+    run_ranks(_all_reduce_rank, 2)  # make sure the pool is up, so the timeout below is the task's own
+    start = time.monotonic()
+    with pytest.raises(RanksTimedOut, match=r"ranks \[0\]"):
+        run_ranks(_hang_on_rank_zero, 2, timeout_s=3)
+    assert time.monotonic() - start < 30
