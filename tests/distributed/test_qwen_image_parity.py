@@ -140,7 +140,9 @@ def _parity(rank: int, world_size: int, layout: ParallelLayout, recompute: str |
     grads = _reduce_grads(model, groups)
     grad_err = {n: float((g - ref_grads[n]).norm() / ref_grads[n].norm().clamp_min(1e-30))
                 for n, g in grads.items()}
-    return {"fwd": fwd_err, "grad": grad_err, "n_ref": len(ref_grads)}
+    expected_params = provider.per_rank_parameter_counts("tiny", layout.tp, layout.pp)[groups.coords["pp"]]
+    return {"fwd": fwd_err, "grad": grad_err, "n_ref": len(ref_grads),
+            "params": (sum(p.numel() for p in model.parameters()), expected_params)}
 
 
 CASES = [
@@ -167,3 +169,5 @@ def test_parity_with_diffusers(world_size: int, layout: ParallelLayout, recomput
             assert err < 1e-4, (name, err)
             covered.add(name)
     assert len(covered) == results[0]["n_ref"], "some diffusers parameters got no gradient to compare"
+    for r in results:  # the planner's per-rank counts equal what each rank really holds
+        assert r["params"][0] == r["params"][1], r["params"]
