@@ -1,0 +1,26 @@
+"""Exceptions of the reward package.
+
+Bad input and failed scoring raise; nothing in this package turns a failure into a reward of 0, because a
+silent 0 would be learned from as if the policy had produced an unreadable image.
+"""
+
+from __future__ import annotations
+
+
+class RewardError(Exception):
+    """Base class of every reward failure."""
+
+
+class RewardInputError(RewardError, ValueError):
+    """A sample cannot be scored as given (wrong image type, prompt without the text asked for, ...).
+
+    The server answers it with a 4xx status: retrying the same request cannot help.
+    """
+
+
+class RewardScorerError(RewardError):
+    """A scorer failed on valid input (an OCR engine error, a judge endpoint answering garbage, ...)."""
+
+
+class RewardServiceError(RewardError):
+    """The reward service could not deliver rewards: unreachable, dead, timed out, or refused the request."""

@@ -1,0 +1,129 @@
+"""One registry for every scorer, and `build_scorer(spec)` which understands all the ways to name one.
+
+A spec is one of:
+- a registered name: "ocr", "vlm_ocr", "jpeg_compressibility", "jpeg_incompressibility";
+- a user scorer by import path: "my_pkg.rewards:aesthetic" (see scorers.import_scorer);
+- a weighted sum: "0.8*ocr+0.2*jpeg_compressibility" (weights default to 1: "ocr+jpeg_compressibility");
+- a dict: {"name": spec, "kwargs": {...}} or {"weighted": [{"scorer": spec, "weight": w}, ...]}.
+
+`kwargs` go to the scorer's constructor (for "ocr": reader options; for "vlm_ocr": base_url, model, ...).
+`device` ("cpu" or "type:index", given to the server) reaches the scorers that can use it.
+"""
+
+from __future__ import annotations
+
+import inspect
+import re
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from megatron_omni.reward.errors import RewardInputError
+from megatron_omni.reward.scorers import (
+    JpegCompressibility,
+    JpegIncompressibility,
+    Scorer,
+    WeightedSum,
+    import_scorer,
+)
+
+ScorerFactory = Callable[..., Scorer]
+_REGISTRY: dict[str, ScorerFactory] = {}
+_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_.\-]*$")
+_TERM = re.compile(r"^\s*(?:([0-9eE.+\-]+)\s*\*\s*)?(\S+?)\s*$")
+
+
+def register_scorer(name: str, factory: ScorerFactory, *, overwrite: bool = False) -> None:
+    """Make `factory(**kwargs) -> Scorer` reachable as `name`."""
+    if not _NAME.match(name) or ":" in name:
+        raise RewardInputError(f"scorer name {name!r} must be an identifier-like word without ':'")
+    if name in _REGISTRY and not overwrite:
+        raise RewardInputError(f"scorer {name!r} is already registered")
+    _REGISTRY[name] = factory
+
+
+def available_scorers() -> list[str]:
+    """Registered scorer names, sorted."""
+    return sorted(_REGISTRY)
+
+
+def _ocr(**kwargs: Any) -> Scorer:
+    from megatron_omni.reward.ocr import OcrScorer  # rapidocr/onnxruntime load only when asked for
+
+    return OcrScorer(**kwargs)
+
+
+def _vlm_ocr(**kwargs: Any) -> Scorer:
+    from megatron_omni.reward.ocr import OcrScorer
+
+    return OcrScorer(reader="vlm", **kwargs)
+
+
+register_scorer("ocr", _ocr)
+register_scorer("vlm_ocr", _vlm_ocr)
+register_scorer("jpeg_compressibility", JpegCompressibility)
+register_scorer("jpeg_incompressibility", JpegIncompressibility)
+
+
+def _accepts(factory: Callable[..., Any], name: str) -> bool:
+    try:
+        params = inspect.signature(factory).parameters
+    except (TypeError, ValueError):
+        return False
+    return name in params or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+
+
+def _parse_weighted(spec: str) -> list[tuple[str, float]]:
+    terms = []
+    for part in spec.split("+"):
+        m = _TERM.match(part)
+        if not part.strip() or m is None:
+            raise RewardInputError(f"cannot parse weighted scorer spec {spec!r} near {part!r}")
+        weight = 1.0
+        if m.group(1) is not None:
+            try:
+                weight = float(m.group(1))
+            except ValueError as exc:
+                raise RewardInputError(f"bad weight {m.group(1)!r} in scorer spec {spec!r}") from exc
+        terms.append((m.group(2), weight))
+    return terms
+
+
+def build_scorer(spec: str | Mapping[str, Any], *, device: str | None = None, **kwargs: Any) -> Scorer:
+    """A Scorer from a spec (see the module docstring); `kwargs` are constructor options."""
+    if isinstance(spec, Mapping):
+        if "weighted" in spec:
+            if kwargs:
+                raise RewardInputError("options for a weighted sum go inside each term")
+            terms = []
+            for t in spec["weighted"]:
+                if not isinstance(t, Mapping) or "scorer" not in t:
+                    raise RewardInputError(
+                        f"weighted term {t!r} needs a 'scorer' key (and optional 'weight')"
+                    )
+                sub = build_scorer(t["scorer"], device=device, **dict(t.get("kwargs", {})))
+                terms.append((sub, float(t.get("weight", 1.0))))
+            return WeightedSum(terms)
+        if "name" not in spec:
+            raise RewardInputError(f"scorer spec {dict(spec)!r} needs 'name' or 'weighted'")
+        return build_scorer(spec["name"], device=device, **{**dict(spec.get("kwargs", {})), **kwargs})
+    if not isinstance(spec, str) or not spec.strip():
+        raise RewardInputError(f"scorer spec must be a non-empty string or dict, got {spec!r}")
+    spec = spec.strip()
+    if "+" in spec or "*" in spec:
+        if kwargs:
+            raise RewardInputError(f"options cannot be given to the weighted spec {spec!r}; use a dict spec")
+        return WeightedSum([(build_scorer(name, device=device), w) for name, w in _parse_weighted(spec)])
+    if ":" in spec:
+        scorer = import_scorer(spec, device=device, **kwargs)
+    elif spec in _REGISTRY:
+        factory = _REGISTRY[spec]
+        if device is not None and _accepts(factory, "device"):
+            kwargs = {**kwargs, "device": device}
+        scorer = factory(**kwargs)
+    else:
+        raise RewardInputError(
+            f"unknown scorer {spec!r}; registered: {', '.join(available_scorers())}, or 'module:function'"
+        )
+    if not isinstance(scorer, Scorer):
+        raise RewardInputError(f"scorer {spec!r} built {type(scorer).__name__}, not a Scorer")
+    return scorer
