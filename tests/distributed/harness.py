@@ -139,8 +139,9 @@ _POOLS: dict[int, _RankPool] = {}
 
 @atexit.register
 def _close_pools() -> None:
+    # The ranks hold nothing worth a clean shutdown, and a gloo teardown can wait on its peers: kill them.
     for pool in _POOLS.values():
-        pool.close(graceful=True)
+        pool.close(graceful=False)
     _POOLS.clear()
 
 

@@ -153,7 +153,7 @@ def joint_attention(
         q_img, k_img, v_img: `[s_img_local, b, n, d]` this CP rank's contiguous image shard; shard
             `c = u + U * r` (u, r: ranks in the Ulysses and ring groups) holds image tokens
             `[c * s_img_local, (c + 1) * s_img_local)`; every rank holds the same `s_img_local`.
-        txt_mask: `[b, s_txt]` bool, True = valid text key; None = all valid.
+        txt_mask: `[b, s_txt]` bool, True = valid text key; None = all valid. The same on every CP rank.
         ulysses_group: all-to-all group (size U, `n % U == 0`), or None for U = 1.
         ring_group: ring group (size R), or None for R = 1.
 

@@ -17,6 +17,10 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+# torch 2.13 renamed the tensor-in/tensor-out collectives (the old names warn); older torch has only those.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
 
 def group_size(group: dist.ProcessGroup | None) -> int:
     """Number of ranks in `group` (1 for None)."""
@@ -94,14 +98,14 @@ def heads_to_seq(x: Tensor, group: dist.ProcessGroup | None) -> Tensor:
 def _all_gather_dim0(x: Tensor, group: dist.ProcessGroup) -> Tensor:
     world = dist.get_world_size(group)
     out = torch.empty((world * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
-    dist.all_gather_into_tensor(out, x.contiguous(), group=group)
+    _all_gather_single(out, x.contiguous(), group=group)
     return out
 
 
 def _reduce_scatter_dim0(x: Tensor, group: dist.ProcessGroup) -> Tensor:
     world = dist.get_world_size(group)
     out = torch.empty((x.shape[0] // world, *x.shape[1:]), dtype=x.dtype, device=x.device)
-    dist.reduce_scatter_tensor(out, x.contiguous(), op=dist.ReduceOp.SUM, group=group)
+    _reduce_scatter_single(out, x.contiguous(), op=dist.ReduceOp.SUM, group=group)
     return out
 
 

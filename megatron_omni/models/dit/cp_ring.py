@@ -141,23 +141,29 @@ class _RingJointAttention(torch.autograd.Function):
         delta = (dout * out).sum(dim=-1)
         dq, dk_txt, dv_txt = attention_block_backward(dout, delta, q, k_txt, v_txt, txt_mask, lse, scale)
         kv = torch.stack([k_img, v_img])
-        dkv = torch.zeros(kv.shape, dtype=out.dtype, device=kv.device)
         kv_exchange = RingExchange(ring_group) if world > 1 else None
         dkv_exchange = RingExchange(ring_group) if world > 1 else None
+        dkv = None
         for step in range(world):
-            # At step i this rank holds image block (r - i) mod R and that block's dK/dV accumulator.
+            # At step i this rank holds image block (r - i) mod R; its dK/dV accumulator follows it.
             if kv_exchange is not None and step < world - 1:
                 kv_exchange.start(kv)
             dq_b, dk_b, dv_b = attention_block_backward(dout, delta, q, kv[0], kv[1], None, lse, scale)
             dq += dq_b
-            dkv[0] += dk_b
-            dkv[1] += dv_b
-            if dkv_exchange is not None:
-                # The accumulator follows its block; the R-th shift brings it home to the owner.
-                dkv_exchange.start(dkv)
+            if step == 0:
+                dkv = torch.stack([dk_b, dv_b])
+            else:
+                # The accumulator was sent by the previous rank while this block's gradients were computed.
                 dkv = dkv_exchange.wait()
+                dkv[0] += dk_b
+                dkv[1] += dv_b
+            if dkv_exchange is not None:
+                dkv_exchange.start(dkv)
             if kv_exchange is not None and step < world - 1:
                 kv = kv_exchange.wait()
+        if dkv_exchange is not None:
+            # The R-th shift brings every accumulator home to the rank that owns the block.
+            dkv = dkv_exchange.wait()
         return (
             dq.to(q.dtype),
             dk_txt.to(k_txt.dtype),
