@@ -1,0 +1,115 @@
+"""The clipped FlowGRPO policy loss, its KL term and the training metrics.
+
+Over the trained (window) steps: `ratio = exp(logp_new - logp_old)`,
+`L = mean(max(-A ratio, -A clip(ratio, 1 - eps_low, 1 + eps_high))) + beta KL`, with
+`KL = mean over elements of (mean_theta - mean_ref)^2 / (2 std^2)` (flow_grpo's form; std is the step's
+noise coefficient, `SdeCoefficients.std`). Metrics: `approx_kl = 0.5 mean(dlogp^2)`,
+`clipfrac = P(|ratio - 1| > eps)` and ratio statistics.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class PolicyLoss:
+    """loss: scalar to backpropagate; policy_loss, kl_loss: scalars (kl 0 when beta == 0);
+    ratio: same shape as the log-probs; metrics: detached scalars for logging."""
+
+    loss: torch.Tensor
+    policy_loss: torch.Tensor
+    kl_loss: torch.Tensor
+    ratio: torch.Tensor
+    metrics: dict[str, torch.Tensor]
+
+
+def _clip_bounds(clip_range: float | tuple[float, float]) -> tuple[float, float]:
+    low, high = (clip_range, clip_range) if isinstance(clip_range, int | float) else clip_range
+    if low <= 0 or high <= 0:
+        raise ValueError(f"clip_range must be > 0, got {clip_range}")
+    return float(low), float(high)
+
+
+def kl_penalty(mean: torch.Tensor, ref_mean: torch.Tensor, std: torch.Tensor) -> torch.Tensor:
+    """Per-sample KL between the current and reference transitions (equal std).
+
+    Args:
+        mean, ref_mean: [B, ...] transition means of the policy and the reference model.
+        std: [B] the step's noise coefficient.
+
+    Returns:
+        [B] float32: mean over elements of (mean - ref_mean)^2, divided by 2 std^2.
+    """
+    if mean.shape != ref_mean.shape:
+        raise ValueError(f"mean {tuple(mean.shape)} vs ref_mean {tuple(ref_mean.shape)}")
+    diff = mean.float() - ref_mean.float()
+    per_sample = (diff**2).mean(dim=tuple(range(1, diff.ndim)))
+    return per_sample / (2 * std.float().reshape(-1) ** 2)
+
+
+def policy_metrics(
+    log_probs: torch.Tensor, old_log_probs: torch.Tensor, ratio: torch.Tensor, clip_range: float | tuple
+) -> dict[str, torch.Tensor]:
+    """approx_kl, clipfrac (|ratio - 1| beyond the clip range) and ratio mean/std/min/max, detached."""
+    low, high = _clip_bounds(clip_range)
+    dlogp = (log_probs.float() - old_log_probs.float()).detach()
+    r = ratio.detach()
+    clipped = (r < 1 - low) | (r > 1 + high)
+    return {
+        "approx_kl": 0.5 * (dlogp**2).mean(),
+        "clipfrac": clipped.float().mean(),
+        "ratio_mean": r.mean(),
+        "ratio_std": r.std(correction=0),
+        "ratio_min": r.min(),
+        "ratio_max": r.max(),
+        "dlogp_abs_mean": dlogp.abs().mean(),
+    }
+
+
+def flowgrpo_loss(
+    log_probs: torch.Tensor,
+    old_log_probs: torch.Tensor,
+    advantages: torch.Tensor,
+    clip_range: float | tuple[float, float],
+    beta: float = 0.0,
+    kl: torch.Tensor | None = None,
+) -> PolicyLoss:
+    """The clipped surrogate over samples x trained steps.
+
+    Args:
+        log_probs: [B, S] (or [B]) log-probs under the current parameters (carry the gradient).
+        old_log_probs: same shape, from the rollout (no gradient).
+        advantages: [B] (broadcast over steps) or the same shape as log_probs.
+        clip_range: eps, or (eps_low, eps_high).
+        beta: KL weight; when > 0, `kl` ([B] or [B, S] from `kl_penalty`) is required.
+
+    Returns:
+        PolicyLoss with scalar losses and detached metrics.
+    """
+    if log_probs.shape != old_log_probs.shape:
+        raise ValueError(f"log_probs {tuple(log_probs.shape)} vs old_log_probs {tuple(old_log_probs.shape)}")
+    low, high = _clip_bounds(clip_range)
+    lp = log_probs.float()
+    adv = advantages.float().detach()
+    if adv.shape != lp.shape:
+        if adv.ndim != 1 or adv.shape[0] != lp.shape[0]:
+            raise ValueError(f"advantages {tuple(adv.shape)} do not match log_probs {tuple(lp.shape)}")
+        adv = adv.view(-1, *([1] * (lp.ndim - 1))).expand_as(lp)
+    ratio = torch.exp(lp - old_log_probs.float().detach())
+    unclipped = -adv * ratio
+    clipped = -adv * torch.clamp(ratio, 1.0 - low, 1.0 + high)
+    policy_loss = torch.maximum(unclipped, clipped).mean()
+    if beta > 0:
+        if kl is None:
+            raise ValueError("beta > 0 needs the per-sample kl term")
+        kl_loss = kl.float().mean()
+    else:
+        kl_loss = torch.zeros((), dtype=torch.float32, device=lp.device)
+    loss = policy_loss + beta * kl_loss
+    metrics = policy_metrics(lp, old_log_probs, ratio, (low, high))
+    metrics["policy_loss"] = policy_loss.detach()
+    metrics["kl_loss"] = kl_loss.detach()
+    return PolicyLoss(loss=loss, policy_loss=policy_loss, kl_loss=kl_loss, ratio=ratio, metrics=metrics)

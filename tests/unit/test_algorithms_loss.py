@@ -1,0 +1,78 @@
+"""Clipped FlowGRPO loss, KL and metrics against float64 references."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megatron_omni.algorithms.loss import flowgrpo_loss, kl_penalty
+
+
+def _ref_loss(lp, old, adv, eps_low, eps_high):
+    lp, old, adv = lp.double(), old.double(), adv.double().view(-1, 1)
+    ratio = torch.exp(lp - old)
+    terms = torch.maximum(-adv * ratio, -adv * ratio.clamp(1 - eps_low, 1 + eps_high))
+    return terms.mean(), ratio
+
+
+@pytest.mark.parametrize("clip", [1e-4, (2e-4, 3e-4), 0.2])
+def test_policy_loss_and_metrics_match_reference(clip) -> None:
+    g = torch.Generator().manual_seed(0)
+    old = -torch.rand(8, 2, generator=g) - 1.0
+    lp = old + 3e-4 * torch.randn(8, 2, generator=g)
+    adv = torch.randn(8, generator=g)
+    low, high = (clip, clip) if isinstance(clip, float) else clip
+    out = flowgrpo_loss(lp, old, adv, clip)
+    ref, ratio = _ref_loss(lp, old, adv, low, high)
+    torch.testing.assert_close(out.loss.double(), ref, rtol=1e-6, atol=1e-9)
+    dlogp = (lp - old).double()
+    torch.testing.assert_close(
+        out.metrics["approx_kl"].double(), 0.5 * (dlogp**2).mean(), rtol=1e-5, atol=1e-12
+    )
+    clipfrac = ((ratio < 1 - low) | (ratio > 1 + high)).double().mean()
+    assert float(out.metrics["clipfrac"]) == pytest.approx(float(clipfrac))
+    assert float(out.metrics["ratio_max"]) == pytest.approx(float(ratio.max()), rel=1e-6)
+    assert float(out.kl_loss) == 0.0
+
+
+def test_ratio_exactly_one_and_gradient_is_minus_advantage_mean() -> None:
+    old = torch.tensor([[-1.3, -0.7], [-2.0, -0.1]])
+    lp = old.clone().requires_grad_(True)
+    adv = torch.tensor([0.5, -2.0])
+    out = flowgrpo_loss(lp, old, adv, 1e-5)
+    assert torch.equal(out.ratio, torch.ones_like(out.ratio))
+    assert float(out.metrics["clipfrac"]) == 0.0 and float(out.metrics["approx_kl"]) == 0.0
+    out.loss.backward()
+    # d/dlp of mean(-A ratio) at ratio 1 is -A / numel
+    torch.testing.assert_close(lp.grad, (-adv.view(-1, 1) / 4).expand(2, 2))
+
+
+def test_clipped_side_has_no_gradient() -> None:
+    old = torch.zeros(1, 1)
+    lp = torch.full((1, 1), 0.1, requires_grad=True)  # ratio 1.105 > 1 + eps
+    out = flowgrpo_loss(lp, old, torch.tensor([1.0]), 0.01)
+    out.loss.backward()
+    assert float(lp.grad.abs().sum()) == 0.0
+    assert float(out.metrics["clipfrac"]) == 1.0
+
+
+def test_kl_term() -> None:
+    g = torch.Generator().manual_seed(1)
+    mean = torch.randn(3, 4, 5, generator=g)
+    ref = mean + 0.1 * torch.randn(3, 4, 5, generator=g)
+    std = torch.tensor([0.5, 1.0, 2.0])
+    kl = kl_penalty(mean, ref, std)
+    expected = ((mean.double() - ref.double()) ** 2).mean(dim=(1, 2)) / (2 * std.double() ** 2)
+    torch.testing.assert_close(kl.double(), expected, rtol=1e-6, atol=1e-9)
+    lp = torch.zeros(3, 1)
+    out = flowgrpo_loss(lp, lp, torch.ones(3), 0.1, beta=0.04, kl=kl)
+    torch.testing.assert_close(out.loss, out.policy_loss + 0.04 * kl.mean())
+    with pytest.raises(ValueError, match="kl"):
+        flowgrpo_loss(lp, lp, torch.ones(3), 0.1, beta=0.04)
+
+
+def test_bad_shapes_raise() -> None:
+    with pytest.raises(ValueError, match="advantages"):
+        flowgrpo_loss(torch.zeros(3, 2), torch.zeros(3, 2), torch.zeros(2), 0.1)
+    with pytest.raises(ValueError, match="clip_range"):
+        flowgrpo_loss(torch.zeros(3, 2), torch.zeros(3, 2), torch.zeros(3), 0.0)
