@@ -1,0 +1,49 @@
+"""Our MMDiT behind diffusers' `QwenImageTransformer2DModel.forward` keyword interface.
+
+Rollout code (and the log-prob recompute it shares with the trainer) calls a velocity model the way
+diffusers' pipeline calls its transformer; this adapter lets the Megatron model stand in. It needs the
+whole model on this rank's pipeline (pp = 1); under context parallelism it runs on this rank's image
+shard and all-gathers the output over the CP group (backward: each rank keeps its own slice, the right
+adjoint when every CP rank computes the same loss on the gathered output).
+"""
+
+from __future__ import annotations
+
+import torch
+from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
+from torch import nn
+
+from megatron_omni.models.dit.model import DiTBatch, MMDiTModel
+
+
+class DiffusersForward(nn.Module):
+    """`forward(hidden_states [b, s, c], encoder_hidden_states [b, l, d], encoder_hidden_states_mask [b, l],
+    timestep [b] (= sigma), img_shapes [[(f, h, w)]] * b, return_dict=False) -> ([b, s, c_out],)`."""
+
+    def __init__(self, model: MMDiTModel) -> None:
+        super().__init__()
+        if not (model.pre_process and model.post_process):
+            raise ValueError("the diffusers interface needs the whole model on one pipeline stage (pp=1)")
+        self.model = model
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        encoder_hidden_states: torch.Tensor,
+        encoder_hidden_states_mask: torch.Tensor | None,
+        timestep: torch.Tensor,
+        img_shapes: list,
+        return_dict: bool = False,
+        **unused,
+    ) -> tuple[torch.Tensor]:
+        grids = {tuple(tuple(g) for g in shapes) for shapes in img_shapes}
+        if len(grids) != 1 or len(next(iter(grids))) != 1:
+            raise ValueError(f"one image grid per batch is supported, got {img_shapes}")
+        grid = tuple(next(iter(grids))[0])
+        out = self.model(DiTBatch(hidden_states, encoder_hidden_states, encoder_hidden_states_mask, timestep, grid))
+        cp = self.model.cp_group
+        if cp.size() > 1:
+            out = gather_from_sequence_parallel_region(
+                out.transpose(0, 1).contiguous(), tensor_parallel_output_grad=False, group=cp
+            ).transpose(0, 1)
+        return (out,)

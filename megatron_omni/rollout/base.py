@@ -1,0 +1,175 @@
+"""What every rollout engine promises: the `RolloutEngine` protocol, its sampling settings and the
+`Trajectory` record the trainer consumes.
+
+A trajectory holds, for N samples (G per prompt) and the W window steps of each, everything needed to
+recompute the log-probs with another model: the prompt embeddings and masks (and the negative ones for
+true CFG), the window latents x_t and x_{t+1}, the rollout log-probs, each sample's sigma grid and window
+start, the per-sample seeds and the decoded images.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, fields, replace
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+
+from megatron_omni.algorithms.sde import SDE_TYPES
+from megatron_omni.algorithms.window import check_window
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to sample one group. `window_start=None` draws it per sample from the sample's seed;
+    `noise_level=0` (or window_size 0) samples the pure ODE and records no transitions."""
+
+    height: int = 64
+    width: int = 64
+    num_steps: int = 10
+    noise_level: float = 1.2
+    sde_type: str = "sde"
+    window_size: int = 2
+    window_range: tuple[int, int] | None = None  # default: [0, num_steps // 2)
+    window_start: int | None = None
+    guidance_scale: float = 1.0
+    negative_prompt: str | None = None
+    max_sequence_length: int = 512
+
+    def __post_init__(self) -> None:
+        if self.sde_type not in SDE_TYPES:
+            raise ValueError(f"unknown sde_type {self.sde_type!r}; expected one of {SDE_TYPES}")
+        if self.height <= 0 or self.width <= 0:
+            raise ValueError(f"height/width must be positive, got {self.height}x{self.width}")
+        if self.num_steps < 1:
+            raise ValueError(f"num_steps must be >= 1, got {self.num_steps}")
+        if self.noise_level < 0:
+            raise ValueError(f"noise_level must be >= 0, got {self.noise_level}")
+        if self.guidance_scale < 1:
+            raise ValueError(f"guidance_scale must be >= 1 (1 = no CFG), got {self.guidance_scale}")
+        if self.guidance_scale > 1 and self.negative_prompt is None:
+            raise ValueError("guidance_scale > 1 (true CFG) needs a negative_prompt (may be ' ')")
+        if not 1 <= self.max_sequence_length <= 1024:
+            raise ValueError(f"max_sequence_length must be in [1, 1024], got {self.max_sequence_length}")
+        if self.stochastic:
+            check_window(self.num_steps, self.window_size, self.resolved_window_range)
+            if self.window_start is not None:
+                lo, hi = self.resolved_window_range
+                if not lo <= self.window_start <= hi - self.window_size:
+                    raise ValueError(f"window_start {self.window_start} outside window_range {(lo, hi)}")
+
+    @property
+    def stochastic(self) -> bool:
+        """True when the rollout records SDE transitions (a window with noise)."""
+        return self.noise_level > 0 and self.window_size > 0
+
+    @property
+    def resolved_window_range(self) -> tuple[int, int]:
+        return self.window_range if self.window_range is not None else (0, max(1, self.num_steps // 2))
+
+    @property
+    def do_cfg(self) -> bool:
+        return self.guidance_scale > 1
+
+    def ode(self) -> SamplingParams:
+        """The same settings without noise (validation sampling)."""
+        return replace(self, noise_level=0.0, window_start=None)
+
+
+@dataclass
+class Trajectory:
+    """N samples' rollout record (W = window steps, S = image tokens, C = packed latent channels,
+    L = text tokens, D = text width, T = sampling steps).
+
+    prompts: N prompts; group_ids [N] long (samples of one prompt share an id); seeds [N] long;
+    prompt_embeds [N, L, D] fp32 + prompt_embeds_mask [N, L] long; negative_* likewise or None;
+    guidance_scale [N] fp32; latents / next_latents [N, W, S, C] fp32 (x_t and x_{t+1} of each window
+    step); log_probs [N, W] fp32; sigmas [N, T + 1] fp32; window_start [N] long; images [N, 3, H, W]
+    fp32 in [0, 1]; img_shape (1, H / 16, W / 16) the transformer's patch grid.
+    """
+
+    prompts: list[str]
+    group_ids: torch.Tensor
+    seeds: torch.Tensor
+    prompt_embeds: torch.Tensor
+    prompt_embeds_mask: torch.Tensor
+    negative_prompt_embeds: torch.Tensor | None
+    negative_prompt_embeds_mask: torch.Tensor | None
+    guidance_scale: torch.Tensor
+    latents: torch.Tensor
+    next_latents: torch.Tensor
+    log_probs: torch.Tensor
+    sigmas: torch.Tensor
+    window_start: torch.Tensor
+    images: torch.Tensor
+    img_shape: tuple[int, int, int]
+    noise_level: float
+    sde_type: str
+
+    def __len__(self) -> int:
+        return len(self.prompts)
+
+    @property
+    def window_size(self) -> int:
+        return self.log_probs.shape[1]
+
+    @property
+    def step_indices(self) -> torch.Tensor:
+        """[N, W] long: the sampling-step index of each recorded transition."""
+        return self.window_start.unsqueeze(1) + torch.arange(self.window_size, dtype=torch.long)
+
+    def select(self, index: torch.Tensor | Sequence[int]) -> Trajectory:
+        """The samples at `index` (a mini-batch), as a new Trajectory."""
+        idx = torch.as_tensor(index, dtype=torch.long)
+        out: dict[str, Any] = {}
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if f.name == "prompts":
+                out[f.name] = [value[i] for i in idx.tolist()]
+            elif isinstance(value, torch.Tensor):
+                out[f.name] = value[idx]
+            else:
+                out[f.name] = value
+        return Trajectory(**out)
+
+
+@dataclass
+class FinishedSample:
+    """One sample as soon as it is done (streamed to the reward client): index into the call's
+    output, its prompt, group id, seed and image [3, H, W] fp32 in [0, 1]."""
+
+    index: int
+    prompt: str
+    group_id: int
+    seed: int
+    image: torch.Tensor
+
+
+@runtime_checkable
+class RolloutEngine(Protocol):
+    """A generator of FlowGRPO trajectories that can receive fresh weights."""
+
+    def generate(
+        self,
+        prompts: Sequence[str],
+        params: SamplingParams,
+        group_size: int = 1,
+        seeds: Sequence[int] | None = None,
+        on_sample: Callable[[FinishedSample], None] | None = None,
+    ) -> Trajectory:
+        """`group_size` samples per prompt (sample k of prompt p at index p * group_size + k) with the
+        given per-sample seeds (default 0..N-1); `on_sample` is called as each sample finishes."""
+        ...
+
+    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> list[str]:
+        """Copy diffusers-named transformer tensors into the engine; returns the names loaded and raises
+        on an unknown name or a shape mismatch."""
+        ...
+
+    def sleep(self) -> None:
+        """Release device memory between rollouts where the engine can (else a no-op)."""
+        ...
+
+    def wake_up(self) -> None:
+        """Undo `sleep`."""
+        ...

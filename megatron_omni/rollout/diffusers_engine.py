@@ -1,0 +1,398 @@
+"""The embedded rollout engine: Qwen-Image components from a diffusers folder, driven by our SDE step.
+
+- Step-wise continuous batching: every denoising step is one transformer forward over the samples that
+  are running; finished samples leave (and are decoded and streamed out) and waiting ones join between
+  steps, so the batch stays full. Samples of different prompts, seeds and steps share a forward.
+- Determinism: each sample owns a `torch.Generator` seeded with its seed; its initial noise, window start
+  and SDE noise come from it in that order, so a sample's result does not depend on what it was batched
+  with (up to float rounding of batched matmuls). The initial noise equals what `QwenImagePipeline` draws
+  for the same seed (`generator=[torch.Generator().manual_seed(s) ...]`).
+- Prompt embeddings are cached by the token ids of the templated prompt (GRPO repeats each prompt G
+  times; the negative prompt is one entry).
+- The velocity model is injectable (any callable with the diffusers transformer's forward keywords), so
+  the trainer can run the same loop with its own model.
+"""
+
+from __future__ import annotations
+
+import os
+from collections import OrderedDict, deque
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+from tqdm import tqdm
+
+from megatron_omni.algorithms.schedule import ShiftConfig, qwen_image_sigmas
+from megatron_omni.algorithms.sde import SdeCoefficients, sde_log_prob, sde_step
+from megatron_omni.algorithms.window import sample_window_start
+from megatron_omni.parallel import platform
+from megatron_omni.rollout.base import FinishedSample, SamplingParams, Trajectory
+from megatron_omni.rollout.velocity import VelocityModel, guided_velocity, pad_text
+
+
+@dataclass
+class _Sample:
+    """A sample's state while it is denoised."""
+
+    index: int
+    prompt: str
+    group_id: int
+    seed: int
+    params: SamplingParams
+    generator: torch.Generator
+    sigmas: torch.Tensor  # [T + 1]
+    levels: torch.Tensor  # [T] noise level per step
+    window_start: int
+    text: torch.Tensor  # [L, D]
+    neg_text: torch.Tensor | None
+    latents: torch.Tensor  # [S, C] fp32
+    img_shape: tuple[int, int, int]
+    step: int = 0
+    rec_latents: list[torch.Tensor] = field(default_factory=list)
+    rec_next: list[torch.Tensor] = field(default_factory=list)
+    rec_log_probs: list[torch.Tensor] = field(default_factory=list)
+    image: torch.Tensor | None = None
+
+    @property
+    def batch_key(self) -> tuple:
+        """Samples that may share a forward: same patch grid and SDE type."""
+        return (self.img_shape, self.params.sde_type)
+
+
+class DiffusersRolloutEngine:
+    """Rollout with diffusers' Qwen-Image components and step-wise continuous batching.
+
+    Args:
+        model_path: a diffusers Qwen-Image folder (loaded offline).
+        max_batch_size: samples per transformer forward (CFG samples add a negative row each).
+        device: where to compute (default: the platform's device).
+        dtype: component dtype (fp32 on CPU; SDE math is fp32 regardless).
+        velocity_model: replaces the diffusers transformer's forward (same keywords).
+        embed_cache_size: prompt embeddings kept (LRU).
+        progress: show a progress bar over finished samples.
+    """
+
+    def __init__(
+        self,
+        model_path: str | os.PathLike,
+        max_batch_size: int = 8,
+        device: torch.device | None = None,
+        dtype: torch.dtype = torch.float32,
+        velocity_model: VelocityModel | None = None,
+        embed_cache_size: int = 4096,
+        progress: bool = False,
+    ) -> None:
+        from diffusers import QwenImagePipeline
+
+        if max_batch_size < 1:
+            raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
+        if not os.path.isdir(model_path):
+            raise FileNotFoundError(f"no diffusers pipeline folder at {model_path}")
+        self.device = device or platform.device()
+        self.dtype = dtype
+        self.pipe = QwenImagePipeline.from_pretrained(model_path, local_files_only=True, dtype=dtype)
+        self.pipe.to(self.device)
+        self.pipe.set_progress_bar_config(disable=True)
+        self.transformer = self.pipe.transformer
+        self.shift = ShiftConfig.from_scheduler_config(self.pipe.scheduler.config)
+        self.velocity_model: VelocityModel = velocity_model or self.transformer
+        self.max_batch_size = max_batch_size
+        self.embed_cache_size = embed_cache_size
+        self.progress = progress
+        self._cache: OrderedDict[tuple[int, ...], torch.Tensor] = OrderedDict()
+        self._asleep = False
+        self.stats = {"forwards": 0, "forward_rows": 0, "cache_hits": 0, "cache_misses": 0}
+
+    # ------------------------------------------------------------------ prompts
+    def _token_ids(self, text: str) -> tuple[int, ...]:
+        pipe = self.pipe
+        drop = pipe.prompt_template_encode_start_idx
+        ids = self.pipe.tokenizer(
+            pipe.prompt_template_encode.format(text), max_length=pipe.tokenizer_max_length + drop, truncation=True
+        ).input_ids
+        if len(ids) <= drop:
+            raise ValueError(f"templated prompt has {len(ids)} tokens, not more than the {drop} dropped")
+        return tuple(ids)
+
+    @torch.no_grad()
+    def encode_prompts(self, prompts: Sequence[str]) -> list[torch.Tensor]:
+        """Text embeddings of each prompt as QwenImagePipeline computes them (template, last hidden
+        state, first `prompt_template_encode_start_idx` tokens dropped): a list of [L_i, D] fp32."""
+        keys = [self._token_ids(p) for p in prompts]
+        missing = list(dict.fromkeys(k for k in keys if k not in self._cache))
+        self.stats["cache_hits"] += len(keys) - len(missing)
+        self.stats["cache_misses"] += len(missing)
+        if missing:
+            drop = self.pipe.prompt_template_encode_start_idx
+            pad_id = self.pipe.tokenizer.pad_token_id
+            length = max(len(k) for k in missing)
+            ids = torch.full((len(missing), length), pad_id, dtype=torch.long)
+            mask = torch.zeros(len(missing), length, dtype=torch.long)
+            for i, k in enumerate(missing):
+                ids[i, : len(k)] = torch.tensor(k)
+                mask[i, : len(k)] = 1
+            out = self.pipe.text_encoder(
+                input_ids=ids.to(self.device), attention_mask=mask.to(self.device), output_hidden_states=True
+            )
+            hidden = out.hidden_states[-1]
+            for i, k in enumerate(missing):
+                self._cache[k] = hidden[i, drop : len(k)].float().clone()
+        result = []
+        for k in keys:
+            self._cache.move_to_end(k)
+            result.append(self._cache[k])
+        while len(self._cache) > self.embed_cache_size:
+            self._cache.popitem(last=False)
+        return result
+
+    # ------------------------------------------------------------------ samples
+    def _img_shape(self, params: SamplingParams) -> tuple[int, int, int]:
+        f = self.pipe.vae_scale_factor * 2
+        if params.height % f or params.width % f:
+            raise ValueError(f"height/width must be multiples of {f}, got {params.height}x{params.width}")
+        return (1, params.height // f, params.width // f)
+
+    def _new_sample(
+        self, index: int, prompt: str, group_id: int, seed: int, params: SamplingParams, text, neg_text
+    ) -> _Sample:
+        img_shape = self._img_shape(params)
+        channels = self.transformer.config.in_channels // 4
+        g = torch.Generator().manual_seed(int(seed))
+        # Same draw as QwenImagePipeline.prepare_latents with a per-sample generator.
+        noise = torch.randn(1, 1, channels, 2 * img_shape[1], 2 * img_shape[2], generator=g)
+        latents = self.pipe._pack_latents(noise, 1, channels, 2 * img_shape[1], 2 * img_shape[2])[0]
+        seq_len = img_shape[1] * img_shape[2]
+        sigmas = qwen_image_sigmas(params.num_steps, seq_len, self.shift)
+        levels = torch.zeros(params.num_steps, dtype=torch.float32)
+        window_start = 0
+        if params.stochastic:
+            window_start = params.window_start
+            if window_start is None:
+                window_start = sample_window_start(
+                    params.num_steps, params.window_size, params.resolved_window_range, g
+                )
+            levels[window_start : window_start + params.window_size] = params.noise_level
+        return _Sample(
+            index=index,
+            prompt=prompt,
+            group_id=group_id,
+            seed=int(seed),
+            params=params,
+            generator=g,
+            sigmas=sigmas.to(self.device),
+            levels=levels,
+            window_start=window_start,
+            text=text[: params.max_sequence_length],
+            neg_text=None if neg_text is None else neg_text[: params.max_sequence_length],
+            latents=latents.to(self.device, torch.float32),
+            img_shape=img_shape,
+        )
+
+    @torch.no_grad()
+    def _denoise_step(self, batch: list[_Sample]) -> None:
+        """One transformer forward and one SDE step for every sample of `batch` (same batch_key)."""
+        dev = self.device
+        # Samples may run grids of different lengths (num_steps), so index each one's own grid.
+        sigma = torch.stack([s.sigmas[s.step] for s in batch])
+        sigma_next = torch.stack([s.sigmas[s.step + 1] for s in batch])
+        sigma_one = torch.stack([s.sigmas[1] if s.sigmas.numel() > 2 else s.sigmas[0] for s in batch])
+        levels = torch.tensor([float(s.levels[s.step]) for s in batch], device=dev)
+        latents = torch.stack([s.latents for s in batch])
+        text, mask = pad_text([s.text for s in batch])
+        guidance = torch.tensor([s.params.guidance_scale for s in batch], device=dev)
+        neg_text = neg_mask = None
+        if any(s.neg_text is not None for s in batch):
+            # rows without CFG get a placeholder that guided_velocity never reads
+            neg_text, neg_mask = pad_text([s.text[:1] if s.neg_text is None else s.neg_text for s in batch])
+        v = guided_velocity(
+            self.velocity_model,
+            latents,
+            sigma,
+            text,
+            mask,
+            batch[0].img_shape,
+            guidance_scale=guidance,
+            negative_embeds=neg_text,
+            negative_mask=neg_mask,
+            dtype=self.dtype,
+        )
+        self.stats["forwards"] += 1
+        self.stats["forward_rows"] += len(batch) + int((guidance > 1).sum())
+        noise = torch.zeros_like(latents)
+        for i, s in enumerate(batch):
+            if levels[i] > 0:
+                noise[i] = torch.randn(latents.shape[1:], generator=s.generator).to(dev)
+        sde_type = batch[0].params.sde_type
+        out = sde_step(
+            latents,
+            v,
+            sigma,
+            sigma_next,
+            levels,
+            sde_type,
+            sigma_after_one=sigma_one,
+            noise=noise,
+            compute_log_prob=False,
+        )
+        rows = torch.nonzero(levels > 0).flatten()
+        if rows.numel():
+            c = out.coeffs
+            sub = SdeCoefficients(mean=c.mean[rows], std=c.std[rows], scale=c.scale[rows])
+            lp = sde_log_prob(out.next_latents[rows], sub, sde_type)
+            for j, r in enumerate(rows.tolist()):
+                batch[r].rec_latents.append(latents[r])
+                batch[r].rec_next.append(out.next_latents[r])
+                batch[r].rec_log_probs.append(lp[j])
+        for i, s in enumerate(batch):
+            s.latents = out.next_latents[i]
+            s.step += 1
+
+    @torch.no_grad()
+    def decode(self, latents: torch.Tensor, height: int, width: int) -> torch.Tensor:
+        """Packed latents [B, S, C] -> images [B, 3, H, W] fp32 in [0, 1] (QwenImagePipeline's decode)."""
+        pipe, vae = self.pipe, self.pipe.vae
+        lat = pipe._unpack_latents(latents, height, width, pipe.vae_scale_factor).to(vae.dtype)
+        z = vae.config.z_dim
+        mean = torch.tensor(vae.config.latents_mean).view(1, z, 1, 1, 1).to(lat.device, lat.dtype)
+        inv_std = 1.0 / torch.tensor(vae.config.latents_std).view(1, z, 1, 1, 1).to(lat.device, lat.dtype)
+        lat = lat / inv_std + mean
+        image = vae.decode(lat, return_dict=False)[0][:, :, 0]
+        return pipe.image_processor.postprocess(image, output_type="pt").float()
+
+    def _finish(self, done: list[_Sample]) -> None:
+        by_size: dict[tuple[int, int], list[_Sample]] = {}
+        for s in done:
+            by_size.setdefault((s.params.height, s.params.width), []).append(s)
+        for (h, w), group in by_size.items():
+            images = self.decode(torch.stack([s.latents for s in group]), h, w)
+            for s, img in zip(group, images):
+                s.image = img
+
+    def run(self, samples: Iterable[_Sample], on_finish: Callable[[_Sample], None] | None = None) -> list[_Sample]:
+        """Denoise samples with step-wise continuous batching; returns them in completion order.
+
+        Between two steps, finished samples leave (decoded, `on_finish` called) and waiting ones join, up
+        to `max_batch_size`; the batch is formed from samples sharing the oldest running sample's key.
+        """
+        if self._asleep:
+            raise RuntimeError("engine is asleep; call wake_up() first")
+        pending = deque(samples)
+        running: list[_Sample] = []
+        finished: list[_Sample] = []
+        while pending or running:
+            key = running[0].batch_key if running else pending[0].batch_key
+            waiting: deque[_Sample] = deque()
+            while pending and len(running) < self.max_batch_size:
+                s = pending.popleft()
+                (running if s.batch_key == key else waiting).append(s)
+            pending = waiting + pending
+            self._denoise_step(running)
+            done = [s for s in running if s.step == s.params.num_steps]
+            if done:
+                running = [s for s in running if s.step < s.params.num_steps]
+                self._finish(done)
+                for s in done:
+                    finished.append(s)
+                    if on_finish is not None:
+                        on_finish(s)
+        return finished
+
+    # ------------------------------------------------------------------ the protocol
+    def generate(
+        self,
+        prompts: Sequence[str],
+        params: SamplingParams,
+        group_size: int = 1,
+        seeds: Sequence[int] | None = None,
+        on_sample: Callable[[FinishedSample], None] | None = None,
+    ) -> Trajectory:
+        """`group_size` samples of each prompt; sample k of prompt p is row p * group_size + k, with
+        seed `seeds[row]` (default: the row number). See `RolloutEngine.generate`."""
+        if not prompts:
+            raise ValueError("no prompts")
+        if group_size < 1:
+            raise ValueError(f"group_size must be >= 1, got {group_size}")
+        n = len(prompts) * group_size
+        seeds = list(range(n)) if seeds is None else [int(s) for s in seeds]
+        if len(seeds) != n:
+            raise ValueError(f"{len(seeds)} seeds for {n} samples")
+        texts = self.encode_prompts(list(prompts))
+        neg_text = self.encode_prompts([params.negative_prompt])[0] if params.do_cfg else None
+        samples = [
+            self._new_sample(p * group_size + k, prompts[p], p, seeds[p * group_size + k], params, texts[p], neg_text)
+            for p in range(len(prompts))
+            for k in range(group_size)
+        ]
+        bar = tqdm(total=n, desc="rollout", disable=not self.progress, leave=False)
+
+        def _done(s: _Sample) -> None:
+            bar.update(1)
+            if on_sample is not None:
+                on_sample(FinishedSample(s.index, s.prompt, s.group_id, s.seed, s.image))
+
+        try:
+            finished = self.run(samples, _done)
+        finally:
+            bar.close()
+        return self._to_trajectory(sorted(finished, key=lambda s: s.index), params)
+
+    def _to_trajectory(self, samples: list[_Sample], params: SamplingParams) -> Trajectory:
+        w = len(samples[0].rec_log_probs)
+        if any(len(s.rec_log_probs) != w for s in samples):
+            raise RuntimeError("samples recorded different numbers of window steps")
+        text, mask = pad_text([s.text for s in samples])
+        neg_text = neg_mask = None
+        if params.do_cfg:
+            neg_text, neg_mask = pad_text([s.neg_text for s in samples])
+        s0 = samples[0]
+        empty = s0.latents.new_zeros(0, *s0.latents.shape)
+
+        def _stack(items: list[torch.Tensor], like: torch.Tensor) -> torch.Tensor:
+            return torch.stack(items) if items else like
+
+        return Trajectory(
+            prompts=[s.prompt for s in samples],
+            group_ids=torch.tensor([s.group_id for s in samples], dtype=torch.long),
+            seeds=torch.tensor([s.seed for s in samples], dtype=torch.long),
+            prompt_embeds=text,
+            prompt_embeds_mask=mask,
+            negative_prompt_embeds=neg_text,
+            negative_prompt_embeds_mask=neg_mask,
+            guidance_scale=torch.tensor([s.params.guidance_scale for s in samples], dtype=torch.float32),
+            latents=torch.stack([_stack(s.rec_latents, empty) for s in samples]),
+            next_latents=torch.stack([_stack(s.rec_next, empty) for s in samples]),
+            log_probs=torch.stack([_stack(s.rec_log_probs, s0.latents.new_zeros(0)) for s in samples]),
+            sigmas=torch.stack([s.sigmas for s in samples]),
+            window_start=torch.tensor([s.window_start for s in samples], dtype=torch.long),
+            images=torch.stack([s.image for s in samples]),
+            img_shape=s0.img_shape,
+            noise_level=params.noise_level if params.stochastic else 0.0,
+            sde_type=params.sde_type,
+        )
+
+    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> list[str]:
+        """Copy diffusers-named transformer tensors (with or without the `transformer.` prefix) into the
+        engine's transformer in place. Raises KeyError on an unknown name, ValueError on a shape mismatch
+        (nothing is skipped silently). Returns the names loaded."""
+        params = dict(self.transformer.named_parameters())
+        params.update(dict(self.transformer.named_buffers()))
+        loaded = []
+        with torch.no_grad():
+            for name, tensor in named_tensors:
+                key = name.removeprefix("transformer.")
+                if key not in params:
+                    raise KeyError(f"unknown transformer weight {name!r}")
+                target = params[key]
+                if tuple(target.shape) != tuple(tensor.shape):
+                    raise ValueError(f"{name}: shape {tuple(tensor.shape)} != engine's {tuple(target.shape)}")
+                target.copy_(tensor.to(device=target.device, dtype=target.dtype))
+                loaded.append(key)
+        return loaded
+
+    def sleep(self) -> None:
+        """Nothing to release in the embedded engine; generate() refuses to run until wake_up()."""
+        self._asleep = True
+
+    def wake_up(self) -> None:
+        self._asleep = False

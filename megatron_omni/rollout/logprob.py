@@ -1,0 +1,86 @@
+"""Recompute a trajectory's log-probs with any velocity model (the trainer's side of the consistency
+check): same guided-velocity code and same SDE step as the rollout, on the stored latents."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from megatron_omni.algorithms.sde import sde_step
+from megatron_omni.rollout.base import Trajectory
+from megatron_omni.rollout.velocity import VelocityModel, guided_velocity
+
+
+@dataclass
+class Recomputed:
+    """log_probs [N, W] fp32; means [N, W, S, C] (when requested) and std [N, W] for the KL term."""
+
+    log_probs: torch.Tensor
+    std: torch.Tensor
+    means: torch.Tensor | None
+
+
+def recompute_log_probs(
+    traj: Trajectory,
+    model: VelocityModel,
+    batch_size: int | None = None,
+    dtype: torch.dtype = torch.float32,
+    return_means: bool = False,
+) -> Recomputed:
+    """Log-probs of every recorded transition of `traj` under `model`.
+
+    Args:
+        traj: a rollout record with W >= 1 window steps.
+        model: velocity model (diffusers' transformer forward interface).
+        batch_size: samples per forward (default: all N).
+        dtype: the model's compute dtype.
+        return_means: also return the transition means (for the KL term).
+
+    Returns:
+        Recomputed with log_probs [N, W].
+    """
+    n, w = traj.log_probs.shape
+    if w == 0:
+        raise ValueError("trajectory has no window steps (an ODE rollout records no transitions)")
+    bs = batch_size or n
+    device = traj.latents.device
+    steps = traj.step_indices.to(device)
+    log_probs = torch.empty(n, w, dtype=torch.float32, device=device)
+    stds = torch.empty(n, w, dtype=torch.float32, device=device)
+    means = torch.empty_like(traj.latents) if return_means else None
+    for j in range(w):
+        for lo in range(0, n, bs):
+            rows = slice(lo, min(n, lo + bs))
+            idx = steps[rows, j]
+            sig = traj.sigmas[rows]
+            sigma = sig.gather(1, idx[:, None]).squeeze(1)
+            sigma_next = sig.gather(1, (idx + 1)[:, None]).squeeze(1)
+            neg = traj.negative_prompt_embeds
+            v = guided_velocity(
+                model,
+                traj.latents[rows, j],
+                sigma,
+                traj.prompt_embeds[rows],
+                traj.prompt_embeds_mask[rows],
+                traj.img_shape,
+                guidance_scale=traj.guidance_scale[rows],
+                negative_embeds=None if neg is None else neg[rows],
+                negative_mask=None if neg is None else traj.negative_prompt_embeds_mask[rows],
+                dtype=dtype,
+            )
+            out = sde_step(
+                traj.latents[rows, j],
+                v,
+                sigma,
+                sigma_next,
+                traj.noise_level,
+                traj.sde_type,
+                sigma_after_one=sig[:, 1],
+                next_latents=traj.next_latents[rows, j],
+            )
+            log_probs[rows, j] = out.log_prob
+            stds[rows, j] = out.coeffs.std
+            if means is not None:
+                means[rows, j] = out.coeffs.mean
+    return Recomputed(log_probs=log_probs, std=stds, means=means)

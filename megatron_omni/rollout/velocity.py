@@ -1,0 +1,124 @@
+"""The guided velocity of a batch, shared by rollout and log-prob recompute so both run the same code.
+
+A velocity model is any callable with the keyword interface of diffusers' `QwenImageTransformer2DModel.
+forward` (hidden_states, encoder_hidden_states, encoder_hidden_states_mask, timestep, img_shapes,
+return_dict=False) returning a tuple whose first item is [B, S, C_out * p^2]: the diffusers transformer
+itself, or the trainer's Megatron model behind an adapter.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from megatron_omni.algorithms.cfg import true_cfg
+from megatron_omni.algorithms.schedule import model_timesteps
+
+VelocityModel = Callable[..., Any]
+
+
+def pad_text(embeds: Sequence[torch.Tensor], length: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Right-pad per-sample text embeddings.
+
+    Args:
+        embeds: B tensors [L_i, D].
+        length: pad to this length (>= max L_i); default max L_i.
+
+    Returns:
+        ([B, L, D] embeddings with zero padding, [B, L] long mask with 1 on real tokens).
+    """
+    if not embeds:
+        raise ValueError("no embeddings to pad")
+    max_len = max(e.shape[0] for e in embeds)
+    length = max_len if length is None else length
+    if length < max_len:
+        raise ValueError(f"pad length {length} shorter than the longest text {max_len}")
+    width = embeds[0].shape[1]
+    out = embeds[0].new_zeros(len(embeds), length, width)
+    mask = torch.zeros(len(embeds), length, dtype=torch.long, device=embeds[0].device)
+    for i, e in enumerate(embeds):
+        out[i, : e.shape[0]] = e
+        mask[i, : e.shape[0]] = 1
+    return out, mask
+
+
+def _forward(model: VelocityModel, latents, text, mask, sigma, img_shape, dtype) -> torch.Tensor:
+    out = model(
+        hidden_states=latents.to(dtype),
+        encoder_hidden_states=text.to(dtype),
+        encoder_hidden_states_mask=mask,
+        timestep=model_timesteps(sigma).to(dtype),
+        img_shapes=[[tuple(img_shape)]] * latents.shape[0],
+        return_dict=False,
+    )
+    v = out[0] if isinstance(out, tuple | list) else out
+    if v.shape != latents.shape:
+        raise ValueError(f"velocity model returned {tuple(v.shape)} for latents {tuple(latents.shape)}")
+    return v.float()
+
+
+def guided_velocity(
+    model: VelocityModel,
+    latents: torch.Tensor,
+    sigma: torch.Tensor,
+    prompt_embeds: torch.Tensor,
+    prompt_mask: torch.Tensor,
+    img_shape: tuple[int, int, int],
+    guidance_scale: torch.Tensor | None = None,
+    negative_embeds: torch.Tensor | None = None,
+    negative_mask: torch.Tensor | None = None,
+    dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
+    """Velocity of each row, with true CFG on the rows whose guidance scale is > 1.
+
+    The conditional rows and the negative rows of the CFG samples run in ONE forward (text padded to a
+    common length; masked padding does not change the result beyond float rounding).
+
+    Args:
+        model: the velocity model.
+        latents: [B, S, C] packed latents x_t (fp32).
+        sigma: [B] each row's current sigma.
+        prompt_embeds, prompt_mask: [B, L, D], [B, L].
+        img_shape: (1, h, w) patch grid shared by the batch.
+        guidance_scale: [B] (None: no CFG anywhere).
+        negative_embeds, negative_mask: [B, Ln, D], [B, Ln]; rows without CFG are ignored.
+        dtype: the model's compute dtype.
+
+    Returns:
+        [B, S, C] float32 velocity.
+    """
+    b = latents.shape[0]
+    cfg_rows = (
+        torch.nonzero(guidance_scale > 1).flatten() if guidance_scale is not None else torch.zeros(0, dtype=torch.long)
+    )
+    if cfg_rows.numel() == 0:
+        return _forward(model, latents, prompt_embeds, prompt_mask, sigma, img_shape, dtype)
+    if negative_embeds is None or negative_mask is None:
+        raise ValueError("guidance_scale > 1 needs negative prompt embeddings")
+    length = max(prompt_embeds.shape[1], negative_embeds.shape[1])
+
+    def _pad(t: torch.Tensor, m: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        extra = length - t.shape[1]
+        if extra == 0:
+            return t, m
+        return (
+            torch.cat([t, t.new_zeros(t.shape[0], extra, t.shape[2])], dim=1),
+            torch.cat([m, m.new_zeros(m.shape[0], extra)], dim=1),
+        )
+
+    pos_t, pos_m = _pad(prompt_embeds, prompt_mask)
+    neg_t, neg_m = _pad(negative_embeds[cfg_rows], negative_mask[cfg_rows])
+    v_all = _forward(
+        model,
+        torch.cat([latents, latents[cfg_rows]]),
+        torch.cat([pos_t, neg_t]),
+        torch.cat([pos_m, neg_m]),
+        torch.cat([sigma, sigma[cfg_rows]]),
+        img_shape,
+        dtype,
+    )
+    v = v_all[:b].clone()
+    v[cfg_rows] = true_cfg(v_all[cfg_rows], v_all[b:], guidance_scale[cfg_rows])
+    return v
