@@ -239,7 +239,8 @@ def test_killed_server_fails_client_within_timeout_and_restart_is_used() -> None
             # A restart that completes within the client's timeout is bridged by the retries.
             client.submit(0, img, "", {"sleep": 0.0})
             srv3 = RewardServerProcess(SLOW, workers=1, port=srv.port)
-            client_wait = RewardClient(srv.url, timeout_s=60.0, backoff_s=0.05, max_backoff_s=0.5)
+            # Generous: a cold start imports torch and the scorer, slow on a loaded 2-core machine.
+            client_wait = RewardClient(srv.url, timeout_s=240.0, backoff_s=0.05, max_backoff_s=0.5)
             client_wait.submit(0, img, "", {"sleep": 0.0})
             with pytest.raises(RewardServiceError):
                 client.gather()  # 3 s is less than a cold start on this machine
@@ -274,4 +275,4 @@ def test_unbuildable_scorer_fails_start_with_its_reason() -> None:
     with pytest.raises(
         RewardServiceError, match=r"(?s)exited with 1 during start-up.*unknown scorer 'no_such'"
     ):
-        RewardServerProcess("no_such", startup_timeout_s=60).start()
+        RewardServerProcess("no_such", startup_timeout_s=240).start()
