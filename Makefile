@@ -22,8 +22,10 @@ $(STAMP): pyproject.toml
 
 install: $(STAMP)
 
+# The embedded default: environment check, then FlowGRPO on the tiny offline Qwen-Image pipeline (CPU).
 demo: install
-	HF_HUB_OFFLINE=1 $(PY) -m megatron_omni.demo
+	HF_HUB_OFFLINE=1 $(PY) tools/env_check.py
+	HF_HUB_OFFLINE=1 $(PY) -m megatron_omni.train --recipe examples.tiny.recipe:jpeg_demo $(DEMO_ARGS)
 
 test: install
 	@start=$$(date +%s); \

@@ -113,9 +113,18 @@ def build_parallel_groups(layout: ParallelLayout) -> ParallelGroups:
         dp_cp=pgs["dp_cp"],
         tp_dp_cp=pgs["tp_dp_cp"],
         intra_dp_cp=pgs["dp_cp"],
-        # The DiT has no tied or position embeddings shared across pipeline stages.
+        # The DiT has no tied or position embeddings shared across pipeline stages, and no experts; the
+        # optimizer and DDP still ask for these groups by name.
         embd=None,
         pos_embd=None,
+        ep=None,
+        expt_tp=None,
+        tp_ep=None,
+        tp_ep_pp=None,
+        expt_dp=None,
+        intra_expt_dp=None,
+        inter_dist_opt=None,
+        intra_dist_opt=None,
     )
     rank_lists = {}
     for name, dims in _GROUP_DIMS.items():

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import sys
 import types
 from collections.abc import Callable
 from typing import Any
@@ -183,6 +184,37 @@ def _rebind_device_literal(fn: Callable) -> Callable:
     return new_fn
 
 
+def _cpu_clip_grad_by_total_norm_fp32(
+    parameters: Any, max_norm: float, total_norm: float, use_decoupled_grad: bool = False
+) -> None:
+    """Megatron-Core's `clip_grad_by_total_norm_fp32` without its CUDA-only type assertion."""
+    if isinstance(parameters, torch.Tensor):
+        parameters = [parameters]
+    attr = "decoupled_grad" if use_decoupled_grad else "grad"
+    grads = [getattr(p, attr).detach() for p in parameters if getattr(p, attr, None) is not None]
+    clip_coeff = max_norm / (total_norm + 1.0e-6)
+    if clip_coeff < 1.0 and grads:
+        torch._foreach_mul_(grads, clip_coeff)
+
+
+def _rebind_module(module: types.ModuleType) -> None:
+    """Rebind every function and method defined in `module` (see `_rebind_device_literal`)."""
+    for name, obj in list(vars(module).items()):
+        if isinstance(obj, types.FunctionType) and obj.__module__ == module.__name__:
+            if not hasattr(obj, "__wrapped__"):
+                new = _rebind_device_literal(obj)
+                setattr(module, name, new)
+                # Names imported elsewhere (e.g. `from .clip_grads import clip_grad_by_total_norm_fp32`).
+                for other in (sys.modules.get("megatron.core.optimizer"), sys.modules.get(
+                        "megatron.core.optimizer.optimizer")):
+                    if other is not None and getattr(other, name, None) is obj:
+                        setattr(other, name, new)
+        elif isinstance(obj, type) and obj.__module__ == module.__name__:
+            for attr, fn in list(vars(obj).items()):
+                if isinstance(fn, types.FunctionType) and not hasattr(fn, "__wrapped__"):
+                    setattr(obj, attr, _rebind_device_literal(fn))
+
+
 class _TorchCpuProxy(types.ModuleType):
     """Looks like `torch`; tensor factories called with device="cuda" create CPU tensors instead."""
 
@@ -235,6 +267,28 @@ def apply_cpu_shims() -> None:
             fn = getattr(module, name, None)
             if fn is not None and not hasattr(fn, "__wrapped__"):
                 setattr(module, name, _rebind_device_literal(fn))
+    # The optimizer and grad clipping allocate their scalars with device="cuda" throughout.
+    from megatron.core.optimizer import clip_grads
+    from megatron.core.optimizer import optimizer as mcore_optimizer
+
+    from megatron.core import utils as mcore_utils
+
+    # First the helpers they call by module-global name, then the modules (rebinding copies their globals).
+    original = mcore_utils.local_multi_tensor_l2_norm
+    if not hasattr(original, "__wrapped__"):
+        rebound = _rebind_device_literal(original)
+        mcore_utils.local_multi_tensor_l2_norm = rebound
+        for module in (clip_grads, mcore_optimizer):
+            if getattr(module, "l2_norm_impl", None) is original:
+                module.l2_norm_impl = rebound
+    # Its grad-type assertion names the CUDA tensor type; same clipping, any device.
+    original_clip = clip_grads.clip_grad_by_total_norm_fp32
+    _cpu_clip_grad_by_total_norm_fp32.__wrapped__ = original_clip
+    for module in (clip_grads, mcore_optimizer):
+        if getattr(module, "clip_grad_by_total_norm_fp32", None) is original_clip:
+            module.clip_grad_by_total_norm_fp32 = _cpu_clip_grad_by_total_norm_fp32
+    for module in (clip_grads, mcore_optimizer):
+        _rebind_module(module)
     # fused_softmax imports the mask helpers by name.
     for name in ("get_default_causal_mask", "get_sliding_window_causal_mask"):
         if hasattr(fused_softmax, name):

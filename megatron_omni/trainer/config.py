@@ -1,0 +1,214 @@
+"""The job configuration: typed dataclasses under one root (`JobConfig`), recipes as Python functions that
+return one, and `--set a.b=value` overrides that are type-checked (an unknown field or a value of the wrong
+type is an error naming the field, raised before any work starts)."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import json
+import types
+import typing
+from dataclasses import dataclass, field
+from typing import Any
+
+
+class ConfigError(ValueError):
+    """A configuration that cannot run; the message names the field."""
+
+
+@dataclass
+class ModelConfig:
+    pipeline: str = "tiny"  # a diffusers Qwen-Image folder, or "tiny": built offline into the run folder
+    tiny_seed: int = 0
+    backend: str = "local"  # layer spec: "local" | "te"
+    recompute: str | None = None  # None | "full" | "selective"
+
+
+@dataclass
+class ParallelConfig:
+    tp: int = 1
+    ulysses: int = 1
+    ring: int = 1
+    pp: int = 1
+
+
+@dataclass
+class RolloutConfig:
+    height: int = 64
+    width: int = 64
+    num_steps: int = 6
+    noise_level: float = 1.2
+    sde_type: str = "sde"
+    window_size: int = 2
+    window_range: list[int] | None = None  # [lo, hi): default [0, num_steps // 2)
+    guidance_scale: float = 1.0
+    negative_prompt: str | None = None
+    prompts_per_step: int = 4
+    group_size: int = 4
+    max_batch_size: int = 16
+
+
+@dataclass
+class RewardConfig:
+    scorer: str = "jpeg_compressibility"
+    url: str | None = None  # a running reward server; None scores in this process
+    timeout_s: float = 120.0
+
+
+@dataclass
+class AlgorithmConfig:
+    clip_range: float = 1e-4
+    adv_clip: float = 5.0
+    std_mode: str = "global"  # "global" | "group"
+    beta: float = 0.0
+    old_logprob: str = "recompute"  # "recompute" (trainer's model) | "bypass" (the rollout's)
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 1e-4
+    weight_decay: float = 1e-4
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    adam_eps: float = 1e-8
+    clip_grad: float = 1.0
+    mini_batches: int = 2
+    warmup_steps: int = 0
+    max_bad_steps: int = 3  # NaN/inf loss or grads in a row before the run stops
+
+
+@dataclass
+class CheckpointConfig:
+    every: int = 0  # steps between checkpoints; 0 = only at the end
+    keep: int = 2
+    resume: str | None = None  # None | "auto" | a checkpoint folder
+
+
+@dataclass
+class LoggingConfig:
+    tensorboard: bool = True
+    wandb: bool = False
+    wandb_project: str = "megatron-omni"
+    image_every: int = 5  # steps between sample grids; 0 = only the last step
+
+
+@dataclass
+class JobConfig:
+    run_dir: str = "runs/demo"
+    steps: int = 10
+    seed: int = 0
+    prompts: list[str] = field(default_factory=lambda: ["a photo of a cat", "a red cube", "a city at night",
+                                                        "a bowl of fruit"])
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+
+    def validate(self, world_size: int) -> None:
+        """Check values and the layout against the world size; raises ConfigError naming the field."""
+        from megatron_omni.parallel.layout import LayoutError, ParallelLayout
+
+        checks = [
+            (self.steps >= 1, "steps", "must be >= 1"),
+            (self.rollout.group_size >= 2, "rollout.group_size", "must be >= 2 (group-relative advantages)"),
+            (self.rollout.prompts_per_step >= 1, "rollout.prompts_per_step", "must be >= 1"),
+            (self.optim.mini_batches >= 1, "optim.mini_batches", "must be >= 1"),
+            (self.model.recompute in (None, "full", "selective"), "model.recompute", "must be full|selective"),
+            (self.algorithm.old_logprob in ("recompute", "bypass"), "algorithm.old_logprob",
+             "must be recompute|bypass"),
+            (self.algorithm.std_mode in ("global", "group"), "algorithm.std_mode", "must be global|group"),
+            (self.parallel.pp == 1, "parallel.pp", "pipeline parallel training is not wired into the trainer yet"),
+            (len(self.prompts) >= 1, "prompts", "needs at least one prompt"),
+        ]
+        for ok, name, why in checks:
+            if not ok:
+                raise ConfigError(f"{name}={_get(self, name)!r} {why}")
+        n = self.rollout.prompts_per_step * self.rollout.group_size
+        if n % self.optim.mini_batches:
+            raise ConfigError(f"optim.mini_batches={self.optim.mini_batches} does not divide the {n} samples per step")
+        p = self.parallel
+        try:
+            ParallelLayout(tp=p.tp, ulysses=p.ulysses, ring=p.ring, pp=p.pp).resolve(world_size)
+        except LayoutError as exc:
+            raise ConfigError(f"parallel: {exc}") from exc
+
+
+def _get(cfg: Any, dotted: str) -> Any:
+    for part in dotted.split("."):
+        cfg = getattr(cfg, part)
+    return cfg
+
+
+def _convert(value: str, typ: Any, name: str) -> Any:
+    """Parse the text of an override into `typ` (JSON for lists, 'none' for None)."""
+    origin = typing.get_origin(typ)
+    if origin in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(typ) if a is not type(None)]
+        if value.lower() in ("none", "null"):
+            return None
+        return _convert(value, args[0], name)
+    try:
+        if typ is bool:
+            if value.lower() not in ("true", "false", "1", "0"):
+                raise ValueError(value)
+            return value.lower() in ("true", "1")
+        if typ is int:
+            return int(value)
+        if typ is float:
+            return float(value)
+        if typ is str:
+            return value
+        if origin is list:
+            parsed = json.loads(value)
+            (item,) = typing.get_args(typ)
+            if not isinstance(parsed, list) or not all(isinstance(x, item) for x in parsed):
+                raise ValueError(value)
+            return parsed
+    except (ValueError, json.JSONDecodeError):
+        raise ConfigError(f"--set {name}={value!r}: not a valid {getattr(typ, '__name__', typ)}") from None
+    raise ConfigError(f"--set {name}: fields of type {typ} cannot be overridden")
+
+
+def apply_overrides(cfg: JobConfig, overrides: list[str]) -> JobConfig:
+    """Apply `a.b=value` strings in place and return `cfg`; unknown fields and bad values raise ConfigError."""
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"--set {item!r}: expected a.b=value")
+        name, value = item.split("=", 1)
+        parts = name.strip().split(".")
+        target: Any = cfg
+        for part in parts[:-1]:
+            if not dataclasses.is_dataclass(target) or part not in {f.name for f in dataclasses.fields(target)}:
+                raise ConfigError(f"--set {name}: unknown field {part!r}")
+            target = getattr(target, part)
+        fields = {f.name: f for f in dataclasses.fields(target)} if dataclasses.is_dataclass(target) else {}
+        if parts[-1] not in fields:
+            raise ConfigError(f"--set {name}: unknown field {parts[-1]!r}; known: {sorted(fields)}")
+        hints = typing.get_type_hints(type(target))
+        setattr(target, parts[-1], _convert(value, hints[parts[-1]], name))
+    return cfg
+
+
+def load_recipe(spec: str) -> JobConfig:
+    """`module:function` -> the JobConfig the function returns."""
+    if ":" not in spec:
+        raise ConfigError(f"--recipe {spec!r}: expected MODULE:FUNCTION")
+    mod_name, fn_name = spec.split(":", 1)
+    try:
+        fn = getattr(importlib.import_module(mod_name), fn_name)
+    except (ImportError, AttributeError) as exc:
+        raise ConfigError(f"--recipe {spec!r}: {exc}") from exc
+    cfg = fn()
+    if not isinstance(cfg, JobConfig):
+        raise ConfigError(f"--recipe {spec!r} returned {type(cfg).__name__}, not a JobConfig")
+    return cfg
+
+
+def to_dict(cfg: JobConfig) -> dict[str, Any]:
+    """The resolved config as plain data (saved with each run)."""
+    return dataclasses.asdict(cfg)

@@ -1,0 +1,99 @@
+"""Metrics sinks (JSONL, TensorBoard, wandb offline unless configured) and the pictures people look at:
+sample grids with prompts and rewards, and the reward curve as PNG. Only rank 0 writes."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+
+class MetricsWriter:
+    """Writes one record per step to `metrics.jsonl` (appending: resumed runs continue the file)."""
+
+    def __init__(self, run_dir: Path, tensorboard: bool, use_wandb: bool, project: str, config: dict) -> None:
+        self.run_dir = run_dir
+        self.path = run_dir / "metrics.jsonl"
+        self.tb = None
+        self.wandb = None
+        if tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.tb = SummaryWriter(str(run_dir / "tensorboard"))
+        if use_wandb:
+            import wandb
+
+            os.environ.setdefault("WANDB_MODE", "offline")
+            self.wandb = wandb.init(project=project, dir=str(run_dir), config=config, reinit=True)
+
+    def log(self, step: int, metrics: dict[str, float]) -> None:
+        with open(self.path, "a") as f:
+            f.write(json.dumps({"step": step, **metrics}) + "\n")
+        if self.tb is not None:
+            for k, v in metrics.items():
+                self.tb.add_scalar(k, v, step)
+            self.tb.flush()
+        if self.wandb is not None:
+            self.wandb.log(metrics, step=step)
+
+    def close(self) -> None:
+        if self.tb is not None:
+            self.tb.close()
+        if self.wandb is not None:
+            self.wandb.finish()
+
+
+def read_history(path: Path) -> list[dict[str, Any]]:
+    """The records of a metrics.jsonl (empty when absent)."""
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def save_image_grid(images: torch.Tensor, captions: list[str], path: Path, columns: int = 4) -> None:
+    """images [N, 3, H, W] in [0, 1] with one caption each -> a captioned PNG grid (atomic write)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    n = images.shape[0]
+    rows = (n + columns - 1) // columns
+    fig, axes = plt.subplots(rows, columns, figsize=(2.4 * columns, 2.7 * rows), squeeze=False)
+    for i, ax in enumerate(axes.flat):
+        ax.axis("off")
+        if i < n:
+            ax.imshow(images[i].clamp(0, 1).permute(1, 2, 0).cpu().numpy())
+            ax.set_title(captions[i], fontsize=7)
+    fig.tight_layout()
+    tmp = path.with_suffix(".tmp.png")
+    fig.savefig(tmp, dpi=100)
+    plt.close(fig)
+    os.replace(tmp, path)
+
+
+def save_reward_curve(history: list[dict[str, Any]], path: Path) -> None:
+    """Mean reward (with +-std band) per step -> PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    steps = [h["step"] for h in history]
+    mean = [h["reward_mean"] for h in history]
+    std = [h["reward_std"] for h in history]
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    ax.plot(steps, mean, marker="o", label="reward mean")
+    ax.fill_between(steps, [m - s for m, s in zip(mean, std)], [m + s for m, s in zip(mean, std)], alpha=0.2,
+                    label="+- std")
+    ax.set_xlabel("RL step")
+    ax.set_ylabel("reward")
+    ax.legend()
+    fig.tight_layout()
+    tmp = path.with_suffix(".tmp.png")
+    fig.savefig(tmp, dpi=100)
+    plt.close(fig)
+    os.replace(tmp, path)

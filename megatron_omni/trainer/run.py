@@ -1,0 +1,110 @@
+"""The training run: set-up, the step loop with a progress bar, checkpoints, metrics and pictures."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from tqdm import tqdm
+
+from megatron_omni.parallel import ParallelLayout, build_parallel_groups
+from megatron_omni.trainer.checkpointing import (
+    latest_checkpoint,
+    load_checkpoint,
+    rng_state,
+    save_checkpoint,
+    set_rng_state,
+)
+from megatron_omni.trainer.config import JobConfig, to_dict
+from megatron_omni.trainer.flowgrpo import FlowGRPOTrainer
+from megatron_omni.trainer.metrics import MetricsWriter, read_history, save_image_grid, save_reward_curve
+from megatron_omni.trainer.rewards import RewardFunction
+
+SHOWN = ("reward_mean", "clipfrac", "approx_kl", "grad_norm", "images_per_s")
+
+
+def prepare_pipeline(cfg: JobConfig, run_dir: Path) -> Path:
+    """The diffusers pipeline folder to train; "tiny" builds the offline tiny pipeline (rank 0, once)."""
+    if cfg.model.pipeline != "tiny":
+        path = Path(cfg.model.pipeline)
+        if not (path / "model_index.json").exists():
+            raise FileNotFoundError(f"model.pipeline={cfg.model.pipeline!r} is not a diffusers pipeline folder")
+        return path
+    path = run_dir / "pipeline"
+    if dist.get_rank() == 0 and not path.exists():
+        from tools.make_tiny_pipeline import make_tiny_pipeline
+
+        make_tiny_pipeline(path, seed=cfg.model.tiny_seed)
+    dist.barrier()
+    return path
+
+
+def run(cfg: JobConfig) -> dict:
+    """Train for `cfg.steps` RL steps (resuming if asked); returns a summary. Collective over all ranks."""
+    rank = dist.get_rank()
+    run_dir = Path(cfg.run_dir)
+    if rank == 0:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "samples").mkdir(exist_ok=True)
+        tmp = run_dir / "config.json.tmp"
+        tmp.write_text(json.dumps(to_dict(cfg), indent=2))
+        os.replace(tmp, run_dir / "config.json")
+    dist.barrier()
+    p = cfg.parallel
+    groups = build_parallel_groups(ParallelLayout(tp=p.tp, ulysses=p.ulysses, ring=p.ring, pp=p.pp))
+    pipeline = prepare_pipeline(cfg, run_dir)
+    reward_fn = RewardFunction(cfg.reward.scorer, cfg.reward.url, cfg.reward.timeout_s)
+    trainer = FlowGRPOTrainer(cfg, groups, pipeline, reward_fn)
+
+    start = 0
+    resume = cfg.checkpoint.resume
+    folder = latest_checkpoint(run_dir) if resume == "auto" else (Path(resume) if resume else None)
+    if folder is not None:
+        state = load_checkpoint(folder)
+        trainer.model.load_state_dict(state["model"])
+        trainer.optimizer.load_state_dict(state["optimizer"])
+        trainer.scheduler.load_state_dict(state["scheduler"])
+        set_rng_state(state["rng"])
+        start = state["step"]
+        trainer.sync_weights()
+        if rank == 0:
+            print(f"resumed from {folder} at step {start}")
+
+    writer = None
+    if rank == 0:
+        writer = MetricsWriter(run_dir, cfg.logging.tensorboard, cfg.logging.wandb, cfg.logging.wandb_project,
+                               to_dict(cfg))
+    bar = tqdm(range(start, cfg.steps), initial=start, total=cfg.steps, desc="FlowGRPO", unit="step",
+               disable=rank != 0, dynamic_ncols=True)
+    for step in bar:
+        result = trainer.train_step(step)
+        if rank == 0:
+            writer.log(step, result.metrics)
+            bar.set_postfix({k: f"{result.metrics[k]:.3g}" for k in SHOWN if k in result.metrics})
+            every = cfg.logging.image_every
+            if step == cfg.steps - 1 or (every and step % every == 0):
+                caps = [f"{pr[:24]}\nr={r:.3g}" for pr, r in zip(result.trajectory.prompts, result.rewards.tolist())]
+                save_image_grid(result.trajectory.images, caps, run_dir / "samples" / f"step_{step:04d}.png")
+        done = step + 1
+        if (cfg.checkpoint.every and done % cfg.checkpoint.every == 0) or done == cfg.steps:
+            state = {"model": trainer.model.state_dict(), "optimizer": trainer.optimizer.state_dict(),
+                     "scheduler": trainer.scheduler.state_dict(), "rng": rng_state(), "step": done}
+            save_checkpoint(run_dir, done, state, cfg.checkpoint.keep)
+    reward_fn.close()
+    summary = {"run_dir": str(run_dir)}
+    if rank == 0:
+        writer.close()
+        history = read_history(run_dir / "metrics.jsonl")
+        save_reward_curve(history, run_dir / "reward_curve.png")
+        summary.update(first_reward=history[0]["reward_mean"], last_reward=history[-1]["reward_mean"],
+                       steps=len(history))
+    dist.barrier()
+    return summary
+
+
+def model_state(trainer: FlowGRPOTrainer) -> dict[str, torch.Tensor]:
+    """A copy of this rank's parameters (tests compare runs with it)."""
+    return {k: v.detach().clone() for k, v in trainer.model.state_dict().items() if torch.is_tensor(v)}
