@@ -268,10 +268,9 @@ def apply_cpu_shims() -> None:
             if fn is not None and not hasattr(fn, "__wrapped__"):
                 setattr(module, name, _rebind_device_literal(fn))
     # The optimizer and grad clipping allocate their scalars with device="cuda" throughout.
+    from megatron.core import utils as mcore_utils
     from megatron.core.optimizer import clip_grads
     from megatron.core.optimizer import optimizer as mcore_optimizer
-
-    from megatron.core import utils as mcore_utils
 
     # First the helpers they call by module-global name, then the modules (rebinding copies their globals).
     original = mcore_utils.local_multi_tensor_l2_norm
