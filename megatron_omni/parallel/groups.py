@@ -102,6 +102,9 @@ def build_parallel_groups(layout: ParallelLayout) -> ParallelGroups:
     rank = dist.get_rank()
     grid = HyperCommGrid(layout.grid_shape(), list(GRID_DIMS))
     pgs = {name: grid.create_pg(dims) for name, dims in _GROUP_DIMS.items()}
+    # No experts: DDP still wants an expert data-parallel group. Created collectively here (one group per
+    # rank), because Megatron's own fallback calls new_group with a different rank list on every rank.
+    singleton, _ = dist.new_subgroups_by_enumeration([[r] for r in range(world_size)])
 
     mcore = ProcessGroupCollection(
         tp=pgs["tp"],
@@ -121,8 +124,8 @@ def build_parallel_groups(layout: ParallelLayout) -> ParallelGroups:
         expt_tp=None,
         tp_ep=None,
         tp_ep_pp=None,
-        expt_dp=None,
-        intra_expt_dp=None,
+        expt_dp=singleton,
+        intra_expt_dp=singleton,
         inter_dist_opt=None,
         intra_dist_opt=None,
     )

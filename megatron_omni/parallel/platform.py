@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import socket
 import sys
 import types
 from collections.abc import Callable
@@ -86,7 +87,9 @@ def init_distributed(
     world_size = int(os.environ.get("WORLD_SIZE", "1")) if world_size is None else world_size
     if init_method is None:
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", "29500")
+        if "MASTER_PORT" not in os.environ:
+            # A one-process job needs no agreed port: take a free one so concurrent runs do not collide.
+            os.environ["MASTER_PORT"] = str(_free_port()) if world_size == 1 else "29500"
         init_method = "env://"
     dist.init_process_group(
         backend=backend(),
@@ -103,6 +106,12 @@ def _ensure_global_memory_buffer() -> None:
 
     if getattr(parallel_state, "_GLOBAL_MEMORY_BUFFER", None) is None:
         parallel_state._set_global_memory_buffer()
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def destroy_distributed() -> None:

@@ -123,6 +123,7 @@ class JobConfig:
              "must be recompute|bypass"),
             (self.algorithm.std_mode in ("global", "group"), "algorithm.std_mode", "must be global|group"),
             (self.parallel.pp == 1, "parallel.pp", "pipeline parallel training is not wired into the trainer yet"),
+            (self.algorithm.beta == 0.0, "algorithm.beta", "the KL term to a frozen reference is not wired in yet"),
             (len(self.prompts) >= 1, "prompts", "needs at least one prompt"),
         ]
         for ok, name, why in checks:
