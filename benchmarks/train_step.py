@@ -102,8 +102,9 @@ class ReferenceFlowGRPO:
         for rows in torch.randperm(n).chunk(cfg.optim.mini_batches):
             self.opt.zero_grad()
             for x, nxt, old, s, s_next in rec:
-                v = self.tr(hidden_states=x[rows], encoder_hidden_states=emb[rows], encoder_hidden_states_mask=mask[rows],
-                            timestep=s[rows], img_shapes=[[(1, h, w)]] * len(rows), return_dict=False)[0]
+                v = self.tr(hidden_states=x[rows], encoder_hidden_states=emb[rows],
+                            encoder_hidden_states_mask=mask[rows], timestep=s[rows],
+                            img_shapes=[[(1, h, w)]] * len(rows), return_dict=False)[0]
                 _, lp = self.sde_step(x[rows], v, s[rows], s_next[rows], sig[1].expand(len(rows)), r.noise_level,
                                       prev=nxt[rows])
                 ratio = torch.exp(lp - old[rows])
@@ -139,9 +140,9 @@ def main() -> None:
         n = cfg.rollout.prompts_per_step * cfg.rollout.group_size
         times: dict[str, list[float]] = {"ours": [], "reference": []}
         for step in tqdm(range(args.steps + 1), desc="RL step pairs", unit="step"):
-            for name, fn in (("ours", lambda: ours.train_step(step)), ("reference", lambda: ref.step(step))):
+            for name, fn in (("ours", ours.train_step), ("reference", ref.step)):
                 t0 = time.perf_counter()
-                fn()
+                fn(step)
                 if step > 0:  # step 0 warms both up
                     times[name].append(time.perf_counter() - t0)
         med = {k: statistics.median(v) for k, v in times.items()}
