@@ -1,0 +1,114 @@
+"""Dry-run planner over a grid of layouts for the 20B Qwen-Image OCR recipe (512x512, 10 steps, window 2,
+32 prompts x 16, 2 mini-batches, non-CFG) on H200 and H800: predicted per-GPU memory and images/s/GPU
+next to the reference (VeRL-Omni, 0.510 images/s/GPU on 4xH200). No GPU needed.
+
+For each GPU kind, world size and trainer layout (tp, ulysses x ring, pp) the table shows the fastest
+setting that fits over recompute mode, micro-batch size and rollout TP (the rollout engine colocated), or
+the smallest memory when none fits. Last line: the best predicted images/s/GPU on 8xH200 over 0.510.
+Usage: python benchmarks/planner_table.py [--mfu 0.35] [--worlds 8 16] [--cfg]
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import itertools
+
+from tqdm import tqdm
+
+from megatron_omni.parallel.layout import LayoutError, ParallelLayout
+from megatron_omni.trainer.planner import (
+    DEFAULT_MFU,
+    GPUS,
+    REFERENCE_GPUS,
+    REFERENCE_IMAGES_PER_S_PER_GPU,
+    REFERENCE_STEP_S,
+    PlanReport,
+    RolloutSpec,
+    Workload,
+    plan,
+    reference_implied_mfu,
+)
+from megatron_omni.trainer.planner_memory import GIB, RECOMPUTE_MODES
+
+TPS = (1, 2, 4, 8)
+CPS = ((1, 1), (2, 1), (4, 1), (2, 2))
+PPS = (1, 2, 4)
+MICRO = (1, 2, 4, 8)
+ROLLOUT_TPS = (1, 2, 4, 8)
+
+
+def _best(gpu: str, world: int, layout: ParallelLayout, workload: Workload, mfu: float) -> PlanReport | None:
+    """The fastest fitting plan over recompute, micro-batch and rollout TP; else the smallest in memory."""
+    fitting, all_plans = [], []
+    for mode, mbs, rtp in itertools.product(RECOMPUTE_MODES, MICRO, ROLLOUT_TPS):
+        try:
+            r = plan("20b", layout, world, gpu, dataclasses.replace(workload, micro_batch_size=mbs),
+                     rollout=RolloutSpec(tp=rtp), recompute=mode, mfu=mfu)
+        except LayoutError:
+            continue
+        all_plans.append(r)
+        if r.memory.fits:
+            fitting.append(r)
+    if fitting:
+        return max(fitting, key=lambda r: r.time.images_per_s_per_gpu)
+    return min(all_plans, key=lambda r: r.memory.total) if all_plans else None
+
+
+def _row(r: PlanReport) -> str:
+    m, lay = r.memory, r.layout
+    state = (m.parameters + m.gradients + m.optimizer_states) / GIB
+    rollout = (m.rollout_weights + m.rollout_activations) / GIB
+    speed = (f"{r.time.step_s:7.1f} {r.time.images_per_s_per_gpu:6.3f} {r.ratio_to_reference:5.2f}" if m.fits
+             else f"{'-':>7s} {'-':>6s} {'-':>5s}")
+    return (f"{r.gpu.name:5s} {r.gpus:3d} | tp{lay.tp} u{lay.ulysses}r{lay.ring} pp{lay.pp} dp{lay.dp:<2d} | "
+            f"{r.recompute:9s} mb{r.workload.micro_batch_size} rtp{r.rollout.tp} | {state:6.1f} "
+            f"{m.activations / GIB:6.1f} {rollout:6.1f} {m.total / GIB:6.1f}/{m.capacity / GIB:5.1f} "
+            f"{'fits' if m.fits else 'NO  '} | {speed}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--mfu", type=float, default=DEFAULT_MFU)
+    ap.add_argument("--worlds", type=int, nargs="+", default=[8, 16])
+    ap.add_argument("--cfg", action="store_true", help="the CFG variant (two forwards per step)")
+    args = ap.parse_args()
+    workload = Workload(cfg=args.cfg)
+
+    cases = [(g, w, ParallelLayout(tp=tp, ulysses=u, ring=rg, pp=pp))
+             for g in GPUS for w in args.worlds for tp in TPS for u, rg in CPS for pp in PPS]
+    rows: list[PlanReport] = []
+    invalid = 0
+    for gpu, world, layout in tqdm(cases, desc="layouts", unit="layout"):
+        r = _best(gpu, world, layout, workload, args.mfu)
+        if r is None:
+            invalid += 1
+        else:
+            rows.append(r)
+
+    print(f"assumption: MFU {args.mfu:.2f} of the dense bf16 peak (989 TFLOP/s on H200 and H800) for rollout and "
+          "training; non-overlapped TP/Ulysses/optimizer collectives at 0.7 x NVLink (450 / 200 GB/s per "
+          "direction) or 50 GB/s per GPU across nodes; rollout colocated (weights resident with the training "
+          "state, text encoder + VAE included), 4 GiB reserve per GPU")
+    print(f"recipe: 20B, 512x512, 10 steps, window 2, 32 prompts x 16, 2 mini-batches, cfg={args.cfg}; "
+          f"{invalid} of {len(cases)} layouts are impossible (heads/blocks/tokens/world size) and not listed")
+    print("gpu   n   | layout               | recompute mb rtp | state   acts  rollout total/cap   fit | "
+          "step_s img/s/GPU ratio")
+    for r in rows:
+        print(_row(r))
+
+    best = max((r for r in rows if r.gpu.name == "H200" and r.gpus == 8 and r.memory.fits),
+               key=lambda r: r.time.images_per_s_per_gpu, default=None)
+    if best is None:
+        raise SystemExit("no layout fits on 8xH200")
+    print("\nbest on 8xH200:")
+    print(best.table())
+    print(f"reference VeRL-Omni on {REFERENCE_GPUS}xH200: {REFERENCE_IMAGES_PER_S_PER_GPU:.3f} images/s/GPU, "
+          f"~{REFERENCE_STEP_S:.0f} s/step; at our FLOPs count per image ({best.flops_per_image / 1e12:.0f} TFLOP) "
+          f"that is an achieved MFU of {reference_implied_mfu(best):.3f} (we assume {args.mfu:.2f})")
+    print(f"best predicted on 8xH200: {best.time.images_per_s_per_gpu:.3f} images/s/GPU")
+    print(f"ratio best/reference: {best.time.images_per_s_per_gpu / REFERENCE_IMAGES_PER_S_PER_GPU:.3f}")
+
+
+if __name__ == "__main__":
+    main()

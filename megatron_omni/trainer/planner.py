@@ -1,0 +1,410 @@
+"""Dry-run planner: from a model preset, a parallel layout and a FlowGRPO workload, predict per-GPU memory
+and step time before a job is queued. Pure functions; no GPU, no process group.
+
+Time model (stated, so a reader can redo it by hand):
+- compute: FLOPs (`planner_flops`) / (GPUs * peak bf16 FLOP/s * MFU);
+  rollout = T forward passes per image (CFG doubles them) + one text-encoder pass per prompt;
+  old log-probs = one forward per trained step (W per image) in the trainer layout;
+  training = forward + backward = 3 forwards per trained step, + 1 forward with full recompute, + the
+  attention part (QKV projection + attention) with selective recompute;
+  pipeline bubble: x (1 + (pp - 1) / micro-batches) per mini-batch (1F1B);
+- communication that Megatron does not overlap with compute, at link bandwidth * efficiency: TP
+  all-reduces (2 per stream per block forward, 2 backward), Ulysses all-to-alls (Q, K, V, out of the
+  image stream; text output gather), the gradient reduce-scatter and parameter all-gather of the
+  distributed optimizer once per mini-batch. Ring attention's K/V passing is assumed hidden behind
+  compute. Reward scoring runs on its own GPUs and overlaps generation; weight sync and VAE decode are
+  not counted.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from megatron_omni.parallel.layout import LayoutError, ParallelLayout
+from megatron_omni.trainer.planner_flops import ForwardFlops, forward_flops, image_tokens
+from megatron_omni.trainer.planner_memory import (
+    GIB,
+    RECOMPUTE_MODES,
+    MemoryReport,
+    rank_parameter_counts,
+    rollout_activation_bytes,
+    rollout_parameter_count,
+    training_activation_bytes,
+)
+from model_providers.qwen_image.provider import hf_config
+
+# VeRL-Omni, Qwen-Image full fine-tuning, the reference recipe on 4xH200 (design.md section 4).
+REFERENCE_IMAGES_PER_S_PER_GPU = 0.510
+REFERENCE_STEP_S = 250.0
+REFERENCE_GPUS = 4
+
+# Qwen-Image's rollout pipeline also holds the text encoder (Qwen2.5-VL-7B, about 8.29B parameters) and the
+# VAE (about 0.127B): replicated on every rollout GPU here, which is the conservative assumption.
+QWEN_IMAGE_TEXT_ENCODER_PARAMS = 8_290_000_000
+QWEN_IMAGE_VAE_PARAMS = 127_000_000
+
+DEFAULT_MFU = 0.35
+
+
+@dataclass(frozen=True)
+class GPUSpec:
+    """One GPU kind. memory_bytes: what the driver reports as total; peak_bf16_flops: dense bf16 tensor-core
+    peak; link_bytes_per_s: NVLink bandwidth per direction per GPU; internode_bytes_per_s: network per GPU."""
+
+    name: str
+    memory_bytes: int
+    peak_bf16_flops: float
+    link_bytes_per_s: float
+    internode_bytes_per_s: float = 50e9  # one 400 Gb/s NIC per GPU
+
+
+# Sold as 141 GB and 80 GB; nvidia-smi reports 143771 MiB and 81559 MiB. NVLink: 900 and 400 GB/s
+# bidirectional. Both have the Hopper SXM dense bf16 peak of about 989 TFLOP/s.
+GPUS: dict[str, GPUSpec] = {
+    "H200": GPUSpec("H200", 143771 * 1024**2, 989e12, 450e9),
+    "H800": GPUSpec("H800", 81559 * 1024**2, 989e12, 200e9),
+}
+
+
+@dataclass(frozen=True)
+class Workload:
+    """One FlowGRPO step: `prompts x group_size` images of `height x width`, `sampling_steps` denoising
+    steps of which `window` are trained, split into `mini_batches` optimizer steps of `micro_batch_size`
+    (image, step) samples per forward. `text_tokens` counts the prompt tokens the transformer sees."""
+
+    height: int = 512
+    width: int = 512
+    text_tokens: int = 256
+    sampling_steps: int = 10
+    window: int = 2
+    prompts: int = 32
+    group_size: int = 16
+    mini_batches: int = 2
+    micro_batch_size: int = 1
+    cfg: bool = False
+    recompute_old_logprob: bool = True
+
+    @property
+    def images(self) -> int:
+        """Images generated per step."""
+        return self.prompts * self.group_size
+
+
+@dataclass(frozen=True)
+class RolloutSpec:
+    """The rollout engine. colocated: it shares the trainer's GPUs (weights resident beside the training
+    state); otherwise it runs on `gpus` GPUs of its own. batch: images in flight per engine instance.
+    mfu: defaults to the training MFU. extra_params: non-transformer weights it holds (text encoder, VAE)."""
+
+    tp: int = 1
+    colocated: bool = True
+    gpus: int | None = None
+    batch: int = 16
+    mfu: float | None = None
+    extra_params: int = QWEN_IMAGE_TEXT_ENCODER_PARAMS + QWEN_IMAGE_VAE_PARAMS
+
+
+@dataclass(frozen=True)
+class Precision:
+    """Bytes per parameter: bf16 weights, fp32 main grads, fp32 master + Adam m, v (12 bytes) sharded over
+    dp x cp by Megatron's distributed optimizer; bf16 activations and rollout weights."""
+
+    param_bytes: int = 2
+    grad_bytes: int = 4
+    optimizer_bytes: int = 12
+    distributed_optimizer: bool = True
+    activation_bytes: int = 2
+    rollout_param_bytes: int = 2
+
+
+@dataclass(frozen=True)
+class TimeReport:
+    """Predicted seconds per step and throughput."""
+
+    rollout_s: float
+    old_logprob_s: float
+    train_s: float
+    communication_s: float  # the non-overlapped part, already included in the three above
+    bubble_fraction: float
+    step_s: float
+    images_per_s_per_gpu: float
+
+
+@dataclass(frozen=True)
+class PlanReport:
+    """What a dry run prints: the inputs resolved, the memory and time predictions, and warnings."""
+
+    model: str
+    layout: ParallelLayout
+    gpu: GPUSpec
+    workload: Workload
+    rollout: RolloutSpec
+    recompute: str
+    mfu: float
+    gpus: int  # every GPU the job holds (trainer, separate rollout, reward)
+    image_tokens: int
+    micro_batches: int  # per mini-batch per data-parallel replica
+    flops: ForwardFlops  # one forward of one sample
+    flops_per_image: float  # rollout + old log-probs + training, all ranks together
+    stage_parameters: list[int]  # per rank of each pipeline stage
+    memory: MemoryReport
+    time: TimeReport
+    warnings: list[str] = field(default_factory=list)
+
+    @property
+    def ratio_to_reference(self) -> float:
+        """Predicted images/s/GPU over VeRL-Omni's 0.510."""
+        return self.time.images_per_s_per_gpu / REFERENCE_IMAGES_PER_S_PER_GPU
+
+    def table(self) -> str:
+        """A printable breakdown, next to the reference figure."""
+        m, t, w = self.memory, self.time, self.workload
+        gib = lambda b: f"{b / GIB:7.1f} GiB"  # noqa: E731
+        lines = [
+            f"model {self.model} on {self.gpus} x {self.gpu.name}: {self.layout.describe()}, "
+            f"recompute={self.recompute}, rollout tp={self.rollout.tp} "
+            f"({'colocated' if self.rollout.colocated else f'{self.rollout.gpus} own GPUs'})",
+            f"workload: {w.prompts} prompts x {w.group_size}, {w.height}x{w.width} ({self.image_tokens} image + "
+            f"{w.text_tokens} text tokens), {w.sampling_steps} steps, window {w.window}, {w.mini_batches} "
+            f"mini-batches x {self.micro_batches} micro-batches of {w.micro_batch_size}, cfg={w.cfg}",
+            f"assumption: MFU {self.mfu:.2f} of {self.gpu.peak_bf16_flops / 1e12:.0f} TFLOP/s bf16 peak "
+            f"(rollout MFU {self.rollout.mfu or self.mfu:.2f}); one forward = {self.flops.total / 1e12:.2f} TFLOP",
+            "memory per GPU:",
+            f"  parameters          {gib(m.parameters)}",
+            f"  gradients           {gib(m.gradients)}",
+            f"  optimizer states    {gib(m.optimizer_states)}",
+            f"  activations         {gib(m.activations)}  (none: {m.activations_no_recompute / GIB:.1f}, "
+            f"full recompute: {m.activations_full_recompute / GIB:.1f})",
+            f"  rollout weights     {gib(m.rollout_weights)}",
+            f"  rollout activations {gib(m.rollout_activations)}",
+            f"  reserve             {gib(m.reserve)}",
+            f"  total               {gib(m.total)} of {m.capacity / GIB:.1f} GiB -> "
+            f"{'fits' if m.fits else 'DOES NOT FIT'}",
+            "step time:",
+            f"  rollout             {t.rollout_s:8.1f} s",
+            f"  old log-probs       {t.old_logprob_s:8.1f} s",
+            f"  training            {t.train_s:8.1f} s  (bubble {t.bubble_fraction:.0%}, "
+            f"non-overlapped communication {t.communication_s:.1f} s in all)",
+            f"  step                {t.step_s:8.1f} s  -> {t.images_per_s_per_gpu:.3f} images/s/GPU",
+            f"reference (VeRL-Omni, {REFERENCE_GPUS}xH200): {REFERENCE_IMAGES_PER_S_PER_GPU:.3f} images/s/GPU, "
+            f"~{REFERENCE_STEP_S:.0f} s/step; predicted/reference = {self.ratio_to_reference:.2f}",
+        ]
+        lines += [f"warning: {x}" for x in self.warnings]
+        return "\n".join(lines)
+
+
+def _positive(**values: Any) -> None:
+    for name, v in values.items():
+        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+            raise LayoutError(f"{name}={v!r} must be a positive integer")
+
+
+def validate(
+    model: str | dict[str, Any], layout: ParallelLayout, world_size: int, workload: Workload,
+    rollout: RolloutSpec,
+) -> tuple[ParallelLayout, int, int]:
+    """Check that the job can run; returns (layout with dp resolved, image tokens, micro-batches per
+    mini-batch per replica). Raises LayoutError naming the size that is wrong."""
+    w = workload
+    _positive(sampling_steps=w.sampling_steps, window=w.window, prompts=w.prompts, group_size=w.group_size,
+              mini_batches=w.mini_batches, micro_batch_size=w.micro_batch_size, text_tokens=w.text_tokens,
+              rollout_tp=rollout.tp, rollout_batch=rollout.batch)
+    if w.window > w.sampling_steps:
+        raise LayoutError(f"window {w.window} is longer than the {w.sampling_steps} sampling steps")
+    cfg = hf_config(model)
+    resolved = layout.resolve(world_size)
+    try:
+        tokens = image_tokens(cfg, w.height, w.width)
+    except ValueError as e:
+        raise LayoutError(str(e)) from e
+    resolved.validate_model(num_heads=cfg["num_attention_heads"], num_layers=cfg["num_layers"],
+                            image_tokens=tokens)
+    dp = resolved.dp
+    per_mini = w.images // w.mini_batches
+    if w.images % w.mini_batches:
+        raise LayoutError(f"{w.images} images per step (prompts x group) are not divisible by "
+                          f"{w.mini_batches} mini-batches")
+    if per_mini % dp:
+        raise LayoutError(f"{per_mini} images per mini-batch are not divisible by dp={dp} "
+                          f"(world {world_size} / tp*cp*pp {resolved.model_parallel_size})")
+    samples = per_mini // dp * w.window
+    if samples % w.micro_batch_size:
+        raise LayoutError(f"{samples} trained samples per mini-batch per replica ({per_mini // dp} images x window "
+                          f"{w.window}) are not divisible by micro-batch size {w.micro_batch_size}")
+    if cfg["num_attention_heads"] % rollout.tp:
+        raise LayoutError(f"attention heads {cfg['num_attention_heads']} are not divisible by rollout tp="
+                          f"{rollout.tp}")
+    rollout_gpus = world_size if rollout.colocated else rollout.gpus
+    if rollout_gpus is None:
+        raise LayoutError("a rollout engine that is not colocated needs its own GPU count (rollout.gpus)")
+    _positive(rollout_gpus=rollout_gpus)
+    if rollout_gpus % rollout.tp:
+        raise LayoutError(f"{rollout_gpus} rollout GPUs are not divisible by rollout tp={rollout.tp}")
+    return resolved, tokens, samples // w.micro_batch_size
+
+
+def _allreduce_s(nbytes: float, n: int, bw: float) -> float:
+    return 0.0 if n == 1 else 2 * (n - 1) / n * nbytes / bw
+
+
+def _alltoall_s(nbytes: float, n: int, bw: float) -> float:
+    return 0.0 if n == 1 else (n - 1) / n * nbytes / bw
+
+
+def plan(
+    model: str | dict[str, Any],
+    layout: ParallelLayout,
+    world_size: int,
+    gpu: GPUSpec | str = "H200",
+    workload: Workload | None = None,
+    *,
+    rollout: RolloutSpec | None = None,
+    precision: Precision | None = None,
+    recompute: str = "full",
+    mfu: float = DEFAULT_MFU,
+    link_efficiency: float = 0.7,
+    reserve_bytes: int = 4 * GIB,
+    gpus_per_node: int = 8,
+    reward_gpus: int = 0,
+) -> PlanReport:
+    """Predict per-GPU memory and step time of a FlowGRPO job; raises LayoutError for impossible layouts.
+
+    model: a Qwen-Image preset name or diffusers config; world_size: trainer ranks; gpu: a `GPUSpec` or a
+    key of `GPUS`; mfu: the assumed model FLOPs utilisation of dense compute; link_efficiency: achieved
+    fraction of link bandwidth in collectives; reserve_bytes: per-GPU memory not available to tensors.
+    """
+    workload = workload or Workload()
+    rollout = rollout or RolloutSpec()
+    precision = precision or Precision()
+    if isinstance(gpu, str):
+        if gpu not in GPUS:
+            raise LayoutError(f"unknown GPU kind {gpu!r}; known: {sorted(GPUS)} (or pass a GPUSpec)")
+        gpu = GPUS[gpu]
+    if recompute not in RECOMPUTE_MODES:
+        raise LayoutError(f"unknown recompute mode {recompute!r}; known: {RECOMPUTE_MODES}")
+    for name, v in (("mfu", mfu), ("rollout.mfu", rollout.mfu if rollout.mfu is not None else mfu),
+                    ("link_efficiency", link_efficiency)):
+        if not 0 < v <= 1:
+            raise LayoutError(f"{name}={v} must be in (0, 1]")
+    lay, s_img, micro = validate(model, layout, world_size, workload, rollout)
+    w, cfg = workload, hf_config(model)
+    tp, cp, pp, dp = lay.tp, lay.cp, lay.pp, lay.dp
+    warnings: list[str] = []
+    if tp * lay.ulysses > gpus_per_node:
+        warnings.append(f"tp*ulysses = {tp * lay.ulysses} spans more than one {gpus_per_node}-GPU node: "
+                        "its collectives cross the network (modelled at network bandwidth)")
+    flops = forward_flops(cfg, s_img, w.text_tokens)
+    cfg_x = 2 if w.cfg else 1
+    hidden = cfg["num_attention_heads"] * cfg["attention_head_dim"]
+    blocks_per_stage = cfg["num_layers"] // pp
+
+    # --- memory
+    stage_params = rank_parameter_counts(cfg, tp, pp)
+    params = max(stage_params)
+    shard = dp * cp if precision.distributed_optimizer else 1
+    tokens_rank = s_img // cp + w.text_tokens
+    mb_samples = w.micro_batch_size * cfg_x
+    in_flight = min(pp, micro) if pp > 1 else 1
+
+    def acts(mode: str) -> int:
+        return training_activation_bytes(cfg, tokens_per_rank=tokens_rank, micro_batch_samples=mb_samples, tp=tp,
+                                         pp=pp, in_flight=in_flight, recompute=mode,
+                                         act_bytes=precision.activation_bytes)
+
+    rollout_gpus = world_size if rollout.colocated else rollout.gpus
+    rollout_weights = precision.rollout_param_bytes * (rollout_parameter_count(cfg, rollout.tp)
+                                                       + rollout.extra_params)
+    rollout_acts = rollout_activation_bytes(cfg, tokens=s_img + w.text_tokens, batch=rollout.batch * cfg_x,
+                                            rollout_tp=rollout.tp, act_bytes=precision.activation_bytes)
+    memory = MemoryReport(
+        parameters=precision.param_bytes * params,
+        gradients=precision.grad_bytes * params,
+        optimizer_states=-(-precision.optimizer_bytes * params // shard),
+        activations=acts(recompute),
+        activations_no_recompute=acts("none"),
+        activations_full_recompute=acts("full"),
+        rollout_weights=rollout_weights if rollout.colocated else 0,
+        rollout_activations=rollout_acts if rollout.colocated else 0,
+        reserve=reserve_bytes,
+        capacity=gpu.memory_bytes,
+    )
+    if not rollout.colocated:
+        rollout_total = rollout_weights + rollout_acts + reserve_bytes
+        if rollout_total > gpu.memory_bytes:
+            warnings.append(f"rollout GPUs need {rollout_total / GIB:.1f} GiB of {gpu.memory_bytes / GIB:.1f}: "
+                            f"raise rollout tp above {rollout.tp}")
+
+    # --- time
+    def bw(group: int, inner: int) -> float:
+        """Collective bandwidth of a group whose members are `inner` ranks apart in the rank order."""
+        fast = group * inner <= gpus_per_node
+        return (gpu.link_bytes_per_s if fast else gpu.internode_bytes_per_s) * link_efficiency
+
+    act_b = precision.activation_bytes
+    # Per sample, per block forward on one rank: 2 all-reduces per stream of [tokens, h]; Ulysses: Q, K, V and
+    # output all-to-alls of the image shard's heads, and an all-gather of the text output's heads.
+    tp_fwd = 2 * (_allreduce_s(act_b * s_img // cp * hidden, tp, bw(tp, 1))
+                  + _allreduce_s(act_b * w.text_tokens * hidden, tp, bw(tp, 1)))
+    uly_bw = bw(lay.ulysses, tp)
+    uly_fwd = (4 * _alltoall_s(act_b * s_img // cp * hidden / tp, lay.ulysses, uly_bw)
+               + _alltoall_s(act_b * w.text_tokens * hidden / tp, lay.ulysses, uly_bw))
+    comm_fwd = (tp_fwd + uly_fwd) * blocks_per_stage  # per sample per stage forward
+    fwd_passes_train = {"none": 1, "selective": 1, "full": 2}[recompute]  # forward comms in one training pass
+    comm_train_sample = comm_fwd * (fwd_passes_train + 1)  # + the backward's mirror of the forward collectives
+
+    peak = gpu.peak_bf16_flops
+    fwd_rank = flops.per_rank(tp, cp, pp)
+    ratio_rank = fwd_rank / flops.total  # this rank's share of one forward
+    recompute_extra = {"none": 0.0, "selective": flops.selective_recompute, "full": flops.total}[recompute]
+    train_rank = 3 * fwd_rank + recompute_extra * ratio_rank
+    bubble = (pp - 1) / micro
+    samples_rank = w.images * w.window * cfg_x / dp  # (image, step) samples each replica trains per step
+    train_compute = samples_rank * train_rank / (peak * mfu)
+    train_comm = samples_rank * comm_train_sample
+    # Distributed optimizer, once per mini-batch: reduce-scatter fp32 grads, all-gather bf16 params over dp*cp.
+    opt_bw = bw(shard, tp) if shard > 1 else 1.0
+    dp_comm = w.mini_batches * (_alltoall_s(precision.grad_bytes * params, shard, opt_bw)
+                                + _alltoall_s(precision.param_bytes * params, shard, opt_bw))
+    train_s = (train_compute + train_comm) * (1 + bubble) + dp_comm
+    old_s = 0.0
+    old_comm = 0.0
+    if w.recompute_old_logprob:
+        old_comm = samples_rank * comm_fwd
+        old_s = (samples_rank * fwd_rank / (peak * mfu) + old_comm) * (1 + bubble)
+
+    r_mfu = rollout.mfu if rollout.mfu is not None else mfu
+    r_fwd = w.images * w.sampling_steps * cfg_x  # transformer forwards of one sample each, whole job
+    encoder_flops = w.prompts * cfg_x * 2 * QWEN_IMAGE_TEXT_ENCODER_PARAMS * w.text_tokens
+    r_compute = (r_fwd * flops.total + encoder_flops) / (rollout_gpus * peak * r_mfu)
+    r_tp_fwd = 2 * cfg["num_layers"] * (_allreduce_s(act_b * s_img * hidden, rollout.tp, bw(rollout.tp, 1))
+                                        + _allreduce_s(act_b * w.text_tokens * hidden, rollout.tp, bw(rollout.tp, 1)))
+    r_comm = r_fwd / (rollout_gpus // rollout.tp) * r_tp_fwd
+    rollout_s = r_compute + r_comm
+
+    step_s = rollout_s + old_s + train_s
+    total_gpus = world_size + (0 if rollout.colocated else rollout_gpus) + reward_gpus
+    flops_per_image = (w.sampling_steps * cfg_x * flops.total
+                       + w.window * cfg_x * (int(w.recompute_old_logprob) + 3) * flops.total
+                       + w.window * cfg_x * recompute_extra)
+    time = TimeReport(
+        rollout_s=rollout_s,
+        old_logprob_s=old_s,
+        train_s=train_s,
+        communication_s=r_comm + (train_comm + old_comm) * (1 + bubble) + dp_comm,
+        bubble_fraction=bubble,
+        step_s=step_s,
+        images_per_s_per_gpu=w.images / (step_s * total_gpus),
+    )
+    return PlanReport(
+        model=model if isinstance(model, str) else "custom", layout=lay, gpu=gpu, workload=w, rollout=rollout,
+        recompute=recompute, mfu=mfu, gpus=total_gpus, image_tokens=s_img, micro_batches=micro, flops=flops,
+        flops_per_image=flops_per_image, stage_parameters=stage_params, memory=memory, time=time,
+        warnings=warnings,
+    )
+
+
+def reference_implied_mfu(report: PlanReport) -> float:
+    """The MFU VeRL-Omni's 0.510 images/s/GPU would mean under this report's FLOPs per image (a sanity check
+    on the assumed MFU: it is what the reference achieved, communication and overheads included)."""
+    return REFERENCE_IMAGES_PER_S_PER_GPU * report.flops_per_image / GPUS["H200"].peak_bf16_flops
