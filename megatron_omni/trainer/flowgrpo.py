@@ -24,6 +24,8 @@ from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron_omni.algorithms.advantages import group_advantages
 from megatron_omni.algorithms.loss import flowgrpo_loss
 from megatron_omni.algorithms.sde import sde_step
+from megatron_omni.bridge import DiffusersTarget, WeightSync
+from megatron_omni.bridge.qwen_image import megatron_sources, qwen_image_plan
 from megatron_omni.models.dit.diffusers_interface import DiffusersForward
 from megatron_omni.parallel.groups import ParallelGroups
 from megatron_omni.parallel.platform import seed_everything
@@ -85,6 +87,12 @@ class FlowGRPOTrainer:
             wd_incr_steps=total_updates, wd_incr_style="constant",
         )
         self.velocity = DiffusersForward(self.model)
+        # Full-mode bridge into the engine's diffusers transformer (gathered over tp, coverage-checked).
+        plan = qwen_image_plan(dict(self.engine.transformer.config), trainer_tp=p.tp, trainer_pp=p.pp,
+                               rollout_kind="diffusers", rollout_tp=1, mode="full")
+        self.weight_sync = WeightSync(plan, sources=megatron_sources(self.model),
+                                      target=DiffusersTarget(self.engine.transformer), tp_group=groups.tp,
+                                      tp_rank=groups.tp.rank(), stage=groups.coords["pp"])
         self.bad_steps = 0
 
     # ------------------------------------------------------------------------------------------ pieces
@@ -109,12 +117,9 @@ class FlowGRPOTrainer:
         return [prompts[g % len(prompts)] for g in mine], mine, seeds
 
     def sync_weights(self) -> None:
-        """Push the trained weights into the rollout engine (gathered over tp; checks every name loads)."""
-        named = provider.stage_hf_tensors(self.model)
-        loaded = self.engine.load_weights(named.items())
-        expected = set(self.engine.transformer.state_dict())
-        if set(loaded) != expected:
-            raise RuntimeError(f"weight sync left rollout tensors unwritten: {sorted(expected - set(loaded))[:5]}")
+        """Push the trained weights into the rollout engine through the bridge (raises on any unwritten
+        or doubly written rollout element)."""
+        self.weight_sync.sync()
 
     def _log_probs(self, traj: Trajectory, rows: torch.Tensor, j: int) -> torch.Tensor:
         """Log-probs [B] of window step j for samples `rows` under the current model (with grad)."""
