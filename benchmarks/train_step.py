@@ -14,6 +14,7 @@ import argparse
 import io
 import os
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -22,9 +23,15 @@ import torch
 from PIL import Image
 from tqdm import tqdm
 
-from megatron_omni.parallel import platform
-from megatron_omni.trainer.config import JobConfig
-from tools.make_tiny_pipeline import SMALL_TRANSFORMER, TinyPipelineConfig, make_tiny_pipeline
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from megatron_omni.parallel import platform  # noqa: E402
+from megatron_omni.trainer.config import JobConfig  # noqa: E402
+from model_providers.qwen_image.tiny_pipeline import (  # noqa: E402
+    SMALL_TRANSFORMER,
+    TinyPipelineConfig,
+    make_tiny_pipeline,
+)
 
 PROMPTS = ["a photo of a cat", "a red cube", "a city at night", "a bowl of fruit"]
 

@@ -35,7 +35,7 @@ def prepare_pipeline(cfg: JobConfig, run_dir: Path) -> Path:
         return path
     path = run_dir / "pipeline"
     if dist.get_rank() == 0 and not path.exists():
-        from tools.make_tiny_pipeline import make_tiny_pipeline
+        from model_providers.qwen_image.tiny_pipeline import make_tiny_pipeline
 
         make_tiny_pipeline(path, seed=cfg.model.tiny_seed)
     dist.barrier()

@@ -14,8 +14,8 @@ from megatron_omni.rollout.base import SamplingParams
 from megatron_omni.rollout.diffusers_engine import DiffusersRolloutEngine
 from megatron_omni.rollout.logprob import recompute_log_probs
 from model_providers.qwen_image import provider
+from model_providers.qwen_image.tiny_pipeline import make_tiny_pipeline
 from tests.distributed.harness import run_ranks
-from tools.make_tiny_pipeline import make_tiny_pipeline
 
 PROMPTS = ['a sign that says "HI"', "a red cube on a table"]
 

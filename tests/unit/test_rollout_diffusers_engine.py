@@ -13,7 +13,7 @@ from diffusers import QwenImagePipeline
 from megatron_omni.rollout.base import RolloutEngine, SamplingParams
 from megatron_omni.rollout.diffusers_engine import DiffusersRolloutEngine
 from megatron_omni.rollout.logprob import recompute_log_probs
-from tools.make_tiny_pipeline import make_tiny_pipeline
+from model_providers.qwen_image.tiny_pipeline import make_tiny_pipeline
 
 PROMPTS = ["a red cat", "OPEN 24 HOURS"]
 NON_CFG = SamplingParams(height=64, width=64, num_steps=6, noise_level=1.2, window_size=2, window_range=(0, 4))

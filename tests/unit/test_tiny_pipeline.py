@@ -9,7 +9,7 @@ import pytest
 import torch
 from diffusers import QwenImagePipeline
 
-from tools.make_tiny_pipeline import SPECIAL_TOKENS, make_tiny_pipeline
+from model_providers.qwen_image.tiny_pipeline import SPECIAL_TOKENS, make_tiny_pipeline
 
 
 def _digest(folder: Path) -> dict[str, str]:
