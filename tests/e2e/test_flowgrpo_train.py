@@ -131,3 +131,11 @@ def test_bad_config_fails_before_work(tmp_path: Path, args: list[str], message: 
     assert proc.returncode == 2
     assert message in proc.stderr, proc.stderr[-2000:]
     assert not run.exists(), "a bad config must not create the run folder"
+
+
+def test_dry_run_prints_the_plan_without_work(tmp_path: Path) -> None:
+    run = tmp_path / "dry"
+    proc = _train(run, "--dry-run", timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "memory per GPU" in proc.stdout and "images/s/GPU" in proc.stdout
+    assert not run.exists()
