@@ -141,21 +141,29 @@ def main() -> None:
         cfg.rollout.height = cfg.rollout.width = args.size
         cfg.rollout.window_range = [0, cfg.rollout.window_size]  # the reference trains the first window
         cfg.rollout.window_size = 2
+        # flow_grpo trains against the log-probs recorded while sampling: the same work is our bypass mode.
+        cfg.algorithm.old_logprob = "bypass"
         ours = FlowGRPOTrainer(cfg, build_parallel_groups(ParallelLayout()), folder,
                                RewardFunction("jpeg_compressibility"))
         ref = ReferenceFlowGRPO(folder, cfg)
         n = cfg.rollout.prompts_per_step * cfg.rollout.group_size
         times: dict[str, list[float]] = {"ours": [], "reference": []}
+        phases: dict[str, list[float]] = {}
         for step in tqdm(range(args.steps + 1), desc="RL step pairs", unit="step"):
             for name, fn in (("ours", ours.train_step), ("reference", ref.step)):
                 t0 = time.perf_counter()
-                fn(step)
+                out = fn(step)
                 if step > 0:  # step 0 warms both up
                     times[name].append(time.perf_counter() - t0)
+                    if name == "ours":
+                        for k, v in out.metrics.items():
+                            if k.startswith("time_"):
+                                phases.setdefault(k[5:], []).append(v)
         med = {k: statistics.median(v) for k, v in times.items()}
         print(f"{n} images per step ({cfg.rollout.prompts_per_step} prompts x {cfg.rollout.group_size}), "
               f"{args.size}px, {cfg.rollout.num_steps} sampling steps, window {cfg.rollout.window_size}, "
               f"{cfg.optim.mini_batches} mini-batches, {torch.get_num_threads()} threads, {args.steps} steps")
+        print("ours by phase (median s): " + ", ".join(f"{k} {statistics.median(v):.2f}" for k, v in phases.items()))
         print(f"ours      {med['ours']:.2f} s/step  {n / med['ours']:.2f} images/s")
         print(f"reference {med['reference']:.2f} s/step  {n / med['reference']:.2f} images/s")
         print(f"ratio ours/reference (images/s): {med['reference'] / med['ours']:.3f}")
