@@ -1,0 +1,131 @@
+"""Megatron-Core distributed checkpoints of an `MMDiTModel` at any TP/PP/CP layout.
+
+Every tensor is saved under its global Megatron name (block index over all pipeline stages, from the
+provider's mapping), as a `ShardedTensor` placed at its tensor-parallel offset along the mapping's
+`tp_dim`. Replicated copies carry replica ids so exactly one rank writes each byte:
+`replica_id = (pp_rank if the tensor is on every stage else 0, tp_rank if replicated over tp else 0,
+rank in dp x cp)`; Megatron writes only the all-zero replica. A checkpoint saved at one layout therefore
+loads at any other (the torch_dist format reshards on load).
+
+The checkpoint's content metadata (`dist_checkpointing.load_content_metadata`) records what the tensors
+are: model family, the full diffusers config, and the layout it was saved at. The converter and the
+trainer both write it, so `mcore-to-hf` and `inspect` work on either.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from megatron.core import dist_checkpointing
+from megatron.core.dist_checkpointing.mapping import ShardedStateDict, ShardedTensor
+
+from megatron_omni.checkpoint.errors import CheckpointError
+from megatron_omni.models.dit.model import MMDiTModel
+from model_providers.qwen_image.provider import local_mappings
+
+CONTENT_KEY = "megatron_omni_model"
+FORMAT_VERSION = 1
+
+
+def content_metadata(family: str, diffusers_config: dict[str, Any], layout: dict[str, int],
+                     **extra: Any) -> dict[str, Any]:
+    """The content metadata to pass to `dist_checkpointing.save(..., content_metadata=...)`."""
+    return {CONTENT_KEY: {"format_version": FORMAT_VERSION, "family": family,
+                          "diffusers_config": dict(diffusers_config), "layout": dict(layout), **extra}}
+
+
+def read_content_metadata(checkpoint_dir: str | Path) -> dict[str, Any]:
+    """Our entry of a checkpoint's content metadata: family, diffusers_config, layout."""
+    ckpt = str(checkpoint_dir)
+    require_dist_checkpoint(ckpt)
+    try:
+        meta = dist_checkpointing.load_content_metadata(ckpt)
+    except Exception as exc:  # noqa: BLE001 - any unreadable common state is bad input
+        raise CheckpointError(f"cannot read the content metadata of {ckpt}: {exc}") from exc
+    entry = (meta or {}).get(CONTENT_KEY)
+    if not entry:
+        raise CheckpointError(f"{ckpt} carries no {CONTENT_KEY!r} content metadata (family and diffusers "
+                              f"config); pass the diffusers config.json explicitly")
+    return entry
+
+
+def require_dist_checkpoint(checkpoint_dir: str | Path) -> None:
+    """Raise unless `checkpoint_dir` is a Megatron distributed checkpoint folder."""
+    path = Path(checkpoint_dir)
+    if not path.is_dir():
+        raise CheckpointError(f"{path} is not a folder")
+    if not dist_checkpointing.check_is_distributed_checkpoint(str(path)):
+        raise CheckpointError(f"{path} is not a Megatron distributed checkpoint (no metadata.json)")
+    if not (path / ".metadata").is_file():
+        raise CheckpointError(f"{path} has no torch_dist .metadata file: incomplete checkpoint")
+
+
+def model_layout(model: MMDiTModel) -> dict[str, int]:
+    """The layout a model was built for (recorded in the checkpoint for `inspect`)."""
+    pg = model.pg_collection
+    return {"tp": pg.tp.size(), "pp": pg.pp.size(), "cp": pg.cp.size(), "dp": pg.dp.size()}
+
+
+def model_sharded_state_dict(model: MMDiTModel, prefix: str = "") -> ShardedStateDict:
+    """This rank's `ShardedStateDict` of `model`, keyed by local parameter name.
+
+    Each value is a ShardedTensor of key `prefix + global Megatron name`, global shape = the full
+    tensor, local data = this rank's shard (the parameter itself, so loading writes in place).
+    """
+    pg = model.pg_collection
+    tp_rank, tp_size = pg.tp.rank(), pg.tp.size()
+    pp_rank = pg.pp.rank()
+    dp_rank = pg.dp_cp.rank()
+    mappings = local_mappings(model)
+    out: ShardedStateDict = {}
+    for name, tensor in model.state_dict(keep_vars=True).items():
+        if name.endswith("_extra_state"):
+            continue  # the local spec has none; TE's FP8 metadata is not part of the weights
+        m = mappings[name]
+        pp_replica = pp_rank if m.stage == "all" else 0
+        key = prefix + m.megatron
+        if m.tp_dim is None:
+            out[name] = ShardedTensor.from_rank_offsets(key, tensor, replica_id=(pp_replica, tp_rank, dp_rank))
+        else:
+            out[name] = ShardedTensor.from_rank_offsets(key, tensor, (m.tp_dim, tp_rank, tp_size),
+                                                        replica_id=(pp_replica, 0, dp_rank))
+    return out
+
+
+def save_model_checkpoint(model: MMDiTModel, checkpoint_dir: str | Path, family: str,
+                          diffusers_config: dict[str, Any], prefix: str = "") -> None:
+    """Save `model` (all ranks call this) with its content metadata. The folder is created here."""
+    ckpt = str(checkpoint_dir)
+    if dist.get_rank() == 0:
+        os.makedirs(ckpt, exist_ok=True)
+    dist.barrier()
+    dist_checkpointing.save(
+        model_sharded_state_dict(model, prefix), ckpt,
+        content_metadata=content_metadata(family, diffusers_config, model_layout(model)),
+    )
+
+
+@torch.no_grad()
+def load_model_checkpoint(model: MMDiTModel, checkpoint_dir: str | Path, prefix: str = "") -> None:
+    """Load a checkpoint saved at any layout into this rank's shards of `model` (all ranks call this)."""
+    ckpt = str(checkpoint_dir)
+    require_dist_checkpoint(ckpt)
+    sharded = model_sharded_state_dict(model, prefix)
+    available = dist_checkpointing.load_tensors_metadata(ckpt)
+    missing = sorted(st.key for st in sharded.values() if st.key not in available)
+    if missing:
+        raise CheckpointError(f"{ckpt} lacks tensors {missing[:8]}{' ...' if len(missing) > 8 else ''}")
+    for st in sharded.values():
+        if tuple(available[st.key].global_shape) != tuple(st.global_shape):
+            raise CheckpointError(f"{ckpt}: tensor {st.key} has shape {tuple(available[st.key].global_shape)}, "
+                                  f"the model expects {tuple(st.global_shape)}")
+    loaded = dist_checkpointing.load(sharded, ckpt)
+    # load() also returns the checkpoint's common state (its content metadata): keep the parameters only.
+    result = model.load_state_dict({k: loaded[k] for k in sharded}, strict=False)
+    missing_params = [k for k in result.missing_keys if not k.endswith("_extra_state")]
+    if missing_params or result.unexpected_keys:
+        raise CheckpointError(f"loading {ckpt}: missing {missing_params}, unexpected {result.unexpected_keys}")

@@ -1,0 +1,251 @@
+"""diffusers <-> Megatron conversion in one process: bit-exact round trips, dtype casts, dry runs, inspect,
+and every bad input failing with a message that names the problem and leaving nothing behind.
+
+The helpers at the top (diffusers folders with random weights, per-tensor hashes, a random config) are
+also used by the distributed and end-to-end checkpoint tests.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import random
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from diffusers import QwenImageTransformer2DModel
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from megatron_omni.checkpoint.convert import hf_to_mcore, mcore_to_hf
+from megatron_omni.checkpoint.errors import CheckpointError
+from megatron_omni.checkpoint.sharded_state import content_metadata
+from megatron_omni.checkpoint.streaming import save_streaming, single_process_group
+from megatron_omni.checkpoint.summary import format_summary, inspect_checkpoint
+from model_providers.qwen_image import provider
+
+# ------------------------------------------------------------------------------------------------ helpers
+
+
+def random_config(seed: int) -> dict[str, Any]:
+    """A random small Qwen-Image shape whose heads and blocks split over tp=2 and pp=2."""
+    r = random.Random(seed)
+    axes = tuple(2 * r.randint(1, 4) for _ in range(3))
+    return dict(patch_size=r.choice([1, 2]), in_channels=4 * r.randint(1, 3), out_channels=r.randint(2, 5),
+                num_layers=2 * r.randint(1, 2), attention_head_dim=sum(axes), num_attention_heads=2 * r.randint(1, 3),
+                joint_attention_dim=r.choice([8, 20, 36]), axes_dims_rope=axes)
+
+
+def diffusers_model(config: str | dict[str, Any], seed: int = 0, dtype: torch.dtype = torch.float32):
+    """diffusers' transformer with random non-zero weights (its adaLN starts at zero otherwise)."""
+    torch.manual_seed(seed)
+    model = QwenImageTransformer2DModel(**provider.hf_config(config))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0.0, 0.2)
+    return model.to(dtype).eval()
+
+
+def write_diffusers(folder: Path, config: str | dict[str, Any], seed: int = 0, dtype: torch.dtype = torch.float32,
+                    max_shard_size: str = "100KB") -> Path:
+    """A diffusers transformer folder (sharded safetensors + index) written by diffusers itself."""
+    diffusers_model(config, seed, dtype).save_pretrained(folder, max_shard_size=max_shard_size)
+    return folder
+
+
+def write_raw(folder: Path, config: dict[str, Any], state: dict[str, torch.Tensor]) -> Path:
+    """A diffusers-layout folder with exactly `state` (for bad inputs diffusers would not write)."""
+    folder.mkdir(parents=True)
+    (folder / "config.json").write_text(json.dumps(config))
+    save_file(state, folder / "diffusion_pytorch_model.safetensors")
+    return folder
+
+
+def tensor_hashes(folder: Path) -> dict[str, tuple[str, tuple[int, ...], str]]:
+    """{name: (dtype, shape, sha256 of the bytes)} of every tensor, read with the safetensors library."""
+    out = {}
+    for file in sorted(Path(folder).glob("*.safetensors")):
+        with safe_open(file, "pt") as f:
+            for k in f.keys():
+                t = f.get_tensor(k).contiguous()
+                digest = hashlib.sha256(t.reshape(-1).view(torch.uint8).numpy()).hexdigest()
+                out[k] = (str(t.dtype), tuple(t.shape), digest)
+    return out
+
+
+def _listing(folder: Path) -> list[str]:
+    return sorted(p.name for p in folder.iterdir())
+
+
+def _class_config(config: str | dict[str, Any]) -> dict[str, Any]:
+    cfg = dict(provider.hf_config(config), _class_name="QwenImageTransformer2DModel")
+    cfg["axes_dims_rope"] = list(cfg["axes_dims_rope"])
+    return cfg
+
+
+# -------------------------------------------------------------------------------------------- round trips
+
+
+@pytest.mark.parametrize("config,dtype", [("tiny", torch.float32), (random_config(7), torch.bfloat16)],
+                         ids=["tiny-fp32", "random-bf16"])
+def test_round_trip_is_byte_identical(tmp_path: Path, config, dtype) -> None:
+    src = write_diffusers(tmp_path / "hf", config, dtype=dtype)
+    r1 = hf_to_mcore(src, tmp_path / "mcore", progress=False, max_file_bytes=64 * 1024)
+    assert len(list((tmp_path / "mcore").glob("*.distcp"))) > 1  # the file bound applies
+    r2 = mcore_to_hf(tmp_path / "mcore", tmp_path / "back", progress=False, max_shard_bytes=150_000)
+    assert r1.bytes == r2.bytes == sum(f.stat().st_size for f in src.glob("*.safetensors")) - _headers(src)
+    assert tensor_hashes(tmp_path / "back") == tensor_hashes(src), config
+    assert (tmp_path / "back" / "diffusion_pytorch_model.safetensors.index.json").is_file()
+    back = QwenImageTransformer2DModel.from_pretrained(tmp_path / "back")
+    assert back.config.num_layers == provider.hf_config(config)["num_layers"]
+    assert _listing(tmp_path) == ["back", "hf", "mcore"]  # no temporary folders left
+
+
+def _headers(folder: Path) -> int:
+    return sum(8 + int.from_bytes(f.read_bytes()[:8], "little") for f in folder.glob("*.safetensors"))
+
+
+def test_dtype_cast_and_inspect(tmp_path: Path) -> None:
+    src = write_diffusers(tmp_path / "hf", "tiny")
+    hf_to_mcore(src, tmp_path / "mcore", dtype="bf16", progress=False)
+    info = inspect_checkpoint(tmp_path / "mcore")
+    assert info["family"] == "qwen_image" and info["preset"] == "tiny" and set(info["dtypes"]) == {"bfloat16"}
+    assert info["parameters"] == provider.parameter_count("tiny")
+    assert "tp=1" in format_summary(info)
+    mcore_to_hf(tmp_path / "mcore", tmp_path / "fp32", dtype="fp32", progress=False)
+    ref = diffusers_model("tiny").state_dict()
+    with safe_open(tmp_path / "fp32" / "diffusion_pytorch_model.safetensors", "pt") as f:
+        for k in f.keys():
+            got = f.get_tensor(k)
+            assert got.dtype == torch.float32 and torch.equal(got, ref[k].to(torch.bfloat16).float()), k
+    hf_info = inspect_checkpoint(src)
+    assert hf_info["parameters"] == info["parameters"] and hf_info["format"] == "diffusers transformer"
+
+
+def test_dry_run_writes_nothing(tmp_path: Path) -> None:
+    src = write_diffusers(tmp_path / "hf", "tiny")
+    result = hf_to_mcore(src, tmp_path / "mcore", dry_run=True, progress=False)
+    assert result.dry_run and not (tmp_path / "mcore").exists()
+    assert any("linear_qkv.weight  <-  transformer_blocks.0.attn.to_q.weight" in line for line in result.plan)
+    assert len(result.plan) == len(provider.megatron_shapes("tiny"))
+
+
+# --------------------------------------------------------------------------------------------- bad input
+
+
+def _state(config="tiny") -> dict[str, torch.Tensor]:
+    return {k: v.contiguous() for k, v in diffusers_model(config).state_dict().items()}
+
+
+def _bad_sources(tmp: Path) -> dict[str, tuple[Path, str]]:
+    """Each bad diffusers folder and the text its error must contain."""
+    cfg = _class_config("tiny")
+    out = {}
+    state = _state()
+    missing = dict(state)
+    missing.pop("transformer_blocks.1.attn.to_k.weight")
+    out["missing"] = (write_raw(tmp / "missing", cfg, missing),
+                      "missing tensors.*transformer_blocks.1.attn.to_k.weight")
+    extra = dict(state, **{"transformer_blocks.0.attn.extra.weight": torch.zeros(2)})
+    out["extra"] = (write_raw(tmp / "extra", cfg, extra), "unexpected tensors.*transformer_blocks.0.attn.extra.weight")
+    shape = dict(state, **{"proj_out.weight": torch.zeros(3, 64)})
+    out["shape"] = (write_raw(tmp / "shape", cfg, shape), r"proj_out.weight in .* has shape \(3, 64\)")
+    out["family"] = (write_raw(tmp / "family", dict(cfg, _class_name="FluxTransformer2DModel"), state),
+                     "unknown model family.*FluxTransformer2DModel")
+    trunc = write_raw(tmp / "truncated", cfg, state)
+    f = trunc / "diffusion_pytorch_model.safetensors"
+    f.write_bytes(f.read_bytes()[:-100])
+    out["truncated"] = (trunc, "truncated safetensors file .*diffusion_pytorch_model.safetensors")
+    out["variant"] = (write_raw(tmp / "variant", dict(cfg, guidance_embeds=True), state), "guidance_embeds")
+    return out
+
+
+def test_bad_diffusers_inputs(tmp_path: Path) -> None:
+    sources = _bad_sources(tmp_path / "src")
+    out_parent = tmp_path / "out"
+    out_parent.mkdir()
+    for name, (src, message) in sources.items():
+        with pytest.raises(CheckpointError, match=message):
+            hf_to_mcore(src, out_parent / name, progress=False)
+        assert _listing(out_parent) == [], name  # neither output nor temporary folder
+
+
+def test_bad_outputs(tmp_path: Path) -> None:
+    src = write_diffusers(tmp_path / "hf", "tiny")
+    full = tmp_path / "full"
+    full.mkdir()
+    (full / "keep.txt").write_text("x")
+    with pytest.raises(CheckpointError, match="full is not empty"):
+        hf_to_mcore(src, full, progress=False)
+    assert _listing(full) == ["keep.txt"]
+    blocker = tmp_path / "a_file"
+    blocker.write_text("x")
+    with pytest.raises(CheckpointError, match="a_file is not a folder"):
+        hf_to_mcore(src, blocker / "out", progress=False)
+    with pytest.raises(CheckpointError, match="parent folder .* does not exist"):
+        hf_to_mcore(src, tmp_path / "no" / "such" / "out", progress=False)
+    with pytest.raises(CheckpointError, match="unknown dtype"):
+        hf_to_mcore(src, tmp_path / "x", dtype="int8", progress=False)
+    empty = tmp_path / "empty"
+    empty.mkdir()  # an existing empty folder is a valid target
+    hf_to_mcore(src, empty, progress=False)
+    assert (empty / "metadata.json").is_file()
+    assert _listing(tmp_path) == ["a_file", "empty", "full", "hf"]
+
+
+def test_bad_megatron_inputs(tmp_path: Path) -> None:
+    src = write_diffusers(tmp_path / "hf", "tiny")
+    hf_to_mcore(src, tmp_path / "good", progress=False)
+    shapes = provider.megatron_shapes("tiny")
+    specs = {k: (s, torch.float32) for k, s in shapes.items()}
+    cfg = _class_config("tiny")
+
+    def save(name: str, keep: dict, config: dict) -> Path:
+        path = tmp_path / name
+        path.mkdir()
+        with single_process_group():
+            save_streaming(path, keep, lambda k: torch.zeros(keep[k][0]), content_metadata("qwen_image", config, {}))
+        return path
+
+    missing = save("missing", {k: v for k, v in specs.items() if k != "layers.1.img.linear_fc2.weight"}, cfg)
+    extra = save("extra", dict(specs, **{"layers.9.img.adaln.weight": ((2,), torch.float32)}), cfg)
+    shape = save("shape", specs, dict(cfg, joint_attention_dim=cfg["joint_attention_dim"] + 8))
+    trunc = tmp_path / "truncated"
+    trunc.mkdir()
+    for f in (tmp_path / "good").iterdir():
+        data = f.read_bytes()
+        (trunc / f.name).write_bytes(data[: len(data) // 2] if f.suffix == ".distcp" else data)
+    plain = tmp_path / "plain"
+    plain.mkdir()
+    cases = {
+        missing: "missing tensors.*layers.1.img.linear_fc2.weight",
+        extra: "unexpected tensors.*layers.9.img.adaln.weight",
+        shape: r"txt_norm.weight has shape \(24,\), the config implies \(32,\)",
+        trunc: "cannot read tensors .* truncated",
+        plain: "not a Megatron distributed checkpoint",
+    }
+    out_parent = tmp_path / "out"
+    out_parent.mkdir()
+    for ckpt, message in cases.items():
+        with pytest.raises(CheckpointError, match=message):
+            mcore_to_hf(ckpt, out_parent / ckpt.name, progress=False)
+        assert _listing(out_parent) == [], ckpt.name
+
+    # A training checkpoint also holds optimizer state: outside the model's names, so not "unexpected".
+    trained = save("trained", dict(specs, **{"optimizer.state.exp_avg.img_in.weight": (shapes["img_in.weight"],
+                                                                                      torch.float32)}), cfg)
+    mcore_to_hf(trained, tmp_path / "exported", progress=False)
+    assert len(tensor_hashes(tmp_path / "exported")) == len(tensor_hashes(src))
+
+    other = write_diffusers(tmp_path / "other", random_config(3))
+    pipe = tmp_path / "pipe"
+    pipe.mkdir()
+    (pipe / "model_index.json").write_text(json.dumps({"transformer": ["diffusers", "QwenImageTransformer2DModel"]}))
+    other.rename(pipe / "transformer")
+    with pytest.raises(CheckpointError, match="differs from the checkpoint"):
+        mcore_to_hf(tmp_path / "good", out_parent / "pipe", pipeline_source=pipe, progress=False)
+    with pytest.raises(CheckpointError, match="not a pipeline folder"):
+        mcore_to_hf(tmp_path / "good", out_parent / "pipe", pipeline_source=src, progress=False)
+    assert _listing(out_parent) == []
