@@ -190,7 +190,7 @@ class FlowGRPOTrainer:
         }
         total = sum(t.values())
         metrics["time_step"] = total
-        metrics["images_per_s"] = len(all_rewards) / total / max(1, self.groups.layout.model_parallel_size)
+        metrics["images_per_s_per_rank"] = len(all_rewards) / total / self.groups.layout.world_size
         return StepResult(metrics=metrics, trajectory=traj, rewards=local_rewards)
 
     def _gather_rewards(self, rewards: torch.Tensor, gid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:

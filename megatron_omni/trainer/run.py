@@ -6,7 +6,6 @@ import json
 import os
 from pathlib import Path
 
-import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
@@ -23,7 +22,7 @@ from megatron_omni.trainer.flowgrpo import FlowGRPOTrainer
 from megatron_omni.trainer.metrics import MetricsWriter, read_history, save_image_grid, save_reward_curve
 from megatron_omni.trainer.rewards import RewardFunction
 
-SHOWN = ("reward_mean", "clipfrac", "approx_kl", "grad_norm", "images_per_s")
+SHOWN = ("reward_mean", "clipfrac", "approx_kl", "grad_norm", "images_per_s_per_rank")
 
 
 def prepare_pipeline(cfg: JobConfig, run_dir: Path) -> Path:
@@ -104,7 +103,3 @@ def run(cfg: JobConfig) -> dict:
     dist.barrier()
     return summary
 
-
-def model_state(trainer: FlowGRPOTrainer) -> dict[str, torch.Tensor]:
-    """A copy of this rank's parameters (tests compare runs with it)."""
-    return {k: v.detach().clone() for k, v in trainer.model.state_dict().items() if torch.is_tensor(v)}
