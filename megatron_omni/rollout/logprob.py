@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from megatron_omni.algorithms.sde import sde_step
+from megatron_omni.algorithms.sde import SdeStepOutput, sde_step
 from megatron_omni.rollout.base import Trajectory
 from megatron_omni.rollout.velocity import VelocityModel, guided_velocity
 
@@ -19,6 +19,40 @@ class Recomputed:
     log_probs: torch.Tensor
     std: torch.Tensor
     means: torch.Tensor | None
+
+
+def transition_step(
+    traj: Trajectory, model: VelocityModel, rows: torch.Tensor, j: int, dtype: torch.dtype = torch.float32
+) -> SdeStepOutput:
+    """The SDE transition of window step `j` for samples `rows` [B] under `model`, evaluated at the stored
+    next latents (log_prob [B], mean and std); differentiable when called with grad enabled."""
+    idx = traj.step_indices.to(traj.latents.device)[rows, j]
+    sig = traj.sigmas[rows]
+    sigma = sig.gather(1, idx[:, None]).squeeze(1)
+    sigma_next = sig.gather(1, (idx + 1)[:, None]).squeeze(1)
+    neg = traj.negative_prompt_embeds
+    v = guided_velocity(
+        model,
+        traj.latents[rows, j],
+        sigma,
+        traj.prompt_embeds[rows],
+        traj.prompt_embeds_mask[rows],
+        traj.img_shape,
+        guidance_scale=traj.guidance_scale[rows],
+        negative_embeds=None if neg is None else neg[rows],
+        negative_mask=None if neg is None else traj.negative_prompt_embeds_mask[rows],
+        dtype=dtype,
+    )
+    return sde_step(
+        traj.latents[rows, j],
+        v,
+        sigma,
+        sigma_next,
+        traj.noise_level,
+        traj.sde_type,
+        sigma_after_one=sig[:, 1],
+        next_latents=traj.next_latents[rows, j],
+    )
 
 
 def recompute_log_probs(
@@ -45,40 +79,13 @@ def recompute_log_probs(
         raise ValueError("trajectory has no window steps (an ODE rollout records no transitions)")
     bs = batch_size or n
     device = traj.latents.device
-    steps = traj.step_indices.to(device)
     log_probs = torch.empty(n, w, dtype=torch.float32, device=device)
     stds = torch.empty(n, w, dtype=torch.float32, device=device)
     means = torch.empty_like(traj.latents) if return_means else None
     for j in range(w):
         for lo in range(0, n, bs):
-            rows = slice(lo, min(n, lo + bs))
-            idx = steps[rows, j]
-            sig = traj.sigmas[rows]
-            sigma = sig.gather(1, idx[:, None]).squeeze(1)
-            sigma_next = sig.gather(1, (idx + 1)[:, None]).squeeze(1)
-            neg = traj.negative_prompt_embeds
-            v = guided_velocity(
-                model,
-                traj.latents[rows, j],
-                sigma,
-                traj.prompt_embeds[rows],
-                traj.prompt_embeds_mask[rows],
-                traj.img_shape,
-                guidance_scale=traj.guidance_scale[rows],
-                negative_embeds=None if neg is None else neg[rows],
-                negative_mask=None if neg is None else traj.negative_prompt_embeds_mask[rows],
-                dtype=dtype,
-            )
-            out = sde_step(
-                traj.latents[rows, j],
-                v,
-                sigma,
-                sigma_next,
-                traj.noise_level,
-                traj.sde_type,
-                sigma_after_one=sig[:, 1],
-                next_latents=traj.next_latents[rows, j],
-            )
+            rows = torch.arange(lo, min(n, lo + bs), device=device)
+            out = transition_step(traj, model, rows, j, dtype=dtype)
             log_probs[rows, j] = out.log_prob
             stds[rows, j] = out.coeffs.std
             if means is not None:

@@ -23,7 +23,6 @@ from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
 from megatron_omni.algorithms.advantages import group_advantages
 from megatron_omni.algorithms.loss import flowgrpo_loss
-from megatron_omni.algorithms.sde import sde_step
 from megatron_omni.bridge import DiffusersTarget, WeightSync
 from megatron_omni.bridge.qwen_image import megatron_sources, qwen_image_plan
 from megatron_omni.models.dit.diffusers_interface import DiffusersForward
@@ -31,8 +30,7 @@ from megatron_omni.parallel.groups import ParallelGroups
 from megatron_omni.parallel.platform import seed_everything
 from megatron_omni.rollout.base import SamplingParams, Trajectory
 from megatron_omni.rollout.diffusers_engine import DiffusersRolloutEngine
-from megatron_omni.rollout.logprob import recompute_log_probs
-from megatron_omni.rollout.velocity import guided_velocity
+from megatron_omni.rollout.logprob import recompute_log_probs, transition_step
 from megatron_omni.trainer.config import JobConfig
 from megatron_omni.trainer.rewards import RewardFunction
 from model_providers.qwen_image import provider
@@ -123,20 +121,7 @@ class FlowGRPOTrainer:
 
     def _log_probs(self, traj: Trajectory, rows: torch.Tensor, j: int) -> torch.Tensor:
         """Log-probs [B] of window step j for samples `rows` under the current model (with grad)."""
-        idx = traj.step_indices[rows, j]
-        sig = traj.sigmas[rows]
-        sigma = sig.gather(1, idx[:, None]).squeeze(1)
-        sigma_next = sig.gather(1, (idx + 1)[:, None]).squeeze(1)
-        neg = traj.negative_prompt_embeds
-        v = guided_velocity(
-            self.velocity, traj.latents[rows, j], sigma, traj.prompt_embeds[rows], traj.prompt_embeds_mask[rows],
-            traj.img_shape, guidance_scale=traj.guidance_scale[rows],
-            negative_embeds=None if neg is None else neg[rows],
-            negative_mask=None if neg is None else traj.negative_prompt_embeds_mask[rows],
-        )
-        out = sde_step(traj.latents[rows, j], v, sigma, sigma_next, traj.noise_level, traj.sde_type,
-                       sigma_after_one=sig[:, 1], next_latents=traj.next_latents[rows, j])
-        return out.log_prob
+        return transition_step(traj, self.velocity, rows, j).log_prob
 
     def _grads_finite(self) -> bool:
         ok = torch.tensor([1.0])
