@@ -1,13 +1,16 @@
 """How much of the reward time the streaming client hides behind rollout (issue 7).
 
 Rollout: a denoising loop (10-step Euler ODE, the Qwen-Image recipe's step count) of diffusers'
-`QwenImageTransformer2DModel` in a small configuration (4 layers, 4 heads x 32, joint_attention_dim 64,
-in_channels 64 = 2x2 patches of 16 latent channels, RoPE axes (8, 12, 12)), one sample at a time, on one
-torch thread. The Megatron model is not ready yet, so this stands in for "a rollout of the small preset".
-Each final latent becomes an RGB image deterministically: a fixed random 16->3 projection, upsampled, with
-the word the prompt asks for rendered into it, so the OCR reader has real text to read.
+`QwenImageTransformer2DModel` at the `small` preset (model_providers/qwen_image/presets.py), one sample at a
+time, on one torch thread. Each final latent becomes an RGB image deterministically: a fixed random 16->3
+projection, upsampled, with the word the prompt asks for rendered into it, so the OCR reader has real text
+to read (an untrained model draws none).
 
 Reward: the OCR scorer in a reward server in its own process (1 worker, 1 thread), over HTTP.
+
+Resources: the reward runs on its own device, as on the GPU clusters (reward GPUs apart from the training
+GPUs). On CPU that is its own core: with 2 or more CPUs this process (rollout) is pinned to the first and
+the server (`--cpus`) to the others; `--no-pin` shares all cores between them.
 
 Two ways to run the same step, interleaved over several runs (median reported):
 - synchronous: generate all images, then score them all (step = rollout + reward);
@@ -17,7 +20,7 @@ Printed: both step times, the rollout and reward times of the synchronous step, 
 min(rollout, reward) / (rollout + reward), the achieved saving (sync - overlapped) / sync, and LAST the
 achieved fraction of the ideal (target >= 0.8), from the median step times.
 
-    HF_HUB_OFFLINE=1 .venv/bin/python benchmarks/reward_overlap.py [--samples 16] [--runs 7]
+    HF_HUB_OFFLINE=1 .venv/bin/python benchmarks/reward_overlap.py [--samples 16] [--runs 7] [--no-pin]
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ from tqdm import tqdm
 
 from megatron_omni.reward.client import RewardClient
 from megatron_omni.reward.launcher import RewardServerProcess
+from model_providers.qwen_image.presets import preset
 
 WORDS = ["HELLO", "OPEN", "SALE", "CAFE", "TAXI", "HOTEL", "BOOKS", "EXIT", "PIZZA", "BANK", "ZOO", "GYM"]
 LATENT_CHANNELS = 16
@@ -46,20 +50,13 @@ class TinyRollout:
 
     def __init__(self, *, image_size: int, latent_size: int, steps: int, seed: int = 0):
         torch.manual_seed(seed)
-        self.model = QwenImageTransformer2DModel(
-            patch_size=2,
-            in_channels=4 * LATENT_CHANNELS,
-            out_channels=LATENT_CHANNELS,
-            num_layers=4,
-            attention_head_dim=32,
-            num_attention_heads=4,
-            joint_attention_dim=64,
-            axes_dims_rope=(8, 12, 12),
-        ).eval()
+        config = preset("small")
+        assert config["out_channels"] == LATENT_CHANNELS
+        self.model = QwenImageTransformer2DModel(**config).eval()
         self.image_size, self.latent_size, self.steps = image_size, latent_size, steps
         g = torch.Generator().manual_seed(seed + 1)
         self.to_rgb = torch.randn(3, LATENT_CHANNELS, generator=g) / LATENT_CHANNELS**0.5
-        self.text = {w: torch.randn(1, TEXT_TOKENS, 64, generator=g) for w in WORDS}
+        self.text = {w: torch.randn(1, TEXT_TOKENS, config["joint_attention_dim"], generator=g) for w in WORDS}
         self.font = ImageFont.truetype("DejaVuSans-Bold.ttf", max(10, image_size // 6))
 
     @torch.no_grad()
@@ -117,11 +114,19 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=10, help="denoising steps per image")
     p.add_argument("--image-size", type=int, default=128)
     p.add_argument("--latent-size", type=int, default=16, help="latent side (tokens = (side/2)^2)")
+    p.add_argument("--no-pin", action="store_true", help="let the rollout and the reward server share all CPUs")
     a = p.parse_args()
-    torch.set_num_threads(1)  # two cores: one for the rollout, one for the reward worker
+    torch.set_num_threads(1)  # one core for the rollout, one for the reward worker
+    cpus = sorted(os.sched_getaffinity(0))
+    extra_args = []
+    if not a.no_pin and len(cpus) >= 2:
+        extra_args = ["--cpus", ",".join(map(str, cpus[1:]))]
+        print(f"rollout pinned to CPU {cpus[0]}, reward server to CPUs {cpus[1:]}")
 
     rollout = TinyRollout(image_size=a.image_size, latent_size=a.latent_size, steps=a.steps)
-    with RewardServerProcess("ocr", workers=1, max_queue=4 * a.samples, max_batch=16) as srv:
+    with RewardServerProcess("ocr", workers=1, max_queue=4 * a.samples, max_batch=16, extra_args=extra_args) as srv:
+        if extra_args:
+            os.sched_setaffinity(0, {cpus[0]})  # after the server started: it must not inherit this
         with RewardClient(srv.url, timeout_s=300) as client:
             sync_step(rollout, client, 2)  # warm both sides (first forward, first OCR, connections)
             ts, rs, ws, to, ro = [], [], [], [], []

@@ -2,7 +2,10 @@
 
     python -m megatron_omni.reward.server --scorer ocr [--host 127.0.0.1] [--port 8000] [--workers 1]
         [--devices type:0,type:1] [--max-queue 256] [--max-batch 16] [--batch-wait-ms 0] [--timeout 60]
-        [--token T | env REWARD_SERVER_TOKEN] [--scorer-kwargs JSON] [--port-file PATH]
+        [--token T | env REWARD_SERVER_TOKEN] [--scorer-kwargs JSON] [--port-file PATH] [--cpus 1]
+
+`--cpus` pins the server and its CPU workers to their own cores (the CPU form of "the reward on its own
+GPUs"): without it, a rollout and an OCR worker on the same cores slow each other and overlap saves less.
 
 API (JSON):
 - GET /health -> 200 {"status": "ok", "scorer", "workers", "pending", "max_queue", "stats"} once every
@@ -59,6 +62,7 @@ class ServerConfig:
     batch_wait_s: float = 0.0
     timeout_s: float = 60.0
     token: str | None = None
+    cpus: set[int] | None = None  # pin the server and its workers (workers inherit the affinity)
     max_body_bytes: int = 64 * 1024 * 1024
 
 
@@ -278,6 +282,8 @@ class RewardServer:
 
 async def serve(cfg: ServerConfig, port_file: str | None = None) -> None:
     """Run the server until SIGTERM/SIGINT; writes the bound port to `port_file` (atomically) if given."""
+    if cfg.cpus:
+        os.sched_setaffinity(0, cfg.cpus)  # before the workers start (at app startup): they inherit it
     server = RewardServer(cfg)
     stop = asyncio.Event()
     server.on_fatal = stop.set
@@ -318,6 +324,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[ServerConfig, str | None]
         "--devices", default=None, help="comma-separated devices, one worker each (e.g. 'type:0,type:1')"
     )
     p.add_argument("--threads", type=int, default=1, help="compute threads per worker")
+    p.add_argument("--cpus", default=None, help="pin the server and its workers to these CPUs ('1', '2-5,7')")
     p.add_argument("--max-queue", type=int, default=256, help="items admitted and not yet answered")
     p.add_argument("--max-batch", type=int, default=16, help="items per scorer call")
     p.add_argument("--batch-wait-ms", type=float, default=0.0, help="linger to grow a batch when idle")
@@ -334,6 +341,12 @@ def parse_args(argv: list[str] | None = None) -> tuple[ServerConfig, str | None]
     if scorer.lstrip().startswith("{"):
         scorer = json.loads(scorer)
     devices = [d.strip() for d in a.devices.split(",") if d.strip()] if a.devices else None
+    cpus = None
+    if a.cpus is not None:
+        try:
+            cpus = parse_cpu_list(a.cpus)
+        except ValueError as exc:
+            p.error(str(exc))
     if a.host not in (LOOPBACK, "localhost", "::1") and not a.token:
         print(
             f"reward server: WARNING binding {a.host} without --token: anyone who can reach it can use it",
@@ -353,8 +366,23 @@ def parse_args(argv: list[str] | None = None) -> tuple[ServerConfig, str | None]
         batch_wait_s=a.batch_wait_ms / 1000.0,
         timeout_s=a.timeout,
         token=a.token,
+        cpus=cpus,
     )
     return cfg, a.port_file
+
+
+def parse_cpu_list(spec: str) -> set[int]:
+    """'2-5,7' -> {2, 3, 4, 5, 7}; every CPU must be one this process may run on."""
+    cpus: set[int] = set()
+    for part in spec.split(","):
+        lo, dash, hi = part.strip().partition("-")
+        if not lo.isdigit() or (dash and not hi.isdigit()):
+            raise ValueError(f"--cpus {spec!r}: expected CPU numbers like '1' or '2-5,7'")
+        cpus.update(range(int(lo), int(hi or lo) + 1))
+    allowed = os.sched_getaffinity(0)
+    if not cpus or not cpus <= allowed:
+        raise ValueError(f"--cpus {spec!r}: CPUs {sorted(cpus - allowed)} are not available (have {sorted(allowed)})")
+    return cpus
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import os
 import time
 
 import aiohttp
 import numpy as np
+import psutil
 import pytest
 from PIL import Image, ImageDraw, ImageFont
 
@@ -155,8 +157,12 @@ def test_malformed_requests_get_4xx_with_message(reward_ocr_server: RewardServer
     assert status == 200 and data["rewards"][0] >= 0.95
 
 
-def test_bearer_token_auth() -> None:
-    with RewardServerProcess("jpeg_compressibility", token="s3cret") as srv:
+def test_bearer_token_auth_and_cpu_pinning() -> None:
+    cpu = max(os.sched_getaffinity(0))
+    with RewardServerProcess("jpeg_compressibility", token="s3cret", extra_args=["--cpus", str(cpu)]) as srv:
+        server = psutil.Process(srv.proc.pid)
+        workers = server.children(recursive=True)
+        assert workers and all(p.cpu_affinity() == [cpu] for p in [server, *workers])
         img = Image.new("RGB", (32, 32), "gray")
         for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "s3cret"}):
             status, data, _ = post(srv.url, {"items": [item(img, "")]}, headers=headers)

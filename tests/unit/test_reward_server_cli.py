@@ -37,3 +37,17 @@ def test_bad_scorer_kwargs_exit(capsys: pytest.CaptureFixture) -> None:
     with pytest.raises(SystemExit):
         parse_args(["--scorer", "ocr", "--scorer-kwargs", "[1]"])
     assert "JSON object" in capsys.readouterr().err
+
+
+def test_cpus_pin_list() -> None:
+    first = min(__import__("os").sched_getaffinity(0))
+    cfg, _ = parse_args(["--scorer", "ocr", "--cpus", f"{first}-{first},{first}"])
+    assert cfg.cpus == {first}
+    assert parse_args(["--scorer", "ocr"])[0].cpus is None
+
+
+@pytest.mark.parametrize("spec", ["x", "1-", "99999", ""])
+def test_bad_cpus_exit(spec: str, capsys: pytest.CaptureFixture) -> None:
+    with pytest.raises(SystemExit) as exc:
+        parse_args(["--scorer", "ocr", "--cpus", spec])
+    assert exc.value.code == 2 and "--cpus" in capsys.readouterr().err
