@@ -3,9 +3,12 @@ diffusers implementation of the same step written here the way flow_grpo does it
 a batched SDE sampling loop, per-step log-probs, torch AdamW with grad clipping).
 
 Same pipeline (the `small` transformer, ~10M parameters), same prompts, group size, sampling steps,
-window, mini-batches and reward (JPEG compressibility), in one process. Prints the median step time of
-each side over several steps and, last, the ratio ours/reference in images/s (target >= 1.0).
-Usage: python benchmarks/train_step.py [--steps 4] [--size 64]
+window, mini-batches and reward (JPEG compressibility), same torch thread count, in one process. After
+warm-up steps, the two sides alternate (which one goes first alternates too, so drift in the machine's load
+hits both); each pair gives a ratio, and the script prints each side's median step time with its spread,
+both sides' phases, and, last, the median of the per-pair ratios ours/reference in images/s (target >= 1.0)
+with its spread. On a shared machine the spread is the honest error bar.
+Usage: python benchmarks/train_step.py [--runs 5] [--warmup 1] [--threads 2] [--size 64]
 """
 
 from __future__ import annotations
@@ -74,7 +77,9 @@ class ReferenceFlowGRPO:
             torch.tensor(2 * torch.pi))
         return prev, lp.mean(dim=(1, 2))
 
-    def step(self, step: int) -> int:
+    def step(self, step: int) -> dict[str, float]:
+        """One RL step; returns its phase times (s)."""
+        t, t0 = {}, time.perf_counter()
         cfg, r = self.cfg, self.cfg.rollout
         prompts = [PROMPTS[(step * r.prompts_per_step + i) % len(PROMPTS)] for i in range(r.prompts_per_step)]
         prompts = [p for p in prompts for _ in range(r.group_size)]
@@ -103,7 +108,11 @@ class ReferenceFlowGRPO:
                 self.pipe._unpack_latents(lat, r.height, r.width, self.pipe.vae_scale_factor).to(self.pipe.vae.dtype),
                 return_dict=False)[0][:, :, 0]
             images = (images / 2 + 0.5).clamp(0, 1)
+        t["rollout"] = time.perf_counter() - t0
+        t0 = time.perf_counter()
         rewards = jpeg_reward(images)
+        t["reward"] = time.perf_counter() - t0
+        t0 = time.perf_counter()
         g = rewards.view(-1, r.group_size)
         adv = ((g - g.mean(1, keepdim=True)) / (rewards.std() + 1e-4)).clamp(-5, 5).flatten()
         for rows in torch.randperm(n).chunk(cfg.optim.mini_batches):
@@ -120,16 +129,25 @@ class ReferenceFlowGRPO:
                 (loss / len(rec)).backward()
             torch.nn.utils.clip_grad_norm_(self.tr.parameters(), cfg.optim.clip_grad)
             self.opt.step()
-        return n
+        t["train"] = time.perf_counter() - t0
+        return t
+
+
+def _spread(values: list[float]) -> str:
+    """median [min..max] of a list of timings or ratios."""
+    return f"{statistics.median(values):.3f} [{min(values):.3f}..{max(values):.3f}]"
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument("--runs", type=int, default=5, help="measured step pairs (ours, reference)")
+    ap.add_argument("--warmup", type=int, default=1, help="unmeasured step pairs first")
+    ap.add_argument("--threads", type=int, default=None, help="torch threads for both sides (default: torch's)")
     ap.add_argument("--size", type=int, default=64)
     args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     os.environ.update(RANK="0", WORLD_SIZE="1")
-    os.environ.setdefault("MASTER_PORT", "29581")
     platform.init_distributed()
     from megatron_omni.parallel import ParallelLayout, build_parallel_groups
     from megatron_omni.trainer.flowgrpo import FlowGRPOTrainer
@@ -139,34 +157,48 @@ def main() -> None:
         folder = make_tiny_pipeline(Path(tmp) / "small", seed=0, config=TinyPipelineConfig(SMALL_TRANSFORMER))
         cfg = JobConfig(prompts=PROMPTS, run_dir=str(Path(tmp) / "run"))
         cfg.rollout.height = cfg.rollout.width = args.size
-        cfg.rollout.window_range = [0, cfg.rollout.window_size]  # the reference trains the first window
         cfg.rollout.window_size = 2
+        cfg.rollout.window_range = [0, cfg.rollout.window_size]  # the reference trains the first window
         # flow_grpo trains against the log-probs recorded while sampling: the same work is our bypass mode.
         cfg.algorithm.old_logprob = "bypass"
         ours = FlowGRPOTrainer(cfg, build_parallel_groups(ParallelLayout()), folder,
                                RewardFunction("jpeg_compressibility"))
         ref = ReferenceFlowGRPO(folder, cfg)
         n = cfg.rollout.prompts_per_step * cfg.rollout.group_size
+
+        def run_ours(step: int) -> dict[str, float]:
+            metrics = ours.train_step(step).metrics
+            return {k[5:]: v for k, v in metrics.items() if k.startswith("time_") and k != "time_step"}
+
+        sides = {"ours": run_ours, "reference": ref.step}
         times: dict[str, list[float]] = {"ours": [], "reference": []}
-        phases: dict[str, list[float]] = {}
-        for step in tqdm(range(args.steps + 1), desc="RL step pairs", unit="step"):
-            for name, fn in (("ours", ours.train_step), ("reference", ref.step)):
+        phases: dict[str, dict[str, list[float]]] = {"ours": {}, "reference": {}}
+        ratios = []
+        for pair in tqdm(range(args.warmup + args.runs), desc="RL step pairs", unit="pair"):
+            order = ["ours", "reference"] if pair % 2 == 0 else ["reference", "ours"]
+            took = {}
+            for name in order:
                 t0 = time.perf_counter()
-                out = fn(step)
-                if step > 0:  # step 0 warms both up
-                    times[name].append(time.perf_counter() - t0)
-                    if name == "ours":
-                        for k, v in out.metrics.items():
-                            if k.startswith("time_"):
-                                phases.setdefault(k[5:], []).append(v)
-        med = {k: statistics.median(v) for k, v in times.items()}
+                phase = sides[name](pair)
+                took[name] = time.perf_counter() - t0
+                if pair >= args.warmup:
+                    for k, v in phase.items():
+                        phases[name].setdefault(k, []).append(v)
+            if pair >= args.warmup:
+                for name in took:
+                    times[name].append(took[name])
+                ratios.append(took["reference"] / took["ours"])
         print(f"{n} images per step ({cfg.rollout.prompts_per_step} prompts x {cfg.rollout.group_size}), "
               f"{args.size}px, {cfg.rollout.num_steps} sampling steps, window {cfg.rollout.window_size}, "
-              f"{cfg.optim.mini_batches} mini-batches, {torch.get_num_threads()} threads, {args.steps} steps")
-        print("ours by phase (median s): " + ", ".join(f"{k} {statistics.median(v):.2f}" for k, v in phases.items()))
-        print(f"ours      {med['ours']:.2f} s/step  {n / med['ours']:.2f} images/s")
-        print(f"reference {med['reference']:.2f} s/step  {n / med['reference']:.2f} images/s")
-        print(f"ratio ours/reference (images/s): {med['reference'] / med['ours']:.3f}")
+              f"{cfg.optim.mini_batches} mini-batches, {torch.get_num_threads()} threads (both sides), "
+              f"{args.warmup} warm-up + {args.runs} measured pairs, alternating order")
+        for name in ("ours", "reference"):
+            print(f"{name:9s} by phase, median s: "
+                  + ", ".join(f"{k} {statistics.median(v):.3f}" for k, v in phases[name].items()))
+        for name in ("ours", "reference"):
+            print(f"{name:9s} s/step median [min..max] {_spread(times[name])}  "
+                  f"{n / statistics.median(times[name]):.2f} images/s")
+        print(f"ratio ours/reference (images/s), median of pairs [min..max]: {_spread(ratios)}")
     platform.destroy_distributed()
 
 

@@ -2,6 +2,11 @@
 
 Runs under torchrun (every rank runs this) or as one process. The config is resolved and validated against
 the world size before any work starts; a bad field exits non-zero with a message naming it.
+
+`--dry-run` (with WORLD_SIZE = trainer ranks in the environment; the launch scripts' DRY_RUN=1 sets it) stops
+there: it validates the layout against the model, prints the planner's per-GPU memory, predicted step time and
+the weight-sync plan, and exits 0 when the job fits, 2 for an invalid config or layout, 3 when it does not fit
+in GPU memory. Nothing is loaded and no GPU is needed.
 """
 
 from __future__ import annotations
@@ -22,33 +27,82 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--dry-run", action="store_true",
                     help="resolve and validate the config, then print the predicted per-GPU memory and step time")
     ap.add_argument("--gpu", default="H200", help="GPU kind for --dry-run (H200, H800)")
+    ap.add_argument("--gpus-per-node", type=int, default=8,
+                    help="--dry-run: GPUs per node (collectives inside a node use NVLink, across nodes the network)")
+    ap.add_argument("--reward-gpus", type=int, default=0,
+                    help="--dry-run: GPUs the job holds for the reward server (counted in images/s/GPU)")
     return ap.parse_args(argv)
 
 
-def dry_run(cfg, world_size: int, gpu: str) -> None:
-    """Print the planner's report for this job; needs no GPU and loads no weights."""
+def _model_config(cfg) -> tuple[dict, str]:
+    """The transformer's diffusers config for planning and where it came from: the pipeline folder's
+    transformer/config.json when it is at hand, else `model.preset` (so a job can be planned on a laptop)."""
     import json
     from pathlib import Path
 
-    from megatron_omni.parallel.layout import ParallelLayout
-    from megatron_omni.trainer.planner import RolloutSpec, Workload, plan
+    from model_providers.qwen_image.provider import hf_config
 
     if cfg.model.pipeline == "tiny":
         from model_providers.qwen_image.tiny_pipeline import TinyPipelineConfig
 
         tiny = TinyPipelineConfig()
-        model = dict(vars(tiny.transformer), joint_attention_dim=tiny.text_hidden_size)
-        rollout = RolloutSpec(extra_params=0)  # the tiny text encoder and VAE are negligible
-    else:
-        model = json.loads((Path(cfg.model.pipeline) / "transformer" / "config.json").read_text())
-        rollout = RolloutSpec()
+        return dict(vars(tiny.transformer), joint_attention_dim=tiny.text_hidden_size), "tiny pipeline"
+    path = Path(cfg.model.pipeline) / "transformer" / "config.json"
+    if path.exists():
+        model = json.loads(path.read_text())
+        if cfg.model.preset is not None and hf_config(model) != hf_config(cfg.model.preset):
+            raise ConfigError(f"model.preset={cfg.model.preset!r} does not match {path}: "
+                              f"{hf_config(cfg.model.preset)} != {hf_config(model)}")
+        return model, str(path)
+    if cfg.model.preset is None:
+        raise ConfigError(f"model.pipeline={cfg.model.pipeline!r}: no {path} to plan with; point it at a diffusers "
+                          "Qwen-Image folder or set model.preset (e.g. --set model.preset=20b)")
+    try:
+        hf_config(cfg.model.preset)
+    except KeyError as exc:
+        raise ConfigError(f"model.preset: {exc.args[0]}") from None
+    return cfg.model.preset, f"preset {cfg.model.preset!r} ({path} not found here)"
+
+
+def dry_run(cfg, world_size: int, gpu: str, gpus_per_node: int = 8, reward_gpus: int = 0) -> bool:
+    """Print the planner's report and the bridge plan for this job; needs no GPU and loads no weights.
+    Returns whether the plan fits in GPU memory."""
+    from megatron_omni.bridge.qwen_image import qwen_image_plan
+    from megatron_omni.parallel.layout import ParallelLayout
+    from megatron_omni.trainer.planner import Precision, RolloutSpec, Workload, plan
+
+    model, source = _model_config(cfg)
     r, p = cfg.rollout, cfg.parallel
+    # What the trainer does (trainer/flowgrpo.py): the embedded diffusers engine sits on every rank at rollout
+    # tp=1 with the full weights, and every rank rolls out its own share of the images (the ranks of a model
+    # replica split its samples and gather them), so all trainer GPUs split the rollout. The tiny pipeline's
+    # text encoder and VAE are negligible.
+    dp = world_size // (p.tp * p.ulysses * p.ring * p.pp)
+    rollout = RolloutSpec(extra_params=0 if cfg.model.pipeline == "tiny" else RolloutSpec.extra_params)
+    per_replica = r.prompts_per_step * r.group_size // cfg.optim.mini_batches // dp
     workload = Workload(height=r.height, width=r.width, sampling_steps=r.num_steps, window=r.window_size,
                         prompts=r.prompts_per_step, group_size=r.group_size, mini_batches=cfg.optim.mini_batches,
+                        micro_batch_size=cfg.optim.micro_batch_size or max(per_replica, 1),
                         cfg=r.guidance_scale > 1, recompute_old_logprob=cfg.algorithm.old_logprob == "recompute")
     report = plan(model, ParallelLayout(tp=p.tp, ulysses=p.ulysses, ring=p.ring, pp=p.pp), world_size, gpu,
-                  workload, rollout=rollout, recompute=cfg.model.recompute or "none")
+                  workload, rollout=rollout, precision=Precision(distributed_optimizer=cfg.optim.distributed_optimizer),
+                  recompute=cfg.model.recompute or "none", gpus_per_node=gpus_per_node, reward_gpus=reward_gpus)
+    sync = qwen_image_plan(model, trainer_tp=p.tp, trainer_pp=p.pp, rollout_kind="diffusers", rollout_tp=1,
+                           mode="full")
+    elements = sync.numel_per_rollout_rank()[0]
+    print(f"dry run: world size {world_size} trainer ranks + {reward_gpus} reward GPUs, model from {source}")
     print(report.table())
+    print(f"bridge: {len(sync.sources)} Megatron tensors -> {len(sync.params)} rollout parameters (full mode, "
+          f"diffusers engine tp=1), {elements:,} elements = {elements * 2 / 2**30:.2f} GiB bf16 per sync")
+    m = report.memory
+    total = m.total
+    if cfg.algorithm.beta > 0:
+        # The frozen reference model of the KL term: one more copy of this rank's shard (not in the planner's total).
+        reference = report.precision.param_bytes * max(report.stage_parameters)
+        total += reference
+        print(f"KL reference (algorithm.beta={cfg.algorithm.beta:g}): + {reference / 2**30:.1f} GiB per GPU -> "
+              f"{total / 2**30:.1f} GiB of {m.capacity / 2**30:.1f} GiB")
+    return m.fits and total <= m.capacity
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -63,9 +117,14 @@ def main(argv: list[str] | None = None) -> int:
             from megatron_omni.parallel.layout import LayoutError
 
             try:
-                dry_run(cfg, world_size, args.gpu)
+                fits = dry_run(cfg, world_size, args.gpu, args.gpus_per_node, args.reward_gpus)
             except LayoutError as exc:
                 raise ConfigError(f"layout: {exc}") from exc
+            if not fits:
+                print(f"plan error: the layout does not fit in {args.gpu} memory (see 'total' above): raise "
+                      "parallel.tp / parallel.ulysses, set model.recompute=full, or use more GPUs", file=sys.stderr)
+                return 3
+            print("dry run OK: the layout is valid for this world size and fits")
             return 0
     except ConfigError as exc:
         print(f"config error: {exc}", file=sys.stderr)

@@ -32,6 +32,7 @@ class ParallelGroups:
     mcore: ProcessGroupCollection
     ulysses: dist.ProcessGroup
     ring: dist.ProcessGroup
+    replica: dist.ProcessGroup  # the tp x cp x pp ranks that hold one model replica
     grid: HyperCommGrid
     coords: dict[str, int] = field(default_factory=dict)
     rank_lists: dict[str, list[int]] = field(default_factory=dict)
@@ -72,7 +73,10 @@ _GROUP_DIMS: dict[str, list[str]] = {
     "dp_cp": ["ulysses", "ring", "dp"],
     "tp_dp_cp": ["tp", "ulysses", "ring", "dp"],
     "pp": ["pp"],
-    "mp": ["tp", "ulysses", "ring", "pp"],
+    # Megatron's model-parallel group is tp x pp: CP ranks hold replicas of every parameter (their grads are
+    # reduced over dp x cp), so counting them in the grad norm would inflate it by sqrt(cp).
+    "mp": ["tp", "pp"],
+    "replica": ["tp", "ulysses", "ring", "pp"],  # all ranks of one model replica
 }
 
 
@@ -138,6 +142,7 @@ def build_parallel_groups(layout: ParallelLayout) -> ParallelGroups:
         mcore=mcore,
         ulysses=pgs["ulysses"],
         ring=pgs["ring"],
+        replica=pgs["replica"],
         grid=grid,
         coords=layout.coordinates(rank),
         rank_lists=rank_lists,

@@ -10,7 +10,14 @@ necessary by running it, see docs/environment notes):
 - `torch.cuda.synchronize()` in the pipeline p2p code -> a no-op (CPU work is synchronous);
 - the model-parallel RNG tracker and its `_get/_set_cuda_rng_state` helpers -> CPU generator state;
 - `device="cuda"` literals in the causal-mask helpers, the fused-softmax mask and the schedules'
-  token counter -> the CPU device.
+  token counter -> the CPU device;
+- the distributed optimizer sorts parameters by comparing `param.type()` with CUDA tensor type names
+  ('torch.cuda.FloatTensor', ...) and moves its checkpoint gather buffers with `.cuda()` -> the same
+  code with the CPU type names and `.cpu()`; and its model-space ("fully_reshardable") checkpoint load
+  copies every per-parameter state key, which with torch's Adam (no apex/TE here) includes `step`, absent
+  from the checkpoint's tensors (the step travels in the param groups) -> the step is copied onto itself;
+  and its `load_state_dict` gives every parameter's torch-Adam state the SAME `step` tensor, which torch's
+  foreach Adam then increments once per parameter -> each parameter gets its own copy after loading.
 
 The shims are idempotent and only ever applied when CUDA is absent.
 """
@@ -244,6 +251,75 @@ class _TorchCpuProxy(types.ModuleType):
         return attr
 
 
+def _cpu_code_constants(value: Any) -> Any:
+    """A code constant with 'torch.cuda.XTensor' strings renamed 'torch.XTensor'; code objects get the same
+    treatment recursively, plus the attribute name `cuda` renamed `cpu` (see `_rebind_cuda_code`)."""
+    if isinstance(value, str) and value.startswith("torch.cuda.") and value.endswith("Tensor"):
+        return "torch." + value[len("torch.cuda."):]
+    if isinstance(value, tuple):
+        return tuple(_cpu_code_constants(v) for v in value)
+    if isinstance(value, frozenset):
+        return frozenset(_cpu_code_constants(v) for v in value)
+    if isinstance(value, types.CodeType):
+        names = tuple("cpu" if n == "cuda" else n for n in value.co_names)
+        return value.replace(co_consts=tuple(_cpu_code_constants(c) for c in value.co_consts), co_names=names)
+    return value
+
+
+def _rebind_cuda_code(cls: type) -> None:
+    """Methods of `cls` run on CPU tensors: `tensor.type()` compared with 'torch.cuda.FloatTensor' compares
+    with 'torch.FloatTensor', `tensor.cuda()` becomes `tensor.cpu()` and `torch.cuda.current_device()`
+    becomes `torch.cpu.current_device()` ('cpu').
+
+    Only the code's constants and attribute names change (same globals, defaults and closure), so the logic
+    stays Megatron's own. Checked against every use of "cuda" in megatron-core 0.16.1's
+    `optimizer/distrib_optimizer.py` (type names, `current_device()`, one `.cuda()`): renaming attributes
+    is only safe where each `.cuda` use has a `.cpu` counterpart with the same meaning.
+    """
+    for attr, raw in list(vars(cls).items()):
+        wrapper = type(raw) if isinstance(raw, (staticmethod, classmethod)) else None
+        fn = raw.__func__ if wrapper else raw
+        if not isinstance(fn, types.FunctionType) or hasattr(fn, "__wrapped__"):
+            continue
+        code = _cpu_code_constants(fn.__code__)
+        if code == fn.__code__:
+            continue
+        new_fn = types.FunctionType(code, fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
+        new_fn.__kwdefaults__ = fn.__kwdefaults__
+        new_fn.__dict__.update(fn.__dict__)
+        new_fn.__qualname__ = fn.__qualname__
+        new_fn.__wrapped__ = fn  # type: ignore[attr-defined]
+        setattr(cls, attr, wrapper(new_fn) if wrapper else new_fn)
+
+
+def _keep_torch_adam_step(original: Callable) -> Callable:
+    """`DistributedOptimizer._set_main_param_and_optimizer_states` that accepts state without `step`."""
+
+    def _set_main_param_and_optimizer_states(self: Any, model_param: torch.Tensor, tensors: dict) -> None:
+        if "step" not in tensors and not self.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8:
+            group_index, group_order = self.model_param_group_index_map[model_param]
+            state = self.optimizer.state[self.optimizer.param_groups[group_index]["params"][group_order]]
+            if "step" in state:  # load_state_dict has already set it from the param groups
+                tensors = {**tensors, "step": state["step"]}
+        original(self, model_param, tensors)
+
+    _set_main_param_and_optimizer_states.__wrapped__ = original  # type: ignore[attr-defined]
+    return _set_main_param_and_optimizer_states
+
+
+def _untie_torch_adam_steps(original: Callable) -> Callable:
+    """`DistributedOptimizer.load_state_dict` that leaves each parameter its own torch-Adam `step` tensor."""
+
+    def load_state_dict(self: Any, state_dict: dict) -> None:
+        original(self, state_dict)
+        for state in self.optimizer.state.values():
+            if torch.is_tensor(state.get("step")):
+                state["step"] = state["step"].clone()
+
+    load_state_dict.__wrapped__ = original  # type: ignore[attr-defined]
+    return load_state_dict
+
+
 def apply_cpu_shims() -> None:
     """Make Megatron-Core 0.16.1 run on CPU (see the module docstring). Idempotent; CPU only."""
     global _SHIMS_APPLIED
@@ -297,6 +373,16 @@ def apply_cpu_shims() -> None:
             module.clip_grad_by_total_norm_fp32 = _cpu_clip_grad_by_total_norm_fp32
     for module in (clip_grads, mcore_optimizer):
         _rebind_module(module)
+    # The distributed optimizer sorts parameters by their CUDA tensor type name and gathers its state on CUDA.
+    from megatron.core.optimizer import distrib_optimizer
+
+    dist_opt = distrib_optimizer.DistributedOptimizer
+    _rebind_cuda_code(dist_opt)
+    if not hasattr(dist_opt._set_main_param_and_optimizer_states, "__wrapped__"):
+        dist_opt._set_main_param_and_optimizer_states = _keep_torch_adam_step(
+            dist_opt._set_main_param_and_optimizer_states)
+    if not hasattr(dist_opt.load_state_dict, "__wrapped__"):
+        dist_opt.load_state_dict = _untie_torch_adam_steps(dist_opt.load_state_dict)
     # fused_softmax imports the mask helpers by name.
     for name in ("get_default_causal_mask", "get_sliding_window_causal_mask"):
         if hasattr(fused_softmax, name):

@@ -132,6 +132,36 @@ class Trajectory:
                 out[f.name] = value
         return Trajectory(**out)
 
+    @staticmethod
+    def concat(parts: Sequence[Trajectory]) -> Trajectory:
+        """The samples of `parts` in order, as one Trajectory. Text is right-padded (embeddings 0, mask 0)
+        to the longest part's L, which the masked joint attention ignores."""
+        if not parts:
+            raise ValueError("no trajectories to concatenate")
+        first = parts[0]
+        for p in parts[1:]:
+            if (p.img_shape, p.noise_level, p.sde_type) != (first.img_shape, first.noise_level, first.sde_type):
+                raise ValueError("trajectories of different image shapes or SDE settings cannot be concatenated")
+        out: dict[str, Any] = {}
+        for f in fields(first):
+            values = [getattr(p, f.name) for p in parts]
+            if f.name == "prompts":
+                out[f.name] = [x for v in values for x in v]
+            elif f.name.endswith("prompt_embeds") or f.name.endswith("prompt_embeds_mask"):
+                if any(v is None for v in values):
+                    if not all(v is None for v in values):
+                        raise ValueError(f"{f.name} is set in some trajectories and not in others")
+                    out[f.name] = None
+                    continue
+                length = max(v.shape[1] for v in values)
+                out[f.name] = torch.cat([torch.nn.functional.pad(v, (0, 0) * (v.dim() - 2) + (0, length - v.shape[1]))
+                                         for v in values])
+            elif isinstance(values[0], torch.Tensor):
+                out[f.name] = torch.cat(values)
+            else:
+                out[f.name] = values[0]
+        return Trajectory(**out)
+
 
 @dataclass
 class FinishedSample:

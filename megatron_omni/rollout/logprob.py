@@ -1,5 +1,10 @@
 """Recompute a trajectory's log-probs with any velocity model (the trainer's side of the consistency
-check): same guided-velocity code and same SDE step as the rollout, on the stored latents."""
+check): same guided-velocity code and same SDE step as the rollout, on the stored latents.
+
+A transition splits in two halves around the velocity forward: `transition_inputs` (sigmas, the guided
+batch) and `transition_output` (true CFG, SDE step, log-prob). `transition_step` joins them around one
+model call; the trainer's pipeline schedule feeds the first half to its first stage and the second to its
+last stage's output, so both paths run the same math."""
 
 from __future__ import annotations
 
@@ -9,7 +14,7 @@ import torch
 
 from megatron_omni.algorithms.sde import SdeStepOutput, sde_step
 from megatron_omni.rollout.base import Trajectory
-from megatron_omni.rollout.velocity import VelocityModel, guided_velocity
+from megatron_omni.rollout.velocity import GuidedBatch, VelocityModel, forward_rows, guided_batch
 
 
 @dataclass
@@ -21,19 +26,32 @@ class Recomputed:
     means: torch.Tensor | None
 
 
-def transition_step(
-    traj: Trajectory, model: VelocityModel, rows: torch.Tensor, j: int, dtype: torch.dtype = torch.float32
-) -> SdeStepOutput:
-    """The SDE transition of window step `j` for samples `rows` [B] under `model`, evaluated at the stored
-    next latents (log_prob [B], mean and std); differentiable when called with grad enabled."""
+@dataclass
+class TransitionInputs:
+    """What the SDE transition of window step j needs for samples `rows` [B], besides the velocity.
+
+    batch: the velocity forward's rows (CFG rows stacked after the B conditional ones); latents,
+    next_latents [B, S, C] fp32 (x_t and the recorded x_{t+1}); sigma, sigma_next, sigma_after_one [B].
+    """
+
+    batch: GuidedBatch
+    latents: torch.Tensor
+    next_latents: torch.Tensor
+    sigma: torch.Tensor
+    sigma_next: torch.Tensor
+    sigma_after_one: torch.Tensor
+
+
+def transition_inputs(traj: Trajectory, rows: torch.Tensor, j: int) -> TransitionInputs:
+    """Gather window step `j` of samples `rows` [B] from `traj`: sigmas from each sample's own grid and
+    the guided forward's batch (conditional + negative rows, text padded to one length)."""
     idx = traj.step_indices.to(traj.latents.device)[rows, j]
     sig = traj.sigmas[rows]
     sigma = sig.gather(1, idx[:, None]).squeeze(1)
-    sigma_next = sig.gather(1, (idx + 1)[:, None]).squeeze(1)
     neg = traj.negative_prompt_embeds
-    v = guided_velocity(
-        model,
-        traj.latents[rows, j],
+    latents = traj.latents[rows, j]
+    batch = guided_batch(
+        latents,
         sigma,
         traj.prompt_embeds[rows],
         traj.prompt_embeds_mask[rows],
@@ -41,18 +59,39 @@ def transition_step(
         guidance_scale=traj.guidance_scale[rows],
         negative_embeds=None if neg is None else neg[rows],
         negative_mask=None if neg is None else traj.negative_prompt_embeds_mask[rows],
-        dtype=dtype,
     )
+    return TransitionInputs(
+        batch=batch,
+        latents=latents,
+        next_latents=traj.next_latents[rows, j],
+        sigma=sigma,
+        sigma_next=sig.gather(1, (idx + 1)[:, None]).squeeze(1),
+        sigma_after_one=sig[:, 1],
+    )
+
+
+def transition_output(traj: Trajectory, inputs: TransitionInputs, v_all: torch.Tensor) -> SdeStepOutput:
+    """The transition from the forward's raw velocities `v_all` [B + K, S, C] (CFG combined here):
+    log_prob [B] of the recorded next latents, mean [B, S, C] and std [B]."""
     return sde_step(
-        traj.latents[rows, j],
-        v,
-        sigma,
-        sigma_next,
+        inputs.latents,
+        inputs.batch.combine(v_all),
+        inputs.sigma,
+        inputs.sigma_next,
         traj.noise_level,
         traj.sde_type,
-        sigma_after_one=sig[:, 1],
-        next_latents=traj.next_latents[rows, j],
+        sigma_after_one=inputs.sigma_after_one,
+        next_latents=inputs.next_latents,
     )
+
+
+def transition_step(
+    traj: Trajectory, model: VelocityModel, rows: torch.Tensor, j: int, dtype: torch.dtype = torch.float32
+) -> SdeStepOutput:
+    """The SDE transition of window step `j` for samples `rows` [B] under `model`, evaluated at the stored
+    next latents (log_prob [B], mean and std); differentiable when called with grad enabled."""
+    inputs = transition_inputs(traj, rows, j)
+    return transition_output(traj, inputs, forward_rows(model, inputs.batch, dtype))
 
 
 def recompute_log_probs(

@@ -3,12 +3,16 @@
 A velocity model is any callable with the keyword interface of diffusers' `QwenImageTransformer2DModel.
 forward` (hidden_states, encoder_hidden_states, encoder_hidden_states_mask, timestep, img_shapes,
 return_dict=False) returning a tuple whose first item is [B, S, C_out * p^2]: the diffusers transformer
-itself, or the trainer's Megatron model behind an adapter.
+itself, or the trainer's Megatron model behind an adapter. The trainer's pipeline-parallel path cannot call
+one model: it feeds `GuidedBatch.model_inputs` to the first stage and `GuidedBatch.combine` to the last
+stage's output, the same two halves `guided_velocity` joins around one
+`forward_rows`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -44,19 +48,100 @@ def pad_text(embeds: Sequence[torch.Tensor], length: int | None = None) -> tuple
     return out, mask
 
 
-def _forward(model: VelocityModel, latents, text, mask, sigma, img_shape, dtype) -> torch.Tensor:
-    out = model(
-        hidden_states=latents.to(dtype),
-        encoder_hidden_states=text.to(dtype),
-        encoder_hidden_states_mask=mask,
-        timestep=model_timesteps(sigma).to(dtype),
-        img_shapes=[[tuple(img_shape)]] * latents.shape[0],
-        return_dict=False,
+@dataclass
+class GuidedBatch:
+    """The rows one velocity forward runs for a batch of B samples: the B conditional rows, then one
+    negative-prompt row per CFG sample (K of them), text padded to a common length L.
+
+    latents [B + K, S, C] fp32; text [B + K, L, D]; mask [B + K, L]; sigma [B + K];
+    cfg_rows [K] long (which of the B samples run CFG); guidance_scale [B] or None; img_shape (1, h, w).
+    """
+
+    latents: torch.Tensor
+    text: torch.Tensor
+    mask: torch.Tensor
+    sigma: torch.Tensor
+    cfg_rows: torch.Tensor
+    guidance_scale: torch.Tensor | None
+    img_shape: tuple[int, int, int]
+
+    @property
+    def batch(self) -> int:
+        """B, the number of samples (the forward runs B + K rows)."""
+        return self.latents.shape[0] - self.cfg_rows.numel()
+
+    def model_inputs(self, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+        """The forward's tensors in the model's compute dtype: hidden_states [B + K, S, C],
+        encoder_hidden_states [B + K, L, D], encoder_hidden_states_mask [B + K, L], timestep [B + K]."""
+        return dict(
+            hidden_states=self.latents.to(dtype),
+            encoder_hidden_states=self.text.to(dtype),
+            encoder_hidden_states_mask=self.mask,
+            timestep=model_timesteps(self.sigma).to(dtype),
+        )
+
+    def combine(self, v_all: torch.Tensor) -> torch.Tensor:
+        """[B + K, S, C] velocities of the forward's rows -> [B, S, C] fp32 guided velocity (true CFG)."""
+        if v_all.shape != self.latents.shape:
+            raise ValueError(f"velocity model returned {tuple(v_all.shape)} for latents {tuple(self.latents.shape)}")
+        v_all = v_all.float()
+        b = self.batch
+        if self.cfg_rows.numel() == 0:
+            return v_all
+        v = v_all[:b].clone()
+        v[self.cfg_rows] = true_cfg(v_all[self.cfg_rows], v_all[b:], self.guidance_scale[self.cfg_rows])
+        return v
+
+
+def guided_batch(
+    latents: torch.Tensor,
+    sigma: torch.Tensor,
+    prompt_embeds: torch.Tensor,
+    prompt_mask: torch.Tensor,
+    img_shape: tuple[int, int, int],
+    guidance_scale: torch.Tensor | None = None,
+    negative_embeds: torch.Tensor | None = None,
+    negative_mask: torch.Tensor | None = None,
+) -> GuidedBatch:
+    """Stack the conditional rows and the negative rows of the CFG samples into one forward's batch
+    (arguments as for `guided_velocity`)."""
+    cfg_rows = (
+        torch.nonzero(guidance_scale > 1).flatten() if guidance_scale is not None else torch.zeros(0, dtype=torch.long)
     )
-    v = out[0] if isinstance(out, tuple | list) else out
-    if v.shape != latents.shape:
-        raise ValueError(f"velocity model returned {tuple(v.shape)} for latents {tuple(latents.shape)}")
-    return v.float()
+    if cfg_rows.numel() == 0:
+        return GuidedBatch(latents, prompt_embeds, prompt_mask, sigma, cfg_rows, guidance_scale, tuple(img_shape))
+    if negative_embeds is None or negative_mask is None:
+        raise ValueError("guidance_scale > 1 needs negative prompt embeddings")
+    length = max(prompt_embeds.shape[1], negative_embeds.shape[1])
+
+    def _pad(t: torch.Tensor, m: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        extra = length - t.shape[1]
+        if extra == 0:
+            return t, m
+        return (
+            torch.cat([t, t.new_zeros(t.shape[0], extra, t.shape[2])], dim=1),
+            torch.cat([m, m.new_zeros(m.shape[0], extra)], dim=1),
+        )
+
+    pos_t, pos_m = _pad(prompt_embeds, prompt_mask)
+    neg_t, neg_m = _pad(negative_embeds[cfg_rows], negative_mask[cfg_rows])
+    return GuidedBatch(
+        latents=torch.cat([latents, latents[cfg_rows]]),
+        text=torch.cat([pos_t, neg_t]),
+        mask=torch.cat([pos_m, neg_m]),
+        sigma=torch.cat([sigma, sigma[cfg_rows]]),
+        cfg_rows=cfg_rows,
+        guidance_scale=guidance_scale,
+        img_shape=tuple(img_shape),
+    )
+
+
+def forward_rows(model: VelocityModel, batch: GuidedBatch, dtype: torch.dtype) -> torch.Tensor:
+    """One forward of `model` (diffusers' keyword interface) over the batch's B + K rows -> raw [B + K, S, C]
+    velocities (combine them with `batch.combine`)."""
+    out = model(**batch.model_inputs(dtype), img_shapes=[[tuple(batch.img_shape)]] * batch.latents.shape[0],
+                return_dict=False)
+    return out[0] if isinstance(out, tuple | list) else out
 
 
 def guided_velocity(
@@ -89,36 +174,6 @@ def guided_velocity(
     Returns:
         [B, S, C] float32 velocity.
     """
-    b = latents.shape[0]
-    cfg_rows = (
-        torch.nonzero(guidance_scale > 1).flatten() if guidance_scale is not None else torch.zeros(0, dtype=torch.long)
-    )
-    if cfg_rows.numel() == 0:
-        return _forward(model, latents, prompt_embeds, prompt_mask, sigma, img_shape, dtype)
-    if negative_embeds is None or negative_mask is None:
-        raise ValueError("guidance_scale > 1 needs negative prompt embeddings")
-    length = max(prompt_embeds.shape[1], negative_embeds.shape[1])
-
-    def _pad(t: torch.Tensor, m: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        extra = length - t.shape[1]
-        if extra == 0:
-            return t, m
-        return (
-            torch.cat([t, t.new_zeros(t.shape[0], extra, t.shape[2])], dim=1),
-            torch.cat([m, m.new_zeros(m.shape[0], extra)], dim=1),
-        )
-
-    pos_t, pos_m = _pad(prompt_embeds, prompt_mask)
-    neg_t, neg_m = _pad(negative_embeds[cfg_rows], negative_mask[cfg_rows])
-    v_all = _forward(
-        model,
-        torch.cat([latents, latents[cfg_rows]]),
-        torch.cat([pos_t, neg_t]),
-        torch.cat([pos_m, neg_m]),
-        torch.cat([sigma, sigma[cfg_rows]]),
-        img_shape,
-        dtype,
-    )
-    v = v_all[:b].clone()
-    v[cfg_rows] = true_cfg(v_all[cfg_rows], v_all[b:], guidance_scale[cfg_rows])
-    return v
+    batch = guided_batch(latents, sigma, prompt_embeds, prompt_mask, img_shape, guidance_scale, negative_embeds,
+                         negative_mask)
+    return batch.combine(forward_rows(model, batch, dtype))

@@ -1,10 +1,19 @@
-"""Checkpoint and resume of a training run, atomically: a checkpoint is written into a temporary folder and
-renamed to `step_XXXXXX` only when every rank has finished, so a half-written one is never picked up.
-The last `keep` checkpoints are kept.
+"""Training checkpoints in Megatron-Core's distributed checkpoint format (torch_dist), written atomically.
 
-Each rank saves its own model shard, optimizer and scheduler state, RNG states (CPU generator, Python,
-NumPy) and the step; rank 0 adds the metric history. Resume needs the same parallel layout (a layout
-change goes through the checkpoint converter's Megatron distributed checkpoint instead).
+A checkpoint is one `dist_checkpointing` folder, `checkpoints/step_XXXXXX`, holding
+- the model: every parameter as a `ShardedTensor` under its global Megatron name (the converter's format,
+  so `mcore-to-hf` and `inspect` read a training checkpoint too), with the content metadata;
+- the optimizer: Megatron's `optimizer.sharded_state_dict(model_sharded_state_dict)` (Adam moments as
+  tensors in model space; the distributed optimizer's "fully_reshardable" format), so both reshard on
+  load: a run saved at TP=2 resumes at TP=1 (or another data-parallel size) with the same weights and optimizer state;
+- the RNG states of every rank (torch CPU generator, Python, NumPy, the model-parallel tracker) as one
+  `ShardedObject` per rank; restored only when the job has the same world size (a different layout
+  cannot continue the same random streams anyway);
+- common state written once: scheduler, step, data position, metric history, world size.
+
+It is written into `step_XXXXXX.tmp` and renamed when every rank has finished; the `COMPLETE` marker
+(world size inside) is written just before the rename, so a folder without it (a crash mid-save) is never
+resumed from. The last `keep` complete checkpoints are kept.
 """
 
 from __future__ import annotations
@@ -12,67 +21,171 @@ from __future__ import annotations
 import os
 import random
 import shutil
+import tempfile
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 import torch.distributed as dist
+from megatron.core import dist_checkpointing
+from megatron.core.dist_checkpointing.dict_utils import nested_values
+from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedStateDict, ShardedTensor
+from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+
+from megatron_omni.checkpoint.sharded_state import model_sharded_state_dict
 
 COMPLETE = "COMPLETE"
+# The distributed optimizer's state in model space (one tensor per parameter and moment, like the plain
+# optimizer's), gathered over data parallel on save: it reloads at any TP/DP. (megatron-core 0.16.1 no longer
+# supports the gather-free "fully_sharded_model_space"; "dp_reshardable" cannot change TP.)
+OPTIMIZER_SHARDING = "fully_reshardable"
+RNG_KEY = "trainer.rng_state"
 
 
 def checkpoint_dir(run_dir: Path, step: int) -> Path:
+    """The folder of the checkpoint taken after `step` RL steps."""
     return run_dir / "checkpoints" / f"step_{step:06d}"
 
 
-def latest_checkpoint(run_dir: Path) -> Path | None:
-    """The newest complete checkpoint of a run (temporary or incomplete folders are ignored)."""
+def complete_checkpoints(run_dir: Path) -> list[Path]:
+    """The complete checkpoints of a run, oldest first (temporary or half-written folders are left out)."""
     root = run_dir / "checkpoints"
     if not root.is_dir():
-        return None
-    done = sorted(p for p in root.glob("step_*") if (p / COMPLETE).exists())
+        return []
+    return sorted(p for p in root.glob("step_*") if not p.name.endswith(".tmp") and (p / COMPLETE).is_file())
+
+
+def latest_checkpoint(run_dir: Path) -> Path | None:
+    """The newest complete checkpoint of a run, or None."""
+    done = complete_checkpoints(run_dir)
     return done[-1] if done else None
 
 
 def rng_state() -> dict[str, Any]:
-    return {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()}
+    """This rank's random states: torch CPU generator, Python, NumPy and Megatron's model-parallel tracker."""
+    return {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state(),
+            "tracker": get_cuda_rng_tracker().get_states()}
 
 
 def set_rng_state(state: dict[str, Any]) -> None:
+    """Restore what `rng_state` returned."""
     torch.set_rng_state(state["torch"])
     random.setstate(state["python"])
     np.random.set_state(state["numpy"])
+    get_cuda_rng_tracker().set_states(state["tracker"])
 
 
-def save_checkpoint(run_dir: Path, step: int, state: dict[str, Any], keep: int) -> Path:
-    """Collective: every rank passes its own `state`; returns the final folder."""
-    rank = dist.get_rank()
+def _ensure_optimizer_state(optimizer: Any) -> None:
+    """The distributed optimizer describes its state from existing moment tensors (and, without apex/TE,
+    a recorded step): a fresh one gets Megatron's placeholder state first (one zero-gradient step; the load
+    then overwrites parameters, moments and step)."""
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        if isinstance(opt, DistributedOptimizer) and not opt.optimizer.state:
+            opt._init_optimizer_states_with_dummy_values()
+
+
+def _sharded_training_state(model: torch.nn.Module, optimizer: Any, is_loading: bool) -> ShardedStateDict:
+    if is_loading:
+        _ensure_optimizer_state(optimizer)
+    model_sd = model_sharded_state_dict(model)
+    optim_sd = optimizer.sharded_state_dict(model_sd, is_loading=is_loading,
+                                            metadata={"distrib_optim_sharding_type": OPTIMIZER_SHARDING})
+    return {"model": model_sd, "optimizer": optim_sd}
+
+
+def _rng_object(state: Any, world: int, rank: int) -> ShardedObject:
+    return ShardedObject(RNG_KEY, state, (world,), (rank,), replica_id=0)
+
+
+def save_checkpoint(run_dir: Path, step: int, model: torch.nn.Module, optimizer: Any, scheduler: Any,
+                    common: dict[str, Any], keep: int, content_metadata: dict[str, Any] | None = None) -> Path:
+    """Collective: save model, optimizer, scheduler, RNG states and `common` (step, data position, metric
+    history: rank 0's copy is written) as the checkpoint after `step` steps; prune to the last `keep`.
+
+    Returns the final folder (complete when this returns on any rank).
+    """
+    if keep < 1:
+        raise ValueError(f"checkpoint.keep={keep}: at least one checkpoint must be kept")
+    rank, world = dist.get_rank(), dist.get_world_size()
     final = checkpoint_dir(run_dir, step)
     tmp = final.with_name(final.name + ".tmp")
     if rank == 0:
-        shutil.rmtree(tmp, ignore_errors=True)
+        shutil.rmtree(tmp, ignore_errors=True)  # a crash during an earlier save of this step
         tmp.mkdir(parents=True)
     dist.barrier()
-    part = tmp / f"rank_{rank:05d}.pt"
-    torch.save(state, str(part) + ".partial")
-    os.replace(str(part) + ".partial", part)
+    state = _sharded_training_state(model, optimizer, is_loading=False)
+    state["rng"] = _rng_object(rng_state(), world, rank)
+    state["scheduler"] = scheduler.state_dict()
+    state["world_size"] = world
+    state["common"] = common
+    dist_checkpointing.save(state, str(tmp), content_metadata=content_metadata)
     dist.barrier()
     if rank == 0:
-        (tmp / COMPLETE).write_text(f"{dist.get_world_size()}\n")
+        marker = tmp / (COMPLETE + ".partial")
+        marker.write_text(f"{world}\n")
+        os.replace(marker, tmp / COMPLETE)
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)
-        for old in sorted(p for p in final.parent.glob("step_*") if (p / COMPLETE).exists())[:-keep]:
+        for old in complete_checkpoints(run_dir)[:-keep]:
             shutil.rmtree(old, ignore_errors=True)
     dist.barrier()
     return final
 
 
-def load_checkpoint(folder: Path) -> dict[str, Any]:
-    """This rank's state from a complete checkpoint folder."""
-    if not (folder / COMPLETE).exists():
+@torch.no_grad()
+def load_checkpoint(folder: Path, model: torch.nn.Module, optimizer: Any, scheduler: Any) -> dict[str, Any]:
+    """Collective: load a complete checkpoint saved at any layout into this rank's model and optimizer
+    shards and the scheduler; restore the RNG states when the world size matches. Returns `common`."""
+    folder = Path(folder)
+    if not (folder / COMPLETE).is_file():
         raise FileNotFoundError(f"{folder} is not a complete checkpoint (no {COMPLETE} marker)")
-    world = int((folder / COMPLETE).read_text().split()[0])
-    if world != dist.get_world_size():
-        raise ValueError(f"checkpoint {folder} was written by {world} ranks, this job has {dist.get_world_size()}")
-    return torch.load(folder / f"rank_{dist.get_rank():05d}.pt", weights_only=False)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    saved = dist_checkpointing.load_common_state_dict(str(folder))
+    state = _sharded_training_state(model, optimizer, is_loading=True)
+    same_world = saved["world_size"] == world
+    if same_world:
+        state["rng"] = _rng_object(None, world, rank)
+    available = dist_checkpointing.load_tensors_metadata(str(folder))
+    wanted = [t.key for t in nested_values(state) if isinstance(t, ShardedTensor)]
+    missing = sorted(k for k in wanted if k not in available)
+    if missing:
+        raise RuntimeError(f"{folder} lacks {len(missing)} tensors this job needs, e.g. {missing[:4]} (saved with "
+                           f"another optim.distributed_optimizer setting or another model?)")
+    loaded = dist_checkpointing.load(state, str(folder))
+    result = model.load_state_dict({k: loaded["model"][k] for k in state["model"]}, strict=False)
+    missing = [k for k in result.missing_keys if not k.endswith("_extra_state")]
+    if missing or result.unexpected_keys:
+        raise RuntimeError(f"loading {folder}: missing {missing}, unexpected {result.unexpected_keys}")
+    optimizer.load_state_dict(loaded["optimizer"])
+    scheduler.load_state_dict(loaded["scheduler"])
+    if same_world:
+        set_rng_state(loaded["rng"])
+    elif rank == 0:
+        print(f"{folder} was saved by {saved['world_size']} ranks, this job has {world}: weights and optimizer "
+              f"state resharded, random streams start fresh")
+    return loaded["common"]
+
+
+def read_checkpoint_tensors(folder: Path) -> dict[str, dict[str, torch.Tensor]]:
+    """The full (unsharded) tensors of a checkpoint, read in this process without process groups:
+    {"model": {megatron name: tensor}, "optimizer": {"exp_avg.<name>" | "exp_avg_sq.<name>": tensor}}.
+    For tests and inspection of small models (everything is held in memory at once)."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    folder = Path(folder)
+    if not (folder / COMPLETE).is_file():
+        raise FileNotFoundError(f"{folder} is not a complete checkpoint (no {COMPLETE} marker)")
+    with tempfile.TemporaryDirectory() as tmp:
+        dcp_to_torch_save(str(folder), os.path.join(tmp, "full.pt"))
+        flat = torch.load(os.path.join(tmp, "full.pt"), weights_only=False)
+    out: dict[str, dict[str, torch.Tensor]] = {"model": {}, "optimizer": {}}
+    for key, value in flat.items():
+        if not torch.is_tensor(value):
+            continue  # per-rank RNG objects
+        if key.startswith("optimizer.state."):
+            out["optimizer"][key.removeprefix("optimizer.state.")] = value
+        else:
+            out["model"][key] = value
+    return out

@@ -23,6 +23,7 @@ class ModelConfig:
     tiny_seed: int = 0
     backend: str = "local"  # layer spec: "local" | "te"
     recompute: str | None = None  # None | "full" | "selective"
+    preset: str | None = None  # architecture preset ("20b") a --dry-run plans with when the pipeline is not at hand
 
 
 @dataclass
@@ -76,6 +77,8 @@ class OptimConfig:
     mini_batches: int = 2
     warmup_steps: int = 0
     max_bad_steps: int = 3  # NaN/inf loss or grads in a row before the run stops
+    micro_batch_size: int | None = None  # samples per micro-batch (x one window step); None: the mini-batch
+    distributed_optimizer: bool = False  # shard optimizer state over data parallel (Megatron's ZeRO-1)
 
 
 @dataclass
@@ -122,8 +125,9 @@ class JobConfig:
             (self.algorithm.old_logprob in ("recompute", "bypass"), "algorithm.old_logprob",
              "must be recompute|bypass"),
             (self.algorithm.std_mode in ("global", "group"), "algorithm.std_mode", "must be global|group"),
-            (self.parallel.pp == 1, "parallel.pp", "pipeline parallel training is not wired into the trainer yet"),
-            (self.algorithm.beta == 0.0, "algorithm.beta", "the KL term to a frozen reference is not wired in yet"),
+            (self.algorithm.beta >= 0.0, "algorithm.beta", "must be >= 0 (KL weight to the frozen reference)"),
+            (self.optim.micro_batch_size is None or self.optim.micro_batch_size >= 1, "optim.micro_batch_size",
+             "must be >= 1 (or none: the whole mini-batch)"),
             (len(self.prompts) >= 1, "prompts", "needs at least one prompt"),
         ]
         for ok, name, why in checks:

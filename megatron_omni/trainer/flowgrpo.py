@@ -4,8 +4,12 @@ rollout (embedded engine) -> rewards -> old log-probs (recomputed by the Megatro
 `bypass` mode) -> group advantages -> mini-batch updates through Megatron-Core's DDP and optimizer
 (gradient accumulation over the window steps) -> weight sync into the rollout engine -> metrics.
 
-Data parallel ranks take disjoint prompts; ranks of one model replica (tp x cp) run the same rollout with
-the same seeds. Rewards are gathered over data parallel for the advantages (global or per-group std).
+Data parallel ranks take disjoint prompts; ranks of one model replica (tp x cp x pp) run the same rollout
+with the same seeds (each rank's embedded engine holds the full weights: the sync gathers every pipeline
+stage into every engine). Rewards are gathered over data parallel for the advantages (global or per-group
+std). The recompute and the update run micro-batches (samples x one window step) through Megatron-Core's
+schedules (`pipeline_step.py`; 1F1B when pp > 1). With `algorithm.beta > 0` a frozen copy of the initial
+model gives the reference transition means of the KL term (design notes, section 4).
 """
 
 from __future__ import annotations
@@ -17,21 +21,22 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from megatron.core import tensor_parallel
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
 from megatron_omni.algorithms.advantages import group_advantages
-from megatron_omni.algorithms.loss import flowgrpo_loss
-from megatron_omni.bridge import DiffusersTarget, WeightSync
+from megatron_omni.bridge import DiffusersTarget, DistributedTransport, WeightSync
 from megatron_omni.bridge.qwen_image import megatron_sources, qwen_image_plan
-from megatron_omni.models.dit.diffusers_interface import DiffusersForward
+from megatron_omni.models.dit.config import MMDiTConfig
+from megatron_omni.models.dit.model import MMDiTModel
 from megatron_omni.parallel.groups import ParallelGroups
 from megatron_omni.parallel.platform import seed_everything
 from megatron_omni.rollout.base import SamplingParams, Trajectory
 from megatron_omni.rollout.diffusers_engine import DiffusersRolloutEngine
-from megatron_omni.rollout.logprob import recompute_log_probs, transition_step
 from megatron_omni.trainer.config import JobConfig
+from megatron_omni.trainer.pipeline_step import MicroBatch, PipelineStep, plan_micro_batches
 from megatron_omni.trainer.rewards import RewardFunction
 from model_providers.qwen_image import provider
 
@@ -54,19 +59,23 @@ class FlowGRPOTrainer:
         seed_everything(cfg.seed, tp_rank=groups.tp.rank())
         self.engine = DiffusersRolloutEngine(pipeline_dir, max_batch_size=cfg.rollout.max_batch_size)
         p = cfg.parallel
-        overrides = {}
+        overrides: dict = {"batch_p2p_comm": False}  # batched p2p on gloo gave wrong results (environment.md)
         if cfg.model.recompute == "full":
-            overrides = dict(recompute_granularity="full", recompute_method="block", recompute_num_layers=None)
+            overrides.update(recompute_granularity="full", recompute_method="block", recompute_num_layers=None)
         elif cfg.model.recompute == "selective":
-            overrides = dict(recompute_granularity="selective")
+            overrides.update(recompute_granularity="selective")
         mcfg = provider.transformer_config(dict(self.engine.transformer.config), tp=p.tp, pp=p.pp,
                                            ulysses=p.ulysses, ring=p.ring, **overrides)
+        hf_state = self.engine.transformer.state_dict()
         self.model = provider.build_model(mcfg, groups, backend=cfg.model.backend)
-        provider.load_hf_state_dict(self.model, self.engine.transformer.state_dict())
+        provider.load_hf_state_dict(self.model, hf_state)
+        _count_stage_replicas_once(self.model, groups)
+        # Built before DDP wraps the policy, from the same weights, never trained (no grads, no optimizer).
+        self.reference = _frozen_copy(mcfg, groups, cfg.model.backend, hf_state) if cfg.algorithm.beta > 0 else None
         self.ddp = DistributedDataParallel(
             config=mcfg,
             ddp_config=DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
-                                                     use_distributed_optimizer=False),
+                                                     use_distributed_optimizer=cfg.optim.distributed_optimizer),
             module=self.model,
             pg_collection=groups.mcore,
         )
@@ -74,7 +83,8 @@ class FlowGRPOTrainer:
         self.optimizer = get_megatron_optimizer(
             OptimizerConfig(optimizer="adam", lr=o.lr, min_lr=o.lr, weight_decay=o.weight_decay,
                             adam_beta1=o.adam_beta1, adam_beta2=o.adam_beta2, adam_eps=o.adam_eps,
-                            clip_grad=o.clip_grad, params_dtype=mcfg.params_dtype),
+                            clip_grad=o.clip_grad, params_dtype=mcfg.params_dtype,
+                            use_distributed_optimizer=o.distributed_optimizer),
             [self.ddp], use_gloo_process_groups=False, pg_collection=groups.mcore,
         )
         total_updates = cfg.steps * o.mini_batches
@@ -84,13 +94,21 @@ class FlowGRPOTrainer:
             lr_decay_style="constant", start_wd=o.weight_decay, end_wd=o.weight_decay,
             wd_incr_steps=total_updates, wd_incr_style="constant",
         )
-        self.velocity = DiffusersForward(self.model)
-        # Full-mode bridge into the engine's diffusers transformer (gathered over tp, coverage-checked).
+        self.pipeline = PipelineStep(mcfg, groups)
+        # Full-mode bridge into the engine's diffusers transformer (gathered over tp, coverage-checked). With
+        # pp > 1 each stage's first rank broadcasts its stage's buckets so every engine gets all blocks.
         plan = qwen_image_plan(dict(self.engine.transformer.config), trainer_tp=p.tp, trainer_pp=p.pp,
                                rollout_kind="diffusers", rollout_tp=1, mode="full")
+        transport = None
+        if p.pp > 1:
+            layout = groups.layout
+            roots = [next(r for r in range(layout.world_size)
+                          if layout.coordinates(r) == {**layout.coordinates(0), "pp": s}) for s in range(p.pp)]
+            transport = DistributedTransport(sources=roots, rollout_ranks=range(layout.world_size),
+                                             dtype=mcfg.params_dtype)
         self.weight_sync = WeightSync(plan, sources=megatron_sources(self.model),
                                       target=DiffusersTarget(self.engine.transformer), tp_group=groups.tp,
-                                      tp_rank=groups.tp.rank(), stage=groups.coords["pp"])
+                                      tp_rank=groups.tp.rank(), stage=groups.coords["pp"], transport=transport)
         self.bad_steps = 0
 
     # ------------------------------------------------------------------------------------------ pieces
@@ -119,9 +137,26 @@ class FlowGRPOTrainer:
         or doubly written rollout element)."""
         self.weight_sync.sync()
 
-    def _log_probs(self, traj: Trajectory, rows: torch.Tensor, j: int) -> torch.Tensor:
-        """Log-probs [B] of window step j for samples `rows` under the current model (with grad)."""
-        return transition_step(traj, self.velocity, rows, j).log_prob
+    def micro_batches(self, n: int, window: int, step: int) -> list[list[MicroBatch]]:
+        """RL step `step`'s mini-batches (a fixed random split of the N samples), each as its micro-batches
+        (chunks of optim.micro_batch_size samples x one window step)."""
+        order = torch.randperm(n, generator=torch.Generator().manual_seed(self.cfg.seed * 7919 + step))
+        return [plan_micro_batches(rows, window, self.cfg.optim.micro_batch_size)
+                for rows in order.chunk(self.cfg.optim.mini_batches)]
+
+    def old_log_probs(self, traj: Trajectory, step: int) -> torch.Tensor:
+        """[N, W] log-probs of the trajectory under the current model (forward only, the same micro-batches
+        as the update), on every rank of the replica."""
+        flat = [mb for mini in self.micro_batches(*traj.log_probs.shape, step) for mb in mini]
+        return self.pipeline.transitions(self.ddp, traj, flat).log_probs
+
+    def reference_means(self, traj: Trajectory, step: int) -> torch.Tensor | None:
+        """[N, W, S, C] transition means under the frozen reference (last pipeline stage; None elsewhere or
+        when beta == 0)."""
+        if self.reference is None:
+            return None
+        flat = [mb for mini in self.micro_batches(*traj.log_probs.shape, step) for mb in mini]
+        return self.pipeline.transitions(self.reference, traj, flat, return_means=True).means
 
     def _grads_finite(self) -> bool:
         ok = torch.tensor([1.0])
@@ -138,31 +173,26 @@ class FlowGRPOTrainer:
     def train_step(self, step: int) -> StepResult:
         cfg, t = self.cfg, {}
         prompts, group_ids, seeds = self.step_prompts(step)
-        t0 = time.perf_counter()
-        self.reward_fn.begin(len(prompts) * cfg.rollout.group_size)
-        traj = self.engine.generate(prompts, self.sampling_params(), group_size=cfg.rollout.group_size, seeds=seeds,
-                                    on_sample=self.reward_fn.on_sample)
-        t["rollout"] = time.perf_counter() - t0
-
-        t0 = time.perf_counter()
-        local_rewards = self.reward_fn.collect()
-        t["reward"] = time.perf_counter() - t0
         gid = torch.tensor([g for g in group_ids for _ in range(cfg.rollout.group_size)], dtype=torch.long)
+        t0 = time.perf_counter()
+        traj, local_rewards, t["reward"] = self.rollout(prompts, seeds)
+        traj.group_ids = gid
+        t["rollout"] = time.perf_counter() - t0 - t["reward"]
         all_rewards, all_gids, offset = self._gather_rewards(local_rewards, gid)
         adv = group_advantages(all_rewards, all_gids, std_mode=cfg.algorithm.std_mode, clip=cfg.algorithm.adv_clip)
         advantages = adv.advantages[offset: offset + len(traj)]
 
         t0 = time.perf_counter()
-        if cfg.algorithm.old_logprob == "recompute":
-            with torch.no_grad():
-                old = recompute_log_probs(traj, self.velocity).log_probs
-        else:
-            old = traj.log_probs
+        old = self.old_log_probs(traj, step) if cfg.algorithm.old_logprob == "recompute" else traj.log_probs
         dlogp_rollout = float((old - traj.log_probs).abs().mean())
         t["old_logprob"] = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        ref_means = self.reference_means(traj, step)
+        if self.reference is not None:
+            t["reference"] = time.perf_counter() - t0
 
         t0 = time.perf_counter()
-        train_metrics = self._update(traj, old, advantages, step)
+        train_metrics = self._update(traj, old, advantages, step, ref_means)
         t["train"] = time.perf_counter() - t0
         t0 = time.perf_counter()
         self.sync_weights()
@@ -178,6 +208,34 @@ class FlowGRPOTrainer:
         metrics["images_per_s_per_rank"] = len(all_rewards) / total / self.groups.layout.world_size
         return StepResult(metrics=metrics, trajectory=traj, rewards=local_rewards)
 
+    def rollout(self, prompts: list[str], seeds: list[int]) -> tuple[Trajectory, torch.Tensor, float]:
+        """This data-parallel rank's samples (`group_size` per prompt, row-major) with their rewards [N] and
+        the seconds spent waiting for rewards after the last image.
+
+        The ranks of one model replica (tp x cp x pp) split the samples into contiguous shares, each rolls
+        out and scores its share (images stream to the scorer as they finish), then the shares are gathered
+        so every rank of the replica holds the same trajectory. Samples depend only on their seeds, so the
+        split does not change what is generated.
+        """
+        g = self.cfg.rollout.group_size
+        rows = [(p, s) for p, s in zip((p for p in prompts for _ in range(g)), seeds)]
+        size, rank = self.groups.replica.size(), self.groups.replica.rank()
+        mine = rows[rank * len(rows) // size: (rank + 1) * len(rows) // size]
+        part, rewards, wait = None, torch.empty(0), 0.0
+        if mine:
+            self.reward_fn.begin(len(mine))
+            part = self.engine.generate([p for p, _ in mine], self.sampling_params(), group_size=1,
+                                        seeds=[s for _, s in mine], on_sample=self.reward_fn.on_sample)
+            t0 = time.perf_counter()
+            rewards = self.reward_fn.collect()
+            wait = time.perf_counter() - t0
+        if size == 1:
+            return part, rewards, wait
+        shares: list = [None] * size
+        dist.all_gather_object(shares, (part, rewards, wait), group=self.groups.replica)
+        traj = Trajectory.concat([tr for tr, _, _ in shares if tr is not None])
+        return traj, torch.cat([r for _, r, _ in shares]), max(w for _, _, w in shares)
+
     def _gather_rewards(self, rewards: torch.Tensor, gid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
         dp = self.groups.dp
         if dp.size() == 1:
@@ -187,24 +245,21 @@ class FlowGRPOTrainer:
         offset = sum(len(p[0]) for p in parts[: dp.rank()])
         return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts]), offset
 
-    def _update(self, traj: Trajectory, old: torch.Tensor, advantages: torch.Tensor, step: int) -> dict[str, float]:
+    def _update(self, traj: Trajectory, old: torch.Tensor, advantages: torch.Tensor, step: int,
+                ref_means: torch.Tensor | None = None) -> dict[str, float]:
+        """The mini-batch updates of RL step `step`: old [N, W] log-probs, advantages [N], ref_means from
+        `reference_means` when beta > 0. Returns metrics averaged over micro-batches (every rank)."""
         cfg = self.cfg
         n, w = traj.log_probs.shape
-        order = torch.randperm(n, generator=torch.Generator().manual_seed(cfg.seed * 7919 + step))
-        chunks = order.chunk(cfg.optim.mini_batches)
-        cp_scale = float(self.groups.layout.cp)  # DDP averages over dp x cp; CP grads are partial sums
-        sums: dict[str, float] = {}
+        minis = self.micro_batches(n, w, step)
+        per_micro: list[dict[str, float]] = []
         grad_norms = []
         skipped = 0
-        for rows in chunks:
+        for micro_batches in minis:
             self.ddp.zero_grad_buffer()
             self.optimizer.zero_grad()
-            for j in range(w):
-                lp = self._log_probs(traj, rows, j)
-                out = flowgrpo_loss(lp, old[rows, j], advantages[rows], cfg.algorithm.clip_range)
-                (out.loss * cp_scale / w).backward()
-                for k, v in out.metrics.items():
-                    sums[k] = sums.get(k, 0.0) + float(v) / (w * len(chunks))
+            per_micro += self.pipeline.forward_backward(self.ddp, traj, micro_batches, old, advantages,
+                                                        cfg.algorithm.clip_range, cfg.algorithm.beta, ref_means)
             finalize_model_grads([self.ddp], pg_collection=self.groups.mcore)
             if not self._grads_finite():
                 skipped += 1
@@ -218,7 +273,30 @@ class FlowGRPOTrainer:
             ok, grad_norm, _ = self.optimizer.step()
             self.scheduler.step(increment=1)
             grad_norms.append(float(grad_norm) if grad_norm is not None else math.nan)
+        sums = {k: sum(m[k] for m in per_micro) / len(per_micro) for k in per_micro[0]}
         sums["grad_norm"] = sum(grad_norms) / len(grad_norms) if grad_norms else math.nan
         sums["skipped_updates"] = float(skipped)
         sums["lr"] = float(self.optimizer.param_groups[0]["lr"])
         return sums
+
+
+def _count_stage_replicas_once(model: MMDiTModel, groups: ParallelGroups) -> None:
+    """Every pipeline stage holds a replica of the timestep embedder (its grads are summed over stages):
+    mark the copies past the first stage `shared` so the grad norm (and clipping) counts it once, as at pp=1."""
+    if groups.layout.pp > 1 and not groups.is_first_stage:
+        for p in model.time_embedder.parameters():
+            p.shared = True
+
+
+def _frozen_copy(mcfg: MMDiTConfig, groups: ParallelGroups, backend: str,
+                 hf_state: dict[str, torch.Tensor]) -> MMDiTModel:
+    """A frozen model of the same layout and weights (the KL reference); building it leaves the torch and
+    Megatron RNG streams where they were, so a beta > 0 run samples what a beta = 0 run samples."""
+    tracker = tensor_parallel.get_cuda_rng_tracker()
+    states = tracker.get_states()
+    with torch.random.fork_rng():
+        ref = provider.build_model(mcfg, groups, backend=backend)
+    tracker.set_states(states)
+    provider.load_hf_state_dict(ref, hf_state)
+    ref.requires_grad_(False)
+    return ref.eval()

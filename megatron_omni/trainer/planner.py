@@ -95,7 +95,9 @@ class Workload:
 class RolloutSpec:
     """The rollout engine. colocated: it shares the trainer's GPUs (weights resident beside the training
     state); otherwise it runs on `gpus` GPUs of its own. batch: images in flight per engine instance.
-    mfu: defaults to the training MFU. extra_params: non-transformer weights it holds (text encoder, VAE)."""
+    mfu: defaults to the training MFU. extra_params: non-transformer weights it holds (text encoder, VAE).
+    replicas: engine instances that split the images between them; None = every rollout GPU group of `tp`
+    (rollout GPUs / tp), which is what the trainer's embedded engine does: every rank rolls out a share."""
 
     tp: int = 1
     colocated: bool = True
@@ -103,6 +105,7 @@ class RolloutSpec:
     batch: int = 16
     mfu: float | None = None
     extra_params: int = QWEN_IMAGE_TEXT_ENCODER_PARAMS + QWEN_IMAGE_VAE_PARAMS
+    replicas: int | None = None
 
 
 @dataclass(frozen=True)
@@ -151,6 +154,7 @@ class PlanReport:
     memory: MemoryReport
     time: TimeReport
     warnings: list[str] = field(default_factory=list)
+    precision: Precision = field(default_factory=Precision)
 
     @property
     def ratio_to_reference(self) -> float:
@@ -164,7 +168,9 @@ class PlanReport:
         lines = [
             f"model {self.model} on {self.gpus} x {self.gpu.name}: {self.layout.describe()}, "
             f"recompute={self.recompute}, rollout tp={self.rollout.tp} "
-            f"({'colocated' if self.rollout.colocated else f'{self.rollout.gpus} own GPUs'})",
+            f"({'colocated' if self.rollout.colocated else f'{self.rollout.gpus} own GPUs'}"
+            f"{'' if self.rollout.replicas is None else f', {self.rollout.replicas} replicas'}), "
+            f"{'distributed' if self.precision.distributed_optimizer else 'replicated'} optimizer",
             f"workload: {w.prompts} prompts x {w.group_size}, {w.height}x{w.width} ({self.image_tokens} image + "
             f"{w.text_tokens} text tokens), {w.sampling_steps} steps, window {w.window}, {w.mini_batches} "
             f"mini-batches x {self.micro_batches} micro-batches of {w.micro_batch_size}, cfg={w.cfg}",
@@ -241,6 +247,11 @@ def validate(
     _positive(rollout_gpus=rollout_gpus)
     if rollout_gpus % rollout.tp:
         raise LayoutError(f"{rollout_gpus} rollout GPUs are not divisible by rollout tp={rollout.tp}")
+    if rollout.replicas is not None:
+        _positive(rollout_replicas=rollout.replicas)
+        if rollout.replicas * rollout.tp > rollout_gpus:
+            raise LayoutError(f"{rollout.replicas} rollout replicas x tp={rollout.tp} need more than the "
+                              f"{rollout_gpus} rollout GPUs")
     return resolved, tokens, samples // w.micro_batch_size
 
 
@@ -376,10 +387,11 @@ def plan(
     r_mfu = rollout.mfu if rollout.mfu is not None else mfu
     r_fwd = w.images * w.sampling_steps * cfg_x  # transformer forwards of one sample each, whole job
     encoder_flops = w.prompts * cfg_x * 2 * QWEN_IMAGE_TEXT_ENCODER_PARAMS * w.text_tokens
-    r_compute = (r_fwd * flops.total + encoder_flops) / (rollout_gpus * peak * r_mfu)
+    replicas = rollout.replicas if rollout.replicas is not None else rollout_gpus // rollout.tp
+    r_compute = (r_fwd * flops.total + encoder_flops) / (replicas * rollout.tp * peak * r_mfu)
     r_tp_fwd = 2 * cfg["num_layers"] * (_allreduce_s(act_b * s_img * hidden, rollout.tp, bw(rollout.tp, 1))
                                         + _allreduce_s(act_b * w.text_tokens * hidden, rollout.tp, bw(rollout.tp, 1)))
-    r_comm = r_fwd / (rollout_gpus // rollout.tp) * r_tp_fwd
+    r_comm = r_fwd / replicas * r_tp_fwd
     rollout_s = r_compute + r_comm
 
     step_s = rollout_s + old_s + train_s
@@ -400,7 +412,7 @@ def plan(
         model=model if isinstance(model, str) else "custom", layout=lay, gpu=gpu, workload=w, rollout=rollout,
         recompute=recompute, mfu=mfu, gpus=total_gpus, image_tokens=s_img, micro_batches=micro, flops=flops,
         flops_per_image=flops_per_image, stage_parameters=stage_params, memory=memory, time=time,
-        warnings=warnings,
+        warnings=warnings, precision=precision,
     )
 
 

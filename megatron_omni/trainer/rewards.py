@@ -7,6 +7,8 @@ never replaced by a default.
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import torch
 
@@ -25,7 +27,10 @@ class RewardFunction:
 
     def __init__(self, scorer: str, url: str | None = None, timeout_s: float = 120.0) -> None:
         self.name = scorer
-        self.client = RewardClient(url, timeout_s=timeout_s) if url else None
+        # The server's bearer token (required when it binds beyond loopback) comes from the environment, as
+        # the server's own --token default does, so it never lands in a saved config.
+        token = os.environ.get("REWARD_SERVER_TOKEN")
+        self.client = RewardClient(url, timeout_s=timeout_s, token=token) if url else None
         self.scorer = None if url else build_scorer(scorer)
         self._pending: list[tuple[int, np.ndarray, str]] = []
         self._n = 0

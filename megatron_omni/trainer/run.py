@@ -9,14 +9,9 @@ from pathlib import Path
 import torch.distributed as dist
 from tqdm import tqdm
 
+from megatron_omni.checkpoint.sharded_state import content_metadata, model_layout
 from megatron_omni.parallel import ParallelLayout, build_parallel_groups
-from megatron_omni.trainer.checkpointing import (
-    latest_checkpoint,
-    load_checkpoint,
-    rng_state,
-    save_checkpoint,
-    set_rng_state,
-)
+from megatron_omni.trainer.checkpointing import latest_checkpoint, load_checkpoint, save_checkpoint
 from megatron_omni.trainer.config import JobConfig, to_dict
 from megatron_omni.trainer.flowgrpo import FlowGRPOTrainer
 from megatron_omni.trainer.metrics import MetricsWriter, read_history, save_image_grid, save_reward_curve
@@ -62,14 +57,14 @@ def run(cfg: JobConfig) -> dict:
     resume = cfg.checkpoint.resume
     folder = latest_checkpoint(run_dir) if resume == "auto" else (Path(resume) if resume else None)
     if folder is not None:
-        state = load_checkpoint(folder)
-        trainer.model.load_state_dict(state["model"])
-        trainer.optimizer.load_state_dict(state["optimizer"])
-        trainer.scheduler.load_state_dict(state["scheduler"])
-        set_rng_state(state["rng"])
-        start = state["step"]
+        common = load_checkpoint(folder, trainer.model, trainer.optimizer, trainer.scheduler)
+        start = common["step"]
         trainer.sync_weights()
         if rank == 0:
+            # Records written after the checkpoint (before a crash) are dropped: the resumed run redoes them.
+            tmp = run_dir / "metrics.jsonl.tmp"
+            tmp.write_text("".join(json.dumps(h) + "\n" for h in common["metrics_history"]))
+            os.replace(tmp, run_dir / "metrics.jsonl")
             print(f"resumed from {folder} at step {start}")
 
     writer = None
@@ -89,9 +84,12 @@ def run(cfg: JobConfig) -> dict:
                 save_image_grid(result.trajectory.images, caps, run_dir / "samples" / f"step_{step:04d}.png")
         done = step + 1
         if (cfg.checkpoint.every and done % cfg.checkpoint.every == 0) or done == cfg.steps:
-            state = {"model": trainer.model.state_dict(), "optimizer": trainer.optimizer.state_dict(),
-                     "scheduler": trainer.scheduler.state_dict(), "rng": rng_state(), "step": done}
-            save_checkpoint(run_dir, done, state, cfg.checkpoint.keep)
+            common = {"step": done, "data": {"next_step": done, "prompts_seen": done * cfg.rollout.prompts_per_step},
+                      "metrics_history": read_history(run_dir / "metrics.jsonl") if rank == 0 else []}
+            meta = content_metadata("qwen_image", dict(trainer.engine.transformer.config),
+                                    model_layout(trainer.model), step=done)
+            save_checkpoint(run_dir, done, trainer.model, trainer.optimizer, trainer.scheduler, common,
+                            cfg.checkpoint.keep, content_metadata=meta)
     reward_fn.close()
     summary = {"run_dir": str(run_dir)}
     if rank == 0:

@@ -15,6 +15,7 @@ groups (`build_parallel_groups`) and not rely on process-global state between ca
 from __future__ import annotations
 
 import atexit
+import contextlib
 import multiprocessing as mp
 import os
 import queue
@@ -23,6 +24,8 @@ import time
 import traceback
 from collections.abc import Callable
 from typing import Any
+
+import psutil
 
 
 class RankFailed(AssertionError):
@@ -130,7 +133,16 @@ class _RankPool:
                 p.join(timeout=10)
         for p in self.procs:
             if p.is_alive():
+                # A rank's own children (the helper process a distributed-checkpoint save starts) would
+                # outlive it, reparented, holding the test's output open: kill them with it.
+                try:
+                    children = psutil.Process(p.pid).children(recursive=True)
+                except psutil.NoSuchProcess:
+                    children = []
                 p.kill()
+                for child in children:
+                    with contextlib.suppress(psutil.NoSuchProcess):
+                        child.kill()
                 p.join(timeout=5)
 
 

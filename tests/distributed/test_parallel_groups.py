@@ -19,7 +19,7 @@ LAYOUTS_8 = [
     ParallelLayout(tp=2, ulysses=2, pp=2),
     ParallelLayout(tp=2, ring=2),  # dp = 2
 ]
-NAMES = ("tp", "ulysses", "ring", "cp", "tp_cp", "dp", "dp_cp", "pp", "mp")
+NAMES = ("tp", "ulysses", "ring", "cp", "tp_cp", "dp", "dp_cp", "pp", "mp", "replica")
 
 
 def _membership(rank: int, world_size: int, layouts: list[ParallelLayout]) -> list[dict]:
@@ -28,7 +28,8 @@ def _membership(rank: int, world_size: int, layouts: list[ParallelLayout]) -> li
         groups = build_parallel_groups(layout)
         members = {}
         for name in NAMES:
-            pg = {"ulysses": groups.ulysses, "ring": groups.ring}.get(name) or getattr(groups.mcore, name)
+            extra = {"ulysses": groups.ulysses, "ring": groups.ring, "replica": groups.replica}
+            pg = extra.get(name) or getattr(groups.mcore, name)
             # Ask the group itself who is in it: all-gather the global ranks over it.
             gathered = [torch.zeros(1, dtype=torch.long) for _ in range(pg.size())]
             dist.all_gather(gathered, torch.tensor([rank]), group=pg)
@@ -41,7 +42,7 @@ def _membership(rank: int, world_size: int, layouts: list[ParallelLayout]) -> li
 def _expected(layout: ParallelLayout, world_size: int, rank: int, name: str) -> list[int]:
     dims = {"tp": ["tp"], "ulysses": ["ulysses"], "ring": ["ring"], "cp": ["ulysses", "ring"],
             "tp_cp": ["tp", "ulysses", "ring"], "dp": ["dp"], "dp_cp": ["ulysses", "ring", "dp"],
-            "pp": ["pp"], "mp": ["tp", "ulysses", "ring", "pp"]}[name]
+            "pp": ["pp"], "mp": ["tp", "pp"], "replica": ["tp", "ulysses", "ring", "pp"]}[name]
     resolved = layout.resolve(world_size)
     return next(g for g in group_rank_lists(resolved, dims) if rank in g)
 

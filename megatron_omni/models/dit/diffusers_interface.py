@@ -10,10 +10,21 @@ adjoint when every CP rank computes the same loss on the gathered output).
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
 from torch import nn
 
 from megatron_omni.models.dit.model import DiTBatch, MMDiTModel
+
+
+def gather_image_shards(out: torch.Tensor, cp_group: dist.ProcessGroup) -> torch.Tensor:
+    """[b, s_img / cp, c] (this CP rank's image tokens) -> [b, s_img, c] on every CP rank; backward keeps
+    each rank's own slice (the right adjoint when every CP rank computes the same loss on the result)."""
+    if cp_group.size() == 1:
+        return out
+    return gather_from_sequence_parallel_region(
+        out.transpose(0, 1).contiguous(), tensor_parallel_output_grad=False, group=cp_group
+    ).transpose(0, 1)
 
 
 class DiffusersForward(nn.Module):
@@ -41,9 +52,4 @@ class DiffusersForward(nn.Module):
             raise ValueError(f"one image grid per batch is supported, got {img_shapes}")
         grid = tuple(next(iter(grids))[0])
         out = self.model(DiTBatch(hidden_states, encoder_hidden_states, encoder_hidden_states_mask, timestep, grid))
-        cp = self.model.cp_group
-        if cp.size() > 1:
-            out = gather_from_sequence_parallel_region(
-                out.transpose(0, 1).contiguous(), tensor_parallel_output_grad=False, group=cp
-            ).transpose(0, 1)
-        return (out,)
+        return (gather_image_shards(out, self.model.cp_group),)

@@ -1,0 +1,249 @@
+"""The AR-DiT RL step: joint GRPO over plan tokens and FlowGRPO over SDE window steps, on the Megatron hybrid.
+
+rollout (embedded torch hybrid: plan tokens, then the DiT's SDE window) -> rewards -> group advantages ->
+old log-probs (recomputed by the Megatron hybrid, or the rollout's) -> mini-batch updates of the joint
+objective `w_tok L_GRPO(tokens) + w_win L_FlowGRPO(window)` through Megatron-Core DDP and optimizer ->
+weight sync into the rollout hybrid.
+
+The window log-probs depend on the decoder through the conditioning, so the window term trains the decoder
+too (unless it is frozen). The backward runs in two phases with the same gradients as one: the DiT phase
+stops at the conditioning (a detached leaf), the decoder phase backpropagates the token loss together with
+the conditioning's gradient. This keeps the two halves' time separately measurable (`time_decoder`,
+`time_dit`). `freeze="decoder"` trains connector + DiT, `freeze="dit"` trains the decoder only.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+from megatron.core.optimizer.optimizer_config import ParamKey, ParamPredicate
+from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+from megatron_omni.algorithms.advantages import group_advantages
+from megatron_omni.algorithms.loss import flowgrpo_loss
+from megatron_omni.algorithms.token_loss import grpo_token_loss, joint_loss
+from megatron_omni.models.ar.decoder import token_log_probs
+from megatron_omni.models.ar.hybrid import ARDiTModel
+from megatron_omni.parallel.groups import ParallelGroups
+from megatron_omni.parallel.platform import seed_everything
+from megatron_omni.rollout.ar_dit_engine import ARDiTRolloutEngine, ARDiTSamplingParams, ARDiTTrajectory, plan_positions
+from megatron_omni.rollout.logprob import transition_step
+from model_providers.ar_dit import provider
+
+RewardFn = Callable[[ARDiTTrajectory], torch.Tensor]
+FREEZE = (None, "decoder", "dit")
+
+
+@dataclass
+class ARDiTTrainConfig:
+    """One AR-DiT RL job. `prompts` are token-id lists; rows of a step: `prompts_per_step` x `group_size`."""
+
+    hybrid: str = "tiny"
+    seed: int = 0
+    prompts: list[list[int]] = field(default_factory=lambda: [[5, 6, 7], [9, 10], [20, 21, 22, 23]])
+    prompts_per_step: int = 2
+    group_size: int = 4
+    sampling: ARDiTSamplingParams = field(default_factory=ARDiTSamplingParams)
+    lr: float = 1e-3
+    decoder_lr_scale: float = 1.0  # the decoder's lr is lr * this (its updates move the DiT's conditioning too)
+    weight_decay: float = 0.0
+    adam_betas: tuple[float, float] = (0.9, 0.999)
+    clip_grad: float = 1.0
+    mini_batches: int = 1
+    token_clip: float | tuple[float, float] = 0.2
+    window_clip: float | tuple[float, float] = 1e-3
+    token_weight: float = 1.0
+    window_weight: float = 1.0
+    aggregation: str = "token_mean"
+    std_mode: str = "global"
+    freeze: str | None = None
+    old_logprob: str = "recompute"  # "recompute" (Megatron hybrid, no grad) | "rollout"
+
+    def __post_init__(self) -> None:
+        if self.freeze not in FREEZE:
+            raise ValueError(f"freeze must be one of {FREEZE}, got {self.freeze!r}")
+        if self.old_logprob not in ("recompute", "rollout"):
+            raise ValueError(f"old_logprob must be 'recompute' or 'rollout', got {self.old_logprob!r}")
+        if self.mini_batches < 1 or self.prompts_per_step < 1 or self.group_size < 1:
+            raise ValueError("mini_batches, prompts_per_step and group_size must be >= 1")
+        if not self.prompts:
+            raise ValueError("no prompts")
+        if self.lr <= 0 or self.decoder_lr_scale <= 0:
+            raise ValueError(f"lr and decoder_lr_scale must be > 0, got {self.lr}, {self.decoder_lr_scale}")
+        if self.freeze == "decoder" and self.window_weight == 0:
+            raise ValueError("freeze='decoder' with window_weight=0 leaves nothing to train")
+        if self.freeze == "dit" and self.token_weight == 0 and self.window_weight == 0:
+            raise ValueError("all part weights are 0")
+
+
+class ARDiTTrainer:
+    """Model, optimizer, rollout engine and reward of one rank (pp = 1, cp = 1; tp and dp as laid out)."""
+
+    def __init__(self, cfg: ARDiTTrainConfig, groups: ParallelGroups, reward_fn: RewardFn,
+                 hybrid: provider.TorchHybrid | None = None) -> None:
+        if groups.layout.pp != 1 or groups.layout.cp != 1:
+            raise ValueError(f"the AR-DiT trainer runs pp=1, cp=1; got {groups.layout}")
+        self.cfg, self.groups, self.reward_fn = cfg, groups, reward_fn
+        seed_everything(cfg.seed, tp_rank=groups.tp.rank())
+        ref = hybrid if hybrid is not None else provider.torch_hybrid(cfg.hybrid, seed=cfg.seed)
+        self.engine = ARDiTRolloutEngine(ref)
+        self.model: ARDiTModel = provider.build_model(ref.config, groups)
+        provider.load_hf_state(self.model, *ref.state())
+        frozen = {"decoder": [self.model.decoder], "dit": [self.model.connector, self.model.dit]}.get(cfg.freeze, [])
+        for module in frozen:
+            module.requires_grad_(False)
+        self.ddp = DistributedDataParallel(
+            config=self.model.config,
+            ddp_config=DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
+                                                     use_distributed_optimizer=False),
+            module=self.model, pg_collection=groups.mcore,
+        )
+        decoder_ids = {id(p) for p in self.model.decoder.parameters()}
+        dec_lr = cfg.lr * cfg.decoder_lr_scale
+        overrides = {ParamKey(predicate=ParamPredicate(name="ar_decoder", fn=lambda p: id(p) in decoder_ids)):
+                     {"max_lr": dec_lr, "min_lr": dec_lr}}
+        self.optimizer = get_megatron_optimizer(
+            OptimizerConfig(optimizer="adam", lr=cfg.lr, min_lr=cfg.lr, weight_decay=cfg.weight_decay,
+                            adam_beta1=cfg.adam_betas[0], adam_beta2=cfg.adam_betas[1], clip_grad=cfg.clip_grad,
+                            params_dtype=self.model.config.params_dtype),
+            [self.ddp], config_overrides=overrides, use_gloo_process_groups=False, pg_collection=groups.mcore,
+        )
+        # Constant schedule; it applies each parameter group's own max_lr (the decoder's scale).
+        self.scheduler = OptimizerParamScheduler(
+            self.optimizer, init_lr=cfg.lr, max_lr=cfg.lr, min_lr=cfg.lr, lr_warmup_steps=0, lr_decay_steps=1,
+            lr_decay_style="constant", start_wd=cfg.weight_decay, end_wd=cfg.weight_decay, wd_incr_steps=1,
+            wd_incr_style="constant",
+        )
+
+    # ------------------------------------------------------------------------------------- log-probs
+    def token_log_probs(self, traj: ARDiTTrajectory, logits: torch.Tensor) -> torch.Tensor:
+        """Plan-token log-probs [B, P] (0 outside the plan) from the hybrid's logits [L, B, V/tp] of
+        `traj.tokens`, at the rollout's temperature; differentiable."""
+        lp = token_log_probs(logits[:-1] / traj.temperature, traj.tokens[:, 1:].t(), self.groups.tp).t()  # [B, L-1]
+        idx = plan_positions(traj.prompt_lens, traj.plan_mask.shape[1]).clamp(max=lp.shape[1] - 1)
+        return lp.gather(1, idx) * traj.plan_mask
+
+    def window_log_probs(self, traj: ARDiTTrajectory, cond: torch.Tensor) -> torch.Tensor:
+        """Window log-probs [B, W] of `traj` under the DiT conditioned on `cond` [B, L, j]; differentiable."""
+        sub = dataclasses.replace(traj.image, prompt_embeds=cond)
+        rows = torch.arange(len(traj))
+        return torch.stack([transition_step(sub, self.model.velocity_model, rows, j).log_prob
+                            for j in range(traj.image.window_size)], dim=1)
+
+    @torch.no_grad()
+    def recompute(self, traj: ARDiTTrajectory) -> tuple[torch.Tensor, torch.Tensor]:
+        """(token log-probs [N, P], window log-probs [N, W]) of a trajectory under the current hybrid."""
+        cond, logits = self.model.encode(traj.tokens)
+        return self.token_log_probs(traj, logits), self.window_log_probs(traj, cond)
+
+    # ------------------------------------------------------------------------------------------ a step
+    def step_prompts(self, step: int) -> tuple[list[list[int]], list[int], list[int]]:
+        """This dp rank's prompts, global group ids and per-sample seeds for RL step `step`."""
+        c = self.cfg
+        dp, d = self.groups.dp.size(), self.groups.dp.rank()
+        mine = [step * c.prompts_per_step + i for i in range(c.prompts_per_step)][d::dp]
+        seeds = [c.seed * 1_000_003 + g * c.group_size + k for g in mine for k in range(c.group_size)]
+        return [c.prompts[g % len(c.prompts)] for g in mine], mine, seeds
+
+    def train_step(self, step: int) -> tuple[dict[str, float], ARDiTTrajectory, torch.Tensor]:
+        """One RL step; returns (metrics, this rank's trajectory, its rewards [N])."""
+        c = self.cfg
+        t: dict[str, float] = {}
+        prompts, gids, seeds = self.step_prompts(step)
+        self.engine.stats.update(decoder_s=0.0, dit_s=0.0)
+        t0 = time.perf_counter()
+        traj = self.engine.generate(prompts, c.sampling, group_size=c.group_size, seeds=seeds, group_ids=gids)
+        t["rollout"] = time.perf_counter() - t0
+        rewards = self.reward_fn(traj).detach().float()
+        if rewards.shape != (len(traj),) or not bool(torch.isfinite(rewards).all()):
+            raise ValueError(f"reward_fn must return {len(traj)} finite rewards, got {tuple(rewards.shape)}")
+        all_r, all_g, offset = self._gather(rewards, traj.image.group_ids)
+        adv = group_advantages(all_r, all_g, std_mode=c.std_mode)
+        advantages = adv.advantages[offset: offset + len(traj)]
+        t0 = time.perf_counter()
+        if c.old_logprob == "recompute":
+            old_tok, old_win = self.recompute(traj)
+        else:
+            old_tok, old_win = traj.token_log_probs, traj.image.log_probs
+        t["old_logprob"] = time.perf_counter() - t0
+        dlogp_tok = float(((old_tok - traj.token_log_probs).abs() * traj.plan_mask).sum() / traj.plan_mask.sum())
+        dlogp_win = float((old_win - traj.image.log_probs).abs().mean())
+        metrics, phases = self._update(traj, old_tok, old_win, advantages, step)
+        t["train"] = phases["decoder"] + phases["dit"]
+        t0 = time.perf_counter()
+        self.engine.load_weights(*provider.hf_state(self.model))
+        t["sync"] = time.perf_counter() - t0
+        metrics.update({
+            "reward_mean": float(all_r.mean()), "zero_std_ratio": adv.zero_std_ratio,
+            "plan_len_mean": float(traj.plan_lens.float().mean()),
+            "train_rollout_dlogp_token": dlogp_tok, "train_rollout_dlogp_window": dlogp_win,
+            "time_decoder": self.engine.stats["decoder_s"] + phases["decoder"],
+            "time_dit": self.engine.stats["dit_s"] + phases["dit"],
+            **{f"time_{k}": v for k, v in t.items()},
+        })
+        metrics["time_step"] = sum(t.values())
+        return metrics, traj, rewards
+
+    def _gather(self, rewards: torch.Tensor, gid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
+        dp = self.groups.dp
+        if dp.size() == 1:
+            return rewards, gid, 0
+        parts: list = [None] * dp.size()
+        dist.all_gather_object(parts, (rewards, gid), group=dp)
+        offset = sum(len(p[0]) for p in parts[: dp.rank()])
+        return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts]), offset
+
+    def _update(self, traj: ARDiTTrajectory, old_tok: torch.Tensor, old_win: torch.Tensor, adv: torch.Tensor,
+                step: int) -> tuple[dict[str, float], dict[str, float]]:
+        c = self.cfg
+        order = torch.randperm(len(traj), generator=torch.Generator().manual_seed(c.seed * 7919 + step))
+        sums: dict[str, float] = {}
+        phases = {"decoder": 0.0, "dit": 0.0}
+        norms = []
+        chunks = order.chunk(c.mini_batches)
+        for rows in chunks:
+            sub = traj.select(rows)
+            self.ddp.zero_grad_buffer()
+            self.optimizer.zero_grad()
+            t0 = time.perf_counter()
+            cond, logits = self.model.encode(sub.tokens)
+            tok = grpo_token_loss(self.token_log_probs(sub, logits), old_tok[rows], adv[rows], sub.plan_mask,
+                                  c.token_clip, c.aggregation) if c.token_weight > 0 else None
+            phases["decoder"] += time.perf_counter() - t0
+            t0 = time.perf_counter()
+            leaf = cond.detach().requires_grad_(cond.requires_grad)
+            win = flowgrpo_loss(self.window_log_probs(sub, leaf), old_win[rows], adv[rows],
+                                c.window_clip) if c.window_weight > 0 else None
+            _, metrics = joint_loss(tok, win, c.token_weight, c.window_weight)
+            if win is not None and win.loss.requires_grad:
+                (c.window_weight * win.loss).backward()
+            phases["dit"] += time.perf_counter() - t0
+            t0 = time.perf_counter()
+            outs, grads = [], []
+            if tok is not None and tok.loss.requires_grad:
+                outs.append(c.token_weight * tok.loss)
+                grads.append(None)
+            if leaf.grad is not None:
+                outs.append(cond)
+                grads.append(leaf.grad)
+            if outs:
+                torch.autograd.backward(outs, grads)
+            phases["decoder"] += time.perf_counter() - t0
+            t0 = time.perf_counter()
+            finalize_model_grads([self.ddp], pg_collection=self.groups.mcore)
+            _, grad_norm, _ = self.optimizer.step()
+            self.scheduler.step(increment=1)
+            phases["dit"] += time.perf_counter() - t0  # shared work, counted once (small)
+            norms.append(float(grad_norm) if grad_norm is not None else math.nan)
+            for k, v in metrics.items():
+                sums[k] = sums.get(k, 0.0) + float(v) / len(chunks)
+        sums["grad_norm"] = sum(norms) / len(norms)
+        return sums, phases

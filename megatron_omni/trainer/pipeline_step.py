@@ -1,0 +1,182 @@
+"""The trainer's passes over micro-batches through Megatron-Core's schedules, at any pipeline size.
+
+A micro-batch is a chunk of samples x one window step. Every stage pulls the same `MicroBatch` and builds
+the same velocity batch from the trajectory (`rollout.logprob.transition_inputs`: conditional rows, then
+the negative rows of the CFG samples, text padded to one length); the first stage feeds its tensors to the
+model, later stages the hidden states the schedule received. The last stage gathers its image tokens over
+context parallelism and runs the transition math the rollout and the pp=1 recompute share
+(`transition_output`: true CFG, SDE step, log-prob), then the loss. pp=1 runs Megatron-Core's
+no-pipelining schedule, pp>1 its 1F1B schedule (`get_forward_backward_func`), so both go through the same
+code.
+
+Loss scaling is Megatron's: the schedule multiplies each micro-batch's loss by the CP size (DDP averages
+over dp x cp while CP grads are partial sums) and divides it by the number of micro-batches. With equal
+micro-batches that is the mean over window steps of the mean over samples, the loss of the whole
+mini-batch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from functools import partial
+
+import torch
+import torch.distributed as dist
+from megatron.core.pipeline_parallel import get_forward_backward_func
+from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
+from torch import nn
+
+from megatron_omni.algorithms.loss import flowgrpo_loss, kl_penalty
+from megatron_omni.models.dit.config import MMDiTConfig
+from megatron_omni.models.dit.diffusers_interface import gather_image_shards
+from megatron_omni.models.dit.model import DiTBatch, pipeline_seq_length
+from megatron_omni.parallel.groups import ParallelGroups
+from megatron_omni.rollout.base import Trajectory
+from megatron_omni.rollout.logprob import TransitionInputs, transition_inputs, transition_output
+
+
+@dataclass(frozen=True)
+class MicroBatch:
+    """Samples `rows` [b] (long indices into the trajectory) at window step `j`."""
+
+    rows: torch.Tensor
+    j: int
+
+
+def plan_micro_batches(rows: torch.Tensor, window: int, micro_batch_size: int | None) -> list[MicroBatch]:
+    """The micro-batches of one mini-batch: `rows` [B] split in chunks of `micro_batch_size` (None: all B),
+    for each of the `window` steps. Chunks must be equal: one schedule call passes one tensor shape."""
+    mbs = len(rows) if micro_batch_size is None else micro_batch_size
+    if mbs < 1 or len(rows) % mbs:
+        raise ValueError(f"optim.micro_batch_size={micro_batch_size} does not divide the mini-batch of "
+                         f"{len(rows)} samples on this rank")
+    return [MicroBatch(sub, j) for j in range(window) for sub in rows.split(mbs)]
+
+
+@dataclass
+class Transitions:
+    """Forward-only result: log_probs [N, W] fp32 on every rank of the model replica; means [N, W, S, C]
+    fp32 on the last pipeline stage (None elsewhere, or when not requested)."""
+
+    log_probs: torch.Tensor
+    means: torch.Tensor | None
+
+
+class PipelineStep:
+    """Forward-only transitions and loss forward/backward of one model replica over a list of micro-batches.
+
+    `config`: the model's Megatron config (pipeline_dtype set; batch_p2p_comm=False on gloo).
+    """
+
+    def __init__(self, config: MMDiTConfig, groups: ParallelGroups) -> None:
+        self.config = config
+        self.groups = groups
+        self.pp = groups.layout.pp
+        self.dtype = config.params_dtype
+        self.schedule = get_forward_backward_func(pp_size=self.pp, vp_size=None)
+        self.p2p = P2PCommunicator(pp_group=groups.pp, config=config) if self.pp > 1 else None
+        self.is_last_stage = groups.is_last_stage
+        self.last_stage_rank = dist.get_global_rank(groups.pp, self.pp - 1) if self.pp > 1 else dist.get_rank()
+
+    # -------------------------------------------------------------------------------------------- plumbing
+
+    def _velocity(self, output: torch.Tensor) -> torch.Tensor:
+        """The last stage's output [b, s_img / cp, c] -> the raw velocities of all image tokens [b, s_img, c]."""
+        return gather_image_shards(output, self.groups.cp)
+
+    def _run(self, model: nn.Module, traj: Trajectory, micro_batches: Sequence[MicroBatch],
+             loss_fn: Callable, forward_only: bool) -> list:
+        shapes = set()
+        for mb in micro_batches:
+            b = transition_inputs(traj, mb.rows, mb.j).batch
+            shapes.add((b.latents.shape[0], b.text.shape[1], b.latents.shape[1]))
+        if len(shapes) != 1:
+            raise ValueError(f"micro-batches of one schedule call must share one shape (rows, text, image "
+                             f"tokens); got {sorted(shapes)}")
+        rows, s_txt, s_img = shapes.pop()
+        dtype = self.dtype
+
+        def forward_step(data_iterator, module):
+            mb = next(data_iterator)
+            inputs = transition_inputs(traj, mb.rows, mb.j)
+            x = inputs.batch.model_inputs(dtype)
+            out = module(DiTBatch(x["hidden_states"], x["encoder_hidden_states"], x["encoder_hidden_states_mask"],
+                                  x["timestep"], tuple(inputs.batch.img_shape)))
+            return out, partial(loss_fn, mb, inputs)
+
+        return self.schedule(
+            forward_step_func=forward_step, data_iterator=iter(micro_batches), model=[model],
+            num_microbatches=len(micro_batches), seq_length=pipeline_seq_length(s_txt, s_img, self.groups.layout.cp),
+            micro_batch_size=rows, forward_only=forward_only, collect_non_loss_data=forward_only,
+            p2p_communicator=self.p2p, pg_collection=self.groups.mcore,
+        )
+
+    def _from_last_stage(self, obj):
+        """`obj` as the last pipeline stage has it, on every stage (collective over the pp group)."""
+        if self.pp == 1:
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src=self.last_stage_rank, group=self.groups.pp)
+        return box[0]
+
+    # ------------------------------------------------------------------------------------------ the passes
+
+    @torch.no_grad()
+    def transitions(self, model: nn.Module, traj: Trajectory, micro_batches: Sequence[MicroBatch],
+                    return_means: bool = False) -> Transitions:
+        """Log-probs [N, W] of every transition the micro-batches cover under `model`, forward only (and the
+        transition means [N, W, S, C] on the last stage when `return_means`); every (sample, step) of the
+        trajectory must be covered. Collective over the model replica."""
+        n, w = traj.log_probs.shape
+        log_probs = torch.full((n, w), float("nan"), dtype=torch.float32, device=traj.latents.device)
+        means = torch.empty_like(traj.latents) if return_means and self.is_last_stage else None
+
+        def loss_fn(mb: MicroBatch, inputs: TransitionInputs, output: torch.Tensor, non_loss_data: bool = True):
+            step = transition_output(traj, inputs, self._velocity(output))
+            log_probs[mb.rows, mb.j] = step.log_prob
+            if means is not None:
+                means[mb.rows, mb.j] = step.coeffs.mean
+            return None
+
+        self._run(model, traj, micro_batches, loss_fn, forward_only=True)
+        if self.is_last_stage and bool(log_probs.isnan().any()):
+            raise ValueError(f"the micro-batches left {int(log_probs.isnan().sum())} of {n * w} transitions "
+                             "without a log-prob")
+        if self.pp > 1:
+            dist.broadcast(log_probs, src=self.last_stage_rank, group=self.groups.pp)
+        return Transitions(log_probs=log_probs, means=means)
+
+    def forward_backward(
+        self,
+        model: nn.Module,
+        traj: Trajectory,
+        micro_batches: Sequence[MicroBatch],
+        old_log_probs: torch.Tensor,
+        advantages: torch.Tensor,
+        clip_range: float | tuple[float, float],
+        beta: float = 0.0,
+        ref_means: torch.Tensor | None = None,
+    ) -> list[dict[str, float]]:
+        """Forward and backward of the FlowGRPO loss over the micro-batches (grads accumulate in the DDP
+        buffers; no optimizer step). old_log_probs [N, W], advantages [N]; with beta > 0, ref_means
+        [N, W, S, C] (the frozen reference's transition means; read on the last stage only).
+
+        Returns each micro-batch's metrics (loss, policy metrics, kl when beta > 0) on every stage.
+        """
+        if beta > 0 and self.is_last_stage and ref_means is None:
+            raise ValueError("beta > 0 needs the reference model's transition means")
+
+        def loss_fn(mb: MicroBatch, inputs: TransitionInputs, output: torch.Tensor):
+            step = transition_output(traj, inputs, self._velocity(output))
+            kl = kl_penalty(step.coeffs.mean, ref_means[mb.rows, mb.j], step.coeffs.std) if beta > 0 else None
+            out = flowgrpo_loss(step.log_prob, old_log_probs[mb.rows, mb.j], advantages[mb.rows], clip_range,
+                                beta=beta, kl=kl)
+            metrics = {k: float(v) for k, v in out.metrics.items()}
+            metrics["loss"] = float(out.loss.detach())
+            if kl is not None:
+                metrics["kl"] = float(kl.detach().mean())
+            return out.loss, metrics
+
+        store = self._run(model, traj, micro_batches, loss_fn, forward_only=False)
+        return self._from_last_stage(list(store) if self.is_last_stage else None)

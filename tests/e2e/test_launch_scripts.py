@@ -1,0 +1,127 @@
+"""Every launch script under examples/ runs in dry-run mode on CPU with its own world size, validates its
+layout and prints the plan; impossible layouts fail non-zero with a message naming the problem.
+
+The script list is discovered (*.sh, *.sbatch), so a new script is covered without editing this file. The dry
+runs are independent processes (each imports torch and megatron-core): they run two at a time, once per
+module, and the parametrized tests read their results.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPTS = sorted(p.relative_to(ROOT).as_posix() for p in (ROOT / "examples").rglob("*")
+                 if p.suffix in (".sh", ".sbatch") and p.is_file())
+# What a Slurm allocation sets (the sbatch script is run with bash, as on a login node).
+SLURM_ENV = {"SLURM_NNODES": "2", "SLURM_JOB_ID": "4242", "SLURM_JOB_NODELIST": "node[01-02]",
+             "SLURM_SUBMIT_DIR": str(ROOT)}
+# The world size each known script must plan for (a new script only has to agree with itself).
+EXPECTED_WORLD = {
+    "examples/qwen_image/train_20b_1node.sh": 6,
+    "examples/qwen_image/train_20b_2nodes.sh": 16,
+    "examples/qwen_image/train_20b_4nodes.sh": 32,
+    "examples/qwen_image/slurm_20b.sbatch": 16,
+    "examples/tiny/train_tiny.sh": 2,
+}
+TIMEOUT_S = 300
+
+
+def _env(extra: dict[str, str] | None = None) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("SLURM_", "NNODES", "NODE_RANK", "WORLD_SIZE", "REWARD_", "RECIPE", "CFG"))}
+    env.update(HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1", PYTHON=sys.executable, DRY_RUN="1")
+    return {**env, **(extra or {})}
+
+
+def _run(script: str, *args: str, extra: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    env = _env({**(SLURM_ENV if script.endswith(".sbatch") else {}), **(extra or {})})
+    return subprocess.run(["bash", script, *args], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=TIMEOUT_S)
+
+
+# Impossible layouts through the scripts (their exit status and message reach the caller):
+# (script, args, env, message pattern).
+BAD = {
+    "world_not_divisible": ("examples/tiny/train_tiny.sh", ["--set", "parallel.tp=3"], {},
+                            r"world size 2 is not divisible by tp\*ulysses\*ring\*pp"),
+    "heads_not_divisible_by_tp": ("examples/qwen_image/train_20b_2nodes.sh", ["--set", "parallel.tp=5"],
+                                  {"GPUS_PER_NODE": "5"}, r"attention heads 24 are not divisible by tp=5"),
+    "slurm_node_count": ("examples/qwen_image/slurm_20b.sbatch", [], {"SLURM_NNODES": "3"},
+                         r"no layout for 3 nodes"),
+    "vlm_judge_without_gpus": ("examples/qwen_image/train_20b_1node.sh", [], {"REWARD_KIND": "vlm", "REWARD_GPUS": ""},
+                               r"REWARD_KIND=vlm needs REWARD_GPUS"),
+}
+# The same checks, in this process (cheap: no interpreter start): (recipe, world size, overrides, rc, pattern).
+BAD_IN_PROCESS = {
+    "image_tokens_not_divisible_by_cp": ("ocr_20b_1node", 6, ["parallel.tp=2", "parallel.ring=3"], 2,
+                                         r"1024 image tokens are not divisible by cp=3"),
+    "heads_per_tp_rank_not_divisible_by_ulysses": ("ocr_20b_2nodes", 16, ["parallel.tp=8", "parallel.ulysses=2"],
+                                                   2, r"heads per tensor-parallel rank 3 are not divisible by "
+                                                      r"ulysses=2"),
+    "mini_batch_not_divisible_by_dp": ("ocr_20b_4nodes", 24, ["parallel.tp=8"], 2,
+                                       r"256 images per mini-batch are not divisible by dp=3"),
+    "does_not_fit": ("ocr_20b_4nodes", 32, ["parallel.tp=1"], 3, r"does not fit in H200 memory"),
+    "world_size_vs_script": ("ocr_20b_1node", 8, [], 2, r"world size 8 is not divisible by"),
+}
+
+
+@pytest.fixture(scope="module")
+def results() -> dict[str, subprocess.CompletedProcess]:
+    """Every dry run of this module (scripts as they are, then the bad layouts), two at a time."""
+    jobs = {s: (s, [], {}) for s in SCRIPTS} | {k: v[:3] for k, v in BAD.items()}
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        futures = {k: pool.submit(_run, s, *args, extra=env) for k, (s, args, env) in jobs.items()}
+        return {k: f.result() for k, f in futures.items()}
+
+
+def test_scripts_discovered() -> None:
+    assert set(EXPECTED_WORLD) <= set(SCRIPTS), f"missing launch scripts: {set(EXPECTED_WORLD) - set(SCRIPTS)}"
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_script_dry_run_plans_its_world(script: str, results: dict) -> None:
+    proc = results[script]
+    out = proc.stdout
+    assert proc.returncode == 0, f"{script} failed ({proc.returncode}):\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}"
+    launched = re.search(r"= world size (\d+)", out)
+    planned = re.search(r"dry run: world size (\d+) trainer ranks", out)
+    assert launched and planned, out[-2000:]
+    assert launched.group(1) == planned.group(1), "the script's world size did not reach the entry point"
+    if script in EXPECTED_WORLD:
+        assert int(planned.group(1)) == EXPECTED_WORLD[script]
+    for part in ("memory per GPU:", "optimizer states", "step time:", "images/s/GPU", "reference (VeRL-Omni",
+                 "bridge:", "dry run OK"):
+        assert part in out, f"{script}: the plan lacks {part!r}:\n{out[-2000:]}"
+    assert "torch.distributed.run" not in proc.stderr  # nothing was launched
+
+
+@pytest.mark.parametrize("case", sorted(BAD))
+def test_impossible_layout_fails_with_message(case: str, results: dict) -> None:
+    proc = results[case]
+    assert proc.returncode != 0, f"{case}: expected a failure, got rc 0:\n{proc.stdout[-2000:]}"
+    assert re.search(BAD[case][3], proc.stderr), f"{case}: message not found in:\n{proc.stderr[-2000:]}"
+    assert "Traceback" not in proc.stderr, proc.stderr[-2000:]
+
+
+@pytest.mark.parametrize("case", sorted(BAD_IN_PROCESS))
+def test_impossible_layout_in_process(case: str, monkeypatch: pytest.MonkeyPatch, capsys) -> None:
+    from megatron_omni.train import main
+
+    recipe, world, overrides, rc, pattern = BAD_IN_PROCESS[case]
+    monkeypatch.setenv("WORLD_SIZE", str(world))
+    monkeypatch.delenv("QWEN_IMAGE_PIPELINE", raising=False)
+    monkeypatch.delenv("OCR_PROMPTS", raising=False)
+    args = ["--dry-run", "--recipe", f"examples.qwen_image.recipe:{recipe}"]
+    for o in overrides:
+        args += ["--set", o]
+    assert main(args) == rc
+    err = capsys.readouterr().err
+    assert re.search(pattern, err), f"{case}: message not found in:\n{err}"

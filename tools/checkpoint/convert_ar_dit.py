@@ -1,0 +1,233 @@
+"""Convert an AR-DiT hybrid between its Hugging Face folder and a Megatron distributed checkpoint.
+
+    python tools/checkpoint/convert_ar_dit.py hf-to-mcore HF_DIR MCORE_DIR
+    python tools/checkpoint/convert_ar_dit.py mcore-to-hf MCORE_DIR HF_DIR
+    python tools/checkpoint/convert_ar_dit.py make-tiny   HF_DIR [--seed 0]     (a random tiny hybrid, offline)
+
+The Hugging Face folder holds the three parts in their own formats: `decoder/` (transformers Qwen2
+`save_pretrained`), `connector/` (`model.safetensors`: norm.weight, proj.weight, proj.bias), `transformer/`
+(diffusers `QwenImageTransformer2DModel`), and `ar_dit.json` (eos/pad ids). The Megatron checkpoint stores
+every tensor under `decoder.` / `connector.` / `dit.` + its global Megatron name, as ShardedTensors at their
+tensor-parallel offsets, so a checkpoint written here (tp = 1) loads into a hybrid at any tp (and back).
+SwiGLU's `linear_fc1` is stored as its two halves (`.gate`, `.up`), whose tp shards are contiguous; the fused
+tensor's are not. Content metadata records the hybrid config. Conversion runs in one process on full tensors
+(no streaming yet). Exit status: 0 on success, 2 on bad input (nothing is written).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+CONTENT_KEY = "megatron_omni_ar_dit"
+
+
+# --------------------------------------------------------------------------------------- sharded state
+def hybrid_sharded_state_dict(model) -> dict:
+    """This rank's ShardedStateDict of an `ARDiTModel` (see the module docstring for the keys)."""
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+    from megatron_omni.checkpoint.sharded_state import model_sharded_state_dict
+    from model_providers.ar_dit.decoder_provider import local_mappings
+
+    pg = model.pg_collection
+    tp_rank, tp_size, dp_rank = pg.tp.rank(), pg.tp.size(), pg.dp_cp.rank()
+    out: dict[str, Any] = {}
+    params = model.decoder.state_dict(keep_vars=True)
+    for name, m in local_mappings(model.decoder).items():
+        t, key = params[name], "decoder." + m.megatron
+        if m.kind == "fuse_gate_up":
+            gate, up = t.chunk(2, dim=0)
+            for part, data in (("gate", gate), ("up", up)):
+                out[f"decoder.{name}.{part}"] = ShardedTensor.from_rank_offsets(
+                    f"{key}.{part}", data, (0, tp_rank, tp_size), replica_id=(0, 0, dp_rank))
+        elif m.tp_dim is None:
+            out["decoder." + name] = ShardedTensor.from_rank_offsets(key, t, replica_id=(0, tp_rank, dp_rank))
+        else:
+            out["decoder." + name] = ShardedTensor.from_rank_offsets(key, t, (m.tp_dim, tp_rank, tp_size),
+                                                                     replica_id=(0, 0, dp_rank))
+    for name, t in model.connector.state_dict(keep_vars=True).items():
+        out["connector." + name] = ShardedTensor.from_rank_offsets("connector." + name, t,
+                                                                   replica_id=(0, tp_rank, dp_rank))
+    for name, st in model_sharded_state_dict(model.dit, prefix="dit.").items():
+        out["dit." + name] = st
+    return out
+
+
+def save_hybrid(model, checkpoint_dir: str | Path, hybrid_config: dict[str, Any]) -> None:
+    """Save an `ARDiTModel` (every rank calls this) with the hybrid config as content metadata."""
+    from megatron.core import dist_checkpointing
+
+    ckpt = str(checkpoint_dir)
+    if dist.get_rank() == 0:
+        os.makedirs(ckpt, exist_ok=True)
+    dist.barrier()
+    dist_checkpointing.save(hybrid_sharded_state_dict(model), ckpt,
+                            content_metadata={CONTENT_KEY: {"format_version": 1, "config": hybrid_config}})
+
+
+@torch.no_grad()
+def load_hybrid(model, checkpoint_dir: str | Path) -> None:
+    """Load a checkpoint saved at any tp into this rank's shards (every rank calls this)."""
+    from megatron.core import dist_checkpointing
+
+    from megatron_omni.checkpoint.errors import CheckpointError
+    from megatron_omni.checkpoint.sharded_state import require_dist_checkpoint
+
+    ckpt = str(checkpoint_dir)
+    require_dist_checkpoint(ckpt)
+    sharded = hybrid_sharded_state_dict(model)
+    available = dist_checkpointing.load_tensors_metadata(ckpt)
+    for st in sharded.values():
+        if st.key not in available:
+            raise CheckpointError(f"{ckpt} lacks tensor {st.key}")
+        if tuple(available[st.key].global_shape) != tuple(st.global_shape):
+            raise CheckpointError(f"{ckpt}: {st.key} has shape {tuple(available[st.key].global_shape)}, the model "
+                                  f"expects {tuple(st.global_shape)}")
+    loaded = dist_checkpointing.load(sharded, ckpt)
+    params = dict(model.named_parameters())
+    for key in sharded:
+        if key.endswith(".gate") or key.endswith(".up"):
+            continue
+        params[key].copy_(loaded[key])
+    for key in [k for k in sharded if k.endswith(".gate")]:
+        base = key[: -len(".gate")]
+        params[base].copy_(torch.cat([loaded[key], loaded[base + ".up"]], dim=0))
+
+
+def read_hybrid_config(checkpoint_dir: str | Path) -> dict[str, Any]:
+    """The hybrid config recorded in a checkpoint's content metadata."""
+    from megatron.core import dist_checkpointing
+
+    from megatron_omni.checkpoint.errors import CheckpointError
+    from megatron_omni.checkpoint.sharded_state import require_dist_checkpoint
+
+    require_dist_checkpoint(checkpoint_dir)
+    entry = (dist_checkpointing.load_content_metadata(str(checkpoint_dir)) or {}).get(CONTENT_KEY)
+    if not entry:
+        raise CheckpointError(f"{checkpoint_dir} is not an AR-DiT checkpoint (no {CONTENT_KEY!r} metadata)")
+    return entry["config"]
+
+
+# ------------------------------------------------------------------------------------------ HF folders
+def save_hf_folder(hybrid, out_dir: str | Path) -> None:
+    """Write a `TorchHybrid` as an AR-DiT Hugging Face folder (decoder/, connector/, transformer/, ar_dit.json)."""
+    from safetensors.torch import save_file
+
+    out = Path(out_dir)
+    hybrid.decoder.save_pretrained(out / "decoder")
+    hybrid.dit.save_pretrained(out / "transformer")
+    (out / "connector").mkdir(parents=True, exist_ok=True)
+    save_file({k: v.contiguous() for k, v in hybrid.connector.state_dict().items()},
+              str(out / "connector" / "model.safetensors"))
+    cfg = hybrid.config
+    (out / "ar_dit.json").write_text(json.dumps({"eos_token_id": cfg.eos_token_id, "pad_token_id": cfg.pad_token_id},
+                                                indent=2))
+
+
+def load_hf_folder(folder: str | Path):
+    """Read an AR-DiT Hugging Face folder into a `TorchHybrid` (offline; fp32 kept as stored)."""
+    from diffusers import QwenImageTransformer2DModel
+    from safetensors.torch import load_file
+    from transformers import Qwen2ForCausalLM
+
+    from megatron_omni.checkpoint.errors import CheckpointError
+    from megatron_omni.models.ar.connector import Connector
+    from model_providers.ar_dit.provider import TorchHybrid, hybrid_config
+
+    root = Path(folder)
+    for part in ("decoder/config.json", "transformer/config.json", "connector/model.safetensors", "ar_dit.json"):
+        if not (root / part).is_file():
+            raise CheckpointError(f"{root} is not an AR-DiT folder: {part} is missing")
+    decoder = Qwen2ForCausalLM.from_pretrained(root / "decoder", local_files_only=True, dtype=torch.float32)
+    dit = QwenImageTransformer2DModel.from_pretrained(root / "transformer", local_files_only=True,
+                                                      torch_dtype=torch.float32)
+    ids = json.loads((root / "ar_dit.json").read_text())
+    cfg = hybrid_config({"decoder": decoder.config, "dit": dict(dit.config), **ids})
+    connector = Connector(cfg.decoder_hidden, cfg.joint_attention_dim, eps=cfg.decoder["rms_norm_eps"])
+    state = load_file(str(root / "connector" / "model.safetensors"))
+    if set(state) != set(connector.state_dict()):
+        raise CheckpointError(f"connector tensors {sorted(state)} != {sorted(connector.state_dict())}")
+    connector.load_state_dict(state)
+    return TorchHybrid(config=cfg, decoder=decoder.eval(), connector=connector, dit=dit.eval())
+
+
+# ------------------------------------------------------------------------------------------- commands
+def _one_rank_groups():
+    from megatron_omni.parallel import ParallelLayout, build_parallel_groups, platform
+
+    platform.init_distributed(rank=0, world_size=1)
+    groups = build_parallel_groups(ParallelLayout())
+    platform.seed_everything(0)
+    return groups
+
+
+def hf_to_mcore(source: str | Path, output: str | Path) -> None:
+    """HF folder -> Megatron distributed checkpoint (written to a temp folder, then renamed)."""
+    from megatron_omni.checkpoint.staging import staged_output
+    from model_providers.ar_dit import provider
+
+    hybrid = load_hf_folder(source)
+    groups = _one_rank_groups()
+    model = provider.build_model(hybrid.config, groups)
+    provider.load_hf_state(model, *hybrid.state())
+    with staged_output(output) as tmp:
+        save_hybrid(model, tmp, hybrid.config.to_dict())
+
+
+def mcore_to_hf(source: str | Path, output: str | Path) -> None:
+    """Megatron distributed checkpoint (any tp it was saved at) -> HF folder (temp folder, then renamed)."""
+    from megatron_omni.checkpoint.staging import staged_output
+    from model_providers.ar_dit import provider
+
+    cfg = provider.hybrid_config(read_hybrid_config(source))
+    groups = _one_rank_groups()
+    model = provider.build_model(cfg, groups)
+    load_hybrid(model, source)
+    hybrid = provider.torch_hybrid(cfg)
+    hybrid.load(*provider.hf_state(model))
+    with staged_output(output) as tmp:
+        save_hf_folder(hybrid, tmp)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+    for name in ("hf-to-mcore", "mcore-to-hf"):
+        p = sub.add_parser(name)
+        p.add_argument("source")
+        p.add_argument("output")
+    tiny = sub.add_parser("make-tiny", help="write a random tiny AR-DiT HF folder (offline)")
+    tiny.add_argument("output")
+    tiny.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+
+    from megatron_omni.checkpoint.errors import CheckpointError
+
+    try:
+        if args.command == "hf-to-mcore":
+            hf_to_mcore(args.source, args.output)
+        elif args.command == "mcore-to-hf":
+            mcore_to_hf(args.source, args.output)
+        else:
+            from megatron_omni.checkpoint.staging import staged_output
+            from model_providers.ar_dit import provider
+
+            with staged_output(args.output) as tmp:
+                save_hf_folder(provider.torch_hybrid("tiny", seed=args.seed), tmp)
+    except (CheckpointError, KeyError, ValueError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print(f"wrote {args.output}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
