@@ -27,7 +27,7 @@ import torch
 from megatron_omni.algorithms.schedule import qwen_image_sigmas
 from megatron_omni.algorithms.sde import SdeCoefficients, sde_log_prob, sde_step
 from megatron_omni.algorithms.window import sample_window_start
-from megatron_omni.rollout.base import Trajectory
+from megatron_omni.rollout.base import Trajectory, sample_seeds
 from megatron_omni.rollout.velocity import guided_velocity
 from model_providers.ar_dit.provider import TorchHybrid
 
@@ -180,12 +180,8 @@ class ARDiTRolloutEngine:
         vocab = self.hybrid.config.decoder["vocab_size"]
         if any(not 0 <= t < vocab for q in prompts for t in q):
             raise ValueError(f"prompt token ids must lie in [0, {vocab})")
-        if group_size < 1:
-            raise ValueError(f"group_size must be >= 1, got {group_size}")
-        n = len(prompts) * group_size
-        seeds = list(range(n)) if seeds is None else [int(s) for s in seeds]
-        if len(seeds) != n:
-            raise ValueError(f"{len(seeds)} seeds for {n} samples")
+        seeds = sample_seeds(len(prompts), group_size, seeds)
+        n = len(seeds)
         gids = list(range(len(prompts))) if group_ids is None else [int(g) for g in group_ids]
         if len(gids) != len(prompts):
             raise ValueError(f"{len(gids)} group ids for {len(prompts)} prompts")

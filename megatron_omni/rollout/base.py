@@ -175,6 +175,20 @@ class FinishedSample:
     image: torch.Tensor
 
 
+def sample_seeds(num_prompts: int, group_size: int, seeds: Sequence[int] | None) -> list[int]:
+    """The per-sample seeds of a `generate` call (default: the row numbers 0..N-1), checked against its
+    N = num_prompts * group_size samples."""
+    if num_prompts < 1:
+        raise ValueError("no prompts")
+    if group_size < 1:
+        raise ValueError(f"group_size must be >= 1, got {group_size}")
+    n = num_prompts * group_size
+    out = list(range(n)) if seeds is None else [int(s) for s in seeds]
+    if len(out) != n:
+        raise ValueError(f"{len(out)} seeds for {n} samples")
+    return out
+
+
 @runtime_checkable
 class RolloutEngine(Protocol):
     """A generator of FlowGRPO trajectories that can receive fresh weights."""

@@ -27,7 +27,7 @@ from megatron_omni.algorithms.schedule import ShiftConfig, qwen_image_sigmas
 from megatron_omni.algorithms.sde import SdeCoefficients, sde_log_prob, sde_step
 from megatron_omni.algorithms.window import sample_window_start
 from megatron_omni.parallel import platform
-from megatron_omni.rollout.base import FinishedSample, SamplingParams, Trajectory
+from megatron_omni.rollout.base import FinishedSample, SamplingParams, Trajectory, sample_seeds
 from megatron_omni.rollout.velocity import VelocityModel, guided_velocity, pad_text
 
 
@@ -309,14 +309,8 @@ class DiffusersRolloutEngine:
     ) -> Trajectory:
         """`group_size` samples of each prompt; sample k of prompt p is row p * group_size + k, with
         seed `seeds[row]` (default: the row number). See `RolloutEngine.generate`."""
-        if not prompts:
-            raise ValueError("no prompts")
-        if group_size < 1:
-            raise ValueError(f"group_size must be >= 1, got {group_size}")
-        n = len(prompts) * group_size
-        seeds = list(range(n)) if seeds is None else [int(s) for s in seeds]
-        if len(seeds) != n:
-            raise ValueError(f"{len(seeds)} seeds for {n} samples")
+        seeds = sample_seeds(len(prompts), group_size, seeds)
+        n = len(seeds)
         texts = self.encode_prompts(list(prompts))
         neg_text = self.encode_prompts([params.negative_prompt])[0] if params.do_cfg else None
         samples = [

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from megatron_omni.rollout.base import FinishedSample, SamplingParams, Trajectory
+from megatron_omni.rollout.base import FinishedSample, SamplingParams, Trajectory, sample_seeds
 from megatron_omni.rollout.vllm_omni_pipeline import (
     EXTRA_KEY,
     PIPELINE_CLASS,
@@ -83,14 +83,8 @@ class VllmOmniRolloutEngine:
 
         if self._asleep:
             raise RuntimeError("engine is asleep; call wake_up() first")
-        if not prompts:
-            raise ValueError("no prompts")
-        if group_size < 1:
-            raise ValueError(f"group_size must be >= 1, got {group_size}")
-        n = len(prompts) * group_size
-        seeds = list(range(n)) if seeds is None else [int(s) for s in seeds]
-        if len(seeds) != n:
-            raise ValueError(f"{len(seeds)} seeds for {n} samples")
+        seeds = sample_seeds(len(prompts), group_size, seeds)
+        n = len(seeds)
         requests = [sample_prompt(prompts[p], seeds[p * group_size + k], p * group_size + k, p)
                     for p in range(len(prompts)) for k in range(group_size)]
         sampling = OmniDiffusionSamplingParams(

@@ -21,7 +21,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
-import torch.distributed as dist
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.optimizer.optimizer_config import ParamKey, ParamPredicate
@@ -36,6 +35,7 @@ from megatron_omni.parallel.groups import ParallelGroups
 from megatron_omni.parallel.platform import seed_everything
 from megatron_omni.rollout.ar_dit_engine import ARDiTRolloutEngine, ARDiTSamplingParams, ARDiTTrajectory, plan_positions
 from megatron_omni.rollout.logprob import transition_step
+from megatron_omni.trainer.rewards import gather_rewards
 from model_providers.ar_dit import provider
 
 RewardFn = Callable[[ARDiTTrajectory], torch.Tensor]
@@ -165,7 +165,7 @@ class ARDiTTrainer:
         rewards = self.reward_fn(traj).detach().float()
         if rewards.shape != (len(traj),) or not bool(torch.isfinite(rewards).all()):
             raise ValueError(f"reward_fn must return {len(traj)} finite rewards, got {tuple(rewards.shape)}")
-        all_r, all_g, offset = self._gather(rewards, traj.image.group_ids)
+        all_r, all_g, offset = gather_rewards(self.groups.dp, rewards, traj.image.group_ids)
         adv = group_advantages(all_r, all_g, std_mode=c.std_mode)
         advantages = adv.advantages[offset: offset + len(traj)]
         t0 = time.perf_counter()
@@ -191,15 +191,6 @@ class ARDiTTrainer:
         })
         metrics["time_step"] = sum(t.values())
         return metrics, traj, rewards
-
-    def _gather(self, rewards: torch.Tensor, gid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
-        dp = self.groups.dp
-        if dp.size() == 1:
-            return rewards, gid, 0
-        parts: list = [None] * dp.size()
-        dist.all_gather_object(parts, (rewards, gid), group=dp)
-        offset = sum(len(p[0]) for p in parts[: dp.rank()])
-        return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts]), offset
 
     def _update(self, traj: ARDiTTrajectory, old_tok: torch.Tensor, old_win: torch.Tensor, adv: torch.Tensor,
                 step: int) -> tuple[dict[str, float], dict[str, float]]:

@@ -37,7 +37,7 @@ from megatron_omni.rollout.base import SamplingParams, Trajectory
 from megatron_omni.rollout.diffusers_engine import DiffusersRolloutEngine
 from megatron_omni.trainer.config import JobConfig
 from megatron_omni.trainer.pipeline_step import MicroBatch, PipelineStep, plan_micro_batches
-from megatron_omni.trainer.rewards import RewardFunction
+from megatron_omni.trainer.rewards import RewardFunction, gather_rewards
 from model_providers.qwen_image import provider
 
 
@@ -178,7 +178,7 @@ class FlowGRPOTrainer:
         traj, local_rewards, t["reward"] = self.rollout(prompts, seeds)
         traj.group_ids = gid
         t["rollout"] = time.perf_counter() - t0 - t["reward"]
-        all_rewards, all_gids, offset = self._gather_rewards(local_rewards, gid)
+        all_rewards, all_gids, offset = gather_rewards(self.groups.dp, local_rewards, gid)
         adv = group_advantages(all_rewards, all_gids, std_mode=cfg.algorithm.std_mode, clip=cfg.algorithm.adv_clip)
         advantages = adv.advantages[offset: offset + len(traj)]
 
@@ -235,15 +235,6 @@ class FlowGRPOTrainer:
         dist.all_gather_object(shares, (part, rewards, wait), group=self.groups.replica)
         traj = Trajectory.concat([tr for tr, _, _ in shares if tr is not None])
         return traj, torch.cat([r for _, r, _ in shares]), max(w for _, _, w in shares)
-
-    def _gather_rewards(self, rewards: torch.Tensor, gid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
-        dp = self.groups.dp
-        if dp.size() == 1:
-            return rewards, gid, 0
-        parts: list = [None] * dp.size()
-        dist.all_gather_object(parts, (rewards, gid), group=dp)
-        offset = sum(len(p[0]) for p in parts[: dp.rank()])
-        return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts]), offset
 
     def _update(self, traj: Trajectory, old: torch.Tensor, advantages: torch.Tensor, step: int,
                 ref_means: torch.Tensor | None = None) -> dict[str, float]:

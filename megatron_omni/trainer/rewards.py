@@ -11,6 +11,7 @@ import os
 
 import numpy as np
 import torch
+import torch.distributed as dist
 
 from megatron_omni.reward.client import RewardClient
 from megatron_omni.reward.registry import build_scorer
@@ -20,6 +21,18 @@ from megatron_omni.rollout.base import FinishedSample
 def to_uint8_hwc(image: torch.Tensor) -> np.ndarray:
     """[3, H, W] float in [0, 1] -> [H, W, 3] uint8."""
     return (image.clamp(0, 1).permute(1, 2, 0).mul(255).round().to(torch.uint8)).cpu().numpy()
+
+
+def gather_rewards(dp: dist.ProcessGroup, rewards: torch.Tensor,
+                   group_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """This rank's rewards [n] and group ids [n] -> all data-parallel ranks' (concatenated in rank order,
+    [N]) and the offset of this rank's samples in them (group advantages need whole groups)."""
+    if dp.size() == 1:
+        return rewards, group_ids, 0
+    parts: list = [None] * dp.size()
+    dist.all_gather_object(parts, (rewards, group_ids), group=dp)
+    offset = sum(len(p[0]) for p in parts[: dp.rank()])
+    return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts]), offset
 
 
 class RewardFunction:

@@ -13,47 +13,16 @@ from pathlib import Path
 
 import pytest
 import torch
-from diffusers import QwenImageTransformer2DModel
-from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
-from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+from megatron.core.distributed import finalize_model_grads
 
 from megatron_omni.models.dit.model import DiTBatch
-from megatron_omni.parallel import ParallelLayout, build_parallel_groups
-from megatron_omni.parallel.platform import seed_everything
 from megatron_omni.trainer.checkpointing import load_checkpoint, save_checkpoint
 from model_providers.qwen_image import provider
 from tests.distributed.harness import run_ranks
+from tests.distributed.tiny_training import build_tiny_training
 
 GRID = (1, 4, 4)
 S_TXT = 5
-
-
-def _build(distributed: bool, init_seed: int):
-    groups = build_parallel_groups(ParallelLayout(tp=1))  # 2 ranks: dp = 2
-    seed_everything(0, tp_rank=0)
-    cfg = provider.transformer_config("tiny")
-    model = provider.build_model(cfg, groups)
-    torch.manual_seed(init_seed)
-    ref = QwenImageTransformer2DModel(**provider.hf_config("tiny"))
-    with torch.no_grad():
-        for p in ref.parameters():  # adaLN starts at zero in diffusers: random weights give every param a grad
-            p.normal_(0.0, 0.2)
-    provider.load_hf_state_dict(model, ref.state_dict())
-    ddp = DistributedDataParallel(
-        config=cfg, module=model, pg_collection=groups.mcore,
-        ddp_config=DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
-                                                 use_distributed_optimizer=distributed),
-    )
-    opt = get_megatron_optimizer(
-        OptimizerConfig(optimizer="adam", lr=1e-3, weight_decay=0.01, clip_grad=1.0, params_dtype=torch.float32,
-                        use_distributed_optimizer=distributed),
-        [ddp], use_gloo_process_groups=False, pg_collection=groups.mcore,
-    )
-    sched = OptimizerParamScheduler(opt, init_lr=1e-3, max_lr=1e-3, min_lr=1e-3, lr_warmup_steps=0,
-                                    lr_decay_steps=10, lr_decay_style="constant", start_wd=0.01, end_wd=0.01,
-                                    wd_incr_steps=10, wd_incr_style="constant")
-    return groups, model, ddp, opt, sched
 
 
 def _step(groups, ddp, opt, sched, step: int, dp_rank: int) -> None:
@@ -77,7 +46,7 @@ def _weights(model) -> dict[str, torch.Tensor]:
 
 
 def _two_steps(rank: int, world_size: int, distributed: bool, ckpt_root: str | None) -> dict:
-    groups, model, ddp, opt, sched = _build(distributed, init_seed=0)
+    groups, model, ddp, opt, sched = build_tiny_training(1, distributed, init_seed=0)
     initial = _weights(model)
     for step in range(2):
         _step(groups, ddp, opt, sched, step, groups.dp.rank())
@@ -88,7 +57,7 @@ def _two_steps(rank: int, world_size: int, distributed: bool, ckpt_root: str | N
     _step(groups, ddp, opt, sched, 2, groups.dp.rank())
     after_three = _weights(model)
 
-    groups, model, ddp, opt, sched = _build(distributed, init_seed=1)  # other weights, empty optimizer
+    groups, model, ddp, opt, sched = build_tiny_training(1, distributed, init_seed=1)  # other weights, empty optimizer
     common = load_checkpoint(Path(ckpt_root) / "checkpoints" / "step_000002", model, opt, sched)
     reloaded = _weights(model)
     _step(groups, ddp, opt, sched, 2, groups.dp.rank())

@@ -15,15 +15,10 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from diffusers import QwenImageTransformer2DModel
-from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
-from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+from megatron.core.distributed import finalize_model_grads
 
 from megatron_omni.checkpoint.sharded_state import content_metadata, model_layout, read_content_metadata
 from megatron_omni.models.dit.model import DiTBatch
-from megatron_omni.parallel import ParallelLayout, build_parallel_groups
-from megatron_omni.parallel.platform import seed_everything
 from megatron_omni.trainer.checkpointing import (
     COMPLETE,
     checkpoint_dir,
@@ -35,35 +30,9 @@ from megatron_omni.trainer.checkpointing import (
 )
 from model_providers.qwen_image import provider
 from tests.distributed.harness import run_ranks
+from tests.distributed.tiny_training import build_tiny_training
 
 GRID = (1, 4, 4)
-
-
-def _build(tp: int, distributed: bool, init_seed: int):
-    groups = build_parallel_groups(ParallelLayout(tp=tp))
-    seed_everything(0, tp_rank=groups.tp.rank())
-    cfg = provider.transformer_config("tiny", tp=tp)
-    model = provider.build_model(cfg, groups)
-    torch.manual_seed(init_seed)
-    ref = QwenImageTransformer2DModel(**provider.hf_config("tiny"))
-    with torch.no_grad():
-        for p in ref.parameters():
-            p.normal_(0.0, 0.2)
-    provider.load_hf_state_dict(model, ref.state_dict())
-    ddp = DistributedDataParallel(
-        config=cfg, module=model, pg_collection=groups.mcore,
-        ddp_config=DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
-                                                 use_distributed_optimizer=distributed),
-    )
-    opt = get_megatron_optimizer(
-        OptimizerConfig(optimizer="adam", lr=1e-3, weight_decay=0.01, clip_grad=1.0, params_dtype=torch.float32,
-                        use_distributed_optimizer=distributed),
-        [ddp], use_gloo_process_groups=False, pg_collection=groups.mcore,
-    )
-    sched = OptimizerParamScheduler(opt, init_lr=0.0, max_lr=1e-3, min_lr=1e-3, lr_warmup_steps=4,
-                                    lr_decay_steps=10, lr_decay_style="constant", start_wd=0.01, end_wd=0.01,
-                                    wd_incr_steps=10, wd_incr_style="constant")
-    return groups, model, ddp, opt, sched
 
 
 def _adam_step(groups, ddp, opt, sched, step: int) -> None:
@@ -87,7 +56,7 @@ def _meta(model) -> dict:
 
 def _tp2_to_tp1(rank: int, world_size: int, root: str) -> dict:
     src_run, dst_run = Path(root) / "tp2", Path(root) / "tp1"
-    groups, model, ddp, opt, sched = _build(tp=2, distributed=True, init_seed=0)
+    groups, model, ddp, opt, sched = build_tiny_training(tp=2, distributed=True, init_seed=0, warmup_steps=4)
     for step in range(3):
         _adam_step(groups, ddp, opt, sched, step)
         history = [{"step": s, "reward_mean": 0.1 * s} for s in range(step + 1)]
@@ -95,7 +64,7 @@ def _tp2_to_tp1(rank: int, world_size: int, root: str) -> dict:
         save_checkpoint(src_run, step + 1, model, opt, sched, common, keep=2, content_metadata=_meta(model))
     lr_before = opt.param_groups[0]["lr"]
 
-    groups, model, ddp, opt, sched = _build(tp=1, distributed=True, init_seed=1)
+    groups, model, ddp, opt, sched = build_tiny_training(tp=1, distributed=True, init_seed=1, warmup_steps=4)
     common = load_checkpoint(checkpoint_dir(src_run, 3), model, opt, sched)
     lr_after = opt.param_groups[0]["lr"]
     save_checkpoint(dst_run, 3, model, opt, sched, common, keep=2, content_metadata=_meta(model))
