@@ -4,9 +4,10 @@ rollout (embedded engine) -> rewards -> old log-probs (recomputed by the Megatro
 `bypass` mode) -> group advantages -> mini-batch updates through Megatron-Core's DDP and optimizer
 (gradient accumulation over the window steps) -> weight sync into the rollout engine -> metrics.
 
-Data parallel ranks take disjoint prompts; ranks of one model replica (tp x cp x pp) run the same rollout
-with the same seeds (each rank's embedded engine holds the full weights: the sync gathers every pipeline
-stage into every engine). Rewards are gathered over data parallel for the advantages (global or per-group
+Data parallel ranks take disjoint prompts; the ranks of one model replica (tp x cp x pp) split that
+replica's samples, each rolls out and scores its share, and the shares are gathered so they all train on the
+same trajectory (each rank's embedded engine holds the full weights: the sync gathers every pipeline stage
+into every engine). Rewards are gathered over data parallel for the advantages (global or per-group
 std). The recompute and the update run micro-batches (samples x one window step) through Megatron-Core's
 schedules (`pipeline_step.py`; 1F1B when pp > 1). With `algorithm.beta > 0` a frozen copy of the initial
 model gives the reference transition means of the KL term (design notes, section 4).

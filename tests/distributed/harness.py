@@ -74,7 +74,30 @@ def _rank_main(rank: int, world_size: int, port: int, tasks: Any, results: Any, 
             results.put(("ok", rank, task_id, out))
         except BaseException:  # noqa: BLE001
             results.put(("error", rank, task_id, traceback.format_exc()))
+            continue  # the test fails and replaces this pool
+        _release_task_groups()
     platform.destroy_distributed()
+
+
+def _release_task_groups() -> None:
+    """Destroy the process groups a task created (every test builds its own), once every rank is done with
+    them: each gloo group keeps its own polling threads, and hundreds of them left over from earlier tests
+    in a pooled rank slow every later test."""
+    import sys
+
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d as c10d
+
+    keep = {c10d.GroupMember.WORLD}
+    # vLLM / vLLM-Omni create their world group once per process and reuse it in later tasks.
+    for name in ("vllm.distributed.parallel_state", "vllm_omni.diffusion.distributed.parallel_state"):
+        world = getattr(sys.modules.get(name), "_WORLD", None)
+        if world is not None:
+            keep.update(g for g in (getattr(world, "cpu_group", None), getattr(world, "device_group", None)) if g)
+    dist.barrier()
+    for pg in list(c10d._world.pg_map):
+        if pg not in keep:
+            dist.destroy_process_group(pg)
 
 
 class _RankPool:
