@@ -2,7 +2,7 @@
 end against the embedded diffusers engine, on a CUDA device.
 
 Needs a GPU and vLLM + vLLM-Omni built for it; skips with the reason otherwise. On CPU the same pipeline
-class and weight receiver are tested without the engine around them (tests/unit/test_rollout_vllm_omni.py):
+class and weight receiver are tested without the engine around them (tests/distributed/test_rollout_vllm_omni.py):
 `from vllm_omni import Omni` needs torchvision (transformers' Qwen2-VL image processor), which does not
 install beside the CPU torch, and vLLM-Omni has no CPU diffusion platform.
 """
@@ -31,7 +31,7 @@ TOL = 2e-4
 
 def _skip_reason() -> str | None:
     if not platform.has_gpu():
-        return "no CUDA device: the vLLM-Omni engine needs a GPU (CPU parts: tests/unit/test_rollout_vllm_omni.py)"
+        return "no CUDA device: the vLLM-Omni engine needs a GPU (CPU parts: tests/distributed/test_rollout_vllm_omni.py)"
     missing = [m for m in ("vllm", "vllm_omni") if importlib.util.find_spec(m) is None]
     if missing:
         return f"{missing} not installed on this GPU machine"
