@@ -47,8 +47,9 @@ def apply_cpu_patches() -> None:
 
 
 @contextlib.contextmanager
-def vllm_omni_parallel(tp: int) -> Iterator[tuple[Any, Any]]:
-    """vLLM-Omni's parallel state at tensor-parallel size `tp` over the current torch.distributed job.
+def vllm_omni_parallel(tp: int, model: str | os.PathLike | None = None) -> Iterator[tuple[Any, Any]]:
+    """vLLM-Omni's parallel state at tensor-parallel size `tp` over the current torch.distributed job (for
+    the diffusers folder `model`, fp32, when given).
 
     Yields (od_config, vllm_config) inside vLLM-Omni's forward context; tears the model-parallel groups
     down on exit so the next test in the same rank process can build its own.
@@ -64,8 +65,12 @@ def vllm_omni_parallel(tp: int) -> Iterator[tuple[Any, Any]]:
     world, rank = dist.get_world_size(), dist.get_rank()
     if world % tp:
         raise ValueError(f"world size {world} is not divisible by rollout tp={tp}")
-    od = OmniDiffusionConfig(parallel_config=DiffusionParallelConfig(tensor_parallel_size=tp,
-                                                                     data_parallel_size=world // tp))
+    parallel = DiffusionParallelConfig(tensor_parallel_size=tp, data_parallel_size=world // tp)
+    if model is None:
+        od = OmniDiffusionConfig(parallel_config=parallel)
+    else:
+        od = OmniDiffusionConfig(model=str(model), dtype=torch.float32, parallel_config=parallel)
+        od.enrich_config()
     vc = create_diffusion_vllm_config(torch.device("cpu"), od)
     with set_forward_context(vllm_config=vc, omni_diffusion_config=od):
         os.environ.setdefault("LOCAL_RANK", str(rank))
@@ -136,31 +141,11 @@ def vllm_omni_model(model: str | os.PathLike, tp: int, pipeline_class: str) -> I
     """vLLM-Omni's parallel state at tensor-parallel size `tp` and the pipeline class `pipeline_class` loaded
     from the diffusers folder `model` by vLLM-Omni's own loader (`load_format="custom_pipeline"`, the path
     `custom_pipeline_args` takes in a worker), fp32 on CPU. Yields the pipeline inside the forward context."""
-    apply_cpu_patches()
     keep_linear_weights_in_place()
     from vllm.config import LoadConfig
-    from vllm_omni.diffusion.data import DiffusionParallelConfig, OmniDiffusionConfig
-    from vllm_omni.diffusion.distributed import parallel_state as ps
-    from vllm_omni.diffusion.forward_context import set_forward_context
     from vllm_omni.diffusion.model_loader.diffusers_loader import DiffusersPipelineLoader
-    from vllm_omni.diffusion.vllm_config import create_diffusion_vllm_config
 
-    if not dist.is_initialized():
-        raise RuntimeError("start torch.distributed (gloo) before vLLM-Omni's parallel state")
-    world, rank = dist.get_world_size(), dist.get_rank()
-    od = OmniDiffusionConfig(model=str(model), dtype=torch.float32, parallel_config=DiffusionParallelConfig(
-        tensor_parallel_size=tp, data_parallel_size=world // tp))
-    od.enrich_config()
-    vc = create_diffusion_vllm_config(torch.device("cpu"), od)
-    with set_forward_context(vllm_config=vc, omni_diffusion_config=od):
-        os.environ.setdefault("LOCAL_RANK", str(rank))
-        ps.init_distributed_environment(world_size=world, rank=rank, distributed_init_method="env://",
-                                        local_rank=rank, backend=platform.backend())
-        ps.initialize_model_parallel(tensor_parallel_size=tp, data_parallel_size=world // tp,
-                                     backend=platform.backend())
-        try:
-            loader = DiffusersPipelineLoader(LoadConfig(), od_config=od)
-            yield loader.load_model(load_device="cpu", load_format="custom_pipeline",
-                                    custom_pipeline_name=pipeline_class)
-        finally:
-            ps.destroy_model_parallel()
+    with vllm_omni_parallel(tp, model) as (od, _):
+        loader = DiffusersPipelineLoader(LoadConfig(), od_config=od)
+        yield loader.load_model(load_device="cpu", load_format="custom_pipeline",
+                                custom_pipeline_name=pipeline_class)
