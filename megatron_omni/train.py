@@ -141,6 +141,11 @@ def main(argv: list[str] | None = None) -> int:
     if "last_reward" in summary:
         print(f"\nreward mean: first step {summary['first_reward']:.4g} -> last step {summary['last_reward']:.4g} "
               f"over {summary['steps']} steps")
+        if "eval_after" in summary:
+            b, a = summary["eval_before"], summary["eval_after"]
+            print(f"held-out eval (ODE): reward {b['reward_mean']:.4g} -> {a['reward_mean']:.4g} "
+                  f"(seen {b['seen_reward_mean']:.4g} -> {a['seen_reward_mean']:.4g}, unseen "
+                  f"{b['unseen_reward_mean']:.4g} -> {a['unseen_reward_mean']:.4g}); eval_before_after.png")
         print(f"run folder: {summary['run_dir']} (metrics.jsonl, reward_curve.png, samples/, tensorboard/, "
               f"checkpoints/, config.json)")
     return 0

@@ -97,6 +97,15 @@ class LoggingConfig:
 
 
 @dataclass
+class EvalConfig:
+    prompts: list[str] = field(default_factory=list)  # held-out prompts; empty: no evaluation
+    seeds_per_prompt: int = 2
+    num_steps: int = 20  # ODE steps (noise 0): more than the rollout's
+    guidance_scale: float | None = None  # None: the rollout's
+    every: int = 0  # RL steps between evaluations; 0: only before the first and after the last step
+
+
+@dataclass
 class JobConfig:
     run_dir: str = "runs/demo"
     steps: int = 10
@@ -111,6 +120,7 @@ class JobConfig:
     optim: OptimConfig = field(default_factory=OptimConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
 
     def validate(self, world_size: int) -> None:
         """Check values and the layout against the world size; raises ConfigError naming the field."""
@@ -129,6 +139,11 @@ class JobConfig:
             (self.optim.micro_batch_size is None or self.optim.micro_batch_size >= 1, "optim.micro_batch_size",
              "must be >= 1 (or none: the whole mini-batch)"),
             (len(self.prompts) >= 1, "prompts", "needs at least one prompt"),
+            (self.eval.seeds_per_prompt >= 1, "eval.seeds_per_prompt", "must be >= 1"),
+            (self.eval.num_steps >= 1, "eval.num_steps", "must be >= 1"),
+            (self.eval.every >= 0, "eval.every", "must be >= 0 (0: before and after training only)"),
+            (self.eval.guidance_scale is None or self.eval.guidance_scale >= 1, "eval.guidance_scale",
+             "must be >= 1 (or none: the rollout's)"),
         ]
         for ok, name, why in checks:
             if not ok:

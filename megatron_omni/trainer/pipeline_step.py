@@ -87,10 +87,9 @@ class PipelineStep:
 
     def _run(self, model: nn.Module, traj: Trajectory, micro_batches: Sequence[MicroBatch],
              loss_fn: Callable, forward_only: bool) -> list:
-        shapes = set()
-        for mb in micro_batches:
-            b = transition_inputs(traj, mb.rows, mb.j).batch
-            shapes.add((b.latents.shape[0], b.text.shape[1], b.latents.shape[1]))
+        # Built once: the schedule needs their common shape before the first forward.
+        prepared = [(mb, transition_inputs(traj, mb.rows, mb.j)) for mb in micro_batches]
+        shapes = {(i.batch.latents.shape[0], i.batch.text.shape[1], i.batch.latents.shape[1]) for _, i in prepared}
         if len(shapes) != 1:
             raise ValueError(f"micro-batches of one schedule call must share one shape (rows, text, image "
                              f"tokens); got {sorted(shapes)}")
@@ -98,15 +97,14 @@ class PipelineStep:
         dtype = self.dtype
 
         def forward_step(data_iterator, module):
-            mb = next(data_iterator)
-            inputs = transition_inputs(traj, mb.rows, mb.j)
+            mb, inputs = next(data_iterator)
             x = inputs.batch.model_inputs(dtype)
             out = module(DiTBatch(x["hidden_states"], x["encoder_hidden_states"], x["encoder_hidden_states_mask"],
                                   x["timestep"], tuple(inputs.batch.img_shape)))
             return out, partial(loss_fn, mb, inputs)
 
         return self.schedule(
-            forward_step_func=forward_step, data_iterator=iter(micro_batches), model=[model],
+            forward_step_func=forward_step, data_iterator=iter(prepared), model=[model],
             num_microbatches=len(micro_batches), seq_length=pipeline_seq_length(s_txt, s_img, self.groups.layout.cp),
             micro_batch_size=rows, forward_only=forward_only, collect_non_loss_data=forward_only,
             p2p_communicator=self.p2p, pg_collection=self.groups.mcore,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from pathlib import Path
@@ -13,6 +14,7 @@ from megatron_omni.checkpoint.sharded_state import content_metadata, model_layou
 from megatron_omni.parallel import ParallelLayout, build_parallel_groups
 from megatron_omni.trainer.checkpointing import latest_checkpoint, load_checkpoint, save_checkpoint
 from megatron_omni.trainer.config import JobConfig, to_dict
+from megatron_omni.trainer.evaluation import EvalResult, eval_samples, evaluate, save_before_after_grid
 from megatron_omni.trainer.flowgrpo import FlowGRPOTrainer
 from megatron_omni.trainer.metrics import MetricsWriter, read_history, save_image_grid, save_reward_curve
 from megatron_omni.trainer.rewards import RewardFunction
@@ -34,6 +36,34 @@ def prepare_pipeline(cfg: JobConfig, run_dir: Path) -> Path:
         make_tiny_pipeline(path, seed=cfg.model.tiny_seed)
     dist.barrier()
     return path
+
+
+def run_evaluation(cfg: JobConfig, trainer: FlowGRPOTrainer, run_dir: Path, done: int) -> None:
+    """Rank 0 samples the held-out prompts (`cfg.eval`) with the ODE after `done` RL steps, saves
+    `eval/step_XXXX.npz` and a grid, appends to `eval.jsonl`; after the last step it also draws
+    `eval_before_after.png`. Collective (a barrier)."""
+    if dist.get_rank() == 0:
+        e = cfg.eval
+        base = trainer.sampling_params()
+        guidance = base.guidance_scale if e.guidance_scale is None else e.guidance_scale
+        params = dataclasses.replace(base, num_steps=e.num_steps, guidance_scale=guidance, window_range=None,
+                                     negative_prompt=base.negative_prompt if base.negative_prompt is not None
+                                     else (" " if guidance > 1 else None))
+        prompts, seeds = eval_samples(e.prompts, e.seeds_per_prompt, cfg.seed)
+        result = evaluate(trainer.engine, trainer.reward_fn, prompts, seeds, params)
+        folder = run_dir / "eval"
+        folder.mkdir(exist_ok=True)
+        result.save(folder / f"step_{done:04d}.npz")
+        caps = [f"{p[:24]}\nr={r:.3g}" for p, r in zip(result.prompts, result.rewards.tolist())]
+        save_image_grid(result.images, caps, folder / f"step_{done:04d}.png")
+        summary = {"step": done, **result.summary(set(cfg.prompts))}
+        with open(run_dir / "eval.jsonl", "a") as f:
+            f.write(json.dumps(summary) + "\n")
+        first = folder / "step_0000.npz"
+        if done == cfg.steps and done > 0 and first.exists():
+            save_before_after_grid(EvalResult.load(first), result, run_dir / "eval_before_after.png")
+        tqdm.write(f"eval after {done} steps: " + ", ".join(f"{k} {v:.4f}" for k, v in summary.items() if k != "step"))
+    dist.barrier()
 
 
 def run(cfg: JobConfig) -> dict:
@@ -65,12 +95,19 @@ def run(cfg: JobConfig) -> dict:
             tmp = run_dir / "metrics.jsonl.tmp"
             tmp.write_text("".join(json.dumps(h) + "\n" for h in common["metrics_history"]))
             os.replace(tmp, run_dir / "metrics.jsonl")
+            evals = read_history(run_dir / "eval.jsonl")
+            if evals:
+                tmp = run_dir / "eval.jsonl.tmp"
+                tmp.write_text("".join(json.dumps(e) + "\n" for e in evals if e["step"] <= start))
+                os.replace(tmp, run_dir / "eval.jsonl")
             print(f"resumed from {folder} at step {start}")
 
     writer = None
     if rank == 0:
         writer = MetricsWriter(run_dir, cfg.logging.tensorboard, cfg.logging.wandb, cfg.logging.wandb_project,
                                to_dict(cfg))
+    if cfg.eval.prompts and start == 0:
+        run_evaluation(cfg, trainer, run_dir, 0)
     bar = tqdm(range(start, cfg.steps), initial=start, total=cfg.steps, desc="FlowGRPO", unit="step",
                disable=rank != 0, dynamic_ncols=True)
     for step in bar:
@@ -90,6 +127,8 @@ def run(cfg: JobConfig) -> dict:
                                     model_layout(trainer.model), step=done)
             save_checkpoint(run_dir, done, trainer.model, trainer.optimizer, trainer.scheduler, common,
                             cfg.checkpoint.keep, content_metadata=meta)
+        if cfg.eval.prompts and (done == cfg.steps or (cfg.eval.every and done % cfg.eval.every == 0)):
+            run_evaluation(cfg, trainer, run_dir, done)
     reward_fn.close()
     summary = {"run_dir": str(run_dir)}
     if rank == 0:
@@ -98,6 +137,9 @@ def run(cfg: JobConfig) -> dict:
         save_reward_curve(history, run_dir / "reward_curve.png")
         summary.update(first_reward=history[0]["reward_mean"], last_reward=history[-1]["reward_mean"],
                        steps=len(history))
+        evals = read_history(run_dir / "eval.jsonl")
+        if len(evals) >= 2 and evals[0]["step"] == 0:
+            summary.update(eval_before=evals[0], eval_after=evals[-1])
     dist.barrier()
     return summary
 

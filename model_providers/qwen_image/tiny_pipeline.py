@@ -63,6 +63,9 @@ class TinyPipelineConfig:
     vae_base_dim: int = 8
     vae_dim_mult: tuple[int, ...] = (1, 2, 2, 2)
     vae_num_res_blocks: int = 1
+    # Whole words the byte-level tokenizer merges into one token each (BPE merges), e.g. the prompt
+    # template's words so that the template's dropped prefix is exactly QwenImagePipeline's 34 tokens.
+    merged_words: tuple[str, ...] = ()
 
 
 def bytes_to_unicode() -> dict[int, str]:
@@ -79,8 +82,10 @@ def bytes_to_unicode() -> dict[int, str]:
     return {b: chr(c) for b, c in zip(printable, chars, strict=True)}
 
 
-def build_tokenizer():
-    """A byte-level Qwen2Tokenizer: ids 0..255 are the bytes, then the special tokens, no merges."""
+def build_tokenizer(merged_words: tuple[str, ...] = ()):
+    """A byte-level Qwen2Tokenizer: ids 0..255 are the bytes, then the special tokens, then one token per
+    merged word (a chain of BPE merges that grows the word one byte at a time; a leading space is part of
+    the word, as the Qwen pre-tokenizer splits words)."""
     from tokenizers import AddedToken
     from transformers import Qwen2Tokenizer
 
@@ -88,7 +93,17 @@ def build_tokenizer():
     vocab = {byte_map[b]: b for b in range(256)}
     for i, tok in enumerate(SPECIAL_TOKENS):
         vocab[tok] = 256 + i
-    tok = Qwen2Tokenizer(vocab=vocab, merges=[], model_max_length=2048)
+    merges: list[tuple[str, str]] = []
+    for word in merged_words:
+        symbols = [byte_map[b] for b in word.encode("utf-8")]
+        prefix = symbols[0]
+        for sym in symbols[1:]:
+            merged = prefix + sym
+            if merged not in vocab:
+                merges.append((prefix, sym))
+                vocab[merged] = len(vocab)
+            prefix = merged
+    tok = Qwen2Tokenizer(vocab=vocab, merges=merges, model_max_length=2048)
     tok.add_special_tokens(
         {"additional_special_tokens": [AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS[1:]]}
     )
@@ -148,7 +163,7 @@ def build_components(cfg: TinyPipelineConfig, seed: int) -> dict:
     if t.in_channels % 4 or t.in_channels // 4 != t.out_channels:
         raise ValueError("in_channels must be 4 * out_channels (2x2 packing of the VAE latents)")
     z_dim = t.out_channels
-    tokenizer = build_tokenizer()
+    tokenizer = build_tokenizer(cfg.merged_words)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         transformer = QwenImageTransformer2DModel(
@@ -168,7 +183,8 @@ def build_components(cfg: TinyPipelineConfig, seed: int) -> dict:
             z_dim=z_dim,
             dim_mult=list(cfg.vae_dim_mult),
             num_res_blocks=cfg.vae_num_res_blocks,
-            temperal_downsample=[False, True, True],
+            # one entry per downsampling stage (len(dim_mult) - 1): the VAE's scale is 2 ** len(...)
+            temperal_downsample=[False] + [True] * (len(cfg.vae_dim_mult) - 2),
             latents_mean=[round(float(x), 4) for x in 0.1 * torch.randn(z_dim, generator=g)],
             latents_std=[round(float(x), 4) for x in 1.0 + 0.5 * torch.rand(z_dim, generator=g)],
         ).eval()

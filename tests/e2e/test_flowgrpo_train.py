@@ -136,6 +136,7 @@ def test_bypass_and_recompute_give_the_same_first_update(tmp_path: Path) -> None
         (["--set", "optim.lr=fast"], "optim.lr='fast': not a valid float"),
         (["--set", "parallel.tp=3"], "world size 1 is not divisible"),
         (["--set", "rollout.group_size=1"], "rollout.group_size=1"),
+        (["--set", "eval.guidance_scale=0.5"], "eval.guidance_scale=0.5"),
         (["--recipe", "examples.tiny.recipe:missing"], "--recipe"),
     ],
 )

@@ -30,6 +30,7 @@ EXPECTED_WORLD = {
     "examples/qwen_image/train_20b_4nodes.sh": 32,
     "examples/qwen_image/slurm_20b.sbatch": 16,
     "examples/tiny/train_tiny.sh": 2,
+    "examples/tiny/ocr_miniature.sh": 1,
 }
 TIMEOUT_S = 300
 

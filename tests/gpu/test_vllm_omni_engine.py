@@ -31,7 +31,8 @@ TOL = 2e-4
 
 def _skip_reason() -> str | None:
     if not platform.has_gpu():
-        return "no CUDA device: the vLLM-Omni engine needs a GPU (CPU parts: tests/distributed/test_rollout_vllm_omni.py)"
+        return ("no CUDA device: the vLLM-Omni engine needs a GPU "
+                "(CPU parts: tests/distributed/test_rollout_vllm_omni.py)")
     missing = [m for m in ("vllm", "vllm_omni") if importlib.util.find_spec(m) is None]
     if missing:
         return f"{missing} not installed on this GPU machine"

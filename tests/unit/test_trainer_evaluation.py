@@ -1,0 +1,57 @@
+"""Held-out evaluation records: seen/unseen split, the saved result round-trips, the before/after grid refuses
+evaluations of different prompts or seeds."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from megatron_omni.trainer.evaluation import EvalResult, eval_samples, save_before_after_grid
+
+
+def _result(rewards: list[float], seed: int = 0) -> EvalResult:
+    prompts, seeds = eval_samples(['"A"', '"B"', '"C"'], 2, seed=seed)
+    images = torch.rand(len(prompts), 3, 8, 8, generator=torch.Generator().manual_seed(seed))
+    return EvalResult(prompts=prompts, seeds=seeds, images=images, rewards=torch.tensor(rewards))
+
+
+def test_samples_are_fixed_per_prompt_and_seed() -> None:
+    prompts, seeds = eval_samples(['"A"', '"B"'], 3, seed=5)
+    assert prompts == ['"A"'] * 3 + ['"B"'] * 3
+    assert seeds == eval_samples(['"A"', '"B"'], 3, seed=5)[1]
+    assert len(set(seeds[:3])) == 3 and seeds[:3] == seeds[3:]  # the same noise for every prompt
+
+
+def test_summary_splits_seen_and_unseen() -> None:
+    r = _result([1.0, 0.0, 0.5, 0.5, 0.25, 0.75])
+    s = r.summary(seen={'"A"', '"Z"'})
+    assert s["reward_mean"] == pytest.approx(0.5)
+    assert s["seen_reward_mean"] == pytest.approx(0.5)
+    assert s["unseen_reward_mean"] == pytest.approx(0.5)
+    s = r.summary(seen={'"C"'})
+    assert s["seen_reward_mean"] == pytest.approx(0.5) and s["unseen_reward_mean"] == pytest.approx(0.5)
+    assert math.isnan(r.summary(seen={'"A"', '"B"', '"C"'})["unseen_reward_mean"])
+    assert r.mean({'"A"'}) == pytest.approx(0.5) and r.mean({'"B"'}) == pytest.approx(0.5)
+
+
+def test_saved_result_round_trips(tmp_path: Path) -> None:
+    r = _result([0.1, 0.2, 0.3, 0.4, 0.5, 0.6])
+    r.save(tmp_path / "e.npz")
+    back = EvalResult.load(tmp_path / "e.npz")
+    assert back.prompts == r.prompts and back.seeds == r.seeds
+    assert torch.equal(back.rewards, r.rewards)
+    quantised = (r.images * 255).round() / 255
+    assert torch.allclose(back.images, quantised, atol=1e-7)
+    assert not list(tmp_path.glob("*.tmp*"))
+
+
+def test_before_after_grid(tmp_path: Path) -> None:
+    before, after = _result([0.0] * 6), _result([1.0] * 6)
+    save_before_after_grid(before, after, tmp_path / "grid.png")
+    assert (tmp_path / "grid.png").stat().st_size > 0
+    with pytest.raises(ValueError, match="different prompts or seeds"):
+        save_before_after_grid(before, _result([1.0] * 6, seed=1), tmp_path / "bad.png")
+    assert not (tmp_path / "bad.png").exists()

@@ -1,0 +1,363 @@
+"""Pretrain the OCR miniature: a tiny Qwen-Image pipeline that learns to write words, on CPU.
+
+    python tools/pretrain_tiny_text.py --out examples/tiny/text_pipeline --seed 0
+    torchrun --nproc-per-node 2 tools/pretrain_tiny_text.py --out /tmp/text_pipeline --tp 2
+
+1. Renders the synthetic dataset (`model_providers/qwen_image/text_dataset.py`: words of a fixed vocabulary
+   in DejaVu Sans Bold, random position, size and colours) and trains the pipeline's VAE on it
+   (`AutoencoderKLQwenImage`, scale 4, 16 channels; a deterministic autoencoder: the posterior mean, a
+   little latent noise for a decoder that tolerates imperfect samples). Its latent mean/std per channel
+   go into the VAE config, as Qwen-Image's do.
+2. Flow-matching pretraining of the transformer as our Megatron-Core model (`model_providers/qwen_image`,
+   TP from --tp, data parallel over the remaining ranks) through Megatron-Core's DDP and optimizer:
+   x_t = (1 - s) x_0 + s e, target e - x_0, s drawn through the pipeline's own shifted schedule; prompts
+   are dropped to the negative prompt 10% of the time so true CFG works.
+3. Every --eval-every steps the weights go through the bridge into a diffusers rollout engine, which
+   samples the vocabulary with the ODE (--eval-steps, guidance --guidance) and the OCR reader scores the
+   images. Training stops at the first evaluation whose OCR similarity reaches --stop-ocr (partly legible:
+   RL has room) or at --max-steps.
+4. The pipeline folder (diffusers layout, loadable offline) is written atomically to --out with
+   `pretrain.json` beside the weights: the command, seed, steps, OCR similarity and wall time.
+
+Everything random is drawn from --seed, so the same command on the same software stack rebuilds the same
+folder (one process per rank, CPU fp32).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+from tqdm import tqdm  # noqa: E402
+
+from model_providers.qwen_image import provider  # noqa: E402
+from model_providers.qwen_image.text_dataset import (  # noqa: E402
+    VOCABULARY,
+    images_to_tensor,
+    prompt_for,
+    render_dataset,
+)
+from model_providers.qwen_image.text_miniature import MINIATURE  # noqa: E402
+from model_providers.qwen_image.tiny_pipeline import build_components  # noqa: E402
+
+NEGATIVE_PROMPT = " "
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", required=True, help="pipeline folder to write (must not exist unless --overwrite)")
+    ap.add_argument("--overwrite", action="store_true")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--init-from", default=None,
+                    help="continue from this pipeline folder (its VAE and transformer) instead of starting anew")
+    ap.add_argument("--tp", type=int, default=1, help="tensor-parallel size of the transformer")
+    ap.add_argument("--vae-steps", type=int, default=700)
+    ap.add_argument("--vae-batch", type=int, default=32)
+    ap.add_argument("--vae-crop", type=int, default=32, help="VAE training crop (px, multiple of 4)")
+    ap.add_argument("--vae-lr", type=float, default=2e-3)
+    ap.add_argument("--dataset-size", type=int, default=8192, help="rendered images the transformer learns")
+    ap.add_argument("--max-steps", type=int, default=8000, help="transformer steps at most")
+    ap.add_argument("--batch-size", type=int, default=32)
+    ap.add_argument("--lr", type=float, default=1e-3)
+    ap.add_argument("--drop-prompt", type=float, default=0.1, help="share of prompts replaced by the negative one")
+    ap.add_argument("--eval-every", type=int, default=250)
+    ap.add_argument("--eval-steps", type=int, default=20, help="ODE sampling steps of the evaluation")
+    ap.add_argument("--guidance", type=float, default=3.0)
+    ap.add_argument("--stop-ocr", type=float, default=0.25, help="stop once the vocabulary's OCR similarity reaches it")
+    return ap.parse_args(argv)
+
+
+# ----------------------------------------------------------------------------------------------- VAE
+
+
+def train_vae(vae: torch.nn.Module, images: torch.Tensor, steps: int, batch: int, crop: int, lr: float,
+              seed: int) -> float:
+    """Train `vae` on random `crop` x `crop` crops of images [N, 3, 1, H, W] in [-1, 1] as a deterministic
+    autoencoder (L1 + L2 on the reconstruction of the posterior mean plus 5% latent noise; crops are 4x
+    cheaper than whole images and the strokes are local); returns the last step's MSE."""
+    gen = torch.Generator().manual_seed(seed)
+    opt = torch.optim.Adam(vae.parameters(), lr=lr)
+    vae.train()
+    mse = float("nan")
+    for _ in tqdm(range(steps), desc="VAE", unit="step", dynamic_ncols=True):
+        x = images[torch.randint(0, len(images), (batch,), generator=gen)]
+        ox, oy = (torch.randint(0, (images.shape[-1] - crop) // 4 + 1, (2,), generator=gen) * 4).tolist()
+        x = x[..., oy: oy + crop, ox: ox + crop]
+        z = vae.encode(x).latent_dist.mode()
+        z = z + 0.05 * torch.randn(z.shape, generator=gen)
+        rec = vae.decode(z).sample
+        loss = (rec - x).pow(2).mean() + (rec - x).abs().mean()
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        mse = float((rec - x).detach().pow(2).mean())
+    vae.eval()
+    return mse
+
+
+@torch.no_grad()
+def encode_latents(vae: torch.nn.Module, images: torch.Tensor, chunk: int = 256) -> torch.Tensor:
+    """images [N, 3, 1, H, W] -> posterior means [N, z, 1, H / s, W / s]."""
+    return torch.cat([vae.encode(images[i: i + chunk]).latent_dist.mode() for i in range(0, len(images), chunk)])
+
+
+def pack(latents: torch.Tensor) -> torch.Tensor:
+    """[N, C, 1, h, w] -> [N, (h / 2) (w / 2), 4 C], QwenImagePipeline's 2 x 2 patch packing."""
+    n, c, _, h, w = latents.shape
+    x = latents[:, :, 0].reshape(n, c, h // 2, 2, w // 2, 2).permute(0, 2, 4, 1, 3, 5)
+    return x.reshape(n, (h // 2) * (w // 2), c * 4)
+
+
+def build_vae_and_latents(args: argparse.Namespace, work: Path) -> dict:
+    """Rank 0: the pipeline to start from in `work/pipeline` and `work/latents.pt` (normalised packed latents
+    and word ids). New: untrained components from the seed, the VAE trained here, its latent statistics in
+    its config. With --init-from: that folder's components as they are (its transformer continues; its VAE
+    and latent statistics are kept, since the transformer learned in their latent space). Returns what to
+    record about the start."""
+    from diffusers import QwenImagePipeline
+
+    if args.init_from:
+        pipe = QwenImagePipeline.from_pretrained(args.init_from, local_files_only=True)
+        components = dict(pipe.components)
+        vae = components["vae"].eval()
+        previous = Path(args.init_from) / "pretrain.json"
+        start = {"init_from": str(args.init_from),
+                 "previous": json.loads(previous.read_text()) if previous.exists() else None}
+        mse = start["previous"]["vae_mse"] if start["previous"] else float("nan")
+    else:
+        components = build_components(MINIATURE, args.seed)
+        vae = components["vae"]
+        vae_images, _ = render_dataset(VOCABULARY, 4096, seed=args.seed * 1000 + 1)
+        x = torch.from_numpy(images_to_tensor(vae_images)).unsqueeze(2)
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(args.seed * 1000 + 2)
+            mse = train_vae(vae, x, args.vae_steps, args.vae_batch, args.vae_crop, args.vae_lr,
+                            args.seed * 1000 + 3)
+        start = {"init_from": None}
+    images, words = render_dataset(VOCABULARY, args.dataset_size, seed=args.seed * 1000 + 4)
+    z = encode_latents(vae, torch.from_numpy(images_to_tensor(images)).unsqueeze(2))
+    if not args.init_from:
+        vae.register_to_config(latents_mean=[float(v) for v in z.mean(dim=(0, 2, 3, 4))],
+                               latents_std=[float(v) for v in z.std(dim=(0, 2, 3, 4))])
+    mean = torch.tensor(vae.config.latents_mean).view(1, -1, 1, 1, 1)
+    std = torch.tensor(vae.config.latents_std).view(1, -1, 1, 1, 1)
+    word_ids = torch.tensor([VOCABULARY.index(w) for w in words])
+    QwenImagePipeline(**components).save_pretrained(work / "pipeline", safe_serialization=True)
+    torch.save({"latents": pack((z - mean) / std), "word_ids": word_ids, "vae_mse": mse}, work / "latents.pt")
+    print(f"VAE: reconstruction MSE {mse:.4f} (images in [-1, 1]); {len(images)} training latents")
+    return start
+
+
+# ------------------------------------------------------------------------------------------ transformer
+
+
+def conditioning(engine, prompts: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Text embeddings of `prompts` as the pipeline computes them, padded: ([P, L, D], [P, L] long mask)."""
+    from megatron_omni.rollout.velocity import pad_text
+
+    return pad_text(engine.encode_prompts(prompts))
+
+
+def train_sigmas(n: int, image_seq_len: int, scheduler_config, gen: torch.Generator) -> torch.Tensor:
+    """[n] noise levels: uniform draws pushed through the pipeline's resolution shift (the density its
+    sampling grid has), so training spends its steps where sampling does."""
+    from megatron_omni.algorithms.schedule import ShiftConfig, calculate_shift
+
+    shift = ShiftConfig.from_scheduler_config(scheduler_config)
+    mu = calculate_shift(image_seq_len, shift.base_seq_len, shift.max_seq_len, shift.base_shift, shift.max_shift)
+    u = torch.rand(n, generator=gen).clamp(1e-4, 1 - 1e-4)
+    c = float(np.exp(mu)) if shift.time_shift_type == "exponential" else mu
+    return c / (c + (1 / u - 1))
+
+
+def eval_ocr(engine, scorer, guidance: float, steps: int, seed: int) -> tuple[float, torch.Tensor]:
+    """OCR similarity of one ODE sample per vocabulary word (fixed seeds) and the images [V, 3, H, W]."""
+    from megatron_omni.rollout.base import SamplingParams
+
+    prompts = [prompt_for(w) for w in VOCABULARY]
+    params = SamplingParams(height=64, width=64, num_steps=steps, noise_level=0.0, guidance_scale=guidance,
+                            negative_prompt=NEGATIVE_PROMPT if guidance > 1 else None)
+    traj = engine.generate(prompts, params, seeds=[seed * 1000 + i for i in range(len(prompts))])
+    images = [(im.clamp(0, 1).permute(1, 2, 0) * 255).round().to(torch.uint8).numpy() for im in traj.images]
+    return float(np.mean(scorer(images, prompts))), traj.images
+
+
+def pretrain_transformer(args: argparse.Namespace, groups, engine, data: dict, work: Path,
+                         history: list[dict], started: float) -> tuple[int, float]:
+    """The flow-matching loop on the Megatron model; evaluations append to `history` (rank 0). Returns the
+    last step and the OCR similarity of the last evaluation. The engine holds the weights of the last
+    evaluation (the only time they are synced)."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    from megatron_omni.bridge import DiffusersTarget, WeightSync
+    from megatron_omni.bridge.qwen_image import megatron_sources, qwen_image_plan
+    from megatron_omni.models.dit.model import DiTBatch
+    from megatron_omni.parallel import platform
+    from megatron_omni.reward.registry import build_scorer
+    from megatron_omni.trainer.metrics import save_image_grid
+
+    rank = dist.get_rank()
+    cond, cond_mask = conditioning(engine, [prompt_for(w) for w in VOCABULARY] + [NEGATIVE_PROMPT])
+    negative = len(VOCABULARY)
+    platform.seed_everything(args.seed, tp_rank=groups.tp.rank())
+    mcfg = provider.transformer_config(dict(engine.transformer.config), tp=args.tp)
+    model = provider.build_model(mcfg, groups)
+    provider.load_hf_state_dict(model, engine.transformer.state_dict())
+    ddp = DistributedDataParallel(config=mcfg, module=model, pg_collection=groups.mcore,
+                                  ddp_config=DistributedDataParallelConfig(grad_reduce_in_fp32=True))
+    optimizer = get_megatron_optimizer(
+        OptimizerConfig(optimizer="adam", lr=args.lr, weight_decay=0.0, clip_grad=1.0, params_dtype=mcfg.params_dtype),
+        [ddp], use_gloo_process_groups=False, pg_collection=groups.mcore)
+    plan = qwen_image_plan(dict(engine.transformer.config), trainer_tp=args.tp, trainer_pp=1,
+                           rollout_kind="diffusers", rollout_tp=1, mode="full")
+    sync = WeightSync(plan, sources=megatron_sources(model), target=DiffusersTarget(engine.transformer),
+                      tp_group=groups.tp, tp_rank=groups.tp.rank(), stage=0)
+    scorer = build_scorer("ocr") if rank == 0 else None
+
+    latents, word_ids = data["latents"], data["word_ids"]
+    s_img = latents.shape[1]
+    side = int(round(s_img ** 0.5))
+    dp, dp_rank = groups.dp.size(), groups.dp.rank()
+    if args.batch_size % dp:
+        raise ValueError(f"--batch-size {args.batch_size} is not divisible by {dp} data-parallel ranks")
+    gen = torch.Generator().manual_seed(args.seed * 1000 + 5)
+    step, ocr = 0, 0.0
+    bar = tqdm(total=args.max_steps, desc="transformer", unit="step", disable=rank != 0, dynamic_ncols=True)
+    try:
+        while step < args.max_steps:
+            # Every rank draws the whole batch (same generator) and keeps its data-parallel slice.
+            idx = torch.randint(0, len(latents), (args.batch_size,), generator=gen)
+            drop = torch.rand(args.batch_size, generator=gen) < args.drop_prompt
+            sigma = train_sigmas(args.batch_size, s_img, engine.pipe.scheduler.config, gen)
+            noise = torch.randn(latents[idx].shape, generator=gen)
+            mine = slice(dp_rank * args.batch_size // dp, (dp_rank + 1) * args.batch_size // dp)
+            x0, e, s = latents[idx][mine], noise[mine], sigma[mine]
+            rows = torch.where(drop, negative, word_ids[idx])[mine]
+            xt = (1 - s.view(-1, 1, 1)) * x0 + s.view(-1, 1, 1) * e
+            ddp.zero_grad_buffer()
+            optimizer.zero_grad()
+            v = ddp(DiTBatch(xt, cond[rows], cond_mask[rows], s, (1, side, side)))
+            loss = (v - (e - x0)).pow(2).mean()
+            loss.backward()
+            finalize_model_grads([ddp], pg_collection=groups.mcore)
+            optimizer.step()
+            step += 1
+            bar.update(1)
+            bar.set_postfix(loss=f"{float(loss):.4f}", ocr=f"{ocr:.3f}")
+            if step % args.eval_every == 0 or step == args.max_steps:
+                sync.sync()
+                verdict = [None]
+                if rank == 0:
+                    ocr, images = eval_ocr(engine, scorer, args.guidance, args.eval_steps, args.seed)
+                    history.append({"step": step, "ocr": ocr, "loss": float(loss),
+                                    "minutes": (time.time() - started) / 60})
+                    save_image_grid(images, list(VOCABULARY), work / f"samples_{step:05d}.png", columns=8)
+                    tqdm.write(f"step {step}: OCR similarity {ocr:.3f} (loss {float(loss):.4f}, "
+                               f"{history[-1]['minutes']:.1f} min)")
+                    verdict = [ocr]
+                dist.broadcast_object_list(verdict, src=0)
+                ocr = verdict[0]
+                if ocr >= args.stop_ocr:
+                    break
+    finally:
+        bar.close()
+        if scorer is not None:
+            scorer.close()
+    return step, ocr
+
+
+def write_pipeline(engine, out: Path, work: Path, record: dict) -> None:
+    """The engine's pipeline (VAE, text encoder, tokenizer, scheduler, transformer) and `pretrain.json`
+    into `out`, built beside it and renamed into place."""
+    final = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    try:
+        final.chmod(0o755)
+        engine.pipe.save_pretrained(final, safe_serialization=True)
+        for config in final.glob("*/config.json"):
+            # where the components were loaded from (this run's work folder): meaningless once shipped
+            data = json.loads(config.read_text())
+            if data.pop("_name_or_path", None) is not None:
+                config.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
+        (final / "pretrain.json").write_text(json.dumps(record, indent=2) + "\n")
+        last = sorted(work.glob("samples_*.png"))
+        if last:
+            shutil.copy(last[-1], final / "samples.png")
+        if out.exists():
+            shutil.rmtree(out)
+        os.replace(final, out)
+    except BaseException:
+        shutil.rmtree(final, ignore_errors=True)
+        raise
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    from megatron_omni.parallel import ParallelLayout, build_parallel_groups, platform
+    from megatron_omni.rollout.diffusers_engine import DiffusersRolloutEngine
+
+    out = Path(args.out)
+    if out.exists() and not args.overwrite:
+        print(f"error: {out} exists (pass --overwrite to replace it)", file=sys.stderr)
+        return 2
+    platform.init_distributed()
+    rank, started = dist.get_rank(), time.time()
+    groups = build_parallel_groups(ParallelLayout(tp=args.tp))
+    out.parent.mkdir(parents=True, exist_ok=True)
+    work_list = [tempfile.mkdtemp(prefix=f".{out.name}.work.", dir=out.parent) if rank == 0 else None]
+    dist.broadcast_object_list(work_list, src=0)
+    work = Path(work_list[0])
+    interrupted = False
+    try:
+        start = build_vae_and_latents(args, work) if rank == 0 else None
+        dist.barrier()
+        data = torch.load(work / "latents.pt")
+        engine = DiffusersRolloutEngine(work / "pipeline", max_batch_size=64)
+        engine.progress = False
+        history: list[dict] = []
+        try:
+            step, ocr = pretrain_transformer(args, groups, engine, data, work, history, started)
+        except KeyboardInterrupt:
+            if rank != 0 or not history:
+                raise
+            # Ctrl-C keeps the model of the last evaluation, with its measured OCR similarity.
+            interrupted = True
+            step, ocr = history[-1]["step"], history[-1]["ocr"]
+            print(f"\ninterrupted: writing the model of the last evaluation (step {step})")
+        if rank == 0:
+            record = {
+                "command": "python " + " ".join(shlex.quote(a) for a in [sys.argv[0], *(argv or sys.argv[1:])]),
+                "seed": args.seed, "tp": args.tp, "transformer_steps": step, "ocr_similarity": ocr,
+                "interrupted": interrupted, "stop_ocr": args.stop_ocr,
+                "eval": {"steps": args.eval_steps, "guidance": args.guidance,
+                         "prompts": [prompt_for(w) for w in VOCABULARY]},
+                "vae_mse": data["vae_mse"], "wall_minutes": round((time.time() - started) / 60, 2),
+                "history": history, "args": vars(args), **start,
+            }
+            write_pipeline(engine, out, work, record)
+            print(f"wrote {out}: {step} transformer steps, OCR similarity {ocr:.3f}, {record['wall_minutes']} min")
+        if not interrupted:
+            dist.barrier()
+    finally:
+        if rank == 0:
+            shutil.rmtree(work, ignore_errors=True)
+        platform.destroy_distributed()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
