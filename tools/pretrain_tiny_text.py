@@ -17,7 +17,11 @@
    images. Training stops at the first evaluation whose OCR similarity reaches --stop-ocr (partly legible:
    RL has room) or at --max-steps.
 4. The pipeline folder (diffusers layout, loadable offline) is written atomically to --out with
-   `pretrain.json` beside the weights: the command, seed, steps, OCR similarity and wall time.
+   `pretrain.json` beside the weights: the command, seed, steps, OCR similarity and wall time. SIGINT
+   (Ctrl-C) or SIGTERM writes the model of the last evaluation instead.
+
+`--init-from DIR` continues from a pipeline folder this tool wrote (its VAE, latent statistics and
+transformer; fresh optimizer state), recording the earlier run's `pretrain.json` under `previous`.
 
 Everything random is drawn from --seed, so the same command on the same software stack rebuilds the same
 folder (one process per rank, CPU fp32).
@@ -30,6 +34,7 @@ import json
 import os
 import shlex
 import shutil
+import signal
 import sys
 import tempfile
 import time
@@ -305,8 +310,19 @@ def write_pipeline(engine, out: Path, work: Path, record: dict) -> None:
         raise
 
 
+def _stop_on_signals() -> None:
+    """SIGINT and SIGTERM raise KeyboardInterrupt, so both keep the last evaluated model (a shell starts
+    background jobs with SIGINT ignored, and schedulers stop jobs with SIGTERM)."""
+    def _raise(signum, frame):
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    signal.signal(signal.SIGINT, _raise)
+    signal.signal(signal.SIGTERM, _raise)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    _stop_on_signals()
     from megatron_omni.parallel import ParallelLayout, build_parallel_groups, platform
     from megatron_omni.rollout.diffusers_engine import DiffusersRolloutEngine
 

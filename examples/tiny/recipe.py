@@ -35,8 +35,8 @@ TEXT_PIPELINE = Path(__file__).resolve().parent / "text_pipeline"
 
 
 def ocr_miniature() -> JobConfig:
-    """The OCR miniature: FlowGRPO teaches the shipped tiny text-rendering pipeline (pretrained by
-    tools/pretrain_tiny_text.py, partly legible) to write its words, scored by the local OCR reader.
+    """The OCR miniature: FlowGRPO on the shipped tiny text-rendering pipeline (pretrained by
+    tools/pretrain_tiny_text.py; its pretrain.json records how legible it is), scored by the local OCR reader.
 
     RL prompts are 24 of the 32 pretraining words; the held-out evaluation samples 8 of those and the 8
     words RL never sees with the ODE (more steps, same guidance) before and after. Run it with the reward
@@ -54,11 +54,11 @@ def ocr_miniature() -> JobConfig:
     r.window_size = 2
     r.guidance_scale = 3.0
     r.negative_prompt = " "
-    r.prompts_per_step = 8
-    r.group_size = 4
+    r.prompts_per_step = 4
+    r.group_size = 8  # a weak writer: more tries per word make a better one in the group likelier
     r.max_batch_size = 32
     cfg.reward.scorer = "ocr"
-    cfg.optim.lr = 3e-4
+    cfg.optim.lr = 5e-4
     cfg.optim.mini_batches = 2
     cfg.algorithm.clip_range = 0.2
     cfg.algorithm.std_mode = "group"
