@@ -4,8 +4,8 @@ the reward server in its own process, evaluating the held-out prompts (words see
 ODE before and after training.
 
 Not asserted yet (issue 11 stays open): that RL raises the held-out OCR similarity by a margin. The shipped
-checkpoint is not legible enough for that (its `pretrain.json` records OCR similarity ~0.03); the test will
-assert the rise once a pretraining run reaches partial legibility."""
+checkpoint is barely legible (its `pretrain.json` records OCR similarity 0.185 at the last evaluation); the
+test will assert the rise once a pretraining run reaches partial legibility."""
 
 from __future__ import annotations
 
