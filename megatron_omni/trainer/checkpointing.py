@@ -86,6 +86,18 @@ def _ensure_optimizer_state(optimizer: Any) -> None:
             opt._init_optimizer_states_with_dummy_values()
 
 
+def _unshare_adam_steps(optimizer: Any) -> None:
+    """Give every parameter its own Adam step counter again. Without apex/TE, megatron-core's distributed
+    optimizer restores torch Adam's per-parameter `step` as one tensor shared by all parameters; torch
+    increments each parameter's counter in place, so the shared one would advance once per parameter per
+    step and Adam's bias correction after a resume would not be the uninterrupted run's."""
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        if isinstance(opt, DistributedOptimizer):
+            for state in opt.optimizer.state.values():
+                if torch.is_tensor(state.get("step")):
+                    state["step"] = state["step"].clone()
+
+
 def _sharded_training_state(model: torch.nn.Module, optimizer: Any, is_loading: bool) -> ShardedStateDict:
     if is_loading:
         _ensure_optimizer_state(optimizer)
@@ -159,6 +171,7 @@ def load_checkpoint(folder: Path, model: torch.nn.Module, optimizer: Any, schedu
     if missing or result.unexpected_keys:
         raise RuntimeError(f"loading {folder}: missing {missing}, unexpected {result.unexpected_keys}")
     optimizer.load_state_dict(loaded["optimizer"])
+    _unshare_adam_steps(optimizer)
     scheduler.load_state_dict(loaded["scheduler"])
     if same_world:
         set_rng_state(loaded["rng"])

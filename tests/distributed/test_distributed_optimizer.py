@@ -3,8 +3,9 @@
 At DP=2 on the tiny Qwen-Image model (fp32, Adam with weight decay and grad clipping, different data per
 rank), two steps with the distributed optimizer give the weights of two steps with the plain one; its
 training checkpoint (`megatron_omni.trainer.checkpointing`, the Megatron distributed checkpoint format)
-reloads into freshly built ranks with the saved weights. That the next step after the reload is
-bit-identical to the uninterrupted run is a strict xfail (a known gap, see its reason).
+reloads into freshly built ranks with the saved weights, and the next step after the reload is bit-identical
+to the uninterrupted run (megatron-core restores torch Adam's step counters as one shared tensor;
+`checkpointing._unshare_adam_steps` mends it).
 """
 
 from __future__ import annotations
@@ -95,9 +96,6 @@ def test_distributed_optimizer_matches_plain_adam_and_its_checkpoint_reloads(run
         assert torch.equal(sharded[0]["after_three"][k], sharded[1]["after_three"][k]), k
 
 
-@pytest.mark.xfail(strict=True, reason="known gap: after a reload the distributed optimizer's moments, main params, "
-                   "steps and hyper-parameters equal the saved ones, yet its next step differs by ~0.3 lr from "
-                   "the uninterrupted run (the plain optimizer resumes bit-identically); not found yet")
 def test_distributed_optimizer_resumes_bit_identically(runs) -> None:
     _, sharded = runs
     for rank in range(2):
