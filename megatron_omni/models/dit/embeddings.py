@@ -73,14 +73,18 @@ def qwen_rope_angles(
     return img, txt
 
 
-def apply_interleaved_rope(x: torch.Tensor, angles: torch.Tensor) -> torch.Tensor:
-    """Rotate adjacent channel pairs (2k, 2k+1) of `x` [s, b, n, d] by `angles` [s, d/2]; math in fp32.
+def rope_rotations(angles: torch.Tensor) -> torch.Tensor:
+    """Angles [s, d/2] (fp32) -> unit complex rotations e^{i angle} [s, d/2] (complex64), computed once per
+    forward and shared by every block."""
+    return torch.polar(torch.ones_like(angles), angles)
 
-    This is Megatron's `rotary_interleaved=True` convention and diffusers' complex-multiply RoPE.
+
+def apply_interleaved_rope(x: torch.Tensor, rotations: torch.Tensor) -> torch.Tensor:
+    """Rotate adjacent channel pairs (2k, 2k+1) of `x` [s, b, n, d] by `rotations` [s, d/2] (complex, from
+    `rope_rotations`); math in fp32.
+
+    This is Megatron's `rotary_interleaved=True` convention and diffusers' complex-multiply RoPE: one
+    complex product instead of four real products and a stack.
     """
-    cos = torch.cos(angles)[:, None, None, :]
-    sin = torch.sin(angles)[:, None, None, :]
-    xf = x.float().unflatten(-1, (-1, 2))
-    x0, x1 = xf[..., 0], xf[..., 1]
-    out = torch.stack([x0 * cos - x1 * sin, x0 * sin + x1 * cos], dim=-1).flatten(-2)
-    return out.to(x.dtype)
+    xc = torch.view_as_complex(x.float().unflatten(-1, (-1, 2)).contiguous())
+    return torch.view_as_real(xc * rotations[:, None, None, :]).flatten(-2).to(x.dtype)

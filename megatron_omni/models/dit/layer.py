@@ -77,15 +77,16 @@ class MMDiTStream(MegatronModule):
         mod, _ = self.adaln(nn.functional.silu(temb))
         return tuple(m.unsqueeze(0) for m in mod.chunk(6, dim=-1))
 
-    def qkv(self, x: torch.Tensor, angles: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """x [s, b, h] -> q, k, v [s, b, n_local, d] with QK RMSNorm and RoPE applied."""
+    def qkv(self, x: torch.Tensor, rope: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x [s, b, h], rope [s, d/2] complex rotations -> q, k, v [s, b, n_local, d] with QK RMSNorm and
+        RoPE applied."""
         mixed, _ = self.linear_qkv(x)
         d = self.config.kv_channels
         # Megatron's fused layout: per head [q_h | k_h | v_h].
         mixed = mixed.unflatten(-1, (-1, 3 * d))
         q, k, v = mixed.split(d, dim=-1)
-        q = apply_interleaved_rope(self.q_layernorm(q), angles)
-        k = apply_interleaved_rope(self.k_layernorm(k), angles)
+        q = apply_interleaved_rope(self.q_layernorm(q), rope)
+        k = apply_interleaved_rope(self.k_layernorm(k), rope)
         return q, k, v.contiguous()
 
     def mlp(self, x: torch.Tensor) -> torch.Tensor:
@@ -117,9 +118,9 @@ class MMDiTLayer(MegatronModule):
         self.ulysses_group = ulysses_group
         self.ring_group = ring_group
 
-    def _attention(self, img_normed, txt_normed, img_angles, txt_angles, txt_mask):
-        q_i, k_i, v_i = self.img.qkv(img_normed, img_angles)
-        q_t, k_t, v_t = self.txt.qkv(txt_normed, txt_angles)
+    def _attention(self, img_normed, txt_normed, img_rope, txt_rope, txt_mask):
+        q_i, k_i, v_i = self.img.qkv(img_normed, img_rope)
+        q_t, k_t, v_t = self.txt.qkv(txt_normed, txt_rope)
         out_t, out_i = joint_attention(
             q_t, k_t, v_t, q_i, k_i, v_i, txt_mask, ulysses_group=self.ulysses_group, ring_group=self.ring_group
         )
@@ -130,11 +131,12 @@ class MMDiTLayer(MegatronModule):
         img: torch.Tensor,
         txt: torch.Tensor,
         temb: torch.Tensor,
-        img_angles: torch.Tensor,
-        txt_angles: torch.Tensor,
+        img_rope: torch.Tensor,
+        txt_rope: torch.Tensor,
         txt_mask: torch.Tensor | None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """img [s_i, b, h] (this CP rank's shard), txt [s_t, b, h], temb [b, h]; angles [s, d/2];
+        """img [s_i, b, h] (this CP rank's shard), txt [s_t, b, h], temb [b, h]; rope [s, d/2] complex
+        rotations (`embeddings.rope_rotations`);
         txt_mask [b, s_t] bool (True = valid) -> updated (img, txt)."""
         eps = self.config.norm_eps
         i_shift1, i_scale1, i_gate1, i_shift2, i_scale2, i_gate2 = self.img.modulation(temb)
@@ -146,10 +148,10 @@ class MMDiTLayer(MegatronModule):
             from megatron.core import tensor_parallel
 
             attn_img, attn_txt = tensor_parallel.checkpoint(
-                self._attention, False, img_normed, txt_normed, img_angles, txt_angles, txt_mask
+                self._attention, False, img_normed, txt_normed, img_rope, txt_rope, txt_mask
             )
         else:
-            attn_img, attn_txt = self._attention(img_normed, txt_normed, img_angles, txt_angles, txt_mask)
+            attn_img, attn_txt = self._attention(img_normed, txt_normed, img_rope, txt_rope, txt_mask)
         attn_img, _ = self.img.linear_proj(attn_img)
         attn_txt, _ = self.txt.linear_proj(attn_txt)
         img = img + i_gate1 * attn_img

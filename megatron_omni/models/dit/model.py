@@ -24,7 +24,7 @@ from megatron.core.transformer.module import MegatronModule
 from torch import nn
 
 from megatron_omni.models.dit.config import MMDiTConfig
-from megatron_omni.models.dit.embeddings import TimestepEmbedder, qwen_rope_angles
+from megatron_omni.models.dit.embeddings import TimestepEmbedder, qwen_rope_angles, rope_rotations
 from megatron_omni.models.dit.layer import MMDiTLayer, MMDiTLayerSubmodules
 
 
@@ -131,30 +131,30 @@ class MMDiTModel(MegatronModule):
         img_angles, txt_angles = qwen_rope_angles(
             f, hh, ww, s_txt, tuple(self.config.axes_dims_rope), self.config.rope_theta
         )
-        img_angles = img_angles[shard].to(img.device)
-        txt_angles = txt_angles.to(img.device)
+        img_rope = rope_rotations(img_angles[shard].to(img.device))
+        txt_rope = rope_rotations(txt_angles.to(img.device))
         mask = batch.prompt_mask
         if mask is not None:
             mask = mask.to(device=img.device, dtype=torch.bool)
 
-        img, txt = self._run_layers(img, txt, temb, img_angles, txt_angles, mask)
+        img, txt = self._run_layers(img, txt, temb, img_rope, txt_rope, mask)
 
         if not self.post_process:
             return torch.cat([txt, img], dim=0)
         out = self.proj_out(self.norm_out(img, temb))
         return out.transpose(0, 1)  # [b, s_img_local, p*p*out]
 
-    def _run_layers(self, img, txt, temb, img_angles, txt_angles, mask):
+    def _run_layers(self, img, txt, temb, img_rope, txt_rope, mask):
         cfg = self.config
         full = cfg.recompute_granularity == "full"
         n_recompute = len(self.layers) if cfg.recompute_num_layers is None else cfg.recompute_num_layers
         for i, layer in enumerate(self.layers):
             if full and self.training and torch.is_grad_enabled() and i < n_recompute:
                 img, txt = tensor_parallel.checkpoint(
-                    layer, False, img, txt, temb, img_angles, txt_angles, mask
+                    layer, False, img, txt, temb, img_rope, txt_rope, mask
                 )
             else:
-                img, txt = layer(img, txt, temb, img_angles, txt_angles, mask)
+                img, txt = layer(img, txt, temb, img_rope, txt_rope, mask)
         return img, txt
 
 
