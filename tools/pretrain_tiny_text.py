@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shlex
 import shutil
 import signal
@@ -44,7 +43,6 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from tqdm import tqdm  # noqa: E402
@@ -57,7 +55,7 @@ from model_providers.qwen_image.text_dataset import (  # noqa: E402
     render_dataset,
 )
 from model_providers.qwen_image.text_miniature import MINIATURE  # noqa: E402
-from model_providers.qwen_image.tiny_pipeline import build_components  # noqa: E402
+from model_providers.qwen_image.tiny_pipeline import build_components, save_pipeline_atomically  # noqa: E402
 
 NEGATIVE_PROMPT = " "
 
@@ -121,10 +119,11 @@ def encode_latents(vae: torch.nn.Module, images: torch.Tensor, chunk: int = 256)
 
 
 def pack(latents: torch.Tensor) -> torch.Tensor:
-    """[N, C, 1, h, w] -> [N, (h / 2) (w / 2), 4 C], QwenImagePipeline's 2 x 2 patch packing."""
+    """[N, C, 1, h, w] -> [N, (h / 2) (w / 2), 4 C], the pipeline's own 2 x 2 patch packing."""
+    from diffusers import QwenImagePipeline
+
     n, c, _, h, w = latents.shape
-    x = latents[:, :, 0].reshape(n, c, h // 2, 2, w // 2, 2).permute(0, 2, 4, 1, 3, 5)
-    return x.reshape(n, (h // 2) * (w // 2), c * 4)
+    return QwenImagePipeline._pack_latents(latents[:, :, 0], n, c, h, w)
 
 
 def build_vae_and_latents(args: argparse.Namespace, work: Path) -> dict:
@@ -180,25 +179,22 @@ def conditioning(engine, prompts: list[str]) -> tuple[torch.Tensor, torch.Tensor
 def train_sigmas(n: int, image_seq_len: int, scheduler_config, gen: torch.Generator) -> torch.Tensor:
     """[n] noise levels: uniform draws pushed through the pipeline's resolution shift (the density its
     sampling grid has), so training spends its steps where sampling does."""
-    from megatron_omni.algorithms.schedule import ShiftConfig, calculate_shift
+    from megatron_omni.algorithms.schedule import ShiftConfig, shift_sigmas
 
-    shift = ShiftConfig.from_scheduler_config(scheduler_config)
-    mu = calculate_shift(image_seq_len, shift.base_seq_len, shift.max_seq_len, shift.base_shift, shift.max_shift)
     u = torch.rand(n, generator=gen).clamp(1e-4, 1 - 1e-4)
-    c = float(np.exp(mu)) if shift.time_shift_type == "exponential" else mu
-    return c / (c + (1 / u - 1))
+    return shift_sigmas(u, image_seq_len, ShiftConfig.from_scheduler_config(scheduler_config))
 
 
-def eval_ocr(engine, scorer, guidance: float, steps: int, seed: int) -> tuple[float, torch.Tensor]:
+def eval_ocr(engine, reward_fn, guidance: float, steps: int, seed: int) -> tuple[float, torch.Tensor]:
     """OCR similarity of one ODE sample per vocabulary word (fixed seeds) and the images [V, 3, H, W]."""
     from megatron_omni.rollout.base import SamplingParams
+    from megatron_omni.trainer.evaluation import evaluate
 
     prompts = [prompt_for(w) for w in VOCABULARY]
     params = SamplingParams(height=64, width=64, num_steps=steps, noise_level=0.0, guidance_scale=guidance,
                             negative_prompt=NEGATIVE_PROMPT if guidance > 1 else None)
-    traj = engine.generate(prompts, params, seeds=[seed * 1000 + i for i in range(len(prompts))])
-    images = [(im.clamp(0, 1).permute(1, 2, 0) * 255).round().to(torch.uint8).numpy() for im in traj.images]
-    return float(np.mean(scorer(images, prompts))), traj.images
+    result = evaluate(engine, reward_fn, prompts, [seed * 1000 + i for i in range(len(prompts))], params)
+    return result.mean(), result.images
 
 
 def pretrain_transformer(args: argparse.Namespace, groups, engine, data: dict, work: Path,
@@ -213,8 +209,8 @@ def pretrain_transformer(args: argparse.Namespace, groups, engine, data: dict, w
     from megatron_omni.bridge.qwen_image import megatron_sources, qwen_image_plan
     from megatron_omni.models.dit.model import DiTBatch
     from megatron_omni.parallel import platform
-    from megatron_omni.reward.registry import build_scorer
     from megatron_omni.trainer.metrics import save_image_grid
+    from megatron_omni.trainer.rewards import RewardFunction
 
     rank = dist.get_rank()
     cond, cond_mask = conditioning(engine, [prompt_for(w) for w in VOCABULARY] + [NEGATIVE_PROMPT])
@@ -232,7 +228,7 @@ def pretrain_transformer(args: argparse.Namespace, groups, engine, data: dict, w
                            rollout_kind="diffusers", rollout_tp=1, mode="full")
     sync = WeightSync(plan, sources=megatron_sources(model), target=DiffusersTarget(engine.transformer),
                       tp_group=groups.tp, tp_rank=groups.tp.rank(), stage=0)
-    scorer = build_scorer("ocr") if rank == 0 else None
+    reward_fn = RewardFunction("ocr") if rank == 0 else None
 
     latents, word_ids = data["latents"], data["word_ids"]
     s_img = latents.shape[1]
@@ -268,7 +264,7 @@ def pretrain_transformer(args: argparse.Namespace, groups, engine, data: dict, w
                 sync.sync()
                 verdict = [None]
                 if rank == 0:
-                    ocr, images = eval_ocr(engine, scorer, args.guidance, args.eval_steps, args.seed)
+                    ocr, images = eval_ocr(engine, reward_fn, args.guidance, args.eval_steps, args.seed)
                     history.append({"step": step, "ocr": ocr, "loss": float(loss),
                                     "minutes": (time.time() - started) / 60})
                     save_image_grid(images, list(VOCABULARY), work / f"samples_{step:05d}.png", columns=8)
@@ -281,33 +277,19 @@ def pretrain_transformer(args: argparse.Namespace, groups, engine, data: dict, w
                     break
     finally:
         bar.close()
-        if scorer is not None:
-            scorer.close()
+        if reward_fn is not None:
+            reward_fn.close()
     return step, ocr
 
 
 def write_pipeline(engine, out: Path, work: Path, record: dict) -> None:
-    """The engine's pipeline (VAE, text encoder, tokenizer, scheduler, transformer) and `pretrain.json`
-    into `out`, built beside it and renamed into place."""
-    final = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
-    try:
-        final.chmod(0o755)
-        engine.pipe.save_pretrained(final, safe_serialization=True)
-        for config in final.glob("*/config.json"):
-            # where the components were loaded from (this run's work folder): meaningless once shipped
-            data = json.loads(config.read_text())
-            if data.pop("_name_or_path", None) is not None:
-                config.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
-        (final / "pretrain.json").write_text(json.dumps(record, indent=2) + "\n")
-        last = sorted(work.glob("samples_*.png"))
-        if last:
-            shutil.copy(last[-1], final / "samples.png")
-        if out.exists():
-            shutil.rmtree(out)
-        os.replace(final, out)
-    except BaseException:
-        shutil.rmtree(final, ignore_errors=True)
-        raise
+    """The engine's pipeline (VAE, text encoder, tokenizer, scheduler, transformer), `pretrain.json` and the
+    last evaluation's samples into `out`, atomically."""
+    extra: dict[str, str | Path] = {"pretrain.json": json.dumps(record, indent=2) + "\n"}
+    last = sorted(work.glob("samples_*.png"))
+    if last:
+        extra["samples.png"] = last[-1]
+    save_pipeline_atomically(engine.pipe, out, extra)
 
 
 def _stop_on_signals() -> None:

@@ -91,21 +91,29 @@ def qwen_image_sigmas(num_steps: int, image_seq_len: int, shift: ShiftConfig | N
     if image_seq_len < 1:
         raise ValueError(f"image_seq_len must be >= 1, got {image_seq_len}")
     shift = shift or ShiftConfig()
-    mu = calculate_shift(
-        image_seq_len, shift.base_seq_len, shift.max_seq_len, shift.base_shift, shift.max_shift
-    )
     # The pipeline builds the base grid with numpy in float64, the scheduler casts it to float32.
     base = torch.linspace(1.0, 1.0 / num_steps, num_steps, dtype=torch.float64).to(torch.float32)
-    # Tensor-by-tensor divisions on purpose: `scalar / tensor` in torch is `reciprocal(tensor) * scalar`,
-    # one rounding more than numpy's true division, and the grid would drift from diffusers' by an ulp.
-    one = torch.ones_like(base)
-    c = torch.full_like(base, math.exp(mu) if shift.time_shift_type == "exponential" else mu)
-    sigmas = torch.div(c, c + (torch.div(one, base) - 1))
+    sigmas = shift_sigmas(base, image_seq_len, shift)
     if shift.shift_terminal:
         one_minus = 1 - sigmas
         scale = one_minus[-1] / (1 - shift.shift_terminal)
         sigmas = 1 - (one_minus / scale)
     return torch.cat([sigmas.to(torch.float32), torch.zeros(1, dtype=torch.float32)])
+
+
+def shift_sigmas(base: torch.Tensor, image_seq_len: int, shift: ShiftConfig | None = None) -> torch.Tensor:
+    """The resolution-dependent time shift `c / (c + (1 / base - 1))` of noise levels `base` in (0, 1] (any
+    shape, float32), with c = e^mu (exponential) or mu (linear): the density the sampling grid has, which
+    pretraining also draws its noise levels from. Same shape as `base`."""
+    shift = shift or ShiftConfig()
+    mu = calculate_shift(
+        image_seq_len, shift.base_seq_len, shift.max_seq_len, shift.base_shift, shift.max_shift
+    )
+    # Tensor-by-tensor divisions on purpose: `scalar / tensor` in torch is `reciprocal(tensor) * scalar`,
+    # one rounding more than numpy's true division, and the grid would drift from diffusers' by an ulp.
+    one = torch.ones_like(base)
+    c = torch.full_like(base, math.exp(mu) if shift.time_shift_type == "exponential" else mu)
+    return torch.div(c, c + (torch.div(one, base) - 1))
 
 
 def model_timesteps(sigmas: torch.Tensor) -> torch.Tensor:

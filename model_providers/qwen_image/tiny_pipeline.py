@@ -12,6 +12,7 @@ CLI: python tools/make_tiny_pipeline.py --out /tmp/tiny-qwen-image --seed 0
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import tempfile
@@ -231,15 +232,30 @@ def make_tiny_pipeline(
     cfg = config or TinyPipelineConfig()
     out.parent.mkdir(parents=True, exist_ok=True)
     pipe = QwenImagePipeline(**build_components(cfg, seed))
+    save_pipeline_atomically(pipe, out, {"tiny_pipeline.txt": f"seed={seed}\nconfig={asdict(cfg)}\n"})
+    return out
+
+
+def save_pipeline_atomically(pipe, out: Path, extra_files: dict[str, str | Path] | None = None) -> None:
+    """Save `pipe` (diffusers layout, safetensors) and `extra_files` (name -> text, or a file to copy) into
+    `out`: built in a temp folder beside it, then renamed over it, so `out` is never half-written. The
+    components' `_name_or_path` (where they were loaded from, meaningless once shipped) is dropped."""
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     try:
         tmp.chmod(0o755)
         pipe.save_pretrained(tmp, safe_serialization=True)
-        (tmp / "tiny_pipeline.txt").write_text(f"seed={seed}\nconfig={asdict(cfg)}\n")
+        for config in tmp.glob("*/config.json"):
+            data = json.loads(config.read_text())
+            if data.pop("_name_or_path", None) is not None:
+                config.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
+        for name, content in (extra_files or {}).items():
+            if isinstance(content, Path):
+                shutil.copy(content, tmp / name)
+            else:
+                (tmp / name).write_text(content)
         if out.exists():
             shutil.rmtree(out)
         os.replace(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    return out
