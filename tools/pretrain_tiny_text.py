@@ -21,7 +21,9 @@
    (Ctrl-C) or SIGTERM writes the model of the last evaluation instead.
 
 `--init-from DIR` continues from a pipeline folder this tool wrote (its VAE, latent statistics and
-transformer; fresh optimizer state), recording the earlier run's `pretrain.json` under `previous`.
+transformer; fresh optimizer state), recording the earlier run's `pretrain.json` under `previous`. A
+constant-lr run's weights are noisy (its evaluations jump by +-0.05); a last `--init-from` run with
+`--lr-decay linear` (to 0 over --max-steps) consolidates them.
 
 Everything random is drawn from --seed, so the same command on the same software stack rebuilds the same
 folder (one process per rank, CPU fp32).
@@ -76,6 +78,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--max-steps", type=int, default=8000, help="transformer steps at most")
     ap.add_argument("--batch-size", type=int, default=32)
     ap.add_argument("--lr", type=float, default=1e-3)
+    ap.add_argument("--lr-decay", choices=("constant", "linear", "cosine"), default="constant",
+                    help="learning-rate schedule over --max-steps (linear/cosine: to 0, the decay phase of a "
+                         "warmup-stable-decay run, which consolidates a constant-lr run's noisy weights)")
     ap.add_argument("--drop-prompt", type=float, default=0.1, help="share of prompts replaced by the negative one")
     ap.add_argument("--eval-every", type=int, default=250)
     ap.add_argument("--eval-steps", type=int, default=20, help="ODE sampling steps of the evaluation")
@@ -204,6 +209,7 @@ def pretrain_transformer(args: argparse.Namespace, groups, engine, data: dict, w
     evaluation (the only time they are synced)."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
     from megatron_omni.bridge import DiffusersTarget, WeightSync
     from megatron_omni.bridge.qwen_image import megatron_sources, qwen_image_plan
@@ -222,8 +228,13 @@ def pretrain_transformer(args: argparse.Namespace, groups, engine, data: dict, w
     ddp = DistributedDataParallel(config=mcfg, module=model, pg_collection=groups.mcore,
                                   ddp_config=DistributedDataParallelConfig(grad_reduce_in_fp32=True))
     optimizer = get_megatron_optimizer(
-        OptimizerConfig(optimizer="adam", lr=args.lr, weight_decay=0.0, clip_grad=1.0, params_dtype=mcfg.params_dtype),
+        OptimizerConfig(optimizer="adam", lr=args.lr, min_lr=0.0, weight_decay=0.0, clip_grad=1.0,
+                        params_dtype=mcfg.params_dtype),
         [ddp], use_gloo_process_groups=False, pg_collection=groups.mcore)
+    scheduler = OptimizerParamScheduler(
+        optimizer, init_lr=args.lr, max_lr=args.lr, min_lr=0.0, lr_warmup_steps=0, lr_decay_steps=args.max_steps,
+        lr_decay_style=args.lr_decay, start_wd=0.0, end_wd=0.0, wd_incr_steps=args.max_steps,
+        wd_incr_style="constant")
     plan = qwen_image_plan(dict(engine.transformer.config), trainer_tp=args.tp, trainer_pp=1,
                            rollout_kind="diffusers", rollout_tp=1, mode="full")
     sync = WeightSync(plan, sources=megatron_sources(model), target=DiffusersTarget(engine.transformer),
@@ -257,9 +268,10 @@ def pretrain_transformer(args: argparse.Namespace, groups, engine, data: dict, w
             loss.backward()
             finalize_model_grads([ddp], pg_collection=groups.mcore)
             optimizer.step()
+            scheduler.step(increment=1)
             step += 1
             bar.update(1)
-            bar.set_postfix(loss=f"{float(loss):.4f}", ocr=f"{ocr:.3f}")
+            bar.set_postfix(loss=f"{float(loss):.4f}", ocr=f"{ocr:.3f}", lr=f"{optimizer.param_groups[0]['lr']:.1e}")
             if step % args.eval_every == 0 or step == args.max_steps:
                 sync.sync()
                 verdict = [None]

@@ -58,7 +58,9 @@ def ocr_miniature() -> JobConfig:
     r.group_size = 8  # a weak writer: more tries per word make a better one in the group likelier
     r.max_batch_size = 32
     cfg.reward.scorer = "ocr"
-    cfg.optim.lr = 5e-4
+    # Measured: 1e-4 raises the held-out OCR similarity (0.258 -> 0.380 in 24 steps); 2e-4 gains less (0.320)
+    # and 5e-4 destroys the model (Adam turns the small, noisy gradients into +-lr steps on every weight).
+    cfg.optim.lr = 1e-4
     cfg.optim.mini_batches = 2
     cfg.algorithm.clip_range = 0.2
     cfg.algorithm.std_mode = "group"

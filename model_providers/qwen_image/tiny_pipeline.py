@@ -244,7 +244,7 @@ def save_pipeline_atomically(pipe, out: Path, extra_files: dict[str, str | Path]
     try:
         tmp.chmod(0o755)
         pipe.save_pretrained(tmp, safe_serialization=True)
-        for config in tmp.glob("*/config.json"):
+        for config in [tmp / "model_index.json", *tmp.glob("*/config.json")]:
             data = json.loads(config.read_text())
             if data.pop("_name_or_path", None) is not None:
                 config.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")

@@ -3,9 +3,7 @@ miniature's architecture, and `examples.tiny.recipe:ocr_miniature` runs from it 
 the reward server in its own process, evaluating the held-out prompts (words seen and unseen in RL) with the
 ODE before and after training.
 
-Not asserted yet (issue 11 stays open): that RL raises the held-out OCR similarity by a margin. The shipped
-checkpoint is barely legible (its `pretrain.json` records OCR similarity 0.185 at the last evaluation); the
-test will assert the rise once a pretraining run reaches partial legibility."""
+ODE before and after training, and RL raises the held-out OCR similarity by a fixed margin."""
 
 from __future__ import annotations
 
@@ -15,6 +13,8 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 from megatron_omni.reward.launcher import RewardServerProcess
 
@@ -48,26 +48,38 @@ def test_shipped_pipeline_records_how_it_was_built() -> None:
     assert size < 40 * 2**20, f"the shipped folder is {size / 2**20:.1f} MiB"
 
 
-def test_recipe_runs_from_the_shipped_pipeline_with_the_reward_server(tmp_path: Path) -> None:
+# Measured on the 2-core CPU machine (benchmarks/ocr_miniature.py, the recipe as shipped): held-out OCR
+# similarity 0.258 before, 0.315 after 12 steps and 0.380 after 24 (seen words 0.375 -> 0.500, unseen
+# 0.141 -> 0.260). The run is seeded end to end (rollout noise, OCR reader), so the margin is fixed well
+# below the measured rise rather than at the edge of the noise.
+MARGIN = 0.06
+
+
+@pytest.mark.slow
+def test_rl_from_the_shipped_pipeline_raises_held_out_ocr(tmp_path: Path) -> None:
+    """The recipe as a user runs it: FlowGRPO from the shipped pipeline, OCR reward from the reward server in
+    its own process, held-out evaluation (RL words and words RL never sees) with the ODE before and after."""
     run_dir = tmp_path / "run"
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "2", "PYTHONPATH": str(ROOT)}
-    prompts = json.dumps(['text "CAT"', 'text "OK"'])  # one RL word, one held out
     with RewardServerProcess("ocr", workers=1, max_queue=256, timeout_s=120) as srv:
         proc = subprocess.run(
             [sys.executable, "-m", "megatron_omni.train", "--recipe", "examples.tiny.recipe:ocr_miniature",
-             "--set", f"run_dir={run_dir}", "--set", "steps=2", "--set", f"reward.url={srv.url}",
-             "--set", "rollout.prompts_per_step=1", "--set", "rollout.group_size=4",
-             "--set", f"eval.prompts={prompts}", "--set", "eval.seeds_per_prompt=1", "--set", "eval.num_steps=8",
-             "--set", "logging.tensorboard=false"],
-            cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+             "--set", f"run_dir={run_dir}", "--set", f"reward.url={srv.url}", "--set", "logging.tensorboard=false"],
+            cwd=ROOT, env=env, capture_output=True, text=True, timeout=1500)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    steps = json.loads((run_dir / "config.json").read_text())["steps"]
     evals = [json.loads(line) for line in (run_dir / "eval.jsonl").read_text().splitlines()]
-    assert [e["step"] for e in evals] == [0, 2]
+    assert [e["step"] for e in evals] == [0, steps]
     for e in evals:
         assert all(math.isfinite(e[k]) and 0.0 <= e[k] <= 1.0
                    for k in ("reward_mean", "seen_reward_mean", "unseen_reward_mean")), e
+    before, after = evals[0]["reward_mean"], evals[-1]["reward_mean"]
+    print(f"held-out OCR similarity {before:.3f} -> {after:.3f} after {steps} RL steps "
+          f"(seen {evals[0]['seen_reward_mean']:.3f} -> {evals[-1]['seen_reward_mean']:.3f}, "
+          f"unseen {evals[0]['unseen_reward_mean']:.3f} -> {evals[-1]['unseen_reward_mean']:.3f})")
+    assert after >= before + MARGIN, (before, after)
     assert (run_dir / "eval_before_after.png").stat().st_size > 0
-    assert sorted(p.name for p in (run_dir / "eval").glob("*.npz")) == ["step_0000.npz", "step_0002.npz"]
+    assert sorted(p.name for p in (run_dir / "eval").glob("*.npz")) == ["step_0000.npz", f"step_{steps:04d}.npz"]
     config = json.loads((run_dir / "config.json").read_text())
     assert config["reward"]["url"] == srv.url and config["model"]["pipeline"].endswith("text_pipeline")
     assert "held-out eval (ODE)" in proc.stdout
