@@ -1,4 +1,5 @@
-"""CPU recipes on the tiny offline Qwen-Image pipeline (`make demo` runs `jpeg_demo`)."""
+"""CPU recipes on the tiny offline Qwen-Image pipelines (`make demo` runs `ocr_miniature`; `jpeg_demo` is the
+entry point's default)."""
 
 from __future__ import annotations
 
