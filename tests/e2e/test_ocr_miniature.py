@@ -1,8 +1,6 @@
 """The OCR miniature's user path: the shipped text pipeline records how it was built, loads offline with the
 miniature's architecture, and `examples.tiny.recipe:ocr_miniature` runs from it with the OCR reward served by
 the reward server in its own process, evaluating the held-out prompts (words seen and unseen in RL) with the
-ODE before and after training.
-
 ODE before and after training, and RL raises the held-out OCR similarity by a fixed margin."""
 
 from __future__ import annotations
@@ -67,7 +65,8 @@ def test_rl_from_the_shipped_pipeline_raises_held_out_ocr(tmp_path: Path) -> Non
              "--set", f"run_dir={run_dir}", "--set", f"reward.url={srv.url}", "--set", "logging.tensorboard=false"],
             cwd=ROOT, env=env, capture_output=True, text=True, timeout=1500)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    steps = json.loads((run_dir / "config.json").read_text())["steps"]
+    config = json.loads((run_dir / "config.json").read_text())
+    steps = config["steps"]
     evals = [json.loads(line) for line in (run_dir / "eval.jsonl").read_text().splitlines()]
     assert [e["step"] for e in evals] == [0, steps]
     for e in evals:
@@ -80,6 +79,5 @@ def test_rl_from_the_shipped_pipeline_raises_held_out_ocr(tmp_path: Path) -> Non
     assert after >= before + MARGIN, (before, after)
     assert (run_dir / "eval_before_after.png").stat().st_size > 0
     assert sorted(p.name for p in (run_dir / "eval").glob("*.npz")) == ["step_0000.npz", f"step_{steps:04d}.npz"]
-    config = json.loads((run_dir / "config.json").read_text())
     assert config["reward"]["url"] == srv.url and config["model"]["pipeline"].endswith("text_pipeline")
     assert "held-out eval (ODE)" in proc.stdout
