@@ -42,9 +42,10 @@ class TransitionInputs:
     sigma_after_one: torch.Tensor
 
 
-def transition_inputs(traj: Trajectory, rows: torch.Tensor, j: int) -> TransitionInputs:
-    """Gather window step `j` of samples `rows` [B] from `traj`: sigmas from each sample's own grid and
-    the guided forward's batch (conditional + negative rows, text padded to one length)."""
+def transition_inputs(traj: Trajectory, rows: torch.Tensor, j: int | torch.Tensor) -> TransitionInputs:
+    """Gather window step `j` (one for all, or [B] long: one per row) of samples `rows` [B] from `traj`:
+    sigmas from each sample's own grid and the guided forward's batch (conditional + negative rows, text
+    padded to one length)."""
     idx = traj.step_indices.to(traj.latents.device)[rows, j]
     sig = traj.sigmas[rows]
     sigma = sig.gather(1, idx[:, None]).squeeze(1)
@@ -86,10 +87,12 @@ def transition_output(traj: Trajectory, inputs: TransitionInputs, v_all: torch.T
 
 
 def transition_step(
-    traj: Trajectory, model: VelocityModel, rows: torch.Tensor, j: int, dtype: torch.dtype = torch.float32
+    traj: Trajectory, model: VelocityModel, rows: torch.Tensor, j: int | torch.Tensor,
+    dtype: torch.dtype = torch.float32,
 ) -> SdeStepOutput:
-    """The SDE transition of window step `j` for samples `rows` [B] under `model`, evaluated at the stored
-    next latents (log_prob [B], mean and std); differentiable when called with grad enabled."""
+    """The SDE transition of window step `j` (int, or [B] long) for samples `rows` [B] under `model`,
+    evaluated at the stored next latents (log_prob [B], mean and std); differentiable when called with grad
+    enabled."""
     inputs = transition_inputs(traj, rows, j)
     return transition_output(traj, inputs, forward_rows(model, inputs.batch, dtype))
 

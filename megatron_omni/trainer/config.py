@@ -77,7 +77,7 @@ class OptimConfig:
     mini_batches: int = 2
     warmup_steps: int = 0
     max_bad_steps: int = 3  # NaN/inf loss or grads in a row before the run stops
-    micro_batch_size: int | None = None  # samples per micro-batch (x one window step); None: the mini-batch
+    micro_batch_size: int | None = None  # (sample, window step) transitions per forward; None: the mini-batch's samples
     distributed_optimizer: bool = False  # shard optimizer state over data parallel (Megatron's ZeRO-1)
 
 

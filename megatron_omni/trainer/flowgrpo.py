@@ -140,7 +140,7 @@ class FlowGRPOTrainer:
 
     def micro_batches(self, n: int, window: int, step: int) -> list[list[MicroBatch]]:
         """RL step `step`'s mini-batches (a fixed random split of the N samples), each as its micro-batches
-        (chunks of optim.micro_batch_size samples x one window step)."""
+        (chunks of optim.micro_batch_size transitions: sample x window step)."""
         order = torch.randperm(n, generator=torch.Generator().manual_seed(self.cfg.seed * 7919 + step))
         return [plan_micro_batches(rows, window, self.cfg.optim.micro_batch_size)
                 for rows in order.chunk(self.cfg.optim.mini_batches)]
@@ -160,12 +160,11 @@ class FlowGRPOTrainer:
         return self.pipeline.transitions(self.reference, traj, flat, return_means=True).means
 
     def _grads_finite(self) -> bool:
-        ok = torch.tensor([1.0])
-        for p in self.model.parameters():
-            g = getattr(p, "main_grad", None)
-            if g is not None and not bool(torch.isfinite(g).all()):
-                ok.zero_()
-                break
+        # Every parameter's main_grad is a view into one of DDP's contiguous grad buffers (the padding between
+        # parameters stays zero), and a NaN/inf anywhere makes its sum NaN/inf: one reduction per buffer, no
+        # per-parameter pass and no mask. A sum of finite grads overflows only when their norm would too.
+        buffers = self.ddp.buffers + self.ddp.expert_parallel_buffers
+        ok = torch.tensor([float(all(bool(torch.isfinite(b.grad_data.sum())) for b in buffers))])
         dist.all_reduce(ok, op=dist.ReduceOp.MIN)  # every rank skips together
         return bool(ok.item())
 

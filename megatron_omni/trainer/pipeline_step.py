@@ -1,6 +1,8 @@
 """The trainer's passes over micro-batches through Megatron-Core's schedules, at any pipeline size.
 
-A micro-batch is a chunk of samples x one window step. Every stage pulls the same `MicroBatch` and builds
+A micro-batch is a chunk of transitions (sample, window step); each row of a forward carries its own
+latents and timestep, so one forward may hold several window steps (`optim.micro_batch_size` counts
+transitions, as the planner does). Every stage pulls the same `MicroBatch` and builds
 the same velocity batch from the trajectory (`rollout.logprob.transition_inputs`: conditional rows, then
 the negative rows of the CFG samples, text padded to one length); the first stage feeds its tensors to the
 model, later stages the hidden states the schedule received. The last stage gathers its image tokens over
@@ -38,20 +40,25 @@ from megatron_omni.rollout.logprob import TransitionInputs, transition_inputs, t
 
 @dataclass(frozen=True)
 class MicroBatch:
-    """Samples `rows` [b] (long indices into the trajectory) at window step `j`."""
+    """Transitions: sample `rows[i]` at window step `js[i]`; rows, js [b] long indices into the trajectory."""
 
     rows: torch.Tensor
-    j: int
+    js: torch.Tensor
 
 
 def plan_micro_batches(rows: torch.Tensor, window: int, micro_batch_size: int | None) -> list[MicroBatch]:
-    """The micro-batches of one mini-batch: `rows` [B] split in chunks of `micro_batch_size` (None: all B),
-    for each of the `window` steps. Chunks must be equal: one schedule call passes one tensor shape."""
+    """The micro-batches of one mini-batch of samples `rows` [B]: its B x `window` transitions, window step
+    by window step, split in chunks of `micro_batch_size` transitions (None: B, one window step of every
+    sample per forward, as flow_grpo does; B x window puts the whole mini-batch in one forward). Chunks must
+    be equal: one schedule call passes one tensor shape."""
+    n = len(rows) * window
     mbs = len(rows) if micro_batch_size is None else micro_batch_size
-    if mbs < 1 or len(rows) % mbs:
-        raise ValueError(f"optim.micro_batch_size={micro_batch_size} does not divide the mini-batch of "
-                         f"{len(rows)} samples on this rank")
-    return [MicroBatch(sub, j) for j in range(window) for sub in rows.split(mbs)]
+    if mbs < 1 or n % mbs:
+        raise ValueError(f"optim.micro_batch_size={micro_batch_size} does not divide the mini-batch's {n} "
+                         f"transitions on this rank ({len(rows)} samples x {window} window steps)")
+    all_rows = rows.repeat(window)
+    all_js = torch.arange(window, dtype=torch.long).repeat_interleave(len(rows))
+    return [MicroBatch(r, j) for r, j in zip(all_rows.split(mbs), all_js.split(mbs), strict=True)]
 
 
 @dataclass
@@ -88,7 +95,7 @@ class PipelineStep:
     def _run(self, model: nn.Module, traj: Trajectory, micro_batches: Sequence[MicroBatch],
              loss_fn: Callable, forward_only: bool) -> list:
         # Built once: the schedule needs their common shape before the first forward.
-        prepared = [(mb, transition_inputs(traj, mb.rows, mb.j)) for mb in micro_batches]
+        prepared = [(mb, transition_inputs(traj, mb.rows, mb.js)) for mb in micro_batches]
         shapes = {(i.batch.latents.shape[0], i.batch.text.shape[1], i.batch.latents.shape[1]) for _, i in prepared}
         if len(shapes) != 1:
             raise ValueError(f"micro-batches of one schedule call must share one shape (rows, text, image "
@@ -132,9 +139,9 @@ class PipelineStep:
 
         def loss_fn(mb: MicroBatch, inputs: TransitionInputs, output: torch.Tensor, non_loss_data: bool = True):
             step = transition_output(traj, inputs, self._velocity(output))
-            log_probs[mb.rows, mb.j] = step.log_prob
+            log_probs[mb.rows, mb.js] = step.log_prob
             if means is not None:
-                means[mb.rows, mb.j] = step.coeffs.mean
+                means[mb.rows, mb.js] = step.coeffs.mean
             return None
 
         self._run(model, traj, micro_batches, loss_fn, forward_only=True)
@@ -167,8 +174,8 @@ class PipelineStep:
 
         def loss_fn(mb: MicroBatch, inputs: TransitionInputs, output: torch.Tensor):
             step = transition_output(traj, inputs, self._velocity(output))
-            kl = kl_penalty(step.coeffs.mean, ref_means[mb.rows, mb.j], step.coeffs.std) if beta > 0 else None
-            out = flowgrpo_loss(step.log_prob, old_log_probs[mb.rows, mb.j], advantages[mb.rows], clip_range,
+            kl = kl_penalty(step.coeffs.mean, ref_means[mb.rows, mb.js], step.coeffs.std) if beta > 0 else None
+            out = flowgrpo_loss(step.log_prob, old_log_probs[mb.rows, mb.js], advantages[mb.rows], clip_range,
                                 beta=beta, kl=kl)
             metrics = {k: float(v) for k, v in out.metrics.items()}
             metrics["loss"] = float(out.loss.detach())

@@ -3,11 +3,11 @@
 
 from __future__ import annotations
 
-from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 from megatron.core.transformer.spec_utils import ModuleSpec
 from torch import nn
 
 from megatron_omni.models.dit.layer import MMDiTLayerSubmodules, MMDiTStreamSubmodules
+from megatron_omni.parallel.linear import ColumnParallelLinear, RowParallelLinear
 
 
 def _stream(column, row) -> MMDiTStreamSubmodules:
@@ -24,7 +24,8 @@ def _stream(column, row) -> MMDiTStreamSubmodules:
 
 
 def local_spec() -> MMDiTLayerSubmodules:
-    """Megatron-Core's own tensor-parallel linears and torch norms: runs anywhere, used by the tests."""
+    """Megatron-Core's own tensor-parallel linears (with the direct path of `parallel.linear` when a layer
+    is not split) and torch norms: runs anywhere, used by the tests."""
     return MMDiTLayerSubmodules(img=_stream(ColumnParallelLinear, RowParallelLinear),
                                 txt=_stream(ColumnParallelLinear, RowParallelLinear))
 

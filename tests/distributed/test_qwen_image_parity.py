@@ -103,6 +103,11 @@ def _parity(rank: int, world_size: int, layout: ParallelLayout, recompute: str |
     cfg = provider.transformer_config("tiny", tp=layout.tp, pp=layout.pp, ulysses=layout.ulysses,
                                       ring=layout.ring, batch_p2p_comm=False, **overrides)
     model = provider.build_model(cfg, groups)
+    # The direct F.linear path (parallel.linear) runs exactly when the linears are not split.
+    from megatron_omni.parallel.linear import ColumnParallelLinear, RowParallelLinear
+
+    linears = [m for m in model.modules() if isinstance(m, ColumnParallelLinear | RowParallelLinear)]
+    assert linears and all(m.direct == (layout.tp == 1) for m in linears)
     provider.load_hf_state_dict(model, _reference_model().state_dict())
     shard = model.image_shard(GRID[0] * GRID[1] * GRID[2])
 

@@ -3,10 +3,11 @@
 Every rank builds the real trainer on the tiny offline pipeline, samples the same trajectory (same weights,
 same seeds), recomputes the old log-probs and runs one RL step's mini-batch updates with fixed advantages,
 then syncs the weights into its rollout engine. At pp=2 (1F1B over micro-batches of one sample x one window
-step) and pp=2 x tp=2 the recomputed log-probs, the loss and the metrics must equal the pp=1 run (dp ranks
-fed the same trajectory, so their averaged gradient is the single replica's), and EVERY rank's engine must
-end with the pp=1 run's updated weights: the sync gathers both stages into every engine. With and without
-true CFG (negative rows, text padded to the longer of prompt and negative prompt), and with the KL term.
+step), pp=2 x tp=2, and with a mini-batch's window steps fused into one forward, the recomputed log-probs,
+the loss and the metrics must equal the pp=1 run (dp ranks fed the same trajectory, so their averaged
+gradient is the single replica's), and EVERY rank's engine must end with the pp=1 run's updated weights:
+the sync gathers both stages into every engine. With and without true CFG (negative rows, text padded to
+the longer of prompt and negative prompt), and with the KL term.
 """
 
 from __future__ import annotations
@@ -67,14 +68,17 @@ def _one_step(rank: int, world_size: int, pipeline_dir: str, pp: int, tp: int, c
 
 
 CASES = [
-    pytest.param(2, 2, 1, 1, 1.0, 0.0, id="pp2"),
-    pytest.param(2, 2, 1, 1, 2.5, 0.0, id="pp2-cfg"),
+    pytest.param(2, 2, 1, 1, 1.0, 0.0, 1, id="pp2"),
+    pytest.param(2, 2, 1, 1, 2.5, 0.0, 1, id="pp2-cfg"),
     # The same schedule code at pp=1 with context parallelism (image tokens gathered on the last stage).
     # Loss, log-probs, grads and the grad norm (over Megatron's tp x pp model-parallel group) match.
-    pytest.param(2, 1, 1, 2, 2.5, 0.0, id="cp2-cfg"),
+    pytest.param(2, 1, 1, 2, 2.5, 0.0, 1, id="cp2-cfg"),
     # With a KL term: the second mini-batch (after one optimizer step) has kl > 0 through the reference
     # model's own forward-only pass over the pipeline.
-    pytest.param(4, 2, 2, 1, 2.5, 0.5, id="pp2xtp2-cfg-kl"),
+    pytest.param(4, 2, 2, 1, 2.5, 0.5, 1, id="pp2xtp2-cfg-kl"),
+    # Both window steps of a mini-batch's 2 samples in one forward (4 transitions, each row its own
+    # timestep) against one forward per window step.
+    pytest.param(1, 1, 1, 1, 2.5, 0.5, 4, id="fused-window-cfg-kl"),
 ]
 
 
@@ -87,11 +91,12 @@ def pipeline_dir(tmp_path_factory) -> str:
     return str(path)
 
 
-@pytest.mark.parametrize("world_size,pp,tp,ulysses,cfg_scale,beta", CASES)
+@pytest.mark.parametrize("world_size,pp,tp,ulysses,cfg_scale,beta,micro_batch_size", CASES)
 def test_pipeline_update_equals_pp1(pipeline_dir: str, world_size: int, pp: int, tp: int, ulysses: int,
-                                    cfg_scale: float, beta: float) -> None:
+                                    cfg_scale: float, beta: float, micro_batch_size: int) -> None:
     ref = run_ranks(_one_step, world_size, pipeline_dir, 1, 1, cfg_scale, None, beta, timeout_s=400)
-    got = run_ranks(_one_step, world_size, pipeline_dir, pp, tp, cfg_scale, 1, beta, ulysses, timeout_s=400)
+    got = run_ranks(_one_step, world_size, pipeline_dir, pp, tp, cfg_scale, micro_batch_size, beta, ulysses,
+                    timeout_s=400)
     base = ref[0]
     assert torch.equal(got[0]["rollout"], base["rollout"]), "both runs must train on the same trajectory"
     # The trainer's recompute agrees with the rollout's own log-probs, at pp=1 and pp=2 alike.

@@ -52,10 +52,10 @@ def _algorithm_level(trainer, traj, old, advantages, step: int) -> dict[str, flo
     with torch.no_grad():
         for mini in trainer.micro_batches(*traj.log_probs.shape, step):
             for mb in mini:
-                cur = transition_step(traj, policy, mb.rows, mb.j)
-                ref = transition_step(traj, reference, mb.rows, mb.j)
+                cur = transition_step(traj, policy, mb.rows, mb.js)
+                ref = transition_step(traj, reference, mb.rows, mb.js)
                 kl = kl_penalty(cur.coeffs.mean, ref.coeffs.mean, cur.coeffs.std)
-                out = flowgrpo_loss(cur.log_prob, old[mb.rows, mb.j], advantages[mb.rows],
+                out = flowgrpo_loss(cur.log_prob, old[mb.rows, mb.js], advantages[mb.rows],
                                     trainer.cfg.algorithm.clip_range, beta=BETA, kl=kl)
                 losses.append(float(out.loss))
                 kls.append(float(kl.mean()))

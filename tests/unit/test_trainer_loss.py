@@ -115,3 +115,26 @@ def test_first_update_equals_algorithm_reference(trainer: FlowGRPOTrainer) -> No
         rel = float((g - g_ref).norm() / g_ref.norm().clamp_min(1e-12))
         assert g_ref.norm() < 1e-3 * total_ref or rel < 1e-3, f"{name}: relative gradient error {rel:.2e}"
 
+
+
+def test_non_finite_gradients_skip_the_update_and_stop_the_run(trainer: FlowGRPOTrainer) -> None:
+    """A NaN advantage makes every gradient NaN: the update is skipped (weights untouched, counted in the
+    metrics), and `optim.max_bad_steps` such updates in a row stop the run with an error."""
+    traj = _hand_made_batch(trainer)
+    bad = ADVANTAGES.clone()
+    bad[2] = float("nan")
+    old = torch.zeros(len(traj), traj.window_size)
+    before = {k: v.detach().clone() for k, v in trainer.model.state_dict().items() if torch.is_tensor(v)}
+    saved = trainer.cfg.optim.max_bad_steps
+    trainer.cfg.optim.max_bad_steps = 2
+    try:
+        metrics = trainer._update(traj, old, bad, step=1)
+        assert metrics["skipped_updates"] == 1.0
+        assert math.isnan(metrics["grad_norm"])
+        after = trainer.model.state_dict()
+        assert all(torch.equal(after[k], v) for k, v in before.items()), "a skipped update changed weights"
+        with pytest.raises(FloatingPointError, match="2 updates in a row had NaN/inf gradients"):
+            trainer._update(traj, old, bad, step=2)
+    finally:
+        trainer.cfg.optim.max_bad_steps = saved
+        trainer.bad_steps = 0
