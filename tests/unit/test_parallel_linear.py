@@ -1,6 +1,6 @@
 """`parallel.linear`: at tp=1 the direct `F.linear` path gives Megatron-Core's outputs and gradients (input,
-weight, bias) for column- and row-parallel layers, with and without skip_bias_add; configurations that need
-Megatron-Core's own path (gradient-accumulation fusion) keep it."""
+weight, bias) for column- and row-parallel layers, with and without skip_bias_add; features that need
+Megatron-Core's own path (gradient-accumulation fusion, sequence parallelism, expert comm) keep it."""
 
 from __future__ import annotations
 

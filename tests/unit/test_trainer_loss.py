@@ -116,7 +116,6 @@ def test_first_update_equals_algorithm_reference(trainer: FlowGRPOTrainer) -> No
         assert g_ref.norm() < 1e-3 * total_ref or rel < 1e-3, f"{name}: relative gradient error {rel:.2e}"
 
 
-
 def test_non_finite_gradients_skip_the_update_and_stop_the_run(trainer: FlowGRPOTrainer) -> None:
     """A NaN advantage makes every gradient NaN: the update is skipped (weights untouched, counted in the
     metrics), and `optim.max_bad_steps` such updates in a row stop the run with an error."""
