@@ -98,6 +98,8 @@ def _parity(rank: int, world_size: int, layout: ParallelLayout, recompute: str |
     overrides = {}
     if recompute == "full":
         overrides = dict(recompute_granularity="full", recompute_method="block", recompute_num_layers=1)
+    elif recompute == "full-all":  # both tiny blocks: the last (text output skipped) is checkpointed too
+        overrides = dict(recompute_granularity="full", recompute_method="block", recompute_num_layers=2)
     elif recompute == "selective":
         overrides = dict(recompute_granularity="selective")
     cfg = provider.transformer_config("tiny", tp=layout.tp, pp=layout.pp, ulysses=layout.ulysses,
@@ -110,6 +112,9 @@ def _parity(rank: int, world_size: int, layout: ParallelLayout, recompute: str |
     assert linears and all(m.direct == (layout.tp == 1) for m in linears)
     provider.load_hf_state_dict(model, _reference_model().state_dict())
     shard = model.image_shard(GRID[0] * GRID[1] * GRID[2])
+    text_mlp_ran: set[int] = set()
+    for layer in model.layers:
+        layer.txt.linear_fc1.register_forward_hook(lambda *_, n=layer.layer_number: text_mlp_ran.add(n))
 
     def to_batch(b) -> DiTBatch:
         return DiTBatch(b["latents"], b["prompt_embeds"], b["prompt_mask"], b["sigma"], GRID)
@@ -146,7 +151,10 @@ def _parity(rank: int, world_size: int, layout: ParallelLayout, recompute: str |
     grad_err = {n: float((g - ref_grads[n]).norm() / ref_grads[n].norm().clamp_min(1e-30))
                 for n, g in grads.items()}
     expected_params = provider.per_rank_parameter_counts("tiny", layout.tp, layout.pp)[groups.coords["pp"]]
+    # Only the model's last block skips its text stream's output (nothing reads it).
+    text_skipped = {layer.layer_number for layer in model.layers} - text_mlp_ran
     return {"fwd": fwd_err, "grad": grad_err, "n_ref": len(ref_grads),
+            "text_skipped": (text_skipped, {cfg.num_layers} if groups.is_last_stage else set()),
             "params": (sum(p.numel() for p in model.parameters()), expected_params)}
 
 
@@ -159,6 +167,7 @@ CASES = [
     pytest.param(4, ParallelLayout(tp=2, pp=2), None, id="tp2xpp2"),
     pytest.param(4, ParallelLayout(tp=2, ulysses=2), None, id="tp2xcp2"),
     pytest.param(2, ParallelLayout(tp=2), "full", id="tp2-full-recompute"),
+    pytest.param(2, ParallelLayout(tp=2), "full-all", id="tp2-full-recompute-all-blocks"),
     pytest.param(2, ParallelLayout(ring=2), "selective", id="cp2-ring-selective-recompute"),
 ]
 
@@ -176,3 +185,4 @@ def test_parity_with_diffusers(world_size: int, layout: ParallelLayout, recomput
     assert len(covered) == results[0]["n_ref"], "some diffusers parameters got no gradient to compare"
     for r in results:  # the planner's per-rank counts equal what each rank really holds
         assert r["params"][0] == r["params"][1], r["params"]
+        assert r["text_skipped"][0] == r["text_skipped"][1], r["text_skipped"]

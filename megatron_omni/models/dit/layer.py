@@ -134,10 +134,15 @@ class MMDiTLayer(MegatronModule):
         img_rope: torch.Tensor,
         txt_rope: torch.Tensor,
         txt_mask: torch.Tensor | None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+        text_output: bool = True,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """img [s_i, b, h] (this CP rank's shard), txt [s_t, b, h], temb [b, h]; rope [s, d/2] complex
         rotations (`embeddings.rope_rotations`);
-        txt_mask [b, s_t] bool (True = valid) -> updated (img, txt)."""
+        txt_mask [b, s_t] bool (True = valid) -> updated (img, txt).
+
+        text_output=False returns (img, None): the model's last block, whose text stream nothing reads,
+        skips that stream's output projection and MLP (most of the block's work when prompts are longer than
+        the image sequence). Its parameters get no gradient either way."""
         eps = self.config.norm_eps
         i_shift1, i_scale1, i_gate1, i_shift2, i_scale2, i_gate2 = self.img.modulation(temb)
         t_shift1, t_scale1, t_gate1, t_shift2, t_scale2, t_gate2 = self.txt.modulation(temb)
@@ -153,10 +158,11 @@ class MMDiTLayer(MegatronModule):
         else:
             attn_img, attn_txt = self._attention(img_normed, txt_normed, img_rope, txt_rope, txt_mask)
         attn_img, _ = self.img.linear_proj(attn_img)
-        attn_txt, _ = self.txt.linear_proj(attn_txt)
         img = img + i_gate1 * attn_img
-        txt = txt + t_gate1 * attn_txt
-
         img = img + i_gate2 * self.img.mlp(_modulate(img, i_shift2, i_scale2, eps))
+        if not text_output:
+            return img, None
+        attn_txt, _ = self.txt.linear_proj(attn_txt)
+        txt = txt + t_gate1 * attn_txt
         txt = txt + t_gate2 * self.txt.mlp(_modulate(txt, t_shift2, t_scale2, eps))
         return img, txt

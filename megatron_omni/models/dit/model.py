@@ -14,6 +14,7 @@ sequence-first.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -148,13 +149,14 @@ class MMDiTModel(MegatronModule):
         cfg = self.config
         full = cfg.recompute_granularity == "full"
         n_recompute = len(self.layers) if cfg.recompute_num_layers is None else cfg.recompute_num_layers
+        last = len(self.layers) - 1
         for i, layer in enumerate(self.layers):
+            # The last stage reads only the image stream of its last block.
+            run = functools.partial(layer, text_output=not (self.post_process and i == last))
             if full and self.training and torch.is_grad_enabled() and i < n_recompute:
-                img, txt = tensor_parallel.checkpoint(
-                    layer, False, img, txt, temb, img_rope, txt_rope, mask
-                )
+                img, txt = tensor_parallel.checkpoint(run, False, img, txt, temb, img_rope, txt_rope, mask)
             else:
-                img, txt = layer(img, txt, temb, img_rope, txt_rope, mask)
+                img, txt = run(img, txt, temb, img_rope, txt_rope, mask)
         return img, txt
 
 
