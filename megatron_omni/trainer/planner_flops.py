@@ -5,7 +5,8 @@ norms, RoPE, activations and gates are elementwise and left out (well under 1% h
 weight sees depends on where it sits: image-stream block weights, `img_in` and `proj_out` act on image
 tokens; text-stream block weights and `txt_in` on text tokens; adaLN, `norm_out.linear` and the timestep
 embedder act once per sample (on the timestep embedding). Joint attention costs `4 * s^2 * h` per block
-(`Q K^T` and `P V`, `s = s_img + s_txt`).
+(`Q K^T` and `P V`, `s = s_img + s_txt`). The last block's text-stream output projection and MLP are not
+counted: the model skips them (`MMDiTLayer(text_output=False)`), as nothing reads that stream afterwards.
 
 The split into parts matters for context parallelism: image tokens and attention divide over the CP
 ranks, while the (short) text stream and the per-sample layers are replicated on every CP rank.
@@ -89,9 +90,11 @@ def forward_flops(model: str | dict[str, Any], image_tokens: int, text_tokens: i
             continue
         macs = math.prod(shape)
         if name.startswith("layers."):
-            stream, tensor = name.split(".")[2], name.split(".", 3)[3]
+            layer, stream, tensor = int(name.split(".")[1]), name.split(".")[2], name.split(".", 3)[3]
             if tensor.startswith("adaln."):
                 sample += 2 * macs
+                continue
+            if stream == "txt" and layer == cfg["num_layers"] - 1 and not tensor.startswith("linear_qkv."):
                 continue
             tokens = image_tokens if stream == "img" else text_tokens
             flops = 2 * macs * tokens
