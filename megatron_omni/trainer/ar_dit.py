@@ -35,6 +35,7 @@ from megatron_omni.parallel.groups import ParallelGroups
 from megatron_omni.parallel.platform import seed_everything
 from megatron_omni.rollout.ar_dit_engine import ARDiTRolloutEngine, ARDiTSamplingParams, ARDiTTrajectory, plan_positions
 from megatron_omni.rollout.logprob import transition_step
+from megatron_omni.rollout.vllm_plan_writer import VLLMPlanWriter
 from megatron_omni.trainer.rewards import gather_rewards
 from model_providers.ar_dit import provider
 
@@ -88,13 +89,15 @@ class ARDiTTrainer:
     """Model, optimizer, rollout engine and reward of one rank (pp = 1, cp = 1; tp and dp as laid out)."""
 
     def __init__(self, cfg: ARDiTTrainConfig, groups: ParallelGroups, reward_fn: RewardFn,
-                 hybrid: provider.TorchHybrid | None = None) -> None:
+                 hybrid: provider.TorchHybrid | None = None, plan_writer: VLLMPlanWriter | None = None) -> None:
+        """`hybrid`: the rollout's torch hybrid (default: the config's preset, seeded); `plan_writer`: a
+        `VLLMPlanWriter` the rollout samples plans with (default: the torch decoder)."""
         if groups.layout.pp != 1 or groups.layout.cp != 1:
             raise ValueError(f"the AR-DiT trainer runs pp=1, cp=1; got {groups.layout}")
         self.cfg, self.groups, self.reward_fn = cfg, groups, reward_fn
         seed_everything(cfg.seed, tp_rank=groups.tp.rank())
         ref = hybrid if hybrid is not None else provider.torch_hybrid(cfg.hybrid, seed=cfg.seed)
-        self.engine = ARDiTRolloutEngine(ref)
+        self.engine = ARDiTRolloutEngine(ref, plan_writer=plan_writer)
         self.model: ARDiTModel = provider.build_model(ref.config, groups)
         provider.load_hf_state(self.model, *ref.state())
         frozen = {"decoder": [self.model.decoder], "dit": [self.model.connector, self.model.dit]}.get(cfg.freeze, [])

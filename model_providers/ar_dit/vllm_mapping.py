@@ -14,8 +14,9 @@ ranks' row ranges differ from Megatron's (V/tp rows each), so a shard alone cann
 
 Verified against vLLM 0.30.0's live `Qwen2ForCausalLM` on CPU at tp=1 (tests/unit/test_ar_dit_vllm_mapping.py):
 parameter names and shapes, and every parameter bit-equal to vLLM's own `load_weights` of the same Qwen2
-weights, with a vocabulary vLLM pads. The tp>1 vocabulary split is checked against vLLM's shard-index
-function, not a live tp>1 module; the forward (logits) of the vLLM module is not compared.
+weights, with a vocabulary vLLM pads; and in a live `vllm.LLM` engine (tests/distributed/
+test_ar_dit_vllm_plans.py), where tensors from `vllm_state_dict` make vLLM's log-probs equal our Megatron
+decoder's. The tp>1 vocabulary split is checked against vLLM's shard-index function, not a live tp>1 module.
 """
 
 from __future__ import annotations
@@ -82,3 +83,13 @@ def megatron_shard_to_vllm(mapping: DecoderMapping, shard: torch.Tensor, num_hea
                          f"so its tp={tp_size} shards hold other rows than Megatron's; gather the table and use "
                          "vllm_vocab_shard")
     return shard
+
+
+def vllm_state_dict(model, num_heads: int, num_groups: int, tp_size: int) -> dict[str, torch.Tensor]:
+    """This tp rank's tensors of a Megatron `ARDecoder` (split over `tp_size` ranks) in vLLM's names and layout
+    at the same tp size; the tensors of the pipeline stage the model holds. Copies; the model is untouched."""
+    from model_providers.ar_dit.decoder_provider import local_mappings
+
+    state = model.state_dict()
+    return {vllm_name(m): megatron_shard_to_vllm(m, state[name].detach(), num_heads, num_groups, tp_size).clone()
+            for name, m in local_mappings(model).items()}

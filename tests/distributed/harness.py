@@ -180,11 +180,19 @@ def _close_pools() -> None:
     _POOLS.clear()
 
 
-def run_ranks(fn: Callable, world_size: int, *args: Any, timeout_s: float = 240.0, **kwargs: Any) -> list[Any]:
+def run_ranks(fn: Callable, world_size: int, *args: Any, timeout_s: float = 240.0, fresh: bool = False,
+              **kwargs: Any) -> list[Any]:
     """Run `fn(rank, world_size, *args, **kwargs)` on `world_size` gloo ranks; return results by rank.
 
-    `fn` must be importable (a module-level function) and its arguments and result picklable.
+    `fn` must be importable (a module-level function) and its arguments and result picklable. `fresh`: in
+    new rank processes, killed afterwards (for tasks that leave process-wide state behind, like an engine).
     """
+    if fresh:
+        pool = _RankPool(world_size)
+        try:
+            return pool.run(fn, args, kwargs, timeout_s + 120.0)
+        finally:
+            pool.close(graceful=False)
     pool = _POOLS.get(world_size)
     if pool is None:
         pool = _POOLS[world_size] = _RankPool(world_size)
