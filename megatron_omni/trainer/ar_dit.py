@@ -36,6 +36,7 @@ from megatron_omni.parallel.platform import seed_everything
 from megatron_omni.rollout.ar_dit_engine import ARDiTRolloutEngine, ARDiTSamplingParams, ARDiTTrajectory, plan_positions
 from megatron_omni.rollout.logprob import transition_step
 from megatron_omni.rollout.vllm_plan_writer import VLLMPlanWriter
+from megatron_omni.trainer.grad_guard import GradGuard
 from megatron_omni.trainer.rewards import gather_rewards
 from model_providers.ar_dit import provider
 
@@ -67,14 +68,15 @@ class ARDiTTrainConfig:
     std_mode: str = "global"
     freeze: str | None = None
     old_logprob: str = "recompute"  # "recompute" (Megatron hybrid, no grad) | "rollout"
+    max_bad_steps: int = 3  # updates with NaN/inf gradients in a row (each skipped) before the run stops
 
     def __post_init__(self) -> None:
         if self.freeze not in FREEZE:
             raise ValueError(f"freeze must be one of {FREEZE}, got {self.freeze!r}")
         if self.old_logprob not in ("recompute", "rollout"):
             raise ValueError(f"old_logprob must be 'recompute' or 'rollout', got {self.old_logprob!r}")
-        if self.mini_batches < 1 or self.prompts_per_step < 1 or self.group_size < 1:
-            raise ValueError("mini_batches, prompts_per_step and group_size must be >= 1")
+        if self.mini_batches < 1 or self.prompts_per_step < 1 or self.group_size < 1 or self.max_bad_steps < 1:
+            raise ValueError("mini_batches, prompts_per_step, group_size and max_bad_steps must be >= 1")
         if not self.prompts:
             raise ValueError("no prompts")
         if self.lr <= 0 or self.decoder_lr_scale <= 0:
@@ -109,6 +111,7 @@ class ARDiTTrainer:
                                                      use_distributed_optimizer=False),
             module=self.model, pg_collection=groups.mcore,
         )
+        self.guard = GradGuard(cfg.max_bad_steps)
         decoder_ids = {id(p) for p in self.model.decoder.parameters()}
         dec_lr = cfg.lr * cfg.decoder_lr_scale
         overrides = {ParamKey(predicate=ParamPredicate(name="ar_decoder", fn=lambda p: id(p) in decoder_ids)):
@@ -202,6 +205,7 @@ class ARDiTTrainer:
         sums: dict[str, float] = {}
         phases = {"decoder": 0.0, "dit": 0.0}
         norms = []
+        skipped = 0
         chunks = order.chunk(c.mini_batches)
         for rows in chunks:
             sub = traj.select(rows)
@@ -233,11 +237,15 @@ class ARDiTTrainer:
             phases["decoder"] += time.perf_counter() - t0
             t0 = time.perf_counter()
             finalize_model_grads([self.ddp], pg_collection=self.groups.mcore)
-            _, grad_norm, _ = self.optimizer.step()
-            self.scheduler.step(increment=1)
+            if self.guard.allow_update(self.ddp):
+                _, grad_norm, _ = self.optimizer.step()
+                self.scheduler.step(increment=1)
+                norms.append(float(grad_norm) if grad_norm is not None else math.nan)
+            else:
+                skipped += 1
             phases["dit"] += time.perf_counter() - t0  # shared work, counted once (small)
-            norms.append(float(grad_norm) if grad_norm is not None else math.nan)
             for k, v in metrics.items():
                 sums[k] = sums.get(k, 0.0) + float(v) / len(chunks)
-        sums["grad_norm"] = sum(norms) / len(norms)
+        sums["grad_norm"] = sum(norms) / len(norms) if norms else math.nan
+        sums["skipped_updates"] = float(skipped)
         return sums, phases

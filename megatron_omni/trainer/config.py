@@ -131,6 +131,7 @@ class JobConfig:
             (self.rollout.group_size >= 2, "rollout.group_size", "must be >= 2 (group-relative advantages)"),
             (self.rollout.prompts_per_step >= 1, "rollout.prompts_per_step", "must be >= 1"),
             (self.optim.mini_batches >= 1, "optim.mini_batches", "must be >= 1"),
+            (self.optim.max_bad_steps >= 1, "optim.max_bad_steps", "must be >= 1"),
             (self.model.recompute in (None, "full", "selective"), "model.recompute", "must be full|selective"),
             (self.algorithm.old_logprob in ("recompute", "bypass"), "algorithm.old_logprob",
              "must be recompute|bypass"),

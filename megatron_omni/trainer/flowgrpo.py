@@ -37,6 +37,7 @@ from megatron_omni.parallel.platform import seed_everything
 from megatron_omni.rollout.base import SamplingParams, Trajectory
 from megatron_omni.rollout.diffusers_engine import DiffusersRolloutEngine
 from megatron_omni.trainer.config import JobConfig
+from megatron_omni.trainer.grad_guard import GradGuard
 from megatron_omni.trainer.pipeline_step import MicroBatch, PipelineStep, plan_micro_batches
 from megatron_omni.trainer.rewards import RewardFunction, gather_rewards
 from model_providers.qwen_image import provider
@@ -110,7 +111,7 @@ class FlowGRPOTrainer:
         self.weight_sync = WeightSync(plan, sources=megatron_sources(self.model),
                                       target=DiffusersTarget(self.engine.transformer), tp_group=groups.tp,
                                       tp_rank=groups.tp.rank(), stage=groups.coords["pp"], transport=transport)
-        self.bad_steps = 0
+        self.guard = GradGuard(cfg.optim.max_bad_steps, "optim.max_bad_steps")
 
     # ------------------------------------------------------------------------------------------ pieces
 
@@ -158,15 +159,6 @@ class FlowGRPOTrainer:
             return None
         flat = [mb for mini in self.micro_batches(*traj.log_probs.shape, step) for mb in mini]
         return self.pipeline.transitions(self.reference, traj, flat, return_means=True).means
-
-    def _grads_finite(self) -> bool:
-        # Every parameter's main_grad is a view into one of DDP's contiguous grad buffers (the padding between
-        # parameters stays zero), and a NaN/inf anywhere makes its sum NaN/inf: one reduction per buffer, no
-        # per-parameter pass and no mask. A sum of finite grads overflows only when their norm would too.
-        buffers = self.ddp.buffers + self.ddp.expert_parallel_buffers
-        ok = torch.tensor([float(all(bool(torch.isfinite(b.grad_data.sum())) for b in buffers))])
-        dist.all_reduce(ok, op=dist.ReduceOp.MIN)  # every rank skips together
-        return bool(ok.item())
 
     # ------------------------------------------------------------------------------------------- a step
 
@@ -252,15 +244,9 @@ class FlowGRPOTrainer:
             per_micro += self.pipeline.forward_backward(self.ddp, traj, micro_batches, old, advantages,
                                                         cfg.algorithm.clip_range, cfg.algorithm.beta, ref_means)
             finalize_model_grads([self.ddp], pg_collection=self.groups.mcore)
-            if not self._grads_finite():
+            if not self.guard.allow_update(self.ddp):
                 skipped += 1
-                self.bad_steps += 1
-                if self.bad_steps >= cfg.optim.max_bad_steps:
-                    raise FloatingPointError(
-                        f"{self.bad_steps} updates in a row had NaN/inf gradients (optim.max_bad_steps)"
-                    )
                 continue
-            self.bad_steps = 0
             ok, grad_norm, _ = self.optimizer.step()
             self.scheduler.step(increment=1)
             grad_norms.append(float(grad_norm) if grad_norm is not None else math.nan)
