@@ -29,6 +29,7 @@ from megatron_omni.algorithms.sde import SdeCoefficients, sde_log_prob, sde_step
 from megatron_omni.algorithms.window import sample_window_start
 from megatron_omni.rollout.base import Trajectory, sample_seeds
 from megatron_omni.rollout.velocity import guided_velocity
+from megatron_omni.rollout.vllm_omni_pipeline import VllmOmniVelocity, diffusers_shapes, load_transformer_weights
 from megatron_omni.rollout.vllm_plan_writer import VLLMPlanWriter
 from model_providers.ar_dit.provider import TorchHybrid
 
@@ -118,18 +119,29 @@ def pixels_to_images(latents: torch.Tensor, grid: tuple[int, int, int]) -> torch
 class ARDiTRolloutEngine:
     """Rollout of a `TorchHybrid` (see the module docstring). `max_batch_size` rows per forward.
 
-    `plan_writer` (a `VLLMPlanWriter`): plans come from vLLM instead of the torch decoder (per-sample seeds
-    are vLLM's; the samples' torch generators then draw only the image part). The torch decoder still gives
-    the DiT its conditioning, and weight loads go to both."""
+    The production layout on GPUs swaps either half for a vLLM engine, each loaded with the hybrid's weights
+    here and on every `load_weights`:
+    - `plan_writer` (a `VLLMPlanWriter`): plans come from vLLM instead of the torch decoder (per-sample seeds
+      are vLLM's; the samples' torch generators then draw only the image part). The torch decoder still
+      gives the DiT its conditioning.
+    - `vllm_omni_dit`: vLLM-Omni's `QwenImageTransformer2DModel` runs the DiT (called inside vLLM-Omni's
+      forward context, as its worker does), loaded through vLLM-Omni's own loader
+      (`vllm_omni_pipeline.load_transformer_weights`: fused q/k/v, its tp rank's slice, names and shapes
+      checked)."""
 
-    def __init__(self, hybrid: TorchHybrid, max_batch_size: int = 16,
-                 plan_writer: VLLMPlanWriter | None = None) -> None:
+    def __init__(self, hybrid: TorchHybrid, max_batch_size: int = 16, plan_writer: VLLMPlanWriter | None = None,
+                 vllm_omni_dit: torch.nn.Module | None = None) -> None:
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
         self.hybrid = hybrid
         self.plan_writer = plan_writer
+        self.vllm_omni_dit = vllm_omni_dit
+        self.dit = hybrid.dit if vllm_omni_dit is None else VllmOmniVelocity(vllm_omni_dit)
         if plan_writer is not None:
             plan_writer.load_hf_weights(hybrid.state()[0])
+        if vllm_omni_dit is not None:
+            self._dit_shapes = diffusers_shapes(hybrid.config.dit)
+            load_transformer_weights(vllm_omni_dit, hybrid.dit.state_dict().items(), self._dit_shapes)
         self.max_batch_size = max_batch_size
         self.eos = hybrid.config.eos_token_id
         self.pad = hybrid.config.pad_token_id
@@ -141,6 +153,8 @@ class ARDiTRolloutEngine:
         self.hybrid.load(decoder, connector, dit)
         if self.plan_writer is not None:
             self.plan_writer.load_hf_weights(decoder)
+        if self.vllm_omni_dit is not None:
+            load_transformer_weights(self.vllm_omni_dit, dit.items(), self._dit_shapes)
 
     # -------------------------------------------------------------------------------------------- plan
     @torch.no_grad()
@@ -258,7 +272,7 @@ class ARDiTRolloutEngine:
                 noise[r] = torch.randn(s_img, channels, generator=gens[r])
             sigma = sigmas[i].expand(n)
             bs = self.max_batch_size
-            v = torch.cat([guided_velocity(self.hybrid.dit, latents[lo: lo + bs], sigma[lo: lo + bs],
+            v = torch.cat([guided_velocity(self.dit, latents[lo: lo + bs], sigma[lo: lo + bs],
                                            cond[lo: lo + bs], mask[lo: lo + bs], grid) for lo in range(0, n, bs)])
             out = sde_step(latents, v, sigma, sigmas[i + 1].expand(n), levels, p.sde_type,
                            sigma_after_one=sigmas[1].expand(n), noise=noise, compute_log_prob=False)

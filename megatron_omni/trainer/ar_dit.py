@@ -91,15 +91,17 @@ class ARDiTTrainer:
     """Model, optimizer, rollout engine and reward of one rank (pp = 1, cp = 1; tp and dp as laid out)."""
 
     def __init__(self, cfg: ARDiTTrainConfig, groups: ParallelGroups, reward_fn: RewardFn,
-                 hybrid: provider.TorchHybrid | None = None, plan_writer: VLLMPlanWriter | None = None) -> None:
-        """`hybrid`: the rollout's torch hybrid (default: the config's preset, seeded); `plan_writer`: a
-        `VLLMPlanWriter` the rollout samples plans with (default: the torch decoder)."""
+                 hybrid: provider.TorchHybrid | None = None, plan_writer: VLLMPlanWriter | None = None,
+                 vllm_omni_dit: torch.nn.Module | None = None) -> None:
+        """`hybrid`: the rollout's torch hybrid (default: the config's preset, seeded); `plan_writer` (a
+        `VLLMPlanWriter`) and `vllm_omni_dit` (vLLM-Omni's transformer): the rollout's halves in vLLM engines
+        (see `ARDiTRolloutEngine`; default: torch)."""
         if groups.layout.pp != 1 or groups.layout.cp != 1:
             raise ValueError(f"the AR-DiT trainer runs pp=1, cp=1; got {groups.layout}")
         self.cfg, self.groups, self.reward_fn = cfg, groups, reward_fn
         seed_everything(cfg.seed, tp_rank=groups.tp.rank())
         ref = hybrid if hybrid is not None else provider.torch_hybrid(cfg.hybrid, seed=cfg.seed)
-        self.engine = ARDiTRolloutEngine(ref, plan_writer=plan_writer)
+        self.engine = ARDiTRolloutEngine(ref, plan_writer=plan_writer, vllm_omni_dit=vllm_omni_dit)
         self.model: ARDiTModel = provider.build_model(ref.config, groups)
         provider.load_hf_state(self.model, *ref.state())
         frozen = {"decoder": [self.model.decoder], "dit": [self.model.connector, self.model.dit]}.get(cfg.freeze, [])
