@@ -41,9 +41,13 @@ def tiny_config(seed: int = 0) -> ARDiTTrainConfig:
 
 
 def run(cfg: ARDiTTrainConfig, groups, steps: int, out_dir: str | os.PathLike | None = None,
-        token_reward_weight: float = 0.1) -> list[dict]:
-    """Train `steps` RL steps; returns each step's metrics (reward parts included). The reward is
-    `brightness + token_reward_weight * low_token_share`."""
+        token_reward_weight: float = 0.1, save_every: int = 0, resume: bool = False) -> list[dict]:
+    """Train until `steps` RL steps are done; returns each step's metrics (reward parts included). The reward
+    is `brightness + token_reward_weight * low_token_share`. `save_every` > 0 checkpoints into
+    `out_dir/checkpoints` every that many steps and after the last; `resume` continues from the newest
+    complete checkpoint there (its metric history included), if any."""
+    if (save_every or resume) and out_dir is None:
+        raise ValueError("save_every and resume need out_dir (the checkpoints live in out_dir/checkpoints)")
     trainer: ARDiTTrainer | None = None
 
     def reward(traj: ARDiTTrajectory) -> torch.Tensor:
@@ -52,8 +56,18 @@ def run(cfg: ARDiTTrainConfig, groups, steps: int, out_dir: str | os.PathLike | 
 
     trainer = ARDiTTrainer(cfg, groups, reward)
     vocab = trainer.engine.hybrid.config.decoder["vocab_size"]
-    history = []
-    for step in range(steps):
+    history: list[dict] = []
+    start = 0
+    if resume:
+        common = trainer.resume(out_dir)
+        if common is not None:
+            start, history = int(common["step"]), list(common["history"])
+            if groups.rank == 0:  # the metrics of steps after that checkpoint are about to be redone
+                path = Path(out_dir) / "metrics.jsonl"
+                tmp = path.with_suffix(".jsonl.tmp")
+                tmp.write_text("".join(json.dumps(m) + "\n" for m in history))
+                os.replace(tmp, path)
+    for step in range(start, steps):
         metrics, traj, _ = trainer.train_step(step)
         metrics["reward_image"] = float(brightness(traj).mean())
         metrics["reward_tokens"] = float(low_token_share(traj, vocab).mean())
@@ -64,4 +78,6 @@ def run(cfg: ARDiTTrainConfig, groups, steps: int, out_dir: str | os.PathLike | 
             path.parent.mkdir(parents=True, exist_ok=True)
             with path.open("a") as f:
                 f.write(json.dumps(metrics) + "\n")
+        if save_every and ((step + 1) % save_every == 0 or step + 1 == steps):
+            trainer.save_checkpoint(out_dir, step + 1, {"history": history})
     return history

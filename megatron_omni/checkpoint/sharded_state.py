@@ -129,3 +129,32 @@ def load_model_checkpoint(model: MMDiTModel, checkpoint_dir: str | Path, prefix:
     missing_params = [k for k in result.missing_keys if not k.endswith("_extra_state")]
     if missing_params or result.unexpected_keys:
         raise CheckpointError(f"loading {ckpt}: missing {missing_params}, unexpected {result.unexpected_keys}")
+
+
+def ar_dit_sharded_state_dict(model: Any) -> ShardedStateDict:
+    """This rank's `ShardedStateDict` of an AR-DiT hybrid (`ARDiTModel`, pp = 1), keyed by local name: decoder
+    tensors under `decoder.` + their global Megatron name, the fused SwiGLU fc1 as Megatron-Core's gate/up
+    factory (global tensor [gate; up], so it reshards over TP like the other tp-split tensors); the connector
+    replicated; the DiT as `model_sharded_state_dict` under `dit.`. Each value's data is the parameter itself,
+    so Megatron's optimizer maps its state onto these keys and loading writes in place."""
+    from megatron.core.transformer.mlp import apply_swiglu_sharded_factory
+
+    from model_providers.ar_dit.decoder_provider import local_mappings as decoder_mappings
+
+    pg = model.pg_collection
+    tp_rank, tp_size, dp_rank = pg.tp.rank(), pg.tp.size(), pg.dp_cp.rank()
+    out: ShardedStateDict = {}
+    params = model.decoder.state_dict(keep_vars=True)
+    for name, m in decoder_mappings(model.decoder).items():
+        key, t = "decoder." + m.megatron, params[name]
+        if m.tp_dim is None:
+            sh = ShardedTensor.from_rank_offsets(key, t, replica_id=(0, tp_rank, dp_rank))
+        else:
+            sh = ShardedTensor.from_rank_offsets(key, t, (m.tp_dim, tp_rank, tp_size), replica_id=(0, 0, dp_rank))
+        out["decoder." + name] = apply_swiglu_sharded_factory(sh, ()) if m.kind == "fuse_gate_up" else sh
+    for name, t in model.connector.state_dict(keep_vars=True).items():
+        out["connector." + name] = ShardedTensor.from_rank_offsets("connector." + name, t,
+                                                                   replica_id=(0, tp_rank, dp_rank))
+    for name, sh in model_sharded_state_dict(model.dit, prefix="dit.").items():
+        out["dit." + name] = sh
+    return out

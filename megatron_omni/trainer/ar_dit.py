@@ -19,6 +19,8 @@ import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
 
 import torch
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
@@ -36,6 +38,7 @@ from megatron_omni.parallel.platform import seed_everything
 from megatron_omni.rollout.ar_dit_engine import ARDiTRolloutEngine, ARDiTSamplingParams, ARDiTTrajectory, plan_positions
 from megatron_omni.rollout.logprob import transition_step
 from megatron_omni.rollout.vllm_plan_writer import VLLMPlanWriter
+from megatron_omni.trainer.checkpointing import latest_checkpoint, load_checkpoint, save_checkpoint
 from megatron_omni.trainer.grad_guard import GradGuard
 from megatron_omni.trainer.rewards import gather_rewards
 from model_providers.ar_dit import provider
@@ -116,8 +119,11 @@ class ARDiTTrainer:
         self.guard = GradGuard(cfg.max_bad_steps)
         decoder_ids = {id(p) for p in self.model.decoder.parameters()}
         dec_lr = cfg.lr * cfg.decoder_lr_scale
+        # A decoder group only when its lr differs. `lr_mult` (not applied by Megatron-Core's scheduler, which
+        # reads max_lr/min_lr) tells the two groups apart when a checkpoint's optimizer state is matched to them.
         overrides = {ParamKey(predicate=ParamPredicate(name="ar_decoder", fn=lambda p: id(p) in decoder_ids)):
-                     {"max_lr": dec_lr, "min_lr": dec_lr}}
+                     {"max_lr": dec_lr, "min_lr": dec_lr, "lr_mult": cfg.decoder_lr_scale}
+                     } if cfg.decoder_lr_scale != 1.0 else None
         self.optimizer = get_megatron_optimizer(
             OptimizerConfig(optimizer="adam", lr=cfg.lr, min_lr=cfg.lr, weight_decay=cfg.weight_decay,
                             adam_beta1=cfg.adam_betas[0], adam_beta2=cfg.adam_betas[1], clip_grad=cfg.clip_grad,
@@ -130,6 +136,27 @@ class ARDiTTrainer:
             lr_decay_style="constant", start_wd=cfg.weight_decay, end_wd=cfg.weight_decay, wd_incr_steps=1,
             wd_incr_style="constant",
         )
+
+    # ----------------------------------------------------------------------------------- checkpoints
+    def save_checkpoint(self, run_dir: str | Path, step: int, common: dict[str, Any] | None = None,
+                        keep: int = 2) -> Path:
+        """Collective: the hybrid, its optimizer and scheduler, every rank's RNG states and `common` (plus
+        the step and the NaN guard's count) as the checkpoint after `step` RL steps, written atomically in
+        Megatron's distributed format (`trainer.checkpointing`); the last `keep` are kept."""
+        common = dict(common or {}, step=step, bad_steps=self.guard.bad_steps)
+        return save_checkpoint(Path(run_dir), step, self.model, self.optimizer, self.scheduler, common, keep)
+
+    def resume(self, run_dir: str | Path) -> dict[str, Any] | None:
+        """Collective: load the newest complete checkpoint of `run_dir` (a half-written one is ignored) and
+        sync the rollout engines to it. Returns its `common` (`step`: RL steps done), or None when there is
+        none."""
+        folder = latest_checkpoint(Path(run_dir))
+        if folder is None:
+            return None
+        common = load_checkpoint(folder, self.model, self.optimizer, self.scheduler)
+        self.guard.bad_steps = int(common.get("bad_steps", 0))
+        self.engine.load_weights(*provider.hf_state(self.model))
+        return common
 
     # ------------------------------------------------------------------------------------- log-probs
     def token_log_probs(self, traj: ARDiTTrajectory, logits: torch.Tensor) -> torch.Tensor:

@@ -34,7 +34,8 @@ from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedState
 from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
 
-from megatron_omni.checkpoint.sharded_state import model_sharded_state_dict
+from megatron_omni.checkpoint.sharded_state import ar_dit_sharded_state_dict, model_sharded_state_dict
+from megatron_omni.models.dit.model import MMDiTModel
 
 COMPLETE = "COMPLETE"
 # The distributed optimizer's state in model space (one tensor per parameter and moment, like the plain
@@ -101,7 +102,7 @@ def _unshare_adam_steps(optimizer: Any) -> None:
 def _sharded_training_state(model: torch.nn.Module, optimizer: Any, is_loading: bool) -> ShardedStateDict:
     if is_loading:
         _ensure_optimizer_state(optimizer)
-    model_sd = model_sharded_state_dict(model)
+    model_sd = model_sharded_state_dict(model) if isinstance(model, MMDiTModel) else ar_dit_sharded_state_dict(model)
     optim_sd = optimizer.sharded_state_dict(model_sd, is_loading=is_loading,
                                             metadata={"distrib_optim_sharding_type": OPTIMIZER_SHARDING})
     return {"model": model_sd, "optimizer": optim_sd}

@@ -34,7 +34,13 @@ class ARDiTModel(MegatronModule):
         self.dit = dit
         self.model_type = decoder.model_type
         self.pg_collection = decoder.pg_collection
-        self.velocity_model = DiffusersForward(dit)
+        # Not a registered submodule: the DiT's tensors would appear twice in state_dict() (and checkpoints).
+        object.__setattr__(self, "_velocity_model", DiffusersForward(dit))
+
+    @property
+    def velocity_model(self) -> DiffusersForward:
+        """The DiT behind diffusers' forward keywords (what the rollout's log-prob code calls)."""
+        return self._velocity_model
 
     def encode(self, input_ids: torch.Tensor, with_logits: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Decoder pass. input_ids [b, L] -> (conditioning [b, L, joint_attention_dim], logits [L, b, V/tp] or None)."""
