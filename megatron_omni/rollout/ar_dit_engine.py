@@ -1,5 +1,6 @@
 """The embedded AR-DiT rollout: the decoder writes a plan, the DiT draws from the hidden states of
-prompt + plan, both in torch (transformers' Qwen2, our connector, diffusers' Qwen-Image transformer).
+prompt + plan, both in torch (transformers' Qwen2, our connector, diffusers' Qwen-Image transformer), or
+either half in a vLLM engine (`ARDiTRolloutEngine(plan_writer=..., vllm_omni_dit=...)`).
 
 Per sample, one `torch.Generator` seeded with the sample's seed draws, in this order: the plan tokens, the
 initial latent noise, the window start, the SDE noise of each window step; a sample's result therefore does
