@@ -2,7 +2,9 @@
 
 A checkpoint is one `dist_checkpointing` folder, `checkpoints/step_XXXXXX`, holding
 - the model: every parameter as a `ShardedTensor` under its global Megatron name (the converter's format,
-  so `mcore-to-hf` and `inspect` read a training checkpoint too), with the content metadata;
+  so `mcore-to-hf` and `inspect` read a training checkpoint too), with the content metadata; an AR-DiT
+  hybrid as `checkpoint.sharded_state.ar_dit_sharded_state_dict` (its fused SwiGLU as Megatron-Core's gate/up
+  factory, not the hybrid converter's separate `.gate`/`.up` tensors);
 - the optimizer: Megatron's `optimizer.sharded_state_dict(model_sharded_state_dict)` (Adam moments as
   tensors in model space; the distributed optimizer's "fully_reshardable" format), so both reshard on
   load: a run saved at TP=2 resumes at TP=1 (or another data-parallel size) with the same weights and optimizer state;
