@@ -152,6 +152,15 @@ def ar_dit_sharded_state_dict(model: Any) -> ShardedStateDict:
         else:
             sh = ShardedTensor.from_rank_offsets(key, t, (m.tp_dim, tp_rank, tp_size), replica_id=(0, 0, dp_rank))
         out["decoder." + name] = apply_swiglu_sharded_factory(sh, ()) if m.kind == "fuse_gate_up" else sh
+    return out | ar_dit_connector_and_dit_sharded(model)
+
+
+def ar_dit_connector_and_dit_sharded(model: Any) -> ShardedStateDict:
+    """The connector (replicated, under `connector.`) and the DiT (`model_sharded_state_dict` under `dit.`) of
+    an AR-DiT hybrid, keyed by local name: the part both hybrid checkpoint formats share."""
+    pg = model.pg_collection
+    tp_rank, dp_rank = pg.tp.rank(), pg.dp_cp.rank()
+    out: ShardedStateDict = {}
     for name, t in model.connector.state_dict(keep_vars=True).items():
         out["connector." + name] = ShardedTensor.from_rank_offsets("connector." + name, t,
                                                                    replica_id=(0, tp_rank, dp_rank))

@@ -34,7 +34,7 @@ def hybrid_sharded_state_dict(model) -> dict:
     """This rank's ShardedStateDict of an `ARDiTModel` (see the module docstring for the keys)."""
     from megatron.core.dist_checkpointing.mapping import ShardedTensor
 
-    from megatron_omni.checkpoint.sharded_state import model_sharded_state_dict
+    from megatron_omni.checkpoint.sharded_state import ar_dit_connector_and_dit_sharded
     from model_providers.ar_dit.decoder_provider import local_mappings
 
     pg = model.pg_collection
@@ -53,12 +53,7 @@ def hybrid_sharded_state_dict(model) -> dict:
         else:
             out["decoder." + name] = ShardedTensor.from_rank_offsets(key, t, (m.tp_dim, tp_rank, tp_size),
                                                                      replica_id=(0, 0, dp_rank))
-    for name, t in model.connector.state_dict(keep_vars=True).items():
-        out["connector." + name] = ShardedTensor.from_rank_offsets("connector." + name, t,
-                                                                   replica_id=(0, tp_rank, dp_rank))
-    for name, st in model_sharded_state_dict(model.dit, prefix="dit.").items():
-        out["dit." + name] = st
-    return out
+    return out | ar_dit_connector_and_dit_sharded(model)
 
 
 def save_hybrid(model, checkpoint_dir: str | Path, hybrid_config: dict[str, Any]) -> None:
