@@ -31,6 +31,7 @@ from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron_omni.algorithms.advantages import group_advantages
 from megatron_omni.algorithms.loss import flowgrpo_loss
 from megatron_omni.algorithms.token_loss import grpo_token_loss, joint_loss
+from megatron_omni.checkpoint.sharded_state import ar_dit_sharded_state_dict
 from megatron_omni.models.ar.decoder import token_log_probs
 from megatron_omni.models.ar.hybrid import ARDiTModel
 from megatron_omni.parallel.groups import ParallelGroups
@@ -144,7 +145,8 @@ class ARDiTTrainer:
         the step and the NaN guard's count) as the checkpoint after `step` RL steps, written atomically in
         Megatron's distributed format (`trainer.checkpointing`); the last `keep` are kept."""
         common = dict(common or {}, step=step, bad_steps=self.guard.bad_steps)
-        return save_checkpoint(Path(run_dir), step, self.model, self.optimizer, self.scheduler, common, keep)
+        return save_checkpoint(Path(run_dir), step, self.model, self.optimizer, self.scheduler, common, keep,
+                               sharded_state=ar_dit_sharded_state_dict)
 
     def resume(self, run_dir: str | Path) -> dict[str, Any] | None:
         """Collective: load the newest complete checkpoint of `run_dir` (a half-written one is ignored) and
@@ -153,7 +155,8 @@ class ARDiTTrainer:
         folder = latest_checkpoint(Path(run_dir))
         if folder is None:
             return None
-        common = load_checkpoint(folder, self.model, self.optimizer, self.scheduler)
+        common = load_checkpoint(folder, self.model, self.optimizer, self.scheduler,
+                                 sharded_state=ar_dit_sharded_state_dict)
         self.guard.bad_steps = int(common.get("bad_steps", 0))
         self.engine.load_weights(*provider.hf_state(self.model))
         return common

@@ -3,8 +3,8 @@
 A checkpoint is one `dist_checkpointing` folder, `checkpoints/step_XXXXXX`, holding
 - the model: every parameter as a `ShardedTensor` under its global Megatron name (the converter's format,
   so `mcore-to-hf` and `inspect` read a training checkpoint too), with the content metadata; an AR-DiT
-  hybrid as `checkpoint.sharded_state.ar_dit_sharded_state_dict` (its fused SwiGLU as Megatron-Core's gate/up
-  factory, not the hybrid converter's separate `.gate`/`.up` tensors);
+  hybrid's trainer passes `checkpoint.sharded_state.ar_dit_sharded_state_dict` instead (its fused SwiGLU as
+  Megatron-Core's gate/up factory, not the hybrid converter's separate `.gate`/`.up` tensors);
 - the optimizer: Megatron's `optimizer.sharded_state_dict(model_sharded_state_dict)` (Adam moments as
   tensors in model space; the distributed optimizer's "fully_reshardable" format), so both reshard on
   load: a run saved at TP=2 resumes at TP=1 (or another data-parallel size) with the same weights and optimizer state;
@@ -24,6 +24,7 @@ import os
 import random
 import shutil
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -36,8 +37,9 @@ from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedState
 from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
 
-from megatron_omni.checkpoint.sharded_state import ar_dit_sharded_state_dict, model_sharded_state_dict
-from megatron_omni.models.dit.model import MMDiTModel
+from megatron_omni.checkpoint.sharded_state import model_sharded_state_dict
+
+ModelShardedState = Callable[[torch.nn.Module], ShardedStateDict]
 
 COMPLETE = "COMPLETE"
 # The distributed optimizer's state in model space (one tensor per parameter and moment, like the plain
@@ -101,10 +103,11 @@ def _unshare_adam_steps(optimizer: Any) -> None:
                     state["step"] = state["step"].clone()
 
 
-def _sharded_training_state(model: torch.nn.Module, optimizer: Any, is_loading: bool) -> ShardedStateDict:
+def _sharded_training_state(model: torch.nn.Module, optimizer: Any, is_loading: bool,
+                            sharded_state: ModelShardedState) -> ShardedStateDict:
     if is_loading:
         _ensure_optimizer_state(optimizer)
-    model_sd = model_sharded_state_dict(model) if isinstance(model, MMDiTModel) else ar_dit_sharded_state_dict(model)
+    model_sd = sharded_state(model)
     optim_sd = optimizer.sharded_state_dict(model_sd, is_loading=is_loading,
                                             metadata={"distrib_optim_sharding_type": OPTIMIZER_SHARDING})
     return {"model": model_sd, "optimizer": optim_sd}
@@ -115,9 +118,12 @@ def _rng_object(state: Any, world: int, rank: int) -> ShardedObject:
 
 
 def save_checkpoint(run_dir: Path, step: int, model: torch.nn.Module, optimizer: Any, scheduler: Any,
-                    common: dict[str, Any], keep: int, content_metadata: dict[str, Any] | None = None) -> Path:
+                    common: dict[str, Any], keep: int, content_metadata: dict[str, Any] | None = None,
+                    sharded_state: ModelShardedState = model_sharded_state_dict) -> Path:
     """Collective: save model, optimizer, scheduler, RNG states and `common` (step, data position, metric
     history: rank 0's copy is written) as the checkpoint after `step` steps; prune to the last `keep`.
+    `sharded_state` gives the model's ShardedStateDict (default: the MMDiT's; the AR-DiT hybrid passes
+    `ar_dit_sharded_state_dict`).
 
     Returns the final folder (complete when this returns on any rank).
     """
@@ -130,7 +136,7 @@ def save_checkpoint(run_dir: Path, step: int, model: torch.nn.Module, optimizer:
         shutil.rmtree(tmp, ignore_errors=True)  # a crash during an earlier save of this step
         tmp.mkdir(parents=True)
     dist.barrier()
-    state = _sharded_training_state(model, optimizer, is_loading=False)
+    state = _sharded_training_state(model, optimizer, is_loading=False, sharded_state=sharded_state)
     state["rng"] = _rng_object(rng_state(), world, rank)
     state["scheduler"] = scheduler.state_dict()
     state["world_size"] = world
@@ -150,15 +156,17 @@ def save_checkpoint(run_dir: Path, step: int, model: torch.nn.Module, optimizer:
 
 
 @torch.no_grad()
-def load_checkpoint(folder: Path, model: torch.nn.Module, optimizer: Any, scheduler: Any) -> dict[str, Any]:
+def load_checkpoint(folder: Path, model: torch.nn.Module, optimizer: Any, scheduler: Any,
+                    sharded_state: ModelShardedState = model_sharded_state_dict) -> dict[str, Any]:
     """Collective: load a complete checkpoint saved at any layout into this rank's model and optimizer
-    shards and the scheduler; restore the RNG states when the world size matches. Returns `common`."""
+    shards and the scheduler; restore the RNG states when the world size matches. Returns `common`.
+    `sharded_state`: as for `save_checkpoint` (the one the checkpoint was saved with)."""
     folder = Path(folder)
     if not (folder / COMPLETE).is_file():
         raise FileNotFoundError(f"{folder} is not a complete checkpoint (no {COMPLETE} marker)")
     rank, world = dist.get_rank(), dist.get_world_size()
     saved = dist_checkpointing.load_common_state_dict(str(folder))
-    state = _sharded_training_state(model, optimizer, is_loading=True)
+    state = _sharded_training_state(model, optimizer, is_loading=True, sharded_state=sharded_state)
     same_world = saved["world_size"] == world
     if same_world:
         state["rng"] = _rng_object(None, world, rank)
