@@ -16,7 +16,7 @@ at EOS (kept as the plan's last token), and each token's log-prob under the temp
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -63,9 +63,7 @@ class VLLMPlanWriter:
                 p.copy_(t.to(dtype=p.dtype, device=p.device))
             return len(params)
 
-        counts = self.llm.apply_model(copy)
-        self.llm.reset_prefix_cache()
-        return counts[0]
+        return self._update(copy)
 
     def load_hf_weights(self, tensors: Mapping[str, torch.Tensor]) -> int:
         """Full Qwen2 tensors in Hugging Face names (`model.layers.N...`, `lm_head.weight`) through vLLM's own
@@ -81,7 +79,11 @@ class VLLMPlanWriter:
                 raise KeyError(f"weight sync into vLLM left parameters unloaded: {missing[:5]}")
             return len(loaded)
 
-        counts = self.llm.apply_model(load)
+        return self._update(load)
+
+    def _update(self, write: Callable[[torch.nn.Module], int]) -> int:
+        """Run `write` on the live model (this engine's worker) and drop the KV blocks of the old weights."""
+        counts = self.llm.apply_model(write)
         self.llm.reset_prefix_cache()
         return counts[0]
 
