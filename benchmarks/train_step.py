@@ -2,7 +2,9 @@
 diffusers implementation of the same step written here the way flow_grpo does it (pipeline components,
 a batched SDE sampling loop, per-step log-probs, torch AdamW with grad clipping).
 
-Same pipeline (the `small` transformer, ~10M parameters), same prompts, group size, sampling steps,
+Ours runs its defaults at TP=1: the engine samples with the trainer's Megatron module (`rollout.transformer=
+auto`; the reference's sampling uses the diffusers transformer it trains). Same pipeline (the `small`
+transformer, ~10M parameters), same prompts, group size, sampling steps,
 window, mini-batches and reward (JPEG compressibility), same torch thread count, in one process. After
 warm-up steps, the two sides alternate (which one goes first alternates too, so drift in the machine's load
 hits both); each pair gives a ratio, and the script prints each side's median step time with its spread,
@@ -191,7 +193,9 @@ def main() -> None:
         print(f"{n} images per step ({cfg.rollout.prompts_per_step} prompts x {cfg.rollout.group_size}), "
               f"{args.size}px, {cfg.rollout.num_steps} sampling steps, window {cfg.rollout.window_size}, "
               f"{cfg.optim.mini_batches} mini-batches, {torch.get_num_threads()} threads (both sides), "
-              f"{args.warmup} warm-up + {args.runs} measured pairs, alternating order")
+              f"{args.warmup} warm-up + {args.runs} measured pairs, alternating order; ours samples with "
+              + ("the trainer's Megatron module (rollout.transformer=auto, one-rank replica)" if ours.shares_model
+                 else "the engine's diffusers copy"))
         for name in ("ours", "reference"):
             print(f"{name:9s} by phase, median s: "
                   + ", ".join(f"{k} {statistics.median(v):.3f}" for k, v in phases[name].items()))

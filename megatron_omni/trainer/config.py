@@ -48,6 +48,10 @@ class RolloutConfig:
     prompts_per_step: int = 4
     group_size: int = 4
     max_batch_size: int = 16
+    # Which transformer the embedded engine samples with: "engine" (its own diffusers copy, refreshed through
+    # the bridge after every update), "trainer" (the trainer's Megatron module itself: no copy and no sync;
+    # needs a one-rank model replica, tp = ulysses = ring = pp = 1), "auto" (trainer when it can, else engine).
+    transformer: str = "auto"
 
 
 @dataclass
@@ -133,6 +137,11 @@ class JobConfig:
             (self.optim.mini_batches >= 1, "optim.mini_batches", "must be >= 1"),
             (self.optim.max_bad_steps >= 1, "optim.max_bad_steps", "must be >= 1"),
             (self.model.recompute in (None, "full", "selective"), "model.recompute", "must be full|selective"),
+            (self.rollout.transformer in ("auto", "engine", "trainer"), "rollout.transformer",
+             "must be auto|engine|trainer"),
+            (self.rollout.transformer != "trainer" or self.parallel.tp * self.parallel.ulysses * self.parallel.ring
+             * self.parallel.pp == 1, "rollout.transformer",
+             "= trainer needs a one-rank model replica (parallel.tp = ulysses = ring = pp = 1); use engine or auto"),
             (self.algorithm.old_logprob in ("recompute", "bypass"), "algorithm.old_logprob",
              "must be recompute|bypass"),
             (self.algorithm.std_mode in ("global", "group"), "algorithm.std_mode", "must be global|group"),

@@ -3,6 +3,8 @@
 rollout (embedded engine) -> rewards -> old log-probs (recomputed by the Megatron model, or the rollout's in
 `bypass` mode) -> group advantages -> mini-batch updates through Megatron-Core's DDP and optimizer
 (gradient accumulation over the window steps) -> weight sync into the rollout engine -> metrics.
+When the model replica is one rank (`rollout.transformer` trainer, or auto), the engine samples with the
+trainer's Megatron module itself, so there is no copy to sync.
 
 Data parallel ranks take disjoint prompts; the ranks of one model replica (tp x cp x pp) split that
 replica's samples, each rolls out and scores its share, and the shares are gathered so they all train on the
@@ -31,6 +33,7 @@ from megatron_omni.algorithms.advantages import group_advantages
 from megatron_omni.bridge import DiffusersTarget, DistributedTransport, WeightSync
 from megatron_omni.bridge.qwen_image import megatron_sources, qwen_image_plan
 from megatron_omni.models.dit.config import MMDiTConfig
+from megatron_omni.models.dit.diffusers_interface import DiffusersForward
 from megatron_omni.models.dit.model import MMDiTModel
 from megatron_omni.parallel.groups import ParallelGroups
 from megatron_omni.parallel.platform import seed_everything
@@ -112,6 +115,12 @@ class FlowGRPOTrainer:
                                       target=DiffusersTarget(self.engine.transformer), tp_group=groups.tp,
                                       tp_rank=groups.tp.rank(), stage=groups.coords["pp"], transport=transport)
         self.guard = GradGuard(cfg.optim.max_bad_steps, "optim.max_bad_steps")
+        self.shares_model = _rollout_uses_trainer_model(cfg)
+        if self.shares_model:
+            if mcfg.params_dtype != self.engine.dtype:
+                raise ValueError(f"rollout.transformer=trainer: the model computes in {mcfg.params_dtype}, the "
+                                 f"engine in {self.engine.dtype}")
+            self.engine.velocity_model = DiffusersForward(self.model)
 
     # ------------------------------------------------------------------------------------------ pieces
 
@@ -135,8 +144,9 @@ class FlowGRPOTrainer:
         return [prompts[g % len(prompts)] for g in mine], mine, seeds
 
     def sync_weights(self) -> None:
-        """Push the trained weights into the rollout engine through the bridge (raises on any unwritten
-        or doubly written rollout element)."""
+        """Push the trained weights into the rollout engine's transformer through the bridge (raises on any
+        unwritten or doubly written rollout element). A step calls it only when the engine samples with its
+        own copy; with a shared model it refreshes that (unused) copy."""
         self.weight_sync.sync()
 
     def micro_batches(self, n: int, window: int, step: int) -> list[list[MicroBatch]]:
@@ -186,9 +196,10 @@ class FlowGRPOTrainer:
         t0 = time.perf_counter()
         train_metrics = self._update(traj, old, advantages, step, ref_means)
         t["train"] = time.perf_counter() - t0
-        t0 = time.perf_counter()
-        self.sync_weights()
-        t["sync"] = time.perf_counter() - t0
+        if not self.shares_model:
+            t0 = time.perf_counter()
+            self.sync_weights()
+            t["sync"] = time.perf_counter() - t0
 
         metrics = {
             "reward_mean": float(all_rewards.mean()), "reward_std": float(all_rewards.std(correction=0)),
@@ -255,6 +266,13 @@ class FlowGRPOTrainer:
         sums["skipped_updates"] = float(skipped)
         sums["lr"] = float(self.optimizer.param_groups[0]["lr"])
         return sums
+
+
+def _rollout_uses_trainer_model(cfg: JobConfig) -> bool:
+    """Whether the engine samples with the trainer's module (`rollout.transformer`; auto: a one-rank replica)."""
+    p = cfg.parallel
+    one_rank = p.tp * p.ulysses * p.ring * p.pp == 1
+    return cfg.rollout.transformer == "trainer" or (cfg.rollout.transformer == "auto" and one_rank)
 
 
 def _count_stage_replicas_once(model: MMDiTModel, groups: ParallelGroups) -> None:

@@ -68,8 +68,9 @@ def _reference(batches) -> tuple[list[torch.Tensor], dict[str, torch.Tensor]]:
                   img_shapes=[[GRID]] * BATCH).sample
         ((out * b["weight"]).sum() / len(batches)).backward()
         outs.append(out.detach())
-    # The last block's text output feeds nothing, so its text projection and MLP get no gradient.
-    return outs, {n: p.grad for n, p in ref.named_parameters() if p.grad is not None}
+    # The last block's text output feeds nothing, so its text projection and MLP get no gradient and its
+    # text queries an all-zero one (our model skips them).
+    return outs, {n: p.grad for n, p in ref.named_parameters() if p.grad is not None and p.grad.any()}
 
 
 def _reduce_grads(model, groups) -> dict[str, torch.Tensor]:
@@ -149,11 +150,12 @@ def _parity(rank: int, world_size: int, layout: ParallelLayout, recompute: str |
         fwd_err = max(float((o - r[:, shard]).norm() / r[:, shard].norm()) for o, r in zip(outs, ref_outs))
     grads = _reduce_grads(model, groups)
     grad_err = {n: float((g - ref_grads[n]).norm() / ref_grads[n].norm().clamp_min(1e-30))
-                for n, g in grads.items()}
+                for n, g in grads.items() if n in ref_grads}
+    stray = [n for n, g in grads.items() if n not in ref_grads and g.any()]
     expected_params = provider.per_rank_parameter_counts("tiny", layout.tp, layout.pp)[groups.coords["pp"]]
     # Only the model's last block skips its text stream's output (nothing reads it).
     text_skipped = {layer.layer_number for layer in model.layers} - text_mlp_ran
-    return {"fwd": fwd_err, "grad": grad_err, "n_ref": len(ref_grads),
+    return {"fwd": fwd_err, "grad": grad_err, "n_ref": len(ref_grads), "stray": stray,
             "text_skipped": (text_skipped, {cfg.num_layers} if groups.is_last_stage else set()),
             "params": (sum(p.numel() for p in model.parameters()), expected_params)}
 
@@ -179,6 +181,7 @@ def test_parity_with_diffusers(world_size: int, layout: ParallelLayout, recomput
     assert fwd and max(fwd) < 1e-5, fwd
     covered: set[str] = set()
     for r in results:
+        assert not r["stray"], f"nonzero gradients diffusers does not have: {r['stray']}"
         for name, err in r["grad"].items():
             assert err < 1e-4, (name, err)
             covered.add(name)

@@ -157,3 +157,22 @@ def test_bf16_inputs_keep_their_dtype_and_stay_close(impl):
     assert rel_err(got[1].double(), ref[1]) < 2e-2
     for g_got, g_ref in zip(got[2], ref[2]):
         assert rel_err(g_got.double(), g_ref) < 3e-2
+
+
+def test_image_queries_only_match_the_image_half_of_the_joint_attention():
+    """q_txt None (the last block): out_img and the gradients of k/v (text and image) and q_img equal those
+    of the full joint attention whose text output gets no gradient; q_txt gets none."""
+    txt, img, mask = make_inputs(b=3)
+    ref_leaves = [t.clone().requires_grad_(True) for t in txt + img]
+    ref_txt, ref_img = reference_joint_attention(*ref_leaves, mask)
+    w = torch.randn(ref_img.shape, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
+    (ref_img * w).sum().backward()
+    leaves = [t.float().clone().requires_grad_(True) for t in txt[1:] + img]
+    out_txt, out_img = joint_attention(None, *leaves, mask)
+    assert out_txt is None
+    (out_img * w.float()).sum().backward()
+    assert rel_err(out_img.double(), ref_img.detach()) < 1e-5
+    for name, got, ref in zip(["k_txt", "v_txt", "q_img", "k_img", "v_img"], leaves, ref_leaves[1:]):
+        assert rel_err(got.grad.double(), ref.grad) < 1e-5, name
+    with pytest.raises(ValueError, match="text k/v shapes differ"):
+        joint_attention(None, leaves[0], leaves[1][:-1], *leaves[2:], None)

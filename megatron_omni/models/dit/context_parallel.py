@@ -47,33 +47,33 @@ from megatron_omni.models.dit.cp_ring import ring_joint_attention
 
 
 def _check_inputs(
-    q_txt: Tensor, k_txt: Tensor, v_txt: Tensor, q_img: Tensor, k_img: Tensor, v_img: Tensor,
+    q_txt: Tensor | None, k_txt: Tensor, v_txt: Tensor, q_img: Tensor, k_img: Tensor, v_img: Tensor,
     txt_mask: Tensor | None, ulysses: int,
 ) -> None:
-    for name, t in (("q_txt", q_txt), ("k_txt", k_txt), ("v_txt", v_txt),
-                    ("q_img", q_img), ("k_img", k_img), ("v_img", v_img)):
-        if t.dim() != 4:
+    named = (("q_txt", q_txt), ("k_txt", k_txt), ("v_txt", v_txt), ("q_img", q_img), ("k_img", k_img),
+             ("v_img", v_img))
+    for name, t in named:
+        if t is not None and t.dim() != 4:
             raise ValueError(f"joint_attention: {name} must be [s, b, n, d], got shape {tuple(t.shape)}")
-    if not (q_txt.shape == k_txt.shape == v_txt.shape):
-        raise ValueError(
-            f"joint_attention: text q/k/v shapes differ: {tuple(q_txt.shape)}, {tuple(k_txt.shape)}, "
-            f"{tuple(v_txt.shape)}"
-        )
+    if q_txt is not None and q_txt.shape != k_txt.shape:
+        raise ValueError(f"joint_attention: text q/k shapes differ: {tuple(q_txt.shape)}, {tuple(k_txt.shape)}")
+    if k_txt.shape != v_txt.shape:
+        raise ValueError(f"joint_attention: text k/v shapes differ: {tuple(k_txt.shape)}, {tuple(v_txt.shape)}")
     if not (q_img.shape == k_img.shape == v_img.shape):
         raise ValueError(
             f"joint_attention: image q/k/v shapes differ: {tuple(q_img.shape)}, {tuple(k_img.shape)}, "
             f"{tuple(v_img.shape)}"
         )
-    if q_txt.shape[1:] != q_img.shape[1:]:
+    if k_txt.shape[1:] != q_img.shape[1:]:
         raise ValueError(
-            f"joint_attention: text and image [b, n, d] differ: {tuple(q_txt.shape[1:])} vs "
+            f"joint_attention: text and image [b, n, d] differ: {tuple(k_txt.shape[1:])} vs "
             f"{tuple(q_img.shape[1:])}"
         )
-    if len({t.dtype for t in (q_txt, k_txt, v_txt, q_img, k_img, v_img)}) != 1:
+    if len({t.dtype for _, t in named if t is not None}) != 1:
         raise ValueError("joint_attention: q/k/v of text and image must share one dtype")
     if q_img.shape[0] == 0:
         raise ValueError("joint_attention: this rank's image shard is empty (s_img_local = 0)")
-    n = q_txt.shape[2]
+    n = k_txt.shape[2]
     if n % ulysses != 0:
         raise ValueError(
             f"joint_attention: {n} attention heads per tensor-parallel rank are not divisible by the "
@@ -82,10 +82,10 @@ def _check_inputs(
     if txt_mask is not None:
         if txt_mask.dtype != torch.bool:
             raise ValueError(f"joint_attention: txt_mask must be bool (True = valid), got {txt_mask.dtype}")
-        if tuple(txt_mask.shape) != (q_txt.shape[1], q_txt.shape[0]):
+        if tuple(txt_mask.shape) != (k_txt.shape[1], k_txt.shape[0]):
             raise ValueError(
                 f"joint_attention: txt_mask shape {tuple(txt_mask.shape)} != [b, s_txt] = "
-                f"{[q_txt.shape[1], q_txt.shape[0]]}"
+                f"{[k_txt.shape[1], k_txt.shape[0]]}"
             )
 
 
@@ -98,44 +98,57 @@ def _from_bnsd(x: Tensor) -> Tensor:
 
 
 def _single_block_attention(
-    q_txt: Tensor, k_txt: Tensor, v_txt: Tensor, q_img: Tensor, k_img: Tensor, v_img: Tensor,
+    q_txt: Tensor | None, k_txt: Tensor, v_txt: Tensor, q_img: Tensor, k_img: Tensor, v_img: Tensor,
     txt_mask: Tensor | None, scale: float,
-) -> tuple[Tensor, Tensor]:
+) -> tuple[Tensor | None, Tensor]:
     """All keys are local: one fused SDPA call over `[txt ; img]`. Inputs `[s, b, n, d]`."""
-    s_txt = q_txt.shape[0]
-    q = _to_bnsd(torch.cat([q_txt, q_img], dim=0))
-    k = _to_bnsd(torch.cat([k_txt, k_img], dim=0))
-    v = _to_bnsd(torch.cat([v_txt, v_img], dim=0))
+
+    def joined(txt: Tensor, img: Tensor) -> Tensor:
+        # Concatenated straight into a contiguous [b, n, s, d]: the CPU flash kernel runs 15-20% faster
+        # (forward and backward) on it than on a [b, n, s, d] view of [s, b, n, d], whose key rows lie
+        # b * n * d elements apart; the copy is the concatenation's own.
+        return torch.cat([_to_bnsd(txt), _to_bnsd(img)], dim=2)
+
+    q = _to_bnsd(q_img).contiguous() if q_txt is None else joined(q_txt, q_img)
+    k, v = joined(k_txt, k_img), joined(v_txt, v_img)
     mask = None
     if txt_mask is not None:
         img_valid = torch.ones((txt_mask.shape[0], k_img.shape[0]), dtype=torch.bool, device=txt_mask.device)
         mask = torch.cat([txt_mask, img_valid], dim=1)[:, None, None, :]
     out = _from_bnsd(F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale))
+    if q_txt is None:
+        return None, out
+    s_txt = q_txt.shape[0]
     return out[:s_txt], out[s_txt:]
 
 
 def _ring_attention(
-    q_txt: Tensor, k_txt: Tensor, v_txt: Tensor, q_img: Tensor, k_img: Tensor, v_img: Tensor,
+    q_txt: Tensor | None, k_txt: Tensor, v_txt: Tensor, q_img: Tensor, k_img: Tensor, v_img: Tensor,
     txt_mask: Tensor | None, scale: float, ring_group: dist.ProcessGroup,
-) -> tuple[Tensor, Tensor]:
+) -> tuple[Tensor | None, Tensor]:
     """Ring attention; text queries split over the ring and gathered back. Inputs `[s, b, n, d]`."""
     ring, r = group_size(ring_group), group_rank(ring_group)
-    s_txt = q_txt.shape[0]
-    chunk = -(-s_txt // ring)
-    # Zero query rows pad the text to R equal chunks; their outputs are cut off after the gather.
-    q_txt_padded = F.pad(q_txt, (0, 0, 0, 0, 0, 0, 0, chunk * ring - s_txt))
-    q_txt_mine = q_txt_padded[r * chunk:(r + 1) * chunk]
-    q = _to_bnsd(torch.cat([q_txt_mine, q_img], dim=0))
+    chunk = 0
+    q = _to_bnsd(q_img)
+    if q_txt is not None:
+        s_txt = q_txt.shape[0]
+        chunk = -(-s_txt // ring)
+        # Zero query rows pad the text to R equal chunks; their outputs are cut off after the gather.
+        q_txt_padded = F.pad(q_txt, (0, 0, 0, 0, 0, 0, 0, chunk * ring - s_txt))
+        q_txt_mine = q_txt_padded[r * chunk:(r + 1) * chunk]
+        q = _to_bnsd(torch.cat([q_txt_mine, q_img], dim=0))
     out = ring_joint_attention(
         q, _to_bnsd(k_txt), _to_bnsd(v_txt), _to_bnsd(k_img), _to_bnsd(v_img), txt_mask, scale, ring_group
     )
     out = _from_bnsd(out)
+    if q_txt is None:
+        return None, out
     out_txt = gather_along_dim(out[:chunk], 0, ring_group)[:s_txt]
     return out_txt, out[chunk:]
 
 
 def joint_attention(
-    q_txt: Tensor,
+    q_txt: Tensor | None,
     k_txt: Tensor,
     v_txt: Tensor,
     q_img: Tensor,
@@ -145,7 +158,7 @@ def joint_attention(
     *,
     ulysses_group: dist.ProcessGroup | None = None,
     ring_group: dist.ProcessGroup | None = None,
-) -> tuple[Tensor, Tensor]:
+) -> tuple[Tensor | None, Tensor]:
     """Joint text+image softmax attention, context-parallel over image tokens (Ulysses x ring).
 
     Args:
@@ -153,6 +166,8 @@ def joint_attention(
         q_img, k_img, v_img: `[s_img_local, b, n, d]` this CP rank's contiguous image shard; shard
             `c = u + U * r` (u, r: ranks in the Ulysses and ring groups) holds image tokens
             `[c * s_img_local, (c + 1) * s_img_local)`; every rank holds the same `s_img_local`.
+            q_txt None: no text queries (the model's last block, whose text output nothing reads); the
+            text keys and values are still attended to and out_txt is None.
         txt_mask: `[b, s_txt]` bool, True = valid text key; None = all valid. The same on every CP rank.
         ulysses_group: all-to-all group (size U, `n % U == 0`), or None for U = 1.
         ring_group: ring group (size R), or None for R = 1.
@@ -165,13 +180,14 @@ def joint_attention(
     """
     ulysses = group_size(ulysses_group)
     _check_inputs(q_txt, k_txt, v_txt, q_img, k_img, v_img, txt_mask, ulysses)
-    scale = 1.0 / math.sqrt(q_txt.shape[-1])
+    scale = 1.0 / math.sqrt(k_txt.shape[-1])
 
     if ulysses > 1:
-        n_local = q_txt.shape[2] // ulysses
+        n_local = k_txt.shape[2] // ulysses
         u = group_rank(ulysses_group)
         heads = slice(u * n_local, (u + 1) * n_local)
-        q_txt, k_txt, v_txt = q_txt[:, :, heads], k_txt[:, :, heads], v_txt[:, :, heads]
+        k_txt, v_txt = k_txt[:, :, heads], v_txt[:, :, heads]
+        q_txt = None if q_txt is None else q_txt[:, :, heads]
         q_img, k_img, v_img = (seq_to_heads(t, ulysses_group) for t in (q_img, k_img, v_img))
 
     qkv = (q_txt, k_txt, v_txt, q_img, k_img, v_img)
@@ -182,5 +198,5 @@ def joint_attention(
 
     if ulysses > 1:
         out_img = heads_to_seq(out_img.contiguous(), ulysses_group)
-        out_txt = gather_along_dim(out_txt, 2, ulysses_group)
+        out_txt = None if out_txt is None else gather_along_dim(out_txt, 2, ulysses_group)
     return out_txt, out_img

@@ -15,6 +15,7 @@ Context parallelism: the image stream holds this rank's shard of image tokens, t
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 import torch
@@ -77,15 +78,16 @@ class MMDiTStream(MegatronModule):
         mod, _ = self.adaln(nn.functional.silu(temb))
         return tuple(m.unsqueeze(0) for m in mod.chunk(6, dim=-1))
 
-    def qkv(self, x: torch.Tensor, rope: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def qkv(self, x: torch.Tensor, rope: torch.Tensor,
+            queries: bool = True) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor]:
         """x [s, b, h], rope [s, d/2] complex rotations -> q, k, v [s, b, n_local, d] with QK RMSNorm and
-        RoPE applied."""
+        RoPE applied; q is None when `queries` is False (keys and values only)."""
         mixed, _ = self.linear_qkv(x)
         d = self.config.kv_channels
         # Megatron's fused layout: per head [q_h | k_h | v_h].
         mixed = mixed.unflatten(-1, (-1, 3 * d))
         q, k, v = mixed.split(d, dim=-1)
-        q = apply_interleaved_rope(self.q_layernorm(q), rope)
+        q = apply_interleaved_rope(self.q_layernorm(q), rope) if queries else None
         k = apply_interleaved_rope(self.k_layernorm(k), rope)
         return q, k, v.contiguous()
 
@@ -118,13 +120,13 @@ class MMDiTLayer(MegatronModule):
         self.ulysses_group = ulysses_group
         self.ring_group = ring_group
 
-    def _attention(self, img_normed, txt_normed, img_rope, txt_rope, txt_mask):
+    def _attention(self, img_normed, txt_normed, img_rope, txt_rope, txt_mask, text_output=True):
         q_i, k_i, v_i = self.img.qkv(img_normed, img_rope)
-        q_t, k_t, v_t = self.txt.qkv(txt_normed, txt_rope)
+        q_t, k_t, v_t = self.txt.qkv(txt_normed, txt_rope, queries=text_output)
         out_t, out_i = joint_attention(
             q_t, k_t, v_t, q_i, k_i, v_i, txt_mask, ulysses_group=self.ulysses_group, ring_group=self.ring_group
         )
-        return out_i.flatten(-2), out_t.flatten(-2)
+        return out_i.flatten(-2), None if out_t is None else out_t.flatten(-2)
 
     def forward(
         self,
@@ -141,8 +143,9 @@ class MMDiTLayer(MegatronModule):
         txt_mask [b, s_t] bool (True = valid) -> updated (img, txt).
 
         text_output=False returns (img, None): the model's last block, whose text stream nothing reads,
-        skips that stream's output projection and MLP (most of the block's work when prompts are longer than
-        the image sequence). Its parameters get no gradient either way."""
+        skips that stream's queries (its text keys and values still feed the image queries), output
+        projection and MLP (most of the block's work when prompts are longer than the image sequence).
+        Those parameters get no gradient either way."""
         eps = self.config.norm_eps
         i_shift1, i_scale1, i_gate1, i_shift2, i_scale2, i_gate2 = self.img.modulation(temb)
         t_shift1, t_scale1, t_gate1, t_shift2, t_scale2, t_gate2 = self.txt.modulation(temb)
@@ -152,11 +155,13 @@ class MMDiTLayer(MegatronModule):
         if self.config.recompute_granularity == "selective":
             from megatron.core import tensor_parallel
 
+            # The flag is bound, not passed: the checkpoint saves its positional args with save_for_backward.
+            attention = functools.partial(self._attention, text_output=text_output)
             attn_img, attn_txt = tensor_parallel.checkpoint(
-                self._attention, False, img_normed, txt_normed, img_rope, txt_rope, txt_mask
+                attention, False, img_normed, txt_normed, img_rope, txt_rope, txt_mask
             )
         else:
-            attn_img, attn_txt = self._attention(img_normed, txt_normed, img_rope, txt_rope, txt_mask)
+            attn_img, attn_txt = self._attention(img_normed, txt_normed, img_rope, txt_rope, txt_mask, text_output)
         attn_img, _ = self.img.linear_proj(attn_img)
         img = img + i_gate1 * attn_img
         img = img + i_gate2 * self.img.mlp(_modulate(img, i_shift2, i_scale2, eps))
