@@ -5,8 +5,9 @@ norms, RoPE, activations and gates are elementwise and left out (well under 1% h
 weight sees depends on where it sits: image-stream block weights, `img_in` and `proj_out` act on image
 tokens; text-stream block weights and `txt_in` on text tokens; adaLN, `norm_out.linear` and the timestep
 embedder act once per sample (on the timestep embedding). Joint attention costs `4 * s^2 * h` per block
-(`Q K^T` and `P V`, `s = s_img + s_txt`). The last block's text-stream output projection and MLP are not
-counted: the model skips them (`MMDiTLayer(text_output=False)`), as nothing reads that stream afterwards.
+(`Q K^T` and `P V`, `s = s_img + s_txt`). The last block's text-stream output projection and MLP and its text
+queries' attention are not counted: the model skips them (`MMDiTLayer(text_output=False)`), as nothing reads
+that stream afterwards (its text keys and values still feed the image queries: `4 s_img s h` there).
 
 The split into parts matters for context parallelism: image tokens and attention divide over the CP
 ranks, while the (short) text stream and the per-sample layers are replicated on every CP rank.
@@ -114,5 +115,6 @@ def forward_flops(model: str | dict[str, Any], image_tokens: int, text_tokens: i
             raise ValueError(f"planner FLOPs model does not know where weight {name} {shape} applies")
     hidden = cfg["num_attention_heads"] * cfg["attention_head_dim"]
     seq = image_tokens + text_tokens
-    attention = 4.0 * seq * seq * hidden * cfg["num_layers"]
+    # The last block runs image queries only (its text queries' outputs would feed nothing).
+    attention = 4.0 * seq * hidden * (seq * (cfg["num_layers"] - 1) + image_tokens)
     return ForwardFlops(image_linear=img, text_linear=txt, per_sample=sample, attention=attention, qkv_linear=qkv)
