@@ -29,6 +29,10 @@ from model_providers.qwen_image.provider import local_mappings
 
 CONTENT_KEY = "megatron_omni_model"
 FORMAT_VERSION = 1
+AR_DIT_CONTENT_KEY = "megatron_omni_ar_dit"
+# 2: one layout for converter and training checkpoints (`ar_dit_sharded_state_dict`); 1 stored the decoder's
+# SwiGLU fc1 as two tensors (.gate, .up) and only the converter wrote it.
+AR_DIT_FORMAT_VERSION = 2
 
 
 def content_metadata(family: str, diffusers_config: dict[str, Any], layout: dict[str, int],
@@ -167,3 +171,44 @@ def ar_dit_connector_and_dit_sharded(model: Any) -> ShardedStateDict:
     for name, sh in model_sharded_state_dict(model.dit, prefix="dit.").items():
         out["dit." + name] = sh
     return out
+
+
+def ar_dit_content_metadata(hybrid_config: dict[str, Any]) -> dict[str, Any]:
+    """Content metadata of an AR-DiT checkpoint (converter or trainer): the hybrid config."""
+    return {AR_DIT_CONTENT_KEY: {"format_version": AR_DIT_FORMAT_VERSION, "config": dict(hybrid_config)}}
+
+
+def read_ar_dit_config(checkpoint_dir: str | Path) -> dict[str, Any]:
+    """The hybrid config an AR-DiT checkpoint records; raises CheckpointError for anything else."""
+    ckpt = str(checkpoint_dir)
+    require_dist_checkpoint(ckpt)
+    entry = (dist_checkpointing.load_content_metadata(ckpt) or {}).get(AR_DIT_CONTENT_KEY)
+    if not entry:
+        raise CheckpointError(f"{ckpt} is not an AR-DiT checkpoint (no {AR_DIT_CONTENT_KEY!r} content metadata)")
+    if entry.get("format_version") != AR_DIT_FORMAT_VERSION:
+        raise CheckpointError(f"{ckpt} has AR-DiT format version {entry.get('format_version')}, this code reads "
+                              f"{AR_DIT_FORMAT_VERSION}: convert it again from its Hugging Face folder")
+    return entry["config"]
+
+
+@torch.no_grad()
+def load_ar_dit_weights(model: Any, checkpoint_dir: str | Path) -> None:
+    """Collective: this rank's shards of an AR-DiT hybrid's weights from a converter or training checkpoint
+    saved at any tp (a training checkpoint's optimizer state is not read). Raises CheckpointError naming a
+    missing or mis-shaped tensor."""
+    ckpt = str(checkpoint_dir)
+    read_ar_dit_config(ckpt)
+    sharded = ar_dit_sharded_state_dict(model)
+    available = dist_checkpointing.load_tensors_metadata(ckpt)
+    for sh in sharded.values():
+        if sh.key not in available:
+            raise CheckpointError(f"{ckpt} lacks tensor {sh.key}")
+        shape = getattr(sh, "global_shape", None)  # a SwiGLU factory's global shape is checked by the load
+        if shape is not None and tuple(available[sh.key].global_shape) != tuple(shape):
+            raise CheckpointError(f"{ckpt}: {sh.key} has shape {tuple(available[sh.key].global_shape)}, the model "
+                                  f"expects {tuple(shape)}")
+    loaded = dist_checkpointing.load(sharded, ckpt)  # also returns the checkpoint's content metadata
+    result = model.load_state_dict({k: loaded[k] for k in sharded}, strict=False)
+    missing = [k for k in result.missing_keys if not k.endswith("_extra_state")]
+    if missing or result.unexpected_keys:
+        raise CheckpointError(f"loading {ckpt}: missing {missing}, unexpected {result.unexpected_keys}")

@@ -31,7 +31,7 @@ from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron_omni.algorithms.advantages import group_advantages
 from megatron_omni.algorithms.loss import flowgrpo_loss
 from megatron_omni.algorithms.token_loss import grpo_token_loss, joint_loss
-from megatron_omni.checkpoint.sharded_state import ar_dit_sharded_state_dict
+from megatron_omni.checkpoint.sharded_state import ar_dit_content_metadata, ar_dit_sharded_state_dict
 from megatron_omni.models.ar.decoder import token_log_probs
 from megatron_omni.models.ar.hybrid import ARDiTModel
 from megatron_omni.parallel.groups import ParallelGroups
@@ -146,6 +146,7 @@ class ARDiTTrainer:
         Megatron's distributed format (`trainer.checkpointing`); the last `keep` are kept."""
         common = dict(common or {}, step=step, bad_steps=self.guard.bad_steps)
         return save_checkpoint(Path(run_dir), step, self.model, self.optimizer, self.scheduler, common, keep,
+                               content_metadata=ar_dit_content_metadata(self.engine.hybrid.config.to_dict()),
                                sharded_state=ar_dit_sharded_state_dict)
 
     def resume(self, run_dir: str | Path) -> dict[str, Any] | None:

@@ -6,12 +6,14 @@
 
 The Hugging Face folder holds the three parts in their own formats: `decoder/` (transformers Qwen2
 `save_pretrained`), `connector/` (`model.safetensors`: norm.weight, proj.weight, proj.bias), `transformer/`
-(diffusers `QwenImageTransformer2DModel`), and `ar_dit.json` (eos/pad ids). The Megatron checkpoint stores
-every tensor under `decoder.` / `connector.` / `dit.` + its global Megatron name, as ShardedTensors at their
-tensor-parallel offsets, so a checkpoint written here (tp = 1) loads into a hybrid at any tp (and back).
-SwiGLU's `linear_fc1` is stored as its two halves (`.gate`, `.up`), whose tp shards are contiguous; the fused
-tensor's are not. Content metadata records the hybrid config. Conversion runs in one process on full tensors
-(no streaming yet). Exit status: 0 on success, 2 on bad input (nothing is written).
+(diffusers `QwenImageTransformer2DModel`), and `ar_dit.json` (eos/pad ids). The Megatron checkpoint has the
+layout of the AR-DiT trainer's checkpoints (`checkpoint.sharded_state.ar_dit_sharded_state_dict`): every tensor
+under `decoder.` / `connector.` / `dit.` + its global Megatron name, as ShardedTensors at their tensor-parallel
+offsets, SwiGLU's fused `linear_fc1` through Megatron-Core's gate/up factory, so a checkpoint written here
+(tp = 1) loads into a hybrid at any tp, and `mcore-to-hf` also reads a training checkpoint
+(`OUT/checkpoints/step_N`, any tp; its optimizer state is left out). Content metadata records the hybrid
+config. Conversion runs in one process on full tensors (no streaming yet). Exit status: 0 on success, 2 on bad
+input (nothing is written).
 """
 
 from __future__ import annotations
@@ -26,89 +28,29 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-CONTENT_KEY = "megatron_omni_ar_dit"
-
 
 # --------------------------------------------------------------------------------------- sharded state
-def hybrid_sharded_state_dict(model) -> dict:
-    """This rank's ShardedStateDict of an `ARDiTModel` (see the module docstring for the keys)."""
-    from megatron.core.dist_checkpointing.mapping import ShardedTensor
-
-    from megatron_omni.checkpoint.sharded_state import ar_dit_connector_and_dit_sharded
-    from model_providers.ar_dit.decoder_provider import local_mappings
-
-    pg = model.pg_collection
-    tp_rank, tp_size, dp_rank = pg.tp.rank(), pg.tp.size(), pg.dp_cp.rank()
-    out: dict[str, Any] = {}
-    params = model.decoder.state_dict(keep_vars=True)
-    for name, m in local_mappings(model.decoder).items():
-        t, key = params[name], "decoder." + m.megatron
-        if m.kind == "fuse_gate_up":
-            gate, up = t.chunk(2, dim=0)
-            for part, data in (("gate", gate), ("up", up)):
-                out[f"decoder.{name}.{part}"] = ShardedTensor.from_rank_offsets(
-                    f"{key}.{part}", data, (0, tp_rank, tp_size), replica_id=(0, 0, dp_rank))
-        elif m.tp_dim is None:
-            out["decoder." + name] = ShardedTensor.from_rank_offsets(key, t, replica_id=(0, tp_rank, dp_rank))
-        else:
-            out["decoder." + name] = ShardedTensor.from_rank_offsets(key, t, (m.tp_dim, tp_rank, tp_size),
-                                                                     replica_id=(0, 0, dp_rank))
-    return out | ar_dit_connector_and_dit_sharded(model)
-
-
 def save_hybrid(model, checkpoint_dir: str | Path, hybrid_config: dict[str, Any]) -> None:
-    """Save an `ARDiTModel` (every rank calls this) with the hybrid config as content metadata."""
+    """Save an `ARDiTModel` (every rank calls this) in the layout the AR-DiT trainer's checkpoints use, with
+    the hybrid config as content metadata."""
     from megatron.core import dist_checkpointing
+
+    from megatron_omni.checkpoint.sharded_state import ar_dit_content_metadata, ar_dit_sharded_state_dict
 
     ckpt = str(checkpoint_dir)
     if dist.get_rank() == 0:
         os.makedirs(ckpt, exist_ok=True)
     dist.barrier()
-    dist_checkpointing.save(hybrid_sharded_state_dict(model), ckpt,
-                            content_metadata={CONTENT_KEY: {"format_version": 1, "config": hybrid_config}})
+    dist_checkpointing.save(ar_dit_sharded_state_dict(model), ckpt,
+                            content_metadata=ar_dit_content_metadata(hybrid_config))
 
 
-@torch.no_grad()
 def load_hybrid(model, checkpoint_dir: str | Path) -> None:
-    """Load a checkpoint saved at any tp into this rank's shards (every rank calls this)."""
-    from megatron.core import dist_checkpointing
+    """Load a converter or training checkpoint saved at any tp into this rank's shards (every rank calls
+    this)."""
+    from megatron_omni.checkpoint.sharded_state import load_ar_dit_weights
 
-    from megatron_omni.checkpoint.errors import CheckpointError
-    from megatron_omni.checkpoint.sharded_state import require_dist_checkpoint
-
-    ckpt = str(checkpoint_dir)
-    require_dist_checkpoint(ckpt)
-    sharded = hybrid_sharded_state_dict(model)
-    available = dist_checkpointing.load_tensors_metadata(ckpt)
-    for st in sharded.values():
-        if st.key not in available:
-            raise CheckpointError(f"{ckpt} lacks tensor {st.key}")
-        if tuple(available[st.key].global_shape) != tuple(st.global_shape):
-            raise CheckpointError(f"{ckpt}: {st.key} has shape {tuple(available[st.key].global_shape)}, the model "
-                                  f"expects {tuple(st.global_shape)}")
-    loaded = dist_checkpointing.load(sharded, ckpt)
-    params = dict(model.named_parameters())
-    for key in sharded:
-        if key.endswith(".gate") or key.endswith(".up"):
-            continue
-        params[key].copy_(loaded[key])
-    for key in [k for k in sharded if k.endswith(".gate")]:
-        base = key[: -len(".gate")]
-        params[base].copy_(torch.cat([loaded[key], loaded[base + ".up"]], dim=0))
-
-
-def read_hybrid_config(checkpoint_dir: str | Path) -> dict[str, Any]:
-    """The hybrid config recorded in a checkpoint's content metadata."""
-    from megatron.core import dist_checkpointing
-
-    from megatron_omni.checkpoint.errors import CheckpointError
-    from megatron_omni.checkpoint.sharded_state import require_dist_checkpoint
-
-    require_dist_checkpoint(checkpoint_dir)
-    entry = (dist_checkpointing.load_content_metadata(str(checkpoint_dir)) or {}).get(CONTENT_KEY)
-    if not entry:
-        raise CheckpointError(f"{checkpoint_dir} is not an AR-DiT checkpoint (no {CONTENT_KEY!r} metadata)")
-    return entry["config"]
+    load_ar_dit_weights(model, checkpoint_dir)
 
 
 # ------------------------------------------------------------------------------------------ HF folders
@@ -178,11 +120,13 @@ def hf_to_mcore(source: str | Path, output: str | Path) -> None:
 
 
 def mcore_to_hf(source: str | Path, output: str | Path) -> None:
-    """Megatron distributed checkpoint (any tp it was saved at) -> HF folder (temp folder, then renamed)."""
+    """Megatron distributed checkpoint (this converter's or an AR-DiT training checkpoint, any tp it was saved
+    at) -> HF folder (temp folder, then renamed)."""
+    from megatron_omni.checkpoint.sharded_state import read_ar_dit_config
     from megatron_omni.checkpoint.staging import staged_output
     from model_providers.ar_dit import provider
 
-    cfg = provider.hybrid_config(read_hybrid_config(source))
+    cfg = provider.hybrid_config(read_ar_dit_config(source))
     groups = _one_rank_groups()
     model = provider.build_model(cfg, groups)
     load_hybrid(model, source)

@@ -176,7 +176,8 @@ def joint_attention(
 
     Returns:
         `(out_txt [s_txt, b, n, d], out_img [s_img_local, b, n, d])`: out_txt is the full text output
-        (identical on every CP rank), out_img the output of this rank's image shard.
+        (identical on every CP rank; None without text queries), out_img the output of this rank's image
+        shard.
     """
     ulysses = group_size(ulysses_group)
     _check_inputs(q_txt, k_txt, v_txt, q_img, k_img, v_img, txt_mask, ulysses)
