@@ -2,7 +2,7 @@
 
 Runs the recipe `examples.tiny.recipe:ocr_miniature` as a user would, in this process (one rank, TP=1 by
 default), with the OCR scorer in a reward server of its own (a separate process, as on a cluster). The
-trainer evaluates the held-out prompts (8 words RL trains on, 8 it never sees; 2 seeds each) with ODE
+trainer evaluates the held-out prompts (8 words RL trains on, 8 it never sees; 8 seeds each) with ODE
 sampling before the first and after the last step, and draws `eval_before_after.png` in the run folder.
 
 Printed: held-out OCR similarity before and after (all, seen, unseen), the number of RL steps, the wall
