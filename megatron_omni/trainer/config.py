@@ -50,7 +50,8 @@ class RolloutConfig:
     max_batch_size: int = 16
     # Which transformer the embedded engine samples with: "engine" (its own diffusers copy, refreshed through
     # the bridge after every update), "trainer" (the trainer's Megatron module itself: no copy and no sync;
-    # needs a one-rank model replica, tp = ulysses = ring = pp = 1), "auto" (trainer when it can, else engine).
+    # needs a one-rank model replica, tp = ulysses = ring = pp = 1, and the engine's dtype), "auto" (trainer when
+    # it can, else engine).
     transformer: str = "auto"
 
 

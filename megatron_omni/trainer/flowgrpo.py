@@ -115,11 +115,8 @@ class FlowGRPOTrainer:
                                       target=DiffusersTarget(self.engine.transformer), tp_group=groups.tp,
                                       tp_rank=groups.tp.rank(), stage=groups.coords["pp"], transport=transport)
         self.guard = GradGuard(cfg.optim.max_bad_steps, "optim.max_bad_steps")
-        self.shares_model = _rollout_uses_trainer_model(cfg)
+        self.shares_model = _rollout_uses_trainer_model(cfg, mcfg.params_dtype, self.engine.dtype)
         if self.shares_model:
-            if mcfg.params_dtype != self.engine.dtype:
-                raise ValueError(f"rollout.transformer=trainer: the model computes in {mcfg.params_dtype}, the "
-                                 f"engine in {self.engine.dtype}")
             self.engine.velocity_model = DiffusersForward(self.model)
 
     # ------------------------------------------------------------------------------------------ pieces
@@ -268,11 +265,16 @@ class FlowGRPOTrainer:
         return sums
 
 
-def _rollout_uses_trainer_model(cfg: JobConfig) -> bool:
-    """Whether the engine samples with the trainer's module (`rollout.transformer`; auto: a one-rank replica)."""
+def _rollout_uses_trainer_model(cfg: JobConfig, model_dtype: torch.dtype, engine_dtype: torch.dtype) -> bool:
+    """Whether the engine samples with the trainer's module (`rollout.transformer`; auto: a one-rank replica
+    whose parameters are in the engine's dtype). Raises when `trainer` is asked for with the dtypes apart."""
     p = cfg.parallel
     one_rank = p.tp * p.ulysses * p.ring * p.pp == 1
-    return cfg.rollout.transformer == "trainer" or (cfg.rollout.transformer == "auto" and one_rank)
+    if cfg.rollout.transformer == "trainer" and model_dtype != engine_dtype:
+        raise ValueError(f"rollout.transformer=trainer: the model's parameters are {model_dtype}, the engine "
+                         f"samples in {engine_dtype}")
+    return cfg.rollout.transformer == "trainer" or (cfg.rollout.transformer == "auto" and one_rank
+                                                     and model_dtype == engine_dtype)
 
 
 def _count_stage_replicas_once(model: MMDiTModel, groups: ParallelGroups) -> None:

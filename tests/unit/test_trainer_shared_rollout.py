@@ -75,3 +75,19 @@ def test_trainer_mode_needs_a_one_rank_replica(tmp_path) -> None:
     cfg.rollout.transformer = "vllm"
     with pytest.raises(ConfigError, match="must be auto\\|engine\\|trainer"):
         cfg.validate(2)
+
+
+def test_auto_falls_back_to_the_engine_copy() -> None:
+    from megatron_omni.trainer.flowgrpo import _rollout_uses_trainer_model
+
+    cfg = JobConfig()
+    fp32, bf16 = torch.float32, torch.bfloat16
+    assert _rollout_uses_trainer_model(cfg, fp32, fp32)
+    assert not _rollout_uses_trainer_model(cfg, bf16, fp32)  # a bf16 model and an fp32 engine: engine copy
+    cfg.parallel.tp = 2
+    assert not _rollout_uses_trainer_model(cfg, fp32, fp32)
+    cfg.parallel.tp, cfg.rollout.transformer = 1, "engine"
+    assert not _rollout_uses_trainer_model(cfg, fp32, fp32)
+    cfg.rollout.transformer = "trainer"
+    with pytest.raises(ValueError, match="rollout.transformer=trainer.*bfloat16"):
+        _rollout_uses_trainer_model(cfg, bf16, fp32)
