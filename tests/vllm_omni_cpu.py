@@ -130,3 +130,46 @@ def vllm_omni_model(model: str | os.PathLike, tp: int, pipeline_class: str) -> I
         loader = DiffusersPipelineLoader(LoadConfig(), od_config=od)
         yield loader.load_model(load_device="cpu", load_format="custom_pipeline",
                                 custom_pipeline_name=pipeline_class)
+
+
+def worker_with_extension(pipeline: Any) -> Any:
+    """A worker holding `pipeline`, extended with ours the way vLLM-Omni's `WorkerWrapperBase` does it
+    (`type(name, (extension, worker_class), {})`). vLLM-Omni's `DiffusionWorker` itself cannot be imported on
+    CPU (its module chain imports torchvision, which does not install beside the CPU torch)."""
+    from types import SimpleNamespace
+
+    from megatron_omni.rollout.vllm_omni_worker import FlowGRPOWorkerExtension
+
+    class Worker:
+        def __init__(self) -> None:
+            self.model_runner = SimpleNamespace(pipeline=pipeline)
+
+    return type("WorkerWithFlowGRPOWorkerExtension", (FlowGRPOWorkerExtension, Worker), {})()
+
+
+class InProcessOmni:
+    """The two `Omni` calls our clients make, served by a pipeline in this process (the multi-process engine
+    needs a GPU platform): `generate` wraps each prompt in vLLM-Omni's `OmniDiffusionRequest`, one
+    `DiffusionRequestBatch` per call, into the pipeline's `forward`; `engine.collective_rpc(method, args=...)`
+    calls the method on a worker composed with our extension (`worker_with_extension`)."""
+
+    def __init__(self, pipeline: Any) -> None:
+        from types import SimpleNamespace
+
+        self.pipeline = pipeline
+        self.worker = worker_with_extension(pipeline)
+        self.engine = SimpleNamespace(collective_rpc=self._collective_rpc)
+        self.requests = 0
+
+    def _collective_rpc(self, method: str, args: tuple = ()) -> list[Any]:
+        return [getattr(self.worker, method)(*args)]
+
+    def generate(self, prompts: list[Any], sampling: Any, py_generator: bool = True,
+                 use_tqdm: bool = False) -> Iterator[Any]:
+        from vllm_omni.diffusion.request import OmniDiffusionRequest
+        from vllm_omni.diffusion.worker.request_batch import DiffusionRequestBatch
+
+        reqs = [OmniDiffusionRequest(prompt=p, sampling_params=sampling, request_id=f"r{self.requests + i}")
+                for i, p in enumerate(prompts)]
+        self.requests += len(reqs)
+        yield from self.pipeline.forward(DiffusionRequestBatch(requests=reqs))

@@ -1,6 +1,6 @@
 """The embedded AR-DiT rollout: the decoder writes a plan, the DiT draws from the hidden states of
 prompt + plan, both in torch (transformers' Qwen2, our connector, diffusers' Qwen-Image transformer), or
-either half in a vLLM engine (`ARDiTRolloutEngine(plan_writer=..., vllm_omni_dit=...)`).
+either half in a vLLM engine (`ARDiTRolloutEngine(plan_writer=..., vllm_omni_dit=... or dit_server=...)`).
 
 Per sample, one `torch.Generator` seeded with the sample's seed draws, in this order: the plan tokens, the
 initial latent noise, the window start, the SDE noise of each window step; a sample's result therefore does
@@ -20,8 +20,9 @@ not depend on what it was batched with (up to float rounding of batched matmuls)
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, fields
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -33,6 +34,9 @@ from megatron_omni.rollout.velocity import guided_velocity
 from megatron_omni.rollout.vllm_omni_pipeline import VllmOmniVelocity, diffusers_shapes, load_transformer_weights
 from megatron_omni.rollout.vllm_plan_writer import VLLMPlanWriter
 from model_providers.ar_dit.provider import TorchHybrid
+
+if TYPE_CHECKING:
+    from megatron_omni.rollout.vllm_omni_hybrid import VllmOmniHybridDiT
 
 
 @dataclass(frozen=True)
@@ -128,21 +132,29 @@ class ARDiTRolloutEngine:
     - `vllm_omni_dit`: vLLM-Omni's `QwenImageTransformer2DModel` runs the DiT (called inside vLLM-Omni's
       forward context, as its worker does), loaded through vLLM-Omni's own loader
       (`vllm_omni_pipeline.load_transformer_weights`: fused q/k/v, its tp rank's slice, names and shapes
-      checked)."""
+      checked).
+    - `dit_server` (a `vllm_omni_hybrid.VllmOmniHybridDiT`): the DiT half served by a vLLM-Omni engine running
+      our hybrid pipeline class; each sample's request carries its connector embeddings and its generator's
+      state after the plan, so the served trajectory is the embedded one."""
 
     def __init__(self, hybrid: TorchHybrid, max_batch_size: int = 16, plan_writer: VLLMPlanWriter | None = None,
-                 vllm_omni_dit: torch.nn.Module | None = None) -> None:
+                 vllm_omni_dit: torch.nn.Module | None = None, dit_server: VllmOmniHybridDiT | None = None) -> None:
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
+        if vllm_omni_dit is not None and dit_server is not None:
+            raise ValueError("give the DiT half one engine: vllm_omni_dit (in-process module) or dit_server")
         self.hybrid = hybrid
         self.plan_writer = plan_writer
         self.vllm_omni_dit = vllm_omni_dit
+        self.dit_server = dit_server
         self.dit = hybrid.dit if vllm_omni_dit is None else VllmOmniVelocity(vllm_omni_dit)
         if plan_writer is not None:
             plan_writer.load_hf_weights(hybrid.state()[0])
         if vllm_omni_dit is not None:
             self._dit_shapes = diffusers_shapes(hybrid.config.dit)
             load_transformer_weights(vllm_omni_dit, hybrid.dit.state_dict().items(), self._dit_shapes)
+        if dit_server is not None:
+            dit_server.load_weights(hybrid.dit.state_dict().items())
         self.max_batch_size = max_batch_size
         self.eos = hybrid.config.eos_token_id
         self.pad = hybrid.config.pad_token_id
@@ -156,6 +168,8 @@ class ARDiTRolloutEngine:
             self.plan_writer.load_hf_weights(decoder)
         if self.vllm_omni_dit is not None:
             load_transformer_weights(self.vllm_omni_dit, dit.items(), self._dit_shapes)
+        if self.dit_server is not None:
+            self.dit_server.load_weights(dit.items())
 
     # -------------------------------------------------------------------------------------------- plan
     @torch.no_grad()
@@ -252,46 +266,70 @@ class ARDiTRolloutEngine:
     @torch.no_grad()
     def _denoise(self, cond: torch.Tensor, text_mask: torch.Tensor, gens: list[torch.Generator],
                  p: ARDiTSamplingParams) -> Trajectory:
-        n = cond.shape[0]
-        grid = tuple(p.grid)
-        s_img = grid[1] * grid[2]
-        channels = self.hybrid.config.dit["in_channels"]
-        latents = torch.stack([torch.randn(s_img, channels, generator=g) for g in gens])
-        starts = torch.tensor([sample_window_start(p.num_steps, p.window_size, p.resolved_window_range, g)
-                               for g in gens], dtype=torch.long)
-        sigmas = qwen_image_sigmas(p.num_steps, s_img)
-        w = p.window_size
-        rec_x = torch.zeros(n, w, s_img, channels)
-        rec_next = torch.zeros_like(rec_x)
-        rec_lp = torch.zeros(n, w)
-        mask = text_mask.long()
-        for i in range(p.num_steps):
-            in_window = (starts <= i) & (i < starts + w)
-            levels = in_window.float() * p.noise_level
-            noise = torch.zeros_like(latents)
-            for r in torch.nonzero(in_window).flatten().tolist():
-                noise[r] = torch.randn(s_img, channels, generator=gens[r])
-            sigma = sigmas[i].expand(n)
-            bs = self.max_batch_size
-            v = torch.cat([guided_velocity(self.dit, latents[lo: lo + bs], sigma[lo: lo + bs],
-                                           cond[lo: lo + bs], mask[lo: lo + bs], grid) for lo in range(0, n, bs)])
-            out = sde_step(latents, v, sigma, sigmas[i + 1].expand(n), levels, p.sde_type,
-                           sigma_after_one=sigmas[1].expand(n), noise=noise, compute_log_prob=False)
-            rows = torch.nonzero(in_window).flatten()
-            if rows.numel():
-                c = out.coeffs
-                lp = sde_log_prob(out.next_latents[rows], SdeCoefficients(c.mean[rows], c.std[rows], c.scale[rows]),
-                                  p.sde_type)
-                j = i - starts[rows]
-                rec_x[rows, j] = latents[rows]
-                rec_next[rows, j] = out.next_latents[rows]
-                rec_lp[rows, j] = lp
-            latents = out.next_latents
-        return Trajectory(
-            prompts=[""] * n, group_ids=torch.zeros(n, dtype=torch.long), seeds=torch.zeros(n, dtype=torch.long),
-            prompt_embeds=cond, prompt_embeds_mask=mask, negative_prompt_embeds=None,
-            negative_prompt_embeds_mask=None, guidance_scale=torch.ones(n), latents=rec_x, next_latents=rec_next,
-            log_probs=rec_lp, sigmas=sigmas.expand(n, -1).clone(), window_start=starts,
-            images=pixels_to_images(latents, grid), img_shape=grid, noise_level=float(p.noise_level),
-            sde_type=p.sde_type,
-        )
+        if self.dit_server is not None:
+            return self.dit_server.denoise(cond, text_mask, [g.get_state() for g in gens], p)
+        return denoise_window(self.dit, cond, text_mask, gens, p, self.hybrid.config.dit["in_channels"],
+                              self.max_batch_size)
+
+
+@torch.no_grad()
+def denoise_window(dit: Callable[..., Any], cond: torch.Tensor, text_mask: torch.Tensor, gens: list[torch.Generator],
+                   p: ARDiTSamplingParams, channels: int, max_batch_size: int,
+                   dtype: torch.dtype = torch.float32) -> Trajectory:
+    """The DiT half of a hybrid rollout: pixel latents denoised with the SDE window, the window's transitions
+    recorded with their log-probs. Shared by the embedded engine and vLLM-Omni's hybrid pipeline
+    (`vllm_omni_hybrid`), so both produce the same trajectory for the same generator states.
+
+    Args:
+        dit: a velocity model with diffusers' Qwen-Image forward keywords (see `rollout.velocity`).
+        cond: [N, L, D] connector output (on the DiT's device); text_mask: [N, L] bool or long.
+        gens: N CPU generators, one per sample, each drawing its initial noise, window start and window noise.
+        channels: the DiT's `in_channels` (packed 2x2 pixel patches).
+        dtype: the DiT's compute dtype (latents and the SDE math stay fp32).
+
+    Returns:
+        A `Trajectory` on the CPU (prompts, group ids and seeds left for the caller to fill in).
+    """
+    device = cond.device
+    n = cond.shape[0]
+    grid = tuple(p.grid)
+    s_img = grid[1] * grid[2]
+    latents = torch.stack([torch.randn(s_img, channels, generator=g) for g in gens]).to(device)
+    starts = torch.tensor([sample_window_start(p.num_steps, p.window_size, p.resolved_window_range, g)
+                           for g in gens], dtype=torch.long)
+    sigmas = qwen_image_sigmas(p.num_steps, s_img)
+    w = p.window_size
+    rec_x = torch.zeros(n, w, s_img, channels)
+    rec_next = torch.zeros_like(rec_x)
+    rec_lp = torch.zeros(n, w)
+    mask = text_mask.long().to(device)
+    for i in range(p.num_steps):
+        in_window = (starts <= i) & (i < starts + w)
+        noise = torch.zeros(n, s_img, channels)
+        for r in torch.nonzero(in_window).flatten().tolist():
+            noise[r] = torch.randn(s_img, channels, generator=gens[r])
+        sigma = sigmas[i].expand(n).to(device)
+        bs = max_batch_size
+        v = torch.cat([guided_velocity(dit, latents[lo: lo + bs], sigma[lo: lo + bs], cond[lo: lo + bs],
+                                       mask[lo: lo + bs], grid, dtype=dtype) for lo in range(0, n, bs)])
+        out = sde_step(latents, v, sigma, sigmas[i + 1].expand(n).to(device), (in_window.float() * p.noise_level
+                       ).to(device), p.sde_type, sigma_after_one=sigmas[1].expand(n).to(device),
+                       noise=noise.to(device), compute_log_prob=False)
+        rows = torch.nonzero(in_window).flatten()
+        if rows.numel():
+            c = out.coeffs
+            on = rows.to(device)
+            lp = sde_log_prob(out.next_latents[on], SdeCoefficients(c.mean[on], c.std[on], c.scale[on]), p.sde_type)
+            j = i - starts[rows]
+            rec_x[rows, j] = latents[on].float().cpu()
+            rec_next[rows, j] = out.next_latents[on].float().cpu()
+            rec_lp[rows, j] = lp.float().cpu()
+        latents = out.next_latents
+    return Trajectory(
+        prompts=[""] * n, group_ids=torch.zeros(n, dtype=torch.long), seeds=torch.zeros(n, dtype=torch.long),
+        prompt_embeds=cond.float().cpu(), prompt_embeds_mask=mask.cpu(), negative_prompt_embeds=None,
+        negative_prompt_embeds_mask=None, guidance_scale=torch.ones(n), latents=rec_x, next_latents=rec_next,
+        log_probs=rec_lp, sigmas=sigmas.expand(n, -1).clone(), window_start=starts,
+        images=pixels_to_images(latents.float().cpu(), grid), img_shape=grid, noise_level=float(p.noise_level),
+        sde_type=p.sde_type,
+    )

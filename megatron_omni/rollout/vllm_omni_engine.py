@@ -106,24 +106,8 @@ class VllmOmniRolloutEngine:
 
     # ------------------------------------------------------------------ weights
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> list[str]:
-        """A COMPLETE update of diffusers-named transformer tensors (full shapes), sent to every worker in
-        buckets of at most `bucket_bytes`; each worker checks names and shapes and refuses a partial update."""
-        names: list[str] = []
-        bucket: list[tuple[str, torch.Tensor]] = []
-        size = 0
-        self._rpc("begin_weight_update")
-        for name, t in named_tensors:
-            t = t.detach().cpu().contiguous()
-            if bucket and size + t.numel() * t.element_size() > self.bucket_bytes:
-                self._rpc("load_weight_bucket", bucket)
-                bucket, size = [], 0
-            bucket.append((name, t))
-            names.append(name.removeprefix("transformer."))
-            size += t.numel() * t.element_size()
-        if bucket:
-            self._rpc("load_weight_bucket", bucket)
-        self._rpc("finish_weight_update")
-        return names
+        """A COMPLETE update of diffusers-named transformer tensors (full shapes); see `send_weight_update`."""
+        return send_weight_update(self.omni.engine.collective_rpc, named_tensors, self.bucket_bytes)
 
     def _rpc(self, method: str, *args: Any) -> list[Any]:
         return self.omni.engine.collective_rpc(method, args=args)
@@ -141,6 +125,29 @@ class VllmOmniRolloutEngine:
     def close(self) -> None:
         """Shut the vLLM-Omni engine down."""
         self.omni.close()
+
+
+def send_weight_update(rpc: Callable[..., list[Any]], named_tensors: Iterable[tuple[str, torch.Tensor]],
+                       bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> list[str]:
+    """Send a complete weight update to every vLLM-Omni worker through `rpc` (`collective_rpc(method, args=...)`)
+    and our worker extension: begin, buckets of at most `bucket_bytes`, finish (each worker checks names and
+    shapes and refuses a partial update). Returns the names sent (without `transformer.`)."""
+    names: list[str] = []
+    bucket: list[tuple[str, torch.Tensor]] = []
+    size = 0
+    rpc("begin_weight_update", args=())
+    for name, t in named_tensors:
+        t = t.detach().cpu().contiguous()
+        if bucket and size + t.numel() * t.element_size() > bucket_bytes:
+            rpc("load_weight_bucket", args=(bucket,))
+            bucket, size = [], 0
+        bucket.append((name, t))
+        names.append(name.removeprefix("transformer."))
+        size += t.numel() * t.element_size()
+    if bucket:
+        rpc("load_weight_bucket", args=(bucket,))
+    rpc("finish_weight_update", args=())
+    return names
 
 
 def _record_of(out: Any) -> dict[str, Any]:

@@ -112,6 +112,21 @@ def diffusers_shapes(config: Mapping[str, Any]) -> dict[str, tuple[int, ...]]:
     return {n: tuple(t.shape) for n, t in module.state_dict().items()}
 
 
+def check_full_weights(named_tensors: Iterable[tuple[str, torch.Tensor]],
+                       full_shapes: Mapping[str, tuple[int, ...]]) -> list[tuple[str, torch.Tensor]]:
+    """Full diffusers-named tensors (prefix `transformer.` optional) checked against `full_shapes`: an unknown
+    name raises KeyError, a wrong shape ValueError, none at all ValueError. Returns them without the prefix."""
+    items = [(n.removeprefix("transformer."), t) for n, t in named_tensors]
+    if not items:
+        raise ValueError("no weights to load")
+    for name, t in items:
+        if name not in full_shapes:
+            raise KeyError(f"unknown transformer weight {name!r} (not a diffusers Qwen-Image parameter name)")
+        if tuple(t.shape) != tuple(full_shapes[name]):
+            raise ValueError(f"{name}: shape {tuple(t.shape)} != the model's full shape {tuple(full_shapes[name])}")
+    return items
+
+
 def load_transformer_weights(transformer: torch.nn.Module, named_tensors: Iterable[tuple[str, torch.Tensor]],
                              full_shapes: Mapping[str, tuple[int, ...]]) -> list[str]:
     """Load full diffusers-named tensors (prefix `transformer.` optional) through vLLM-Omni's
@@ -123,14 +138,7 @@ def load_transformer_weights(transformer: torch.nn.Module, named_tensors: Iterab
     """
     from megatron_omni.bridge.targets import VllmOmniTarget
 
-    items = [(n.removeprefix("transformer."), t) for n, t in named_tensors]
-    if not items:
-        raise ValueError("no weights to load")
-    for name, t in items:
-        if name not in full_shapes:
-            raise KeyError(f"unknown transformer weight {name!r} (not a diffusers Qwen-Image parameter name)")
-        if tuple(t.shape) != tuple(full_shapes[name]):
-            raise ValueError(f"{name}: shape {tuple(t.shape)} != the model's full shape {tuple(full_shapes[name])}")
+    items = check_full_weights(named_tensors, full_shapes)
     loaded = VllmOmniTarget(transformer, 0, 1).load_full(items)
     missed = [n for n, _ in items if n not in loaded]
     if missed:
@@ -249,6 +257,7 @@ def _build_pipeline_class() -> type:
             super().__init__(od_config=od_config, prefix=prefix)
             self.image_processor = VaeImageProcessor(vae_scale_factor=self.vae_scale_factor * 2)
             self.stepper = SdeStepper(self, max_batch_size=int(getattr(od_config, "max_batch_size", 0) or 8))
+            self.full_shapes = self.stepper.full_shapes  # what the worker extension checks updates against
 
         def rollout(self, prompts: Sequence[str], params: SamplingParams, group_size: int = 1,
                     seeds: Sequence[int] | None = None, on_sample=None) -> Trajectory:

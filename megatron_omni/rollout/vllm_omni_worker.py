@@ -33,16 +33,17 @@ class WeightUpdateError(RuntimeError):
 
 
 class WeightReceiver:
-    """Applies bucketed full-tensor updates to a `FlowGRPOQwenImagePipeline`'s transformer and checks that
+    """Applies bucketed full-tensor updates to the transformer of a FlowGRPO pipeline (`FlowGRPOQwenImagePipeline`,
+    `FlowGRPOHybridDiTPipeline`: anything with `transformer` and `full_shapes`) and checks that
     an update covers every transformer tensor exactly once."""
 
     def __init__(self, pipeline: Any) -> None:
-        stepper = getattr(pipeline, "stepper", None)
-        if stepper is None:
-            raise TypeError(f"{type(pipeline).__name__} is not the FlowGRPO pipeline (no SDE stepper); register "
-                            "it with custom_pipeline_args={'pipeline_class': PIPELINE_CLASS}")
+        full_shapes = getattr(pipeline, "full_shapes", None)
+        if full_shapes is None:
+            raise TypeError(f"{type(pipeline).__name__} is not a FlowGRPO pipeline (no full_shapes); register "
+                            "it with custom_pipeline_args={'pipeline_class': PIPELINE_CLASS or HYBRID_PIPELINE_CLASS}")
         self.pipeline = pipeline
-        self.full_shapes = stepper.full_shapes
+        self.full_shapes = full_shapes
         self._seen: set[str] | None = None
         self.updates = 0
 

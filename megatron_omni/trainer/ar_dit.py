@@ -38,6 +38,7 @@ from megatron_omni.parallel.groups import ParallelGroups
 from megatron_omni.parallel.platform import seed_everything
 from megatron_omni.rollout.ar_dit_engine import ARDiTRolloutEngine, ARDiTSamplingParams, ARDiTTrajectory, plan_positions
 from megatron_omni.rollout.logprob import transition_step
+from megatron_omni.rollout.vllm_omni_hybrid import VllmOmniHybridDiT
 from megatron_omni.rollout.vllm_plan_writer import VLLMPlanWriter
 from megatron_omni.trainer.checkpointing import latest_checkpoint, load_checkpoint, save_checkpoint
 from megatron_omni.trainer.grad_guard import GradGuard
@@ -96,16 +97,17 @@ class ARDiTTrainer:
 
     def __init__(self, cfg: ARDiTTrainConfig, groups: ParallelGroups, reward_fn: RewardFn,
                  hybrid: provider.TorchHybrid | None = None, plan_writer: VLLMPlanWriter | None = None,
-                 vllm_omni_dit: torch.nn.Module | None = None) -> None:
+                 vllm_omni_dit: torch.nn.Module | None = None, dit_server: VllmOmniHybridDiT | None = None) -> None:
         """`hybrid`: the rollout's torch hybrid (default: the config's preset, seeded); `plan_writer` (a
-        `VLLMPlanWriter`) and `vllm_omni_dit` (vLLM-Omni's transformer): the rollout's halves in vLLM engines
-        (see `ARDiTRolloutEngine`; default: torch)."""
+        `VLLMPlanWriter`) and `vllm_omni_dit` (vLLM-Omni's transformer) or `dit_server` (a served vLLM-Omni
+        engine): the rollout's halves in vLLM engines (see `ARDiTRolloutEngine`; default: torch)."""
         if groups.layout.pp != 1 or groups.layout.cp != 1:
             raise ValueError(f"the AR-DiT trainer runs pp=1, cp=1; got {groups.layout}")
         self.cfg, self.groups, self.reward_fn = cfg, groups, reward_fn
         seed_everything(cfg.seed, tp_rank=groups.tp.rank())
         ref = hybrid if hybrid is not None else provider.torch_hybrid(cfg.hybrid, seed=cfg.seed)
-        self.engine = ARDiTRolloutEngine(ref, plan_writer=plan_writer, vllm_omni_dit=vllm_omni_dit)
+        self.engine = ARDiTRolloutEngine(ref, plan_writer=plan_writer, vllm_omni_dit=vllm_omni_dit,
+                                         dit_server=dit_server)
         self.model: ARDiTModel = provider.build_model(ref.config, groups)
         provider.load_hf_state(self.model, *ref.state())
         frozen = {"decoder": [self.model.decoder], "dit": [self.model.connector, self.model.dit]}.get(cfg.freeze, [])

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import os
 import tempfile
+from types import SimpleNamespace
 
 import torch
 
@@ -175,3 +176,108 @@ def test_vllm_omni_dit_in_the_hybrid_rollout() -> None:
     for when in ("before", "after"):
         assert r[f"trainer_tok_{when}"] < 1e-4 and r[f"trainer_win_{when}"] < 1e-5, r
     assert r["step_moved"] > 0 and r["qkv_equal"] and r["shapes"], r
+
+
+def _served_dit(rank: int, world_size: int, folder: str) -> dict:
+    from megatron_omni.rollout.ar_dit_engine import ARDiTRolloutEngine, denoise_window
+    from megatron_omni.rollout.vllm_omni_hybrid import (
+        HYBRID_KEY,
+        HYBRID_PIPELINE_CLASS,
+        VllmOmniHybridDiT,
+        hybrid_request,
+        parse_hybrid_request,
+    )
+    from model_providers.ar_dit import provider
+    from tests import vllm_omni_cpu
+
+    seed_everything(0)
+    hybrid = provider.torch_hybrid(HYBRID, seed=5)
+    ids = torch.randint(2, 128, (12,), generator=torch.Generator().manual_seed(0)).tolist()
+    seeds = [11, 12, 13, 14, 15, 16]
+    params = ARDiTSamplingParams(max_plan_tokens=6, temperature=0.8)
+    out: dict = {}
+    with vllm_omni_cpu.vllm_omni_model(folder, world_size, HYBRID_PIPELINE_CLASS) as pipe:
+        out["class"] = type(pipe).__name__
+        out["sharded"] = pipe.transformer.transformer_blocks[0].attn.to_qkv.weight.shape[0]
+        server = VllmOmniHybridDiT(folder, hybrid.config.dit, omni=vllm_omni_cpu.InProcessOmni(pipe))
+
+        # The denoising half alone, same conditioning and generator states: the folder holds other weights
+        # (seed 3), then the engine's construction syncs ours into the served pipeline.
+        embedded = ARDiTRolloutEngine(hybrid)
+        want = embedded.generate([ids[:5], ids[:7]], params, group_size=3, seeds=seeds)
+        cond, mask = want.image.prompt_embeds, want.text_mask
+        states = [torch.Generator().manual_seed(s).get_state() for s in seeds]
+        ref = denoise_window(hybrid.dit, cond, mask, [torch.Generator().manual_seed(s) for s in seeds], params,
+                             hybrid.config.dit["in_channels"], 16)
+        out["before_sync"] = float((server.denoise(cond, mask, states, params).images - ref.images).abs().max())
+        served = ARDiTRolloutEngine(provider.torch_hybrid(HYBRID, seed=5), dit_server=server)
+        alone = server.denoise(cond, mask, states, params)
+        out["denoise"] = {f: float((getattr(alone, f) - getattr(ref, f)).abs().max())
+                          for f in ("latents", "next_latents", "log_probs", "images")}
+        out["denoise_starts"] = bool(torch.equal(alone.window_start, ref.window_start))
+
+        # The whole hybrid rollout: plans from the torch decoder, the DiT served, per-sample generators carried.
+        got = served.generate([ids[:5], ids[:7]], params, group_size=3, seeds=seeds)
+        out["rollout_tokens"] = bool(torch.equal(got.tokens, want.tokens))
+        out["rollout"] = {f: float((getattr(got.image, f) - getattr(want.image, f)).abs().max())
+                          for f in ("latents", "next_latents", "log_probs", "images", "prompt_embeds")}
+        out["rollout_meta"] = (bool(torch.equal(got.image.seeds, want.image.seeds))
+                               and got.image.prompts == want.image.prompts
+                               and bool(torch.equal(got.image.window_start, want.image.window_start)))
+
+        # Bad requests and updates name the problem.
+        errors = {}
+        request = hybrid_request(cond[0, :3], states[0], 0)
+        del request["additional_information"][HYBRID_KEY]["generator_state"]
+        for key, call in (
+            ("request", lambda: parse_hybrid_request(request, SimpleNamespace(extra_args={HYBRID_KEY: {
+                "params": {}}}))),
+            ("unknown", lambda: server.load_weights([("proj_out.weightt", torch.zeros(1))])),
+            ("partial", lambda: server.load_weights(list(hybrid.dit.state_dict().items())[:3])),
+        ):
+            try:
+                call()
+                errors[key] = "no error"
+            except Exception as e:  # noqa: BLE001 - the message is what is checked
+                errors[key] = f"{type(e).__name__}: {e}"
+        out["errors"] = errors
+
+        # The hybrid trainer at tp=2 with its DiT served at tp=2: log-probs agree before and after a step.
+        groups = build_parallel_groups(ParallelLayout(tp=world_size))
+        out.update(_trainer_round_trip(groups, hybrid, ids, seeds, dit_server=server))
+        trainer = out.pop("trainer")
+        trained = provider.hf_state(trainer.model)[2]
+        pipe_qkv = pipe.transformer.transformer_blocks[0].attn.to_qkv.weight
+        q = "transformer_blocks.0.attn.to_q.weight"
+        full = torch.cat([trained[q], trained[q.replace("to_q", "to_k")], trained[q.replace("to_q", "to_v")]])
+        rows = full.shape[0] // 3 // world_size
+        mine = torch.cat([full[i * full.shape[0] // 3 + rank * rows:][:rows] for i in range(3)])
+        out["qkv_equal"] = bool(torch.equal(pipe_qkv, mine))
+    return out
+
+
+def test_vllm_omni_served_dit_in_the_hybrid_rollout(tmp_path) -> None:
+    """The DiT half served by vLLM-Omni 0.30.0 (`FlowGRPOHybridDiTPipeline`, loaded by vLLM-Omni's own loader
+    from the converter's AR-DiT folder, tp=2 on two gloo ranks; requests and weight RPCs in-process, as the
+    multi-process `Omni` engine needs a GPU platform): the same trajectory as the embedded engine for the same
+    generator states, the trainer's log-probs agree before and after a step that syncs into it, bad requests
+    and partial updates raise naming the problem."""
+    from model_providers.ar_dit import provider
+    from tools.checkpoint.convert_ar_dit import save_hf_folder
+
+    folder = tmp_path / "hybrid"
+    save_hf_folder(provider.torch_hybrid(HYBRID, seed=3), folder)
+    results = run_ranks(_served_dit, 2, str(folder), timeout_s=420)
+    print(results[0])
+    for r in results:
+        assert r["class"] == "FlowGRPOHybridDiTPipeline" and r["sharded"] == 3 * 64 // 2, r
+        assert r["before_sync"] > 1e-3, r  # the pipeline really started from the folder's other weights
+        assert max(r["denoise"].values()) < 1e-5 and r["denoise_starts"], r
+        assert r["rollout_tokens"] and r["rollout_meta"] and max(r["rollout"].values()) < 1e-5, r
+        e = r["errors"]
+        assert "generator_state" in e["request"], e
+        assert "KeyError" in e["unknown"] and "proj_out.weightt" in e["unknown"], e
+        assert "partial weight update" in e["partial"], e
+        for when in ("before", "after"):
+            assert r[f"trainer_tok_{when}"] < 1e-4 and r[f"trainer_win_{when}"] < 1e-5, r
+        assert r["step_moved"] > 0 and r["qkv_equal"], r

@@ -17,7 +17,6 @@ from __future__ import annotations
 import json
 from dataclasses import replace
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -66,19 +65,6 @@ def _request_batch(params: SamplingParams, seeds: list[int]):
     return DiffusionRequestBatch(requests=reqs)
 
 
-def _worker_with_extension(pipeline):
-    """A worker holding `pipeline`, extended with ours the way vLLM-Omni's `WorkerWrapperBase` does it
-    (`type(name, (extension, worker_class), {})`). vLLM-Omni's `DiffusionWorker` itself cannot be imported on
-    CPU (its module chain imports torchvision, which does not install beside the CPU torch)."""
-    from megatron_omni.rollout.vllm_omni_worker import FlowGRPOWorkerExtension
-
-    class Worker:
-        def __init__(self) -> None:
-            self.model_runner = SimpleNamespace(pipeline=pipeline)
-
-    return type("WorkerWithFlowGRPOWorkerExtension", (FlowGRPOWorkerExtension, Worker), {})()
-
-
 def _case(rank: int, world_size: int, folder: str) -> dict:
     from megatron_omni.bridge import WeightSync
     from megatron_omni.bridge.qwen_image import megatron_sources, qwen_image_plan
@@ -120,7 +106,7 @@ def _case(rank: int, world_size: int, folder: str) -> dict:
             weights = _perturbed(base, seed=100 + step)
             if how == "buckets":  # what collective_rpc calls on the worker vLLM-Omni composes with our extension
                 names = sorted(weights)
-                worker = _worker_with_extension(pipe)
+                worker = vllm_omni_cpu.worker_with_extension(pipe)
                 worker.begin_weight_update()
                 worker.load_weight_bucket([(f"transformer.{n}", weights[n]) for n in names[: len(names) // 2]])
                 worker.load_weight_bucket([(n, weights[n]) for n in names[len(names) // 2:]])

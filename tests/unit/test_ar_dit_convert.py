@@ -3,6 +3,7 @@ bad input fails with a message and nothing written."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -41,3 +42,7 @@ def test_round_trip_is_bit_exact(tmp_path: Path) -> None:
         assert a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]), k
     assert not (tmp_path / "x").exists(), "a failed conversion left output behind"
     assert (mcore / "metadata.json").is_file()
+    for folder in (hf, back):  # servable by vLLM-Omni (the hybrid DiT pipeline class) as written
+        index = json.loads((folder / "model_index.json").read_text())
+        assert index["_class_name"] == "FlowGRPOHybridDiTPipeline", index
+        assert index["transformer"] == ["diffusers", "QwenImageTransformer2DModel"], index

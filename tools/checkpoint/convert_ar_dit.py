@@ -6,7 +6,9 @@
 
 The Hugging Face folder holds the three parts in their own formats: `decoder/` (transformers Qwen2
 `save_pretrained`), `connector/` (`model.safetensors`: norm.weight, proj.weight, proj.bias), `transformer/`
-(diffusers `QwenImageTransformer2DModel`), and `ar_dit.json` (eos/pad ids). The Megatron checkpoint has the
+(diffusers `QwenImageTransformer2DModel`), `ar_dit.json` (eos/pad ids) and `model_index.json` (the folder is
+what the GPU rollout serves: vLLM its `decoder/`, vLLM-Omni the folder with `rollout.vllm_omni_hybrid`'s
+pipeline class). The Megatron checkpoint has the
 layout of the AR-DiT trainer's checkpoints (`checkpoint.sharded_state.ar_dit_sharded_state_dict`): every tensor
 under `decoder.` / `connector.` / `dit.` + its global Megatron name, as ShardedTensors at their tensor-parallel
 offsets, SwiGLU's fused `linear_fc1` through Megatron-Core's gate/up factory, so a checkpoint written here
@@ -55,8 +57,11 @@ def load_hybrid(model, checkpoint_dir: str | Path) -> None:
 
 # ------------------------------------------------------------------------------------------ HF folders
 def save_hf_folder(hybrid, out_dir: str | Path) -> None:
-    """Write a `TorchHybrid` as an AR-DiT Hugging Face folder (decoder/, connector/, transformer/, ar_dit.json)."""
+    """Write a `TorchHybrid` as an AR-DiT Hugging Face folder (decoder/, connector/, transformer/, ar_dit.json,
+    and model_index.json, which lets vLLM-Omni serve the DiT half from this folder)."""
     from safetensors.torch import save_file
+
+    from megatron_omni.rollout.vllm_omni_hybrid import write_model_index
 
     out = Path(out_dir)
     hybrid.decoder.save_pretrained(out / "decoder")
@@ -67,6 +72,7 @@ def save_hf_folder(hybrid, out_dir: str | Path) -> None:
     cfg = hybrid.config
     (out / "ar_dit.json").write_text(json.dumps({"eos_token_id": cfg.eos_token_id, "pad_token_id": cfg.pad_token_id},
                                                 indent=2))
+    write_model_index(out)
 
 
 def load_hf_folder(folder: str | Path):
