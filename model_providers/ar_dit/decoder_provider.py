@@ -58,6 +58,7 @@ def transformer_config(
     *,
     tp: int = 1,
     pp: int = 1,
+    cp: int = 1,
     params_dtype: torch.dtype = torch.float32,
     **overrides: Any,
 ) -> TransformerConfig:
@@ -65,6 +66,8 @@ def transformer_config(
     c = qwen2_config(name_or_config)
     if c["num_key_value_heads"] % tp:
         raise ValueError(f"{c['num_key_value_heads']} query groups are not divisible by tp={tp}")
+    if c["num_attention_heads"] % (tp * cp):
+        raise ValueError(f"{c['num_attention_heads']} attention heads are not divisible by tp * cp = {tp * cp}")
     if c["vocab_size"] % tp:
         raise ValueError(f"vocabulary {c['vocab_size']} is not divisible by tp={tp}")
     kwargs: dict[str, Any] = dict(
@@ -85,6 +88,7 @@ def transformer_config(
         attention_dropout=0.0,
         tensor_model_parallel_size=tp,
         pipeline_model_parallel_size=pp,
+        context_parallel_size=cp,
         params_dtype=params_dtype,
         pipeline_dtype=params_dtype,
         bf16=params_dtype == torch.bfloat16,
@@ -99,7 +103,8 @@ def build_decoder(name_or_config: str | dict[str, Any] | Any, config: Transforme
     """This rank's stage of the decoder (`groups`: `megatron_omni.parallel.ParallelGroups`)."""
     c = qwen2_config(name_or_config)
     groups.layout.validate_model(num_heads=config.num_attention_heads, num_layers=config.num_layers)
-    return ARDecoder(config, decoder_layer_spec(backend), c["vocab_size"], c["max_position_embeddings"],
+    spec = decoder_layer_spec(backend, context_parallel=groups.layout.cp > 1)
+    return ARDecoder(config, spec, c["vocab_size"], c["max_position_embeddings"],
                      c["rope_theta"], groups, share_embeddings_and_output_weights=c["tie_word_embeddings"])
 
 

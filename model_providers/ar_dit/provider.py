@@ -63,12 +63,13 @@ def hybrid_config(name_or_config: str | dict[str, Any] | HybridConfig) -> Hybrid
 
 def build_model(name_or_config: str | dict[str, Any] | HybridConfig, groups, backend: str = "local",
                 params_dtype: torch.dtype = torch.float32, **overrides: Any) -> ARDiTModel:
-    """This rank's hybrid (pp = 1; tp over `groups.tp` for both halves)."""
+    """This rank's hybrid (pp = 1; tp over `groups.tp` and context parallelism over `groups.cp` for both halves)."""
     h = hybrid_config(name_or_config)
     lay = groups.layout
     if lay.pp != 1:
         raise ValueError(f"the AR-DiT hybrid is built on one pipeline stage; got pp={lay.pp}")
-    dcfg = decoder_provider.transformer_config(h.decoder, tp=lay.tp, params_dtype=params_dtype, **overrides)
+    dcfg = decoder_provider.transformer_config(h.decoder, tp=lay.tp, cp=lay.cp, params_dtype=params_dtype,
+                                               **overrides)
     decoder = decoder_provider.build_decoder(h.decoder, dcfg, groups, backend=backend)
     connector = Connector(h.decoder_hidden, h.joint_attention_dim, eps=h.decoder["rms_norm_eps"]).to(params_dtype)
     tcfg = dit_provider.transformer_config(h.dit, tp=lay.tp, ulysses=lay.ulysses, ring=lay.ring,

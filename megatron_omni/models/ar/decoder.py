@@ -18,11 +18,17 @@ from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+from megatron_omni.models.ar.context_parallel import UlyssesCausalAttention, zigzag_rotary
 
-def decoder_layer_spec(backend: str = "local") -> ModuleSpec:
-    """The decoder layer spec: `local` (Megatron-Core linears, torch RMSNorm; CPU and tests) or `te`."""
+
+def decoder_layer_spec(backend: str = "local", context_parallel: bool = False) -> ModuleSpec:
+    """The decoder layer spec: `local` (Megatron-Core linears, torch RMSNorm; CPU and tests) or `te`.
+    `context_parallel` on the local spec swaps the core attention for `UlyssesCausalAttention` (TE's has its own)."""
     if backend == "local":
-        return get_gpt_layer_local_spec(normalization="RMSNorm")
+        spec = get_gpt_layer_local_spec(normalization="RMSNorm")
+        if context_parallel:
+            spec.submodules.self_attention.submodules.core_attention = UlyssesCausalAttention
+        return spec
     if backend == "te":
         try:
             import transformer_engine  # noqa: F401
@@ -61,6 +67,10 @@ class ARDecoder(GPTModel):
             pg_collection=pg,
         )
         self.layer_offset = pp_rank * (config.num_layers // pp_size)
+        self.cp_group = pg.cp if pg.cp.size() > 1 else None
+        if self.cp_group is not None:
+            # Megatron's per-rank RoPE slicing indexes on CUDA; the full table is sliced by `zigzag_rotary`.
+            self.rotary_pos_emb.cp_group = None
 
     def forward_hidden(
         self, input_ids: torch.Tensor | None, with_logits: bool = True
@@ -68,7 +78,9 @@ class ARDecoder(GPTModel):
         """Run this stage.
 
         Args:
-            input_ids: [b, s] token ids (first stage; later stages take `set_input_tensor`).
+            input_ids: [b, s] token ids (first stage; later stages take `set_input_tensor`); under context
+                parallelism this cp rank's shard [b, s / cp] (`context_parallel.split_sequence`), and the
+                outputs are its shard too.
             with_logits: also apply the output layer (last stage).
 
         Returns:
@@ -78,6 +90,8 @@ class ARDecoder(GPTModel):
         if input_ids is not None:
             position_ids = torch.arange(input_ids.shape[1], device=input_ids.device).unsqueeze(0).expand_as(input_ids)
         decoder_input, rotary_pos_emb = self._preprocess(input_ids, position_ids)[:2]
+        if self.cp_group is not None:
+            rotary_pos_emb = zigzag_rotary(rotary_pos_emb, self.cp_group)
         hidden = self.decoder(hidden_states=decoder_input, attention_mask=None, rotary_pos_emb=rotary_pos_emb)
         if not (self.post_process and with_logits):
             return hidden, None

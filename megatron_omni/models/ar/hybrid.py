@@ -4,8 +4,9 @@ The decoder reads prompt + plan tokens `[b, L]` (right-padded, `text_mask` [b, L
 returns vocab-parallel logits (token log-probs for the RL loss) and its final hidden states; the connector
 maps those to the DiT's `joint_attention_dim`; the DiT takes them as its prompt embeddings (with the same
 mask) and predicts the velocity of the image latents. Both halves keep their own tensor parallelism over the
-same tp group. The hybrid runs with the whole model on one pipeline stage (pp = 1): the decoder and the DiT
-each support pp on their own, a pipeline across both halves is not built.
+same tp group, and their own context parallelism over the same cp group (the decoder's Ulysses over token
+shards, the DiT's over image shards). The hybrid runs with the whole model on one pipeline stage (pp = 1):
+the decoder and the DiT each support pp on their own, a pipeline across both halves is not built.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import torch
 from megatron.core.transformer.module import MegatronModule
 
 from megatron_omni.models.ar.connector import Connector
+from megatron_omni.models.ar.context_parallel import gather_sequence, split_sequence
 from megatron_omni.models.ar.decoder import ARDecoder
 from megatron_omni.models.dit.diffusers_interface import DiffusersForward
 from megatron_omni.models.dit.model import DiTBatch, MMDiTModel
@@ -43,9 +45,15 @@ class ARDiTModel(MegatronModule):
         return self._velocity_model
 
     def encode(self, input_ids: torch.Tensor, with_logits: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Decoder pass. input_ids [b, L] -> (conditioning [b, L, joint_attention_dim], logits [L, b, V/tp] or None)."""
-        hidden, logits = self.decoder.forward_hidden(input_ids, with_logits=with_logits)
-        return self.connector(hidden.transpose(0, 1)), logits
+        """Decoder pass. input_ids [b, L] -> (conditioning [b, L, joint_attention_dim], logits [L, b, V/tp] or None).
+
+        Under context parallelism (L divisible by 2 * cp) the decoder runs on this rank's shard of the tokens,
+        its hidden states are gathered back to the whole sequence for the DiT (which keeps the text stream on
+        every cp rank), and the logits are this rank's shard [L / cp, b, V/tp] (`context_parallel.split_sequence`
+        of the labels matches them)."""
+        cp = self.decoder.cp_group
+        hidden, logits = self.decoder.forward_hidden(split_sequence(input_ids, 1, cp), with_logits=with_logits)
+        return self.connector(gather_sequence(hidden, 0, cp).transpose(0, 1)), logits
 
     def velocity(self, latents: torch.Tensor, cond: torch.Tensor, text_mask: torch.Tensor | None,
                  sigma: torch.Tensor, grid: tuple[int, int, int]) -> torch.Tensor:
