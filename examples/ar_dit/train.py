@@ -14,13 +14,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--out", required=True, help="run folder (metrics.jsonl is appended)")
     parser.add_argument("--tp", type=int, default=1)
+    parser.add_argument("--cp", type=int, default=1, help="context parallel (Ulysses) size of both halves")
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--save-every", type=int, default=0, help="checkpoint every N steps (0: never)")
     parser.add_argument("--resume", action="store_true", help="continue from the newest complete checkpoint")
     args = parser.parse_args()
     platform.init_distributed()
-    groups = build_parallel_groups(ParallelLayout(tp=args.tp))
+    groups = build_parallel_groups(ParallelLayout(tp=args.tp, ulysses=args.cp))
     for m in run(tiny_config(args.seed), groups, args.steps, out_dir=args.out, save_every=args.save_every,
                  resume=args.resume):
         if groups.rank == 0:

@@ -32,6 +32,7 @@ from megatron_omni.algorithms.advantages import group_advantages
 from megatron_omni.algorithms.loss import flowgrpo_loss
 from megatron_omni.algorithms.token_loss import grpo_token_loss, joint_loss
 from megatron_omni.checkpoint.sharded_state import ar_dit_content_metadata, ar_dit_sharded_state_dict
+from megatron_omni.models.ar.context_parallel import gather_sequence, split_sequence
 from megatron_omni.models.ar.decoder import token_log_probs
 from megatron_omni.models.ar.hybrid import ARDiTModel
 from megatron_omni.parallel.groups import ParallelGroups
@@ -93,7 +94,9 @@ class ARDiTTrainConfig:
 
 
 class ARDiTTrainer:
-    """Model, optimizer, rollout engine and reward of one rank (pp = 1, cp = 1; tp and dp as laid out)."""
+    """Model, optimizer, rollout engine and reward of one rank (pp = 1; tp, cp and dp as laid out: under
+    context parallelism the decoder runs on its token shard and the DiT on its image shard, each cp rank
+    computing the whole loss from the gathered log-probs)."""
 
     def __init__(self, cfg: ARDiTTrainConfig, groups: ParallelGroups, reward_fn: RewardFn,
                  hybrid: provider.TorchHybrid | None = None, plan_writer: VLLMPlanWriter | None = None,
@@ -101,8 +104,8 @@ class ARDiTTrainer:
         """`hybrid`: the rollout's torch hybrid (default: the config's preset, seeded); `plan_writer` (a
         `VLLMPlanWriter`) and `vllm_omni_dit` (vLLM-Omni's transformer) or `dit_server` (a served vLLM-Omni
         engine): the rollout's halves in vLLM engines (see `ARDiTRolloutEngine`; default: torch)."""
-        if groups.layout.pp != 1 or groups.layout.cp != 1:
-            raise ValueError(f"the AR-DiT trainer runs pp=1, cp=1; got {groups.layout}")
+        if groups.layout.pp != 1:
+            raise ValueError(f"the AR-DiT trainer runs pp=1; got {groups.layout}")
         self.cfg, self.groups, self.reward_fn = cfg, groups, reward_fn
         seed_everything(cfg.seed, tp_rank=groups.tp.rank())
         ref = hybrid if hybrid is not None else provider.torch_hybrid(cfg.hybrid, seed=cfg.seed)
@@ -165,11 +168,27 @@ class ARDiTTrainer:
         return common
 
     # ------------------------------------------------------------------------------------- log-probs
-    def token_log_probs(self, traj: ARDiTTrajectory, logits: torch.Tensor) -> torch.Tensor:
-        """Plan-token log-probs [B, P] (0 outside the plan) from the hybrid's logits [L, B, V/tp] of
-        `traj.tokens`, at the rollout's temperature; differentiable."""
-        lp = token_log_probs(logits[:-1] / traj.temperature, traj.tokens[:, 1:].t(), self.groups.tp).t()  # [B, L-1]
-        idx = plan_positions(traj.prompt_lens, traj.plan_mask.shape[1]).clamp(max=lp.shape[1] - 1)
+    def encode(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The hybrid's decoder pass on tokens [B, L], right-padded with the pad id to a multiple of 2 * cp
+        (Megatron's causal token split; padding never reaches a real position). Returns (conditioning
+        [B, L, j], logits [L' / cp, B, V/tp] of this cp rank's shard, the padded tokens [B, L'])."""
+        unit = 2 * self.groups.cp.size() if self.groups.cp.size() > 1 else 1
+        length = tokens.shape[1]
+        pad = -length % unit
+        if pad:
+            tokens = torch.cat([tokens, tokens.new_full((tokens.shape[0], pad), self.engine.pad)], 1)
+        cond, logits = self.model.encode(tokens)
+        return cond[:, :length], logits, tokens
+
+    def token_log_probs(self, traj: ARDiTTrajectory, logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        """Plan-token log-probs [B, P] (0 outside the plan) from `encode`'s logits of its padded `tokens`
+        [B, L'], at the rollout's temperature; differentiable. Under cp each rank scores its shard of the
+        shifted labels and the shards are gathered (the same loss on every cp rank)."""
+        cp = self.model.decoder.cp_group
+        labels = torch.cat([tokens[:, 1:], tokens[:, -1:]], 1)  # position t predicts t + 1; the last is unused
+        lp = token_log_probs(logits / traj.temperature, split_sequence(labels, 1, cp).t(), self.groups.tp)
+        lp = gather_sequence(lp, 0, cp).t()  # [B, L']
+        idx = plan_positions(traj.prompt_lens, traj.plan_mask.shape[1]).clamp(max=traj.tokens.shape[1] - 2)
         return lp.gather(1, idx) * traj.plan_mask
 
     def window_log_probs(self, traj: ARDiTTrajectory, cond: torch.Tensor) -> torch.Tensor:
@@ -182,8 +201,8 @@ class ARDiTTrainer:
     @torch.no_grad()
     def recompute(self, traj: ARDiTTrajectory) -> tuple[torch.Tensor, torch.Tensor]:
         """(token log-probs [N, P], window log-probs [N, W]) of a trajectory under the current hybrid."""
-        cond, logits = self.model.encode(traj.tokens)
-        return self.token_log_probs(traj, logits), self.window_log_probs(traj, cond)
+        cond, logits, tokens = self.encode(traj.tokens)
+        return self.token_log_probs(traj, logits, tokens), self.window_log_probs(traj, cond)
 
     # ------------------------------------------------------------------------------------------ a step
     def step_prompts(self, step: int) -> tuple[list[list[int]], list[int], list[int]]:
@@ -247,8 +266,8 @@ class ARDiTTrainer:
             self.ddp.zero_grad_buffer()
             self.optimizer.zero_grad()
             t0 = time.perf_counter()
-            cond, logits = self.model.encode(sub.tokens)
-            tok = grpo_token_loss(self.token_log_probs(sub, logits), old_tok[rows], adv[rows], sub.plan_mask,
+            cond, logits, tokens = self.encode(sub.tokens)
+            tok = grpo_token_loss(self.token_log_probs(sub, logits, tokens), old_tok[rows], adv[rows], sub.plan_mask,
                                   c.token_clip, c.aggregation) if c.token_weight > 0 else None
             phases["decoder"] += time.perf_counter() - t0
             t0 = time.perf_counter()
@@ -256,13 +275,16 @@ class ARDiTTrainer:
             win = flowgrpo_loss(self.window_log_probs(sub, leaf), old_win[rows], adv[rows],
                                 c.window_clip) if c.window_weight > 0 else None
             _, metrics = joint_loss(tok, win, c.token_weight, c.window_weight)
+            # Every cp rank computes the whole loss; Megatron's convention (its schedules do the same) scales it
+            # by cp, since the gathers' backward keeps each rank's own slice and DDP averages over dp x cp.
+            cp_scale = float(self.groups.cp.size())
             if win is not None and win.loss.requires_grad:
-                (c.window_weight * win.loss).backward()
+                (cp_scale * c.window_weight * win.loss).backward()
             phases["dit"] += time.perf_counter() - t0
             t0 = time.perf_counter()
             outs, grads = [], []
             if tok is not None and tok.loss.requires_grad:
-                outs.append(c.token_weight * tok.loss)
+                outs.append(cp_scale * c.token_weight * tok.loss)
                 grads.append(None)
             if leaf.grad is not None:
                 outs.append(cond)

@@ -1,6 +1,7 @@
 """Log-probs recomputed by the trainer's Megatron hybrid equal those the embedded torch rollout recorded
 (tiny, fp32): plan tokens (sampled at temperature 0.8 with per-sample seeds; EOS can end a plan early) to
-< 1e-5, and the SDE window steps conditioned on the decoder's hidden states to < 1e-5, at TP=1 and TP=2.
+< 1e-5, and the SDE window steps conditioned on the decoder's hidden states to < 1e-5, at TP=1, TP=2 and CP=2
+(where the first step's loss and gradient norm also equal one rank's).
 After one RL step the weights synced back into the rollout hybrid equal the trained Megatron weights."""
 
 from __future__ import annotations
@@ -33,12 +34,12 @@ def _consistency(rank: int, world_size: int, layout: ParallelLayout) -> dict:
     m = traj.plan_mask
     tok_err = float(((tok - traj.token_log_probs).abs() * m).max())
     win_err = float((win - traj.image.log_probs).abs().max())
-    trainer.train_step(0)
+    metrics = trainer.train_step(0)[0]
     synced = trainer.engine.hybrid.state()
     now = provider.hf_state(trainer.model)
     sync_ok = all(torch.equal(a[k], b[k]) for a, b in zip(synced, now) for k in a)
     return {"tok": tok_err, "win": win_err, "plan_lens": traj.plan_lens.tolist(), "sync": sync_ok,
-            "tok_scale": float(traj.token_log_probs[m].abs().mean())}
+            "tok_scale": float(traj.token_log_probs[m].abs().mean()), "metrics": metrics}
 
 
 @pytest.mark.parametrize("tp", [1, 2], ids=["tp1", "tp2"])
@@ -48,3 +49,16 @@ def test_trainer_recomputes_rollout_log_probs(tp: int) -> None:
         assert r["tok_scale"] > 0.5, "token log-probs are suspiciously close to 0"
         assert min(r["plan_lens"]) < 6 < max(r["plan_lens"]) + 1, f"no plan ended early: {r['plan_lens']}"
         assert r["sync"], "rollout weights differ from the trained Megatron weights after the sync"
+
+
+def test_trainer_at_cp2_steps_like_one_rank() -> None:
+    """Both halves context-parallel (the decoder's Ulysses over token shards, the DiT's over image shards): the
+    recomputed log-probs equal the rollout's, and the first step's loss and gradient norm equal one rank's."""
+    one = run_ranks(_consistency, 1, ParallelLayout(), timeout_s=300)[0]
+    print({k: v for k, v in one["metrics"].items() if not k.startswith("time")})
+    for r in run_ranks(_consistency, 2, ParallelLayout(ulysses=2), timeout_s=300):
+        assert r["tok"] < 1e-5 and r["win"] < 1e-5 and r["sync"], r
+        for key in ("grad_norm", "loss", "reward_mean"):
+            want = one["metrics"][key]
+            assert abs(r["metrics"][key] - want) <= 1e-5 * max(1.0, abs(want)), (key, r["metrics"][key], want)
+        assert one["metrics"]["grad_norm"] > 0

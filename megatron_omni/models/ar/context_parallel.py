@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 from torch import Tensor
@@ -47,13 +48,27 @@ def split_sequence(x: Tensor, dim: int, cp_group) -> Tensor:
     return x.index_select(dim, idx)
 
 
-def gather_sequence(x: Tensor, dim: int, cp_group) -> Tensor:
-    """Inverse of `split_sequence`: all ranks' shards along `dim` in sequence order (differentiable; the
-    backward sums each shard's gradient over the ranks that used the gathered copy)."""
+def gather_sequence(x: Tensor, dim: int, cp_group, grad: str = "slice") -> Tensor:
+    """Inverse of `split_sequence`: all ranks' shards along `dim` in sequence order, differentiable.
+
+    Every cp rank holds a copy of the result; its backward depends on what each rank's gradient of that copy is
+    (Megatron's convention: the loss, the same on every cp rank, is scaled by cp and DDP averages over dp x cp):
+    - `grad="slice"`: the whole gradient, the same on every rank (the loss is computed from the copy on every
+      rank, e.g. token log-probs): keep this rank's slice.
+    - `grad="sum"`: a per-rank share of it (the copy feeds context-parallel work whose backward splits the
+      gradient across ranks, e.g. the DiT's text stream): reduce-scatter (sum) the shares.
+    """
+    if grad not in ("slice", "sum"):
+        raise ValueError(f"grad must be 'slice' or 'sum', got {grad!r}")
     cp = group_size(cp_group)
     if cp == 1:
         return x
-    gathered = gather_along_dim(x, dim, cp_group)
+    if grad == "sum":
+        gathered = gather_along_dim(x, dim, cp_group)
+    else:
+        gathered = gather_from_sequence_parallel_region(x.movedim(dim, 0).contiguous(),
+                                                        tensor_parallel_output_grad=False,
+                                                        group=cp_group).movedim(0, dim)
     order = torch.argsort(_gathered_positions(gathered.shape[dim], cp)).to(x.device)
     return gathered.index_select(dim, order)
 

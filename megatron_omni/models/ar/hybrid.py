@@ -53,7 +53,8 @@ class ARDiTModel(MegatronModule):
         of the labels matches them)."""
         cp = self.decoder.cp_group
         hidden, logits = self.decoder.forward_hidden(split_sequence(input_ids, 1, cp), with_logits=with_logits)
-        return self.connector(gather_sequence(hidden, 0, cp).transpose(0, 1)), logits
+        # The DiT's context-parallel backward leaves each cp rank a share of the text stream's gradient.
+        return self.connector(gather_sequence(hidden, 0, cp, grad="sum").transpose(0, 1)), logits
 
     def velocity(self, latents: torch.Tensor, cond: torch.Tensor, text_mask: torch.Tensor | None,
                  sigma: torch.Tensor, grid: tuple[int, int, int]) -> torch.Tensor:
