@@ -35,7 +35,12 @@ from megatron_omni.rollout.ar_dit_engine import ARDiTSamplingParams, denoise_win
 from megatron_omni.rollout.base import Trajectory
 from megatron_omni.rollout.velocity import pad_text
 from megatron_omni.rollout.vllm_omni_engine import DEFAULT_BUCKET_BYTES, omni_kwargs, send_weight_update
-from megatron_omni.rollout.vllm_omni_pipeline import VllmOmniVelocity, check_full_weights, diffusers_shapes
+from megatron_omni.rollout.vllm_omni_pipeline import (
+    VllmOmniVelocity,
+    check_full_weights,
+    diffusers_shapes,
+    lazy_classes,
+)
 
 HYBRID_PIPELINE_CLASS = "megatron_omni.rollout.vllm_omni_hybrid.FlowGRPOHybridDiTPipeline"
 HYBRID_KEY = "flowgrpo_hybrid"
@@ -270,12 +275,4 @@ def _build_pipeline_class() -> type:
     return FlowGRPOHybridDiTPipeline
 
 
-_CLASSES: dict[str, type] = {}
-
-
-def __getattr__(name: str) -> type:
-    if name == "FlowGRPOHybridDiTPipeline":
-        if name not in _CLASSES:
-            _CLASSES[name] = _build_pipeline_class()
-        return _CLASSES[name]
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__ = lazy_classes(__name__, {"FlowGRPOHybridDiTPipeline": _build_pipeline_class})

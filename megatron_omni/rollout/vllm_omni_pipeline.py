@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections import OrderedDict
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from types import SimpleNamespace
 from typing import Any
 
@@ -288,12 +288,19 @@ def _build_pipeline_class() -> type:
     return FlowGRPOQwenImagePipeline
 
 
-_CLASSES: dict[str, type] = {}
+def lazy_classes(module: str, builders: Mapping[str, Callable[[], type]]) -> Callable[[str], type]:
+    """A module `__getattr__` that builds each named class on first access (and keeps it), so the module
+    imports without the packages the classes subclass."""
+    built: dict[str, type] = {}
+
+    def __getattr__(name: str) -> type:
+        if name not in builders:
+            raise AttributeError(f"module {module!r} has no attribute {name!r}")
+        if name not in built:
+            built[name] = builders[name]()
+        return built[name]
+
+    return __getattr__
 
 
-def __getattr__(name: str) -> type:
-    if name == "FlowGRPOQwenImagePipeline":
-        if name not in _CLASSES:
-            _CLASSES[name] = _build_pipeline_class()
-        return _CLASSES[name]
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__ = lazy_classes(__name__, {"FlowGRPOQwenImagePipeline": _build_pipeline_class})

@@ -9,16 +9,15 @@ install beside the CPU torch, and vLLM-Omni has no CPU diffusion platform.
 
 from __future__ import annotations
 
-import importlib.util
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import torch
 
-from megatron_omni.parallel import platform
 from megatron_omni.rollout.base import SamplingParams
 from model_providers.qwen_image.tiny_pipeline import make_tiny_pipeline
+from tests.gpu.vllm_omni_gpu import require_vllm_omni_gpu
 
 pytestmark = pytest.mark.gpu
 
@@ -29,27 +28,12 @@ CFG = replace(NON_CFG, guidance_scale=4.0, negative_prompt=" ")
 TOL = 2e-4
 
 
-def _skip_reason() -> str | None:
-    if not platform.has_gpu():
-        return ("no CUDA device: the vLLM-Omni engine needs a GPU "
-                "(CPU parts: tests/distributed/test_rollout_vllm_omni.py)")
-    missing = [m for m in ("vllm", "vllm_omni") if importlib.util.find_spec(m) is None]
-    if missing:
-        return f"{missing} not installed on this GPU machine"
-    return None
-
-
 @pytest.fixture(scope="module")
 def engines(tmp_path_factory):
-    reason = _skip_reason()
-    if reason:
-        print(f"SKIP: {reason}")
-        pytest.skip(reason)
+    require_vllm_omni_gpu("tests/distributed/test_rollout_vllm_omni.py")
     from megatron_omni.rollout.diffusers_engine import DiffusersRolloutEngine
     from megatron_omni.rollout.vllm_omni_engine import VllmOmniRolloutEngine
 
-    torch.backends.cuda.matmul.allow_tf32 = False
-    torch.backends.cudnn.allow_tf32 = False
     folder: Path = make_tiny_pipeline(tmp_path_factory.mktemp("tiny") / "pipe", seed=0)
     vllm_engine = VllmOmniRolloutEngine(folder, tensor_parallel_size=1, dtype="float32", enable_sleep_mode=True)
     ref = DiffusersRolloutEngine(folder, max_batch_size=4)

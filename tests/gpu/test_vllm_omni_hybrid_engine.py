@@ -8,13 +8,11 @@ request path and weight receiver are tested in-process (tests/distributed/test_a
 
 from __future__ import annotations
 
-import importlib.util
-
 import pytest
 import torch
 
-from megatron_omni.parallel import platform
 from megatron_omni.rollout.ar_dit_engine import ARDiTRolloutEngine, ARDiTSamplingParams
+from tests.gpu.vllm_omni_gpu import require_vllm_omni_gpu
 
 pytestmark = pytest.mark.gpu
 
@@ -23,27 +21,13 @@ SEEDS = [11, 12, 13, 14]
 TOL = 2e-4  # fp32 in both, but vLLM-Omni's kernels are not diffusers' (TF32 off)
 
 
-def _skip_reason() -> str | None:
-    if not platform.has_gpu():
-        return ("no CUDA device: the vLLM-Omni engine needs a GPU "
-                "(CPU parts: tests/distributed/test_ar_dit_vllm_plans.py)")
-    missing = [m for m in ("vllm", "vllm_omni") if importlib.util.find_spec(m) is None]
-    if missing:
-        return f"{missing} not installed on this GPU machine"
-    return None
-
-
 @pytest.fixture(scope="module")
 def engines(tmp_path_factory):
-    reason = _skip_reason()
-    if reason:
-        print(f"SKIP: {reason}")
-        pytest.skip(reason)
+    require_vllm_omni_gpu("tests/distributed/test_ar_dit_vllm_plans.py")
     from megatron_omni.rollout.vllm_omni_hybrid import VllmOmniHybridDiT
     from model_providers.ar_dit import provider
     from tools.checkpoint.convert_ar_dit import save_hf_folder
 
-    torch.backends.cuda.matmul.allow_tf32 = False
     folder = tmp_path_factory.mktemp("hybrid") / "hf"
     save_hf_folder(provider.torch_hybrid("tiny", seed=3), folder)
     hybrid = provider.torch_hybrid("tiny", seed=5)
