@@ -140,7 +140,11 @@ def save_checkpoint(run_dir: Path, step: int, model: torch.nn.Module, optimizer:
     state["rng"] = _rng_object(rng_state(), world, rank)
     state["scheduler"] = scheduler.state_dict()
     state["world_size"] = world
-    state["common"] = common
+    # Every rank passes rank 0's copy (the one written): per-rank timings in the metric history would
+    # otherwise make Megatron's validation warn that the ranks' common state differs.
+    shared = [common]
+    dist.broadcast_object_list(shared, src=0)
+    state["common"] = shared[0]
     dist_checkpointing.save(state, str(tmp), content_metadata=content_metadata)
     dist.barrier()
     if rank == 0:
