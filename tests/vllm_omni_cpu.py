@@ -15,6 +15,7 @@ this one file:
 from __future__ import annotations
 
 import contextlib
+import copy
 import os
 from collections.abc import Iterator
 from typing import Any
@@ -151,15 +152,25 @@ class InProcessOmni:
     """The two `Omni` calls our clients make, served by a pipeline in this process (the multi-process engine
     needs a GPU platform): `generate` wraps each prompt in vLLM-Omni's `OmniDiffusionRequest`, one
     `DiffusionRequestBatch` per call, into the pipeline's `forward`; `engine.collective_rpc(method, args=...)`
-    calls the method on a worker composed with our extension (`worker_with_extension`)."""
+    calls the method on a worker composed with our extension (`worker_with_extension`). Prompts, the sampling
+    params' `extra_args` and the outputs' trajectory records cross vLLM-Omni's own msgpack wire format
+    (`OmniMsgpackEncoder` / `OmniMsgpackDecoder`, what its stage processes use), so what does not survive
+    serialisation fails here too."""
 
     def __init__(self, pipeline: Any) -> None:
         from types import SimpleNamespace
+
+        from vllm_omni.distributed.omni_connectors.utils.serialization import OmniMsgpackDecoder, OmniMsgpackEncoder
 
         self.pipeline = pipeline
         self.worker = worker_with_extension(pipeline)
         self.engine = SimpleNamespace(collective_rpc=self._collective_rpc)
         self.requests = 0
+        self._encoder, self._decoder = OmniMsgpackEncoder(), OmniMsgpackDecoder()
+
+    def wire(self, obj: Any) -> Any:
+        """`obj` after a trip through vLLM-Omni's msgpack serialisation."""
+        return self._decoder.decode(self._encoder.encode(obj))
 
     def _collective_rpc(self, method: str, args: tuple = ()) -> list[Any]:
         return [getattr(self.worker, method)(*args)]
@@ -169,7 +180,11 @@ class InProcessOmni:
         from vllm_omni.diffusion.request import OmniDiffusionRequest
         from vllm_omni.diffusion.worker.request_batch import DiffusionRequestBatch
 
-        reqs = [OmniDiffusionRequest(prompt=p, sampling_params=sampling, request_id=f"r{self.requests + i}")
+        sampling = copy.copy(sampling)
+        sampling.extra_args = self.wire(sampling.extra_args)
+        reqs = [OmniDiffusionRequest(prompt=self.wire(p), sampling_params=sampling, request_id=f"r{self.requests + i}")
                 for i, p in enumerate(prompts)]
         self.requests += len(reqs)
-        yield from self.pipeline.forward(DiffusionRequestBatch(requests=reqs))
+        for out in self.pipeline.forward(DiffusionRequestBatch(requests=reqs)):
+            out.trajectory_latents = self.wire(out.trajectory_latents)
+            yield out
