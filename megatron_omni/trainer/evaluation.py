@@ -71,28 +71,39 @@ def evaluate(engine, reward_fn: RewardFunction, prompts: list[str], seeds: list[
     return EvalResult(prompts=list(prompts), seeds=list(seeds), images=traj.images.detach().cpu(), rewards=rewards)
 
 
-def save_before_after_grid(before: EvalResult, after: EvalResult, path: Path, columns: int = 4) -> None:
-    """A PNG with each (prompt, seed) before and after side by side, captioned with both rewards."""
+def save_before_after_grid(before: EvalResult, after: EvalResult, path: Path, columns: int = 4,
+                           per_prompt: int = 2) -> None:
+    """A PNG with (prompt, seed) samples before and after side by side, captioned with both rewards: the first
+    `per_prompt` seeds of each prompt (the title's means cover all of them), `columns` pairs per row."""
     if before.prompts != after.prompts or before.seeds != after.seeds:
         raise ValueError("before/after evaluations used different prompts or seeds")
+    if per_prompt < 1:
+        raise ValueError(f"per_prompt must be >= 1, got {per_prompt}")
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    n = len(before.prompts)
+    shown: list[int] = []
+    counts: dict[str, int] = {}
+    for i, prompt in enumerate(before.prompts):
+        counts[prompt] = counts.get(prompt, 0) + 1
+        if counts[prompt] <= per_prompt:
+            shown.append(i)
+    n = len(shown)
     columns = max(1, min(columns, n))
     rows = (n + columns - 1) // columns
     fig, axes = plt.subplots(rows, 2 * columns, figsize=(1.5 * 2 * columns, 1.75 * rows), squeeze=False)
     for ax in axes.flat:
         ax.axis("off")
-    for i in range(n):
-        r, c = divmod(i, columns)
+    for k, i in enumerate(shown):
+        r, c = divmod(k, columns)
         for j, (res, tag) in enumerate(((before, "before"), (after, "after"))):
             ax = axes[r][2 * c + j]
             ax.imshow(res.images[i].clamp(0, 1).permute(1, 2, 0).numpy())
             ax.set_title(f"{tag} {res.rewards[i]:.2f}\n{res.prompts[i][:18]}", fontsize=6)
-    fig.suptitle(f"held-out reward: before {before.mean():.3f} -> after {after.mean():.3f}", fontsize=9)
+    fig.suptitle(f"held-out reward over {len(before.prompts)} samples: before {before.mean():.3f} -> after "
+                 f"{after.mean():.3f} (shown: {n})", fontsize=9)
     fig.tight_layout()
     tmp = path.with_name(path.name + ".tmp.png")
     fig.savefig(tmp, dpi=110)

@@ -55,3 +55,16 @@ def test_before_after_grid(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="different prompts or seeds"):
         save_before_after_grid(before, _result([1.0] * 6, seed=1), tmp_path / "bad.png")
     assert not (tmp_path / "bad.png").exists()
+
+
+def test_grid_shows_the_first_seeds_of_each_prompt(tmp_path: Path) -> None:
+    """Many seeds per prompt are all scored but the picture stays readable: `per_prompt` of each are drawn."""
+    from PIL import Image
+
+    before, after = _result([0.0] * 6), _result([1.0] * 6)
+    save_before_after_grid(before, after, tmp_path / "all.png", columns=2, per_prompt=2)
+    save_before_after_grid(before, after, tmp_path / "one.png", columns=2, per_prompt=1)
+    tall, short = (Image.open(tmp_path / f).size[1] for f in ("all.png", "one.png"))
+    assert short < tall, (short, tall)  # 3 pairs in 2 rows vs 6 pairs in 3 rows
+    with pytest.raises(ValueError, match="per_prompt"):
+        save_before_after_grid(before, after, tmp_path / "bad.png", per_prompt=0)
