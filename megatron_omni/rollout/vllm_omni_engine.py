@@ -93,9 +93,7 @@ class VllmOmniRolloutEngine:
         )
         records = []
         for out in self.omni.generate(requests, sampling, py_generator=True, use_tqdm=False):
-            if getattr(out, "error", None):
-                raise RuntimeError(f"vLLM-Omni request failed: {out.error}")
-            record = _record_of(out)
+            record = record_of(out, PIPELINE_CLASS)
             records.append(record)
             if on_sample is not None:
                 on_sample(FinishedSample(record["index"], record["prompt"], record["group_id"], record["seed"],
@@ -150,10 +148,13 @@ def send_weight_update(rpc: Callable[..., list[Any]], named_tensors: Iterable[tu
     return names
 
 
-def _record_of(out: Any) -> dict[str, Any]:
-    """The trajectory record our pipeline put in a request output (see `vllm_omni_pipeline`)."""
+def record_of(out: Any, pipeline_class: str) -> dict[str, Any]:
+    """The trajectory record our pipeline (`pipeline_class`) put in a vLLM-Omni request output; raises on a
+    failed request or an output without a record."""
+    if getattr(out, "error", None):
+        raise RuntimeError(f"vLLM-Omni request failed: {out.error}")
     record = getattr(out, "trajectory_latents", None)
     if not isinstance(record, dict) or "index" not in record:
         raise RuntimeError("vLLM-Omni output carries no FlowGRPO trajectory record: is the engine running "
-                           f"{PIPELINE_CLASS}?")
+                           f"{pipeline_class}?")
     return record

@@ -34,7 +34,7 @@ from megatron_omni.algorithms.schedule import qwen_image_sigmas
 from megatron_omni.rollout.ar_dit_engine import ARDiTSamplingParams, denoise_window
 from megatron_omni.rollout.base import Trajectory
 from megatron_omni.rollout.velocity import pad_text
-from megatron_omni.rollout.vllm_omni_engine import DEFAULT_BUCKET_BYTES, omni_kwargs, send_weight_update
+from megatron_omni.rollout.vllm_omni_engine import DEFAULT_BUCKET_BYTES, omni_kwargs, record_of, send_weight_update
 from megatron_omni.rollout.vllm_omni_pipeline import (
     VllmOmniVelocity,
     check_full_weights,
@@ -175,15 +175,8 @@ class VllmOmniHybridDiT:
         requests = [hybrid_request(cond[r, : int(lens[r])], generator_states[r], r) for r in range(n)]
         sampling = OmniDiffusionSamplingParams(num_inference_steps=params.num_steps,
                                                extra_args={HYBRID_KEY: hybrid_sampling_extra(params)})
-        records = []
-        for out in self.omni.generate(requests, sampling, py_generator=True, use_tqdm=False):
-            if getattr(out, "error", None):
-                raise RuntimeError(f"vLLM-Omni request failed: {out.error}")
-            record = getattr(out, "trajectory_latents", None)
-            if not isinstance(record, dict) or "index" not in record:
-                raise RuntimeError("vLLM-Omni output carries no hybrid trajectory record: is the engine running "
-                                   f"{HYBRID_PIPELINE_CLASS}?")
-            records.append(record)
+        records = [record_of(out, HYBRID_PIPELINE_CLASS)
+                   for out in self.omni.generate(requests, sampling, py_generator=True, use_tqdm=False)]
         return records_to_trajectory(records, cond, text_mask, params)
 
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> list[str]:
