@@ -298,6 +298,7 @@ def denoise_window(dit: Callable[..., Any], cond: torch.Tensor, text_mask: torch
     starts = torch.tensor([sample_window_start(p.num_steps, p.window_size, p.resolved_window_range, g)
                            for g in gens], dtype=torch.long)
     sigmas = qwen_image_sigmas(p.num_steps, s_img)
+    on_device = sigmas.to(device)
     w = p.window_size
     rec_x = torch.zeros(n, w, s_img, channels)
     rec_next = torch.zeros_like(rec_x)
@@ -308,13 +309,13 @@ def denoise_window(dit: Callable[..., Any], cond: torch.Tensor, text_mask: torch
         noise = torch.zeros(n, s_img, channels)
         for r in torch.nonzero(in_window).flatten().tolist():
             noise[r] = torch.randn(s_img, channels, generator=gens[r])
-        sigma = sigmas[i].expand(n).to(device)
+        sigma = on_device[i].expand(n)
         bs = max_batch_size
         v = torch.cat([guided_velocity(dit, latents[lo: lo + bs], sigma[lo: lo + bs], cond[lo: lo + bs],
                                        mask[lo: lo + bs], grid, dtype=dtype) for lo in range(0, n, bs)])
-        out = sde_step(latents, v, sigma, sigmas[i + 1].expand(n).to(device), (in_window.float() * p.noise_level
-                       ).to(device), p.sde_type, sigma_after_one=sigmas[1].expand(n).to(device),
-                       noise=noise.to(device), compute_log_prob=False)
+        out = sde_step(latents, v, sigma, on_device[i + 1].expand(n), (in_window.float() * p.noise_level).to(device),
+                       p.sde_type, sigma_after_one=on_device[1].expand(n), noise=noise.to(device),
+                       compute_log_prob=False)
         rows = torch.nonzero(in_window).flatten()
         if rows.numel():
             c = out.coeffs

@@ -15,6 +15,8 @@ slicing moves an index to CUDA), so the local spec has none. This is the same la
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
@@ -34,9 +36,13 @@ def zigzag_positions(seq_len: int, cp: int, rank: int) -> Tensor:
     return torch.cat([torch.arange(first, first + c), torch.arange(second, second + c)])
 
 
-def _gathered_positions(seq_len: int, cp: int) -> Tensor:
-    """Global positions [seq_len] of the rows of a cp-rank-ordered gather of all ranks' shards."""
-    return torch.cat([zigzag_positions(seq_len, cp, r) for r in range(cp)])
+@functools.lru_cache(maxsize=64)
+def _gathered_order(seq_len: int, cp: int) -> tuple[Tensor, Tensor]:
+    """(positions, order) [seq_len] each, on the CPU: the global position of each row of a cp-rank-ordered gather
+    of all ranks' shards, and the permutation that puts those rows in sequence order. Cached: every layer of
+    every forward asks for the same few lengths."""
+    positions = torch.cat([zigzag_positions(seq_len, cp, r) for r in range(cp)])
+    return positions, torch.argsort(positions)
 
 
 def split_sequence(x: Tensor, dim: int, cp_group) -> Tensor:
@@ -69,7 +75,7 @@ def gather_sequence(x: Tensor, dim: int, cp_group, grad: str = "slice") -> Tenso
         gathered = gather_from_sequence_parallel_region(x.movedim(dim, 0).contiguous(),
                                                         tensor_parallel_output_grad=False,
                                                         group=cp_group).movedim(0, dim)
-    order = torch.argsort(_gathered_positions(gathered.shape[dim], cp)).to(x.device)
+    order = _gathered_order(gathered.shape[dim], cp)[1].to(x.device)
     return gathered.index_select(dim, order)
 
 
@@ -106,9 +112,9 @@ class UlyssesCausalAttention(MegatronModule):
             key = key.repeat_interleave(n // key.shape[2], dim=2)
             value = value.repeat_interleave(n // value.shape[2], dim=2)
         q, k, v = (seq_to_heads(x, self.cp_group) for x in (query, key, value))  # [S, b, n / cp, d]
-        positions = _gathered_positions(q.shape[0], cp).to(q.device) if cp > 1 else None
-        if positions is not None:  # rows in cp-rank order -> sequence order
-            order = torch.argsort(positions)
+        positions = None
+        if cp > 1:  # rows in cp-rank order -> sequence order
+            positions, order = (t.to(q.device) for t in _gathered_order(q.shape[0], cp))
             q, k, v = (x.index_select(0, order) for x in (q, k, v))
         out = F.scaled_dot_product_attention(q.permute(1, 2, 0, 3), k.permute(1, 2, 0, 3), v.permute(1, 2, 0, 3),
                                              is_causal=True, scale=self.softmax_scale)
