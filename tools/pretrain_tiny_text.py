@@ -11,7 +11,11 @@
 2. Flow-matching pretraining of the transformer as our Megatron-Core model (`model_providers/qwen_image`,
    TP from --tp, data parallel over the remaining ranks) through Megatron-Core's DDP and optimizer:
    x_t = (1 - s) x_0 + s e, target e - x_0, s drawn through the pipeline's own shifted schedule; prompts
-   are dropped to the negative prompt 10% of the time so true CFG works.
+   are dropped to the negative prompt 10% of the time so true CFG works. `--text-encoder train` trains the
+   pipeline's tiny text encoder with it (plain Adam at the transformer's learning rate; Qwen-Image's encoder
+   comes pretrained, a random one's features are a fixed random code of the characters); by default it
+   stays as seeded, as in the shipped pipeline. `--vae-from DIR` reuses another folder's trained VAE and
+   skips step 1.
 3. Every --eval-every steps the weights go through the bridge into a diffusers rollout engine, which
    samples the vocabulary with the ODE (--eval-steps, guidance --guidance) and the OCR reader scores the
    images. Training stops at the first evaluation whose OCR similarity reaches --stop-ocr (partly legible:
@@ -69,7 +73,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--init-from", default=None,
                     help="continue from this pipeline folder (its VAE and transformer) instead of starting anew")
+    ap.add_argument("--vae-from", default=None,
+                    help="take this pipeline folder's trained VAE (and latent statistics) instead of training one; "
+                         "the transformer and text encoder still start from --seed")
     ap.add_argument("--tp", type=int, default=1, help="tensor-parallel size of the transformer")
+    ap.add_argument("--text-encoder", choices=("train", "frozen"), default="frozen",
+                    help="keep the seeded tiny text encoder (the shipped pipeline's) or train it with the "
+                         "transformer (a random encoder's features are a fixed random code of the characters)")
     ap.add_argument("--vae-steps", type=int, default=700)
     ap.add_argument("--vae-batch", type=int, default=32)
     ap.add_argument("--vae-crop", type=int, default=32, help="VAE training crop (px, multiple of 4)")
@@ -86,7 +96,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--eval-steps", type=int, default=20, help="ODE sampling steps of the evaluation")
     ap.add_argument("--guidance", type=float, default=3.0)
     ap.add_argument("--stop-ocr", type=float, default=0.25, help="stop once the vocabulary's OCR similarity reaches it")
-    return ap.parse_args(argv)
+    args = ap.parse_args(argv)
+    if args.init_from and args.vae_from:
+        ap.error("--init-from already brings its VAE: drop --vae-from")
+    return args
 
 
 # ----------------------------------------------------------------------------------------------- VAE
@@ -147,6 +160,17 @@ def build_vae_and_latents(args: argparse.Namespace, work: Path) -> dict:
         start = {"init_from": str(args.init_from),
                  "previous": json.loads(previous.read_text()) if previous.exists() else None}
         mse = start["previous"]["vae_mse"] if start["previous"] else float("nan")
+    elif args.vae_from:
+        from diffusers import AutoencoderKLQwenImage
+
+        components = build_components(MINIATURE, args.seed)
+        vae = components["vae"] = AutoencoderKLQwenImage.from_pretrained(
+            Path(args.vae_from) / "vae", local_files_only=True).eval()
+        source = Path(args.vae_from) / "pretrain.json"
+        source_record = json.loads(source.read_text()) if source.exists() else None
+        mse = source_record["vae_mse"] if source_record else float("nan")
+        # The VAE's provenance: the record of the run that trained it (and the runs that one continued).
+        start = {"init_from": None, "vae_from": str(args.vae_from), "vae_source": source_record}
     else:
         components = build_components(MINIATURE, args.seed)
         vae = components["vae"]
@@ -159,7 +183,7 @@ def build_vae_and_latents(args: argparse.Namespace, work: Path) -> dict:
         start = {"init_from": None}
     images, words = render_dataset(VOCABULARY, args.dataset_size, seed=args.seed * 1000 + 4)
     z = encode_latents(vae, torch.from_numpy(images_to_tensor(images)).unsqueeze(2))
-    if not args.init_from:
+    if not (args.init_from or args.vae_from):
         vae.register_to_config(latents_mean=[float(v) for v in z.mean(dim=(0, 2, 3, 4))],
                                latents_std=[float(v) for v in z.std(dim=(0, 2, 3, 4))])
     mean = torch.tensor(vae.config.latents_mean).view(1, -1, 1, 1, 1)
@@ -174,11 +198,37 @@ def build_vae_and_latents(args: argparse.Namespace, work: Path) -> dict:
 # ------------------------------------------------------------------------------------------ transformer
 
 
-def conditioning(engine, prompts: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Text embeddings of `prompts` as the pipeline computes them, padded: ([P, L, D], [P, L] long mask)."""
+def conditioning(engine, keys: list[tuple[int, ...]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Text embeddings of templated prompts (`engine.token_ids`) as the pipeline computes them, padded and
+    differentiable under autograd: ([P, L, D] fp32, [P, L] long mask)."""
     from megatron_omni.rollout.velocity import pad_text
 
-    return pad_text(engine.encode_prompts(prompts))
+    return pad_text([e.float() for e in engine.encode_token_ids(keys)])
+
+
+class TextEncoderTrainer:
+    """Adam on the pipeline's tiny text encoder beside the transformer's Megatron optimizer: same learning
+    rate (read from the Megatron scheduler every step), gradients averaged over data-parallel ranks (tensor
+    ranks already hold equal ones: the transformer's column-parallel input all-reduces them) and clipped
+    at 1.0 like the transformer's."""
+
+    def __init__(self, text_encoder: torch.nn.Module, dp_group, lr: float) -> None:
+        self.module = text_encoder.requires_grad_(True)
+        self.params = [p for p in text_encoder.parameters() if p.requires_grad]
+        self.dp_group = dp_group
+        self.optimizer = torch.optim.Adam(self.params, lr=lr)
+
+    def step(self, lr: float) -> None:
+        if self.dp_group.size() > 1:
+            for p in self.params:
+                if p.grad is not None:
+                    dist.all_reduce(p.grad, group=self.dp_group)
+                    p.grad /= self.dp_group.size()
+        torch.nn.utils.clip_grad_norm_(self.params, 1.0)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
 
 
 def train_sigmas(n: int, image_seq_len: int, scheduler_config, gen: torch.Generator) -> torch.Tensor:
@@ -219,8 +269,12 @@ def pretrain_transformer(args: argparse.Namespace, groups, engine, data: dict, w
     from megatron_omni.trainer.rewards import RewardFunction
 
     rank = dist.get_rank()
-    cond, cond_mask = conditioning(engine, [prompt_for(w) for w in VOCABULARY] + [NEGATIVE_PROMPT])
+    keys = [engine.token_ids(p) for p in [prompt_for(w) for w in VOCABULARY] + [NEGATIVE_PROMPT]]
     negative = len(VOCABULARY)
+    text_trainer = TextEncoderTrainer(engine.pipe.text_encoder, groups.dp, args.lr) \
+        if args.text_encoder == "train" else None
+    with torch.set_grad_enabled(text_trainer is not None):
+        cond, cond_mask = conditioning(engine, keys)
     platform.seed_everything(args.seed, tp_rank=groups.tp.rank())
     mcfg = provider.transformer_config(dict(engine.transformer.config), tp=args.tp)
     model = provider.build_model(mcfg, groups)
@@ -263,10 +317,15 @@ def pretrain_transformer(args: argparse.Namespace, groups, engine, data: dict, w
             xt = (1 - s.view(-1, 1, 1)) * x0 + s.view(-1, 1, 1) * e
             ddp.zero_grad_buffer()
             optimizer.zero_grad()
+            if text_trainer is not None:
+                cond, cond_mask = conditioning(engine, keys)
             v = ddp(DiTBatch(xt, cond[rows], cond_mask[rows], s, (1, side, side)))
             loss = (v - (e - x0)).pow(2).mean()
             loss.backward()
             finalize_model_grads([ddp], pg_collection=groups.mcore)
+            if text_trainer is not None:
+                # Before the scheduler moves on: this step's learning rate, as the transformer's.
+                text_trainer.step(optimizer.param_groups[0]["lr"])
             optimizer.step()
             scheduler.step(increment=1)
             step += 1
@@ -274,6 +333,7 @@ def pretrain_transformer(args: argparse.Namespace, groups, engine, data: dict, w
             bar.set_postfix(loss=f"{float(loss):.4f}", ocr=f"{ocr:.3f}", lr=f"{optimizer.param_groups[0]['lr']:.1e}")
             if step % args.eval_every == 0 or step == args.max_steps:
                 sync.sync()
+                engine.clear_prompt_cache()
                 verdict = [None]
                 if rank == 0:
                     ocr, images = eval_ocr(engine, reward_fn, args.guidance, args.eval_steps, args.seed)

@@ -105,7 +105,8 @@ class DiffusersRolloutEngine:
         self.stats = {"forwards": 0, "forward_rows": 0, "cache_hits": 0, "cache_misses": 0}
 
     # ------------------------------------------------------------------ prompts
-    def _token_ids(self, text: str) -> tuple[int, ...]:
+    def token_ids(self, text: str) -> tuple[int, ...]:
+        """The templated prompt's token ids (the text encoder's input, the embedding cache's key)."""
         pipe = self.pipe
         drop = pipe.prompt_template_encode_start_idx
         ids = self.pipe.tokenizer(
@@ -115,29 +116,39 @@ class DiffusersRolloutEngine:
             raise ValueError(f"templated prompt has {len(ids)} tokens, not more than the {drop} dropped")
         return tuple(ids)
 
+    def encode_token_ids(self, keys: Sequence[tuple[int, ...]]) -> list[torch.Tensor]:
+        """Text embeddings of templated token ids (from `token_ids`), uncached and differentiable (a
+        pretraining loop that trains the text encoder calls this under autograd): a list of [L_i - drop, D]
+        in the text encoder's dtype."""
+        drop = self.pipe.prompt_template_encode_start_idx
+        pad_id = self.pipe.tokenizer.pad_token_id
+        length = max(len(k) for k in keys)
+        ids = torch.full((len(keys), length), pad_id, dtype=torch.long)
+        mask = torch.zeros(len(keys), length, dtype=torch.long)
+        for i, k in enumerate(keys):
+            ids[i, : len(k)] = torch.tensor(k)
+            mask[i, : len(k)] = 1
+        out = self.pipe.text_encoder(
+            input_ids=ids.to(self.device), attention_mask=mask.to(self.device), output_hidden_states=True
+        )
+        hidden = out.hidden_states[-1]
+        return [hidden[i, drop : len(k)] for i, k in enumerate(keys)]
+
+    def clear_prompt_cache(self) -> None:
+        """Forget cached prompt embeddings (after the text encoder's weights changed)."""
+        self._cache.clear()
+
     @torch.no_grad()
     def encode_prompts(self, prompts: Sequence[str]) -> list[torch.Tensor]:
         """Text embeddings of each prompt as QwenImagePipeline computes them (template, last hidden
         state, first `prompt_template_encode_start_idx` tokens dropped): a list of [L_i, D] fp32."""
-        keys = [self._token_ids(p) for p in prompts]
+        keys = [self.token_ids(p) for p in prompts]
         missing = list(dict.fromkeys(k for k in keys if k not in self._cache))
         self.stats["cache_hits"] += len(keys) - len(missing)
         self.stats["cache_misses"] += len(missing)
         if missing:
-            drop = self.pipe.prompt_template_encode_start_idx
-            pad_id = self.pipe.tokenizer.pad_token_id
-            length = max(len(k) for k in missing)
-            ids = torch.full((len(missing), length), pad_id, dtype=torch.long)
-            mask = torch.zeros(len(missing), length, dtype=torch.long)
-            for i, k in enumerate(missing):
-                ids[i, : len(k)] = torch.tensor(k)
-                mask[i, : len(k)] = 1
-            out = self.pipe.text_encoder(
-                input_ids=ids.to(self.device), attention_mask=mask.to(self.device), output_hidden_states=True
-            )
-            hidden = out.hidden_states[-1]
-            for i, k in enumerate(missing):
-                self._cache[k] = hidden[i, drop : len(k)].float().clone()
+            for k, emb in zip(missing, self.encode_token_ids(missing)):
+                self._cache[k] = emb.float().clone()
         result = []
         for k in keys:
             self._cache.move_to_end(k)

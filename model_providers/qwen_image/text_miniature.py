@@ -6,10 +6,12 @@
   channels, trained by `tools/pretrain_tiny_text.py`. A 64 px image becomes a 16 x 16 x 16 latent, packed
   2 x 2 into 64 tokens of 64 channels: 3 RGB values per latent value, a compression a small VAE learns in
   minutes without blurring 10 px glyphs, and the same 64 image tokens the measured pixel-space model had.
-- Text encoder: a frozen random tiny Qwen2.5-VL over a byte-level tokenizer, so each character of the
-  word is its own token. The tokenizer merges the prompt template's words so that QwenImagePipeline's
-  fixed drop of 34 template tokens removes exactly the system prompt (the real Qwen tokenizer's count);
-  the conditioning is then the user prompt plus the 5 closing tokens, not ~120 leftover template bytes.
+- Text encoder: a tiny Qwen2.5-VL over a byte-level tokenizer, so each character of the word is its own
+  token; random from the seed and frozen (`tools/pretrain_tiny_text.py --text-encoder train` trains it with
+  the transformer instead). RL keeps it frozen, as for the 20B model. The tokenizer merges the prompt
+  template's words so that QwenImagePipeline's fixed drop of 34 template tokens removes exactly the system
+  prompt (the real Qwen tokenizer's count); the conditioning is then the user prompt plus the 5 closing
+  tokens, not ~120 leftover template bytes.
 """
 
 from __future__ import annotations

@@ -37,7 +37,10 @@ def test_shipped_pipeline_records_how_it_was_built() -> None:
         assert run["command"].startswith("python tools/pretrain_tiny_text.py"), run["command"]
         assert run["transformer_steps"] > 0 and 0.0 <= run["ocr_similarity"] <= 1.0
         assert run["history"] and run["history"][-1]["step"] == run["transformer_steps"]
-    assert runs[-1].get("init_from") is None and "--seed 0" in runs[-1]["command"]  # the first run started anew
+    first = runs[-1]
+    assert first.get("init_from") is None  # the first run started anew, or anew but for a VAE (--vae-from) ...
+    origin = _chain(first["vae_source"])[-1] if first.get("vae_from") else first
+    assert origin.get("init_from") is None and "--seed 0" in origin["command"]  # ... that a seed-0 run trained
     engine = DiffusersRolloutEngine(PIPELINE)
     assert engine.pipe.vae_scale_factor == 4
     assert engine.transformer.config.num_layers == MINIATURE.transformer.num_layers

@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from tests.distributed.harness import free_port
 
@@ -80,6 +81,54 @@ def test_tp2_trains_the_same_model(built: Path, tmp_path: Path) -> None:
     assert [h["step"] for h in two] == [h["step"] for h in one]
     for a, b in zip(one, two):
         assert b["loss"] == pytest.approx(a["loss"], rel=1e-4), (one, two)
+
+
+def _weights(folder: Path, part: str) -> dict:
+    from safetensors.torch import load_file
+
+    out: dict = {}
+    for f in sorted((folder / part).glob("*.safetensors")):
+        out.update(load_file(f))
+    return out
+
+
+def test_text_encoder_training_and_vae_from(built: Path, tmp_path: Path) -> None:
+    """`--text-encoder train` moves the text encoder's weights off their seeded start; the default keeps the
+    seeded encoder; `--vae-from` takes the given folder's VAE and latent statistics unchanged."""
+    frozen = tmp_path / "frozen"
+    _pretrain(frozen, "--vae-from", str(built))
+    trained_dir = tmp_path / "trained"
+    _pretrain(trained_dir, "--text-encoder", "train", "--vae-from", str(built))
+    from model_providers.qwen_image.text_miniature import MINIATURE
+    from model_providers.qwen_image.tiny_pipeline import build_components
+
+    build_components(MINIATURE, 0)["text_encoder"].save_pretrained(tmp_path / "seeded")
+    seeded = _weights(tmp_path, "seeded")
+    trained, start = _weights(trained_dir, "text_encoder"), _weights(frozen, "text_encoder")
+    assert trained.keys() == start.keys() == seeded.keys()
+    assert all(torch.equal(start[k], seeded[k]) for k in seeded)
+    moved = [k for k in trained if not torch.equal(trained[k], start[k])]
+    assert "embed_tokens" in " ".join(moved) and len(moved) > len(trained) // 2, moved
+    assert _weights(frozen, "vae").keys() == _weights(built, "vae").keys()
+    assert all(torch.equal(v, _weights(built, "vae")[k]) for k, v in _weights(frozen, "vae").items())
+    assert json.loads((frozen / "vae" / "config.json").read_text()) == \
+        json.loads((built / "vae" / "config.json").read_text())
+    record = json.loads((frozen / "pretrain.json").read_text())
+    assert record["vae_from"] == str(built) and record["args"]["text_encoder"] == "frozen"
+    assert record["vae_source"] == json.loads((built / "pretrain.json").read_text())
+    # At TP=2 the text encoder's gradient reaches both ranks whole (the column-parallel input all-reduces it):
+    # the same training as one rank.
+    tp2 = tmp_path / "trained_tp2"
+    _pretrain(tp2, "--text-encoder", "train", "--vae-from", str(built), "--tp", "2", nproc=2)
+    one = json.loads((trained_dir / "pretrain.json").read_text())["history"]
+    two = json.loads((tp2 / "pretrain.json").read_text())["history"]
+    assert [b["loss"] for b in two] == pytest.approx([a["loss"] for a in one], rel=1e-4)
+    tp2_weights = _weights(tp2, "text_encoder")
+    assert all(torch.allclose(tp2_weights[k], trained[k], atol=1e-5) for k in trained)
+    proc = subprocess.run([sys.executable, TOOL, "--out", str(tmp_path / "both"), *SHORT, "--init-from", str(built),
+                           "--vae-from", str(built)], cwd=ROOT, env=_env(), capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode != 0 and "--vae-from" in proc.stderr and not (tmp_path / "both").exists()
 
 
 def test_existing_folder_is_refused_untouched(built: Path) -> None:

@@ -137,6 +137,28 @@ def test_prompt_cache_matches_pipeline_encoding(folder: Path) -> None:
         torch.testing.assert_close(ours, ref[0].float(), rtol=1e-5, atol=1e-5)
 
 
+def test_uncached_encoding_is_differentiable_and_clearing_the_cache_sees_new_weights(folder: Path) -> None:
+    """What a pretraining loop that trains the text encoder relies on: `encode_token_ids` equals the cached
+    encoding and carries gradients to the encoder; after the encoder changes, `clear_prompt_cache` makes
+    `encode_prompts` return the new encoder's embeddings instead of stale ones."""
+    eng = DiffusersRolloutEngine(folder)
+    cached = eng.encode_prompts(PROMPTS)
+    keys = [eng.token_ids(p) for p in PROMPTS]
+    fresh = eng.encode_token_ids(keys)
+    for a, b in zip(cached, fresh):
+        torch.testing.assert_close(b.float(), a, rtol=0, atol=0)
+    embedding = eng.pipe.text_encoder.get_input_embeddings().weight
+    embedding.requires_grad_(True)
+    sum(e.sum() for e in fresh).backward()
+    rows = sorted({t for k in keys for t in k})
+    assert embedding.grad is not None and float(embedding.grad[rows].abs().sum()) > 0
+    with torch.no_grad():
+        embedding.add_(0.5)
+    assert torch.equal(eng.encode_prompts(PROMPTS)[0], cached[0])  # stale until cleared
+    eng.clear_prompt_cache()
+    assert not torch.allclose(eng.encode_prompts(PROMPTS)[0], cached[0], atol=1e-3)
+
+
 def test_streams_each_sample(engine: DiffusersRolloutEngine) -> None:
     got = []
     traj = engine.generate(PROMPTS, NON_CFG, group_size=2, seeds=range(4), on_sample=got.append)
