@@ -219,6 +219,7 @@ class TextEncoderTrainer:
         self.optimizer = torch.optim.Adam(self.params, lr=lr)
 
     def step(self, lr: float) -> None:
+        """Average, clip and apply the gradients of the last backward at learning rate `lr`."""
         if self.dp_group.size() > 1:
             for p in self.params:
                 if p.grad is not None:
@@ -252,11 +253,29 @@ def eval_ocr(engine, reward_fn, guidance: float, steps: int, seed: int) -> tuple
     return result.mean(), result.images
 
 
+class EvaluatedWeights:
+    """A copy of the engine's transformer and text encoder as the last finished evaluation scored them. An
+    interrupt can land anywhere (after the next sync, during its sampling, mid-way through a text-encoder
+    step); restoring this copy makes the written folder the model that `history[-1]` describes."""
+
+    def __init__(self) -> None:
+        self.state: dict[str, dict[str, torch.Tensor]] | None = None
+
+    def take(self, engine) -> None:
+        self.state = {name: {k: v.detach().clone() for k, v in getattr(engine.pipe, name).state_dict().items()}
+                      for name in ("transformer", "text_encoder")}
+
+    def restore(self, engine) -> None:
+        if self.state is not None:
+            for name, state in self.state.items():
+                getattr(engine.pipe, name).load_state_dict(state)
+
+
 def pretrain_transformer(args: argparse.Namespace, groups, engine, data: dict, work: Path,
                          history: list[dict], started: float) -> tuple[int, float]:
     """The flow-matching loop on the Megatron model; evaluations append to `history` (rank 0). Returns the
     last step and the OCR similarity of the last evaluation. The engine holds the weights of the last
-    evaluation (the only time they are synced)."""
+    evaluation (the only time they are synced; an interrupt restores them there)."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
@@ -303,6 +322,7 @@ def pretrain_transformer(args: argparse.Namespace, groups, engine, data: dict, w
         raise ValueError(f"--batch-size {args.batch_size} is not divisible by {dp} data-parallel ranks")
     gen = torch.Generator().manual_seed(args.seed * 1000 + 5)
     step, ocr = 0, 0.0
+    evaluated = EvaluatedWeights()
     bar = tqdm(total=args.max_steps, desc="transformer", unit="step", disable=rank != 0, dynamic_ncols=True)
     try:
         while step < args.max_steps:
@@ -337,9 +357,10 @@ def pretrain_transformer(args: argparse.Namespace, groups, engine, data: dict, w
                 verdict = [None]
                 if rank == 0:
                     ocr, images = eval_ocr(engine, reward_fn, args.guidance, args.eval_steps, args.seed)
-                    history.append({"step": step, "ocr": ocr, "loss": float(loss),
-                                    "minutes": (time.time() - started) / 60})
                     save_image_grid(images, list(VOCABULARY), work / f"samples_{step:05d}.png", columns=8)
+                    entry = {"step": step, "ocr": ocr, "loss": float(loss), "minutes": (time.time() - started) / 60}
+                    evaluated.take(engine)
+                    history.append(entry)
                     tqdm.write(f"step {step}: OCR similarity {ocr:.3f} (loss {float(loss):.4f}, "
                                f"{history[-1]['minutes']:.1f} min)")
                     verdict = [ocr]
@@ -347,6 +368,9 @@ def pretrain_transformer(args: argparse.Namespace, groups, engine, data: dict, w
                 ocr = verdict[0]
                 if ocr >= args.stop_ocr:
                     break
+    except KeyboardInterrupt:
+        evaluated.restore(engine)
+        raise
     finally:
         bar.close()
         if reward_fn is not None:
@@ -358,9 +382,8 @@ def write_pipeline(engine, out: Path, work: Path, record: dict) -> None:
     """The engine's pipeline (VAE, text encoder, tokenizer, scheduler, transformer), `pretrain.json` and the
     last evaluation's samples into `out`, atomically."""
     extra: dict[str, str | Path] = {"pretrain.json": json.dumps(record, indent=2) + "\n"}
-    last = sorted(work.glob("samples_*.png"))
-    if last:
-        extra["samples.png"] = last[-1]
+    if record["history"]:
+        extra["samples.png"] = work / f"samples_{record['history'][-1]['step']:05d}.png"
     save_pipeline_atomically(engine.pipe, out, extra)
 
 

@@ -6,8 +6,11 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -129,6 +132,37 @@ def test_text_encoder_training_and_vae_from(built: Path, tmp_path: Path) -> None
                            "--vae-from", str(built)], cwd=ROOT, env=_env(), capture_output=True, text=True,
                           timeout=300)
     assert proc.returncode != 0 and "--vae-from" in proc.stderr and not (tmp_path / "both").exists()
+
+
+def test_interrupt_writes_the_model_of_the_last_evaluation(built: Path, tmp_path: Path) -> None:
+    """SIGTERM mid-run (steps and evaluations keep going until it lands) writes the model the last finished
+    evaluation scored: transformer and trained text encoder equal, byte for byte, to those of the same
+    command stopped at that step."""
+    out, log = tmp_path / "interrupted", tmp_path / "stderr.txt"
+    args = [*SHORT, "--max-steps", "100000", "--text-encoder", "train", "--vae-from", str(built)]
+    with log.open("w") as err:
+        proc = subprocess.Popen([sys.executable, TOOL, "--out", str(out), *args], cwd=ROOT,
+                                env={**_env(), "PYTHONUNBUFFERED": "1"},
+                                stdout=subprocess.PIPE, stderr=err, text=True)
+        try:
+            for line in proc.stdout:
+                m = re.match(r"step (\d+): OCR similarity", line)
+                if m and int(m.group(1)) >= 6:
+                    time.sleep(1.5)  # into later steps and evaluations: the weights have moved on since
+                    proc.send_signal(signal.SIGTERM)
+                    break
+            rest = proc.communicate(timeout=300)[0]
+        finally:
+            proc.kill()
+    assert proc.returncode == 0, rest + log.read_text()[-3000:]
+    record = json.loads((out / "pretrain.json").read_text())
+    steps = record["transformer_steps"]
+    assert record["interrupted"] and steps >= 6 and steps == record["history"][-1]["step"]
+    again = tmp_path / "again"
+    _pretrain(again, *args[len(SHORT):], "--max-steps", str(steps))
+    for part in ("transformer", "text_encoder"):
+        ours, ref = _weights(out, part), _weights(again, part)
+        assert all(torch.equal(ours[k], ref[k]) for k in ref), f"{part} is not the step-{steps} model"
 
 
 def test_existing_folder_is_refused_untouched(built: Path) -> None:
