@@ -292,7 +292,7 @@ def pretrain_transformer(args: argparse.Namespace, groups, engine, data: dict, w
     negative = len(VOCABULARY)
     text_trainer = TextEncoderTrainer(engine.pipe.text_encoder, groups.dp, args.lr) \
         if args.text_encoder == "train" else None
-    with torch.set_grad_enabled(text_trainer is not None):
+    with torch.no_grad():  # a trained text encoder's are recomputed every step instead
         cond, cond_mask = conditioning(engine, keys)
     platform.seed_everything(args.seed, tp_rank=groups.tp.rank())
     mcfg = provider.transformer_config(dict(engine.transformer.config), tp=args.tp)
