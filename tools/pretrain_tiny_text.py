@@ -213,8 +213,7 @@ class TextEncoderTrainer:
     at 1.0 like the transformer's."""
 
     def __init__(self, text_encoder: torch.nn.Module, dp_group, lr: float) -> None:
-        self.module = text_encoder.requires_grad_(True)
-        self.params = [p for p in text_encoder.parameters() if p.requires_grad]
+        self.params = list(text_encoder.requires_grad_(True).parameters())
         self.dp_group = dp_group
         self.optimizer = torch.optim.Adam(self.params, lr=lr)
 
