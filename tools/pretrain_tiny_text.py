@@ -4,10 +4,11 @@
     torchrun --nproc-per-node 2 tools/pretrain_tiny_text.py --out /tmp/text_pipeline --tp 2
 
 1. Renders the synthetic dataset (`model_providers/qwen_image/text_dataset.py`: words of a fixed vocabulary
-   in DejaVu Sans Bold, random position, size and colours) and trains the pipeline's VAE on it
-   (`AutoencoderKLQwenImage`, scale 4, 16 channels; a deterministic autoencoder: the posterior mean, a
-   little latent noise for a decoder that tolerates imperfect samples). Its latent mean/std per channel
-   go into the VAE config, as Qwen-Image's do.
+   in DejaVu Sans Bold, random position, size and colours). `--space latent` trains the pipeline's VAE on
+   it (`AutoencoderKLQwenImage`, scale 4, 16 channels; a deterministic autoencoder: the posterior mean, a
+   little latent noise for a decoder that tolerates imperfect samples); `--space pixel` puts a
+   `PixelShuffleVAE` in its place (grayscale pixels folded 4 x 4 into the same 16 channels, exactly; nothing
+   to train). The latent mean/std per channel go into the VAE config, as Qwen-Image's do.
 2. Flow-matching pretraining of the transformer as our Megatron-Core model (`model_providers/qwen_image`,
    TP from --tp, data parallel over the remaining ranks) through Megatron-Core's DDP and optimizer:
    x_t = (1 - s) x_0 + s e, target e - x_0, s drawn through the pipeline's own shifted schedule; prompts
@@ -76,6 +77,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--vae-from", default=None,
                     help="take this pipeline folder's trained VAE (and latent statistics) instead of training one; "
                          "the transformer and text encoder still start from --seed")
+    ap.add_argument("--space", choices=("latent", "pixel"), default="latent",
+                    help="latent: train a scale-4 AutoencoderKLQwenImage on the dataset; pixel: PixelShuffleVAE, "
+                         "64 px grayscale folded into 16 x 16 x 16 latents exactly (no VAE to train)")
     ap.add_argument("--tp", type=int, default=1, help="tensor-parallel size of the transformer")
     ap.add_argument("--text-encoder", choices=("train", "frozen"), default="frozen",
                     help="keep the seeded tiny text encoder (the shipped pipeline's) or train it with the "
@@ -99,6 +103,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = ap.parse_args(argv)
     if args.init_from and args.vae_from:
         ap.error("--init-from already brings its VAE: drop --vae-from")
+    if args.space == "pixel" and (args.init_from or args.vae_from):
+        ap.error("--init-from and --vae-from bring their folder's VAE (latent or pixel): drop --space")
     return args
 
 
@@ -161,16 +167,23 @@ def build_vae_and_latents(args: argparse.Namespace, work: Path) -> dict:
                  "previous": json.loads(previous.read_text()) if previous.exists() else None}
         mse = start["previous"]["vae_mse"] if start["previous"] else float("nan")
     elif args.vae_from:
-        from diffusers import AutoencoderKLQwenImage
-
         components = build_components(MINIATURE, args.seed)
-        vae = components["vae"] = AutoencoderKLQwenImage.from_pretrained(
-            Path(args.vae_from) / "vae", local_files_only=True).eval()
+        # Whatever VAE class the folder names (a trained AutoencoderKLQwenImage or a PixelShuffleVAE).
+        vae = components["vae"] = QwenImagePipeline.from_pretrained(args.vae_from, local_files_only=True).vae.eval()
         source = Path(args.vae_from) / "pretrain.json"
         source_record = json.loads(source.read_text()) if source.exists() else None
         mse = source_record["vae_mse"] if source_record else float("nan")
         # The VAE's provenance: the record of the run that trained it (and the runs that one continued).
         start = {"init_from": None, "vae_from": str(args.vae_from), "vae_source": source_record}
+    elif args.space == "pixel":
+        from model_providers.qwen_image.pixel_vae import PixelShuffleVAE
+
+        components = build_components(MINIATURE, args.seed)
+        vae = components["vae"] = PixelShuffleVAE(scale=4, z_dim=components["vae"].config.z_dim)
+        vae_images, _ = render_dataset(VOCABULARY, 512, seed=args.seed * 1000 + 1)
+        x = torch.from_numpy(images_to_tensor(vae_images)).unsqueeze(2)
+        mse = float(torch.nn.functional.mse_loss(vae.decode(vae.encode(x).latent_dist.mode()).sample, x))
+        start = {"init_from": None}
     else:
         components = build_components(MINIATURE, args.seed)
         vae = components["vae"]

@@ -242,6 +242,22 @@ def record_to_trajectory(records: Sequence[Mapping[str, Any]], params: SamplingP
 # ---------------------------------------------------------------------------------------------- the class
 
 
+def require_qwen_image_vae(model: str) -> None:
+    """Refuse a local pipeline folder whose VAE is not an `AutoencoderKLQwenImage`: vLLM-Omni's Qwen-Image
+    pipeline loads its `vae/` subfolder as one whatever `model_index.json` says (a pixel-space
+    `PixelShuffleVAE` folder would load as a default-sized VAE missing every weight)."""
+    import json
+    from pathlib import Path
+
+    index = Path(model) / "model_index.json"
+    if not index.is_file():
+        return  # a hub id: vLLM-Omni resolves it itself
+    vae = json.loads(index.read_text()).get("vae")
+    if vae and vae[1] != "AutoencoderKLQwenImage":
+        raise ValueError(f"{model}: its VAE is {vae[0]}.{vae[1]}, but vLLM-Omni's Qwen-Image pipeline loads "
+                         "only AutoencoderKLQwenImage; sample this folder with the diffusers engine")
+
+
 def _build_pipeline_class() -> type:
     from diffusers.image_processor import VaeImageProcessor
     from vllm_omni.diffusion.data import DiffusionOutput
@@ -254,6 +270,7 @@ def _build_pipeline_class() -> type:
         supports_step_execution = False
 
         def __init__(self, *, od_config: Any, prefix: str = "") -> None:
+            require_qwen_image_vae(od_config.model)
             super().__init__(od_config=od_config, prefix=prefix)
             self.image_processor = VaeImageProcessor(vae_scale_factor=self.vae_scale_factor * 2)
             self.stepper = SdeStepper(self, max_batch_size=int(getattr(od_config, "max_batch_size", 0) or 8))

@@ -134,6 +134,41 @@ def test_text_encoder_training_and_vae_from(built: Path, tmp_path: Path) -> None
     assert proc.returncode != 0 and "--vae-from" in proc.stderr and not (tmp_path / "both").exists()
 
 
+def test_pixel_space_folder_continues_and_lends_its_vae(tmp_path: Path) -> None:
+    """`--space pixel` writes a pipeline whose VAE is the exact PixelShuffleVAE with the dataset's latent
+    statistics, that samples through the diffusers engine, continues with `--init-from` and lends its VAE
+    with `--vae-from`; `--space pixel` beside either of those is refused."""
+    from megatron_omni.rollout.base import SamplingParams
+    from megatron_omni.rollout.diffusers_engine import DiffusersRolloutEngine
+    from model_providers.qwen_image.pixel_vae import PixelShuffleVAE
+
+    pixel = tmp_path / "pixel"
+    _pretrain(pixel, "--space", "pixel")
+    index = json.loads((pixel / "model_index.json").read_text())
+    assert index["vae"] == ["model_providers.qwen_image.pixel_vae", "PixelShuffleVAE"]
+    record = json.loads((pixel / "pretrain.json").read_text())
+    assert record["args"]["space"] == "pixel" and 0.0 < record["vae_mse"] < 0.1  # colour -> gray, nothing else
+    engine = DiffusersRolloutEngine(pixel)
+    stats = engine.pipe.vae.config
+    assert isinstance(engine.pipe.vae, PixelShuffleVAE) and engine.pipe.vae_scale_factor == 4
+    assert 0.3 < stats.latents_mean[0] < 1.0 and len(set(stats.latents_std)) > 1  # light backgrounds, per channel
+    traj = engine.generate(['text "CAT"'], SamplingParams(height=64, width=64, num_steps=2, noise_level=0.0))
+    gray = traj.images[0]
+    assert gray.shape == (3, 64, 64) and torch.equal(gray[0], gray[1]) and torch.equal(gray[1], gray[2])
+    more = tmp_path / "more"
+    _pretrain(more, "--init-from", str(pixel), "--seed", "1")
+    assert json.loads((more / "model_index.json").read_text())["vae"] == index["vae"]
+    vae_config = json.loads((pixel / "vae" / "config.json").read_text())
+    assert json.loads((more / "vae" / "config.json").read_text()) == vae_config
+    lent = tmp_path / "lent"
+    _pretrain(lent, "--vae-from", str(pixel))
+    assert json.loads((lent / "vae" / "config.json").read_text()) == vae_config
+    for flag in ("--init-from", "--vae-from"):
+        proc = subprocess.run([sys.executable, TOOL, "--out", str(tmp_path / "refused"), *SHORT, flag, str(pixel),
+                               "--space", "pixel"], cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 2 and "drop --space" in proc.stderr and not (tmp_path / "refused").exists()
+
+
 def test_interrupt_writes_the_model_of_the_last_evaluation(built: Path, tmp_path: Path) -> None:
     """SIGTERM mid-run (steps and evaluations keep going until it lands) writes the model the last finished
     evaluation scored: transformer and trained text encoder equal, byte for byte, to those of the same
