@@ -77,9 +77,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--vae-from", default=None,
                     help="take this pipeline folder's trained VAE (and latent statistics) instead of training one; "
                          "the transformer and text encoder still start from --seed")
-    ap.add_argument("--space", choices=("latent", "pixel"), default="latent",
-                    help="latent: train a scale-4 AutoencoderKLQwenImage on the dataset; pixel: PixelShuffleVAE, "
-                         "64 px grayscale folded into 16 x 16 x 16 latents exactly (no VAE to train)")
+    ap.add_argument("--space", choices=("latent", "pixel"), default=None,
+                    help="latent (default): train a scale-4 AutoencoderKLQwenImage on the dataset; pixel: "
+                         "PixelShuffleVAE, 64 px grayscale folded into 16 x 16 x 16 latents exactly (no VAE to "
+                         "train); with --init-from/--vae-from, recorded as that folder's")
     ap.add_argument("--tp", type=int, default=1, help="tensor-parallel size of the transformer")
     ap.add_argument("--text-encoder", choices=("train", "frozen"), default="frozen",
                     help="keep the seeded tiny text encoder (the shipped pipeline's) or train it with the "
@@ -103,7 +104,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = ap.parse_args(argv)
     if args.init_from and args.vae_from:
         ap.error("--init-from already brings its VAE: drop --vae-from")
-    if args.space == "pixel" and (args.init_from or args.vae_from):
+    if args.space is not None and (args.init_from or args.vae_from):
         ap.error("--init-from and --vae-from bring their folder's VAE (latent or pixel): drop --space")
     return args
 
@@ -150,6 +151,12 @@ def pack(latents: torch.Tensor) -> torch.Tensor:
     return QwenImagePipeline._pack_latents(latents[:, :, 0], n, c, h, w)
 
 
+def _space_of(vae: torch.nn.Module) -> str:
+    from model_providers.qwen_image.pixel_vae import PixelShuffleVAE
+
+    return "pixel" if isinstance(vae, PixelShuffleVAE) else "latent"
+
+
 def build_vae_and_latents(args: argparse.Namespace, work: Path) -> dict:
     """Rank 0: the pipeline to start from in `work/pipeline` and `work/latents.pt` (normalised packed latents
     and word ids). New: untrained components from the seed, the VAE trained here, its latent statistics in
@@ -166,6 +173,7 @@ def build_vae_and_latents(args: argparse.Namespace, work: Path) -> dict:
         start = {"init_from": str(args.init_from),
                  "previous": json.loads(previous.read_text()) if previous.exists() else None}
         mse = start["previous"]["vae_mse"] if start["previous"] else float("nan")
+        args.space = _space_of(vae)
     elif args.vae_from:
         components = build_components(MINIATURE, args.seed)
         # Whatever VAE class the folder names (a trained AutoencoderKLQwenImage or a PixelShuffleVAE).
@@ -175,6 +183,7 @@ def build_vae_and_latents(args: argparse.Namespace, work: Path) -> dict:
         mse = source_record["vae_mse"] if source_record else float("nan")
         # The VAE's provenance: the record of the run that trained it (and the runs that one continued).
         start = {"init_from": None, "vae_from": str(args.vae_from), "vae_source": source_record}
+        args.space = _space_of(vae)
     elif args.space == "pixel":
         from model_providers.qwen_image.pixel_vae import PixelShuffleVAE
 
@@ -185,6 +194,7 @@ def build_vae_and_latents(args: argparse.Namespace, work: Path) -> dict:
         mse = float(torch.nn.functional.mse_loss(vae.decode(vae.encode(x).latent_dist.mode()).sample, x))
         start = {"init_from": None}
     else:
+        args.space = "latent"
         components = build_components(MINIATURE, args.seed)
         vae = components["vae"]
         vae_images, _ = render_dataset(VOCABULARY, 4096, seed=args.seed * 1000 + 1)

@@ -158,6 +158,7 @@ def test_pixel_space_folder_continues_and_lends_its_vae(tmp_path: Path) -> None:
     more = tmp_path / "more"
     _pretrain(more, "--init-from", str(pixel), "--seed", "1")
     assert json.loads((more / "model_index.json").read_text())["vae"] == index["vae"]
+    assert json.loads((more / "pretrain.json").read_text())["args"]["space"] == "pixel"  # the folder's
     vae_config = json.loads((pixel / "vae" / "config.json").read_text())
     assert json.loads((more / "vae" / "config.json").read_text()) == vae_config
     lent = tmp_path / "lent"
