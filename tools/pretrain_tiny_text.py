@@ -159,10 +159,10 @@ def _space_of(vae: torch.nn.Module) -> str:
 
 def build_vae_and_latents(args: argparse.Namespace, work: Path) -> dict:
     """Rank 0: the pipeline to start from in `work/pipeline` and `work/latents.pt` (normalised packed latents
-    and word ids). New: untrained components from the seed, the VAE trained here, its latent statistics in
-    its config. With --init-from: that folder's components as they are (its transformer continues; its VAE
-    and latent statistics are kept, since the transformer learned in their latent space). Returns what to
-    record about the start."""
+    and word ids). New: untrained components from the seed, the VAE trained here (or the PixelShuffleVAE of
+    --space pixel; or --vae-from's folder's VAE), its latent statistics in its config. With --init-from:
+    that folder's components as they are (its transformer continues; its VAE and latent statistics are
+    kept, since the transformer learned in their latent space). Returns what to record about the start."""
     from diffusers import QwenImagePipeline
 
     if args.init_from:
@@ -173,7 +173,6 @@ def build_vae_and_latents(args: argparse.Namespace, work: Path) -> dict:
         start = {"init_from": str(args.init_from),
                  "previous": json.loads(previous.read_text()) if previous.exists() else None}
         mse = start["previous"]["vae_mse"] if start["previous"] else float("nan")
-        args.space = _space_of(vae)
     elif args.vae_from:
         components = build_components(MINIATURE, args.seed)
         # Whatever VAE class the folder names (a trained AutoencoderKLQwenImage or a PixelShuffleVAE).
@@ -183,7 +182,6 @@ def build_vae_and_latents(args: argparse.Namespace, work: Path) -> dict:
         mse = source_record["vae_mse"] if source_record else float("nan")
         # The VAE's provenance: the record of the run that trained it (and the runs that one continued).
         start = {"init_from": None, "vae_from": str(args.vae_from), "vae_source": source_record}
-        args.space = _space_of(vae)
     elif args.space == "pixel":
         from model_providers.qwen_image.pixel_vae import PixelShuffleVAE
 
@@ -194,7 +192,6 @@ def build_vae_and_latents(args: argparse.Namespace, work: Path) -> dict:
         mse = float(torch.nn.functional.mse_loss(vae.decode(vae.encode(x).latent_dist.mode()).sample, x))
         start = {"init_from": None}
     else:
-        args.space = "latent"
         components = build_components(MINIATURE, args.seed)
         vae = components["vae"]
         vae_images, _ = render_dataset(VOCABULARY, 4096, seed=args.seed * 1000 + 1)
@@ -204,6 +201,7 @@ def build_vae_and_latents(args: argparse.Namespace, work: Path) -> dict:
             mse = train_vae(vae, x, args.vae_steps, args.vae_batch, args.vae_crop, args.vae_lr,
                             args.seed * 1000 + 3)
         start = {"init_from": None}
+    args.space = _space_of(vae)  # recorded in pretrain.json: the space this run trained in, however chosen
     images, words = render_dataset(VOCABULARY, args.dataset_size, seed=args.seed * 1000 + 4)
     z = encode_latents(vae, torch.from_numpy(images_to_tensor(images)).unsqueeze(2))
     if not (args.init_from or args.vae_from):

@@ -22,8 +22,10 @@ importing this module needs neither vllm nor vllm_omni.
 from __future__ import annotations
 
 import dataclasses
+import json
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
@@ -246,9 +248,6 @@ def require_qwen_image_vae(model: str) -> None:
     """Refuse a local pipeline folder whose VAE is not an `AutoencoderKLQwenImage`: vLLM-Omni's Qwen-Image
     pipeline loads its `vae/` subfolder as one whatever `model_index.json` says (a pixel-space
     `PixelShuffleVAE` folder would load as a default-sized VAE missing every weight)."""
-    import json
-    from pathlib import Path
-
     index = Path(model) / "model_index.json"
     if not index.is_file():
         return  # a hub id: vLLM-Omni resolves it itself
