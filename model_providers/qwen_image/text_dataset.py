@@ -4,11 +4,14 @@ Each sample is one word from a fixed vocabulary, drawn in DejaVu Sans Bold on a 
 random position, size and colour pair (dark text on a light background: the contrast the OCR reader
 needs). Sizes keep the cap height at 9-13 px on a 64 px image, above the ~5 px the reader resolves. The
 prompt names the word in quotes, so the OCR reward reads its target from the prompt. Everything is drawn
-from a `numpy.random.Generator`, so a seed reproduces a dataset exactly.
+from a `numpy.random.Generator`, so a seed reproduces a dataset exactly. A `TextLayout` narrows the
+variety (how far from the centre, which sizes, fixed colours): how much varies decides how fast a tiny
+model learns to write (measured in docs/recipes.md).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
 
@@ -31,6 +34,39 @@ FONT_SIZES = (13, 14, 15, 16, 17)  # DejaVu Sans Bold cap height is ~0.73 em: 9.
 MARGIN = 3
 
 
+
+
+@dataclass(frozen=True)
+class TextLayout:
+    """How much the rendering varies. The default is the dataset the shipped pipeline learned (anywhere inside
+    the margin, one of FONT_SIZES, a random colour pair); narrower layouts trade variety for learning speed.
+
+    max_offset: None (anywhere inside the margin) or the most pixels the word's box moves from the centre,
+    per axis (0: centred; kept inside the margin); offset_step: offsets are multiples of it (8: whole 8 px
+    patches of the miniature's 64 image tokens, so a word's patches are the same wherever it lands);
+    font_sizes: the sizes drawn from (those at which the word fits); colours: "random" (light background,
+    dark ink) or "fixed" (black on white)."""
+
+    max_offset: int | None = None
+    font_sizes: tuple[int, ...] = FONT_SIZES
+    colours: str = "random"
+    offset_step: int = 1
+
+    def __post_init__(self) -> None:
+        if self.max_offset is not None and self.max_offset < 0:
+            raise ValueError(f"TextLayout.max_offset must be None (anywhere) or >= 0 px, not {self.max_offset!r}")
+        if self.offset_step < 1:
+            raise ValueError(f"TextLayout.offset_step must be >= 1 px, not {self.offset_step!r}")
+        if self.colours not in ("random", "fixed"):
+            raise ValueError(f"TextLayout.colours must be 'random' or 'fixed', not {self.colours!r}")
+        if not self.font_sizes or any(s < 8 for s in self.font_sizes):
+            raise ValueError(f"TextLayout.font_sizes must be non-empty and >= 8 px (cap height >= ~5.8 px, the "
+                             f"least the OCR reader resolves), not {self.font_sizes!r}")
+
+
+VARIED = TextLayout()
+
+
 def prompt_for(word: str) -> str:
     """The prompt that asks for `word` (the OCR reward's target is the quoted span)."""
     return f'text "{word}"'
@@ -43,31 +79,41 @@ def _font(size: int) -> ImageFont.FreeTypeFont:
     return ImageFont.truetype(str(FONT_PATH), size)
 
 
-def render_word(word: str, rng: np.random.Generator, size: int = 64) -> Image.Image:
-    """`word` drawn at a random size, position and colour pair on a `size` x `size` RGB image.
+def render_word(word: str, rng: np.random.Generator, size: int = 64, layout: TextLayout = VARIED) -> Image.Image:
+    """`word` drawn at a size, position and colour pair drawn as `layout` says on a `size` x `size` RGB image.
 
-    The largest font that fits is used when the drawn size would not fit (long words at big sizes)."""
-    sizes = [s for s in FONT_SIZES if _font(s).getbbox(word)[2] - _font(s).getbbox(word)[0] <= size - 2 * MARGIN]
+    A size that would not fit (long words at big sizes) is not drawn from; a word that fits at none raises."""
+    sizes = [s for s in layout.font_sizes
+             if _font(s).getbbox(word)[2] - _font(s).getbbox(word)[0] <= size - 2 * MARGIN]
     if not sizes:
-        raise ValueError(f"{word!r} does not fit a {size} px image at the smallest font size {FONT_SIZES[0]}")
+        raise ValueError(f"{word!r} does not fit a {size} px image at font sizes {layout.font_sizes}")
     font = _font(sizes[int(rng.integers(len(sizes)))])
     left, top, right, bottom = font.getbbox(word)
     w, h = right - left, bottom - top
-    x = int(rng.integers(MARGIN, size - MARGIN - w + 1)) - left
-    y = int(rng.integers(MARGIN, size - MARGIN - h + 1)) - top
-    background = tuple(int(v) for v in rng.integers(190, 256, size=3))
-    ink = tuple(int(v) for v in rng.integers(0, 90, size=3))
+    if layout.max_offset is None:
+        x = int(rng.integers(MARGIN, size - MARGIN - w + 1)) - left
+        y = int(rng.integers(MARGIN, size - MARGIN - h + 1)) - top
+    else:
+        k, step = layout.max_offset // layout.offset_step, layout.offset_step
+        dx, dy = (step * int(v) for v in rng.integers(-k, k + 1, size=2)) if k else (0, 0)
+        x = min(max((size - w) // 2 + dx, MARGIN), size - MARGIN - w) - left
+        y = min(max((size - h) // 2 + dy, MARGIN), size - MARGIN - h) - top
+    if layout.colours == "random":
+        background = tuple(int(v) for v in rng.integers(190, 256, size=3))
+        ink = tuple(int(v) for v in rng.integers(0, 90, size=3))
+    else:
+        background, ink = (255, 255, 255), (0, 0, 0)
     image = Image.new("RGB", (size, size), background)
     ImageDraw.Draw(image).text((x, y), word, font=font, fill=ink)
     return image
 
 
-def render_dataset(words: tuple[str, ...] | list[str], count: int, seed: int,
-                   size: int = 64) -> tuple[list[Image.Image], list[str]]:
+def render_dataset(words: tuple[str, ...] | list[str], count: int, seed: int, size: int = 64,
+                   layout: TextLayout = VARIED) -> tuple[list[Image.Image], list[str]]:
     """`count` images cycling through `words` (each word equally often) and their words, from `seed`."""
     rng = np.random.default_rng(seed)
     chosen = [words[i % len(words)] for i in range(count)]
-    return [render_word(w, rng, size) for w in chosen], chosen
+    return [render_word(w, rng, size, layout) for w in chosen], chosen
 
 
 def images_to_tensor(images: list[Image.Image]) -> np.ndarray:

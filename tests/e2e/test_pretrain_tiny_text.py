@@ -136,18 +136,21 @@ def test_text_encoder_training_and_vae_from(built: Path, tmp_path: Path) -> None
 
 def test_pixel_space_folder_continues_and_lends_its_vae(tmp_path: Path) -> None:
     """`--space pixel` writes a pipeline whose VAE is the exact PixelShuffleVAE with the dataset's latent
-    statistics, that samples through the diffusers engine, continues with `--init-from` and lends its VAE
-    with `--vae-from`; `--space pixel` beside either of those is refused."""
+    statistics, that samples through the diffusers engine, continues with `--init-from` (on the folder's
+    dataset layout unless a flag changes it) and lends its VAE with `--vae-from`; `--space pixel` beside
+    either of those is refused, and so is a bad --max-offset."""
     from megatron_omni.rollout.base import SamplingParams
     from megatron_omni.rollout.diffusers_engine import DiffusersRolloutEngine
     from model_providers.qwen_image.pixel_vae import PixelShuffleVAE
 
     pixel = tmp_path / "pixel"
-    _pretrain(pixel, "--space", "pixel")
+    _pretrain(pixel, "--space", "pixel", "--max-offset", "8", "--offset-step", "8", "--font-sizes", "14", "15")
     index = json.loads((pixel / "model_index.json").read_text())
     assert index["vae"] == ["model_providers.qwen_image.pixel_vae", "PixelShuffleVAE"]
     record = json.loads((pixel / "pretrain.json").read_text())
     assert record["args"]["space"] == "pixel" and 0.0 < record["vae_mse"] < 0.1  # colour -> gray, nothing else
+    layout = {"max_offset": 8, "font_sizes": [14, 15], "colours": "random", "offset_step": 8}
+    assert record["layout"] == layout
     engine = DiffusersRolloutEngine(pixel)
     stats = engine.pipe.vae.config
     assert isinstance(engine.pipe.vae, PixelShuffleVAE) and engine.pipe.vae_scale_factor == 4
@@ -158,7 +161,11 @@ def test_pixel_space_folder_continues_and_lends_its_vae(tmp_path: Path) -> None:
     more = tmp_path / "more"
     _pretrain(more, "--init-from", str(pixel), "--seed", "1")
     assert json.loads((more / "model_index.json").read_text())["vae"] == index["vae"]
-    assert json.loads((more / "pretrain.json").read_text())["args"]["space"] == "pixel"  # the folder's
+    continued = json.loads((more / "pretrain.json").read_text())
+    assert continued["args"]["space"] == "pixel" and continued["layout"] == layout  # the folder's
+    centred = tmp_path / "centred"
+    _pretrain(centred, "--init-from", str(pixel), "--max-offset", "0")
+    assert json.loads((centred / "pretrain.json").read_text())["layout"] == {**layout, "max_offset": 0}
     vae_config = json.loads((pixel / "vae" / "config.json").read_text())
     assert json.loads((more / "vae" / "config.json").read_text()) == vae_config
     lent = tmp_path / "lent"
@@ -168,6 +175,9 @@ def test_pixel_space_folder_continues_and_lends_its_vae(tmp_path: Path) -> None:
         proc = subprocess.run([sys.executable, TOOL, "--out", str(tmp_path / "refused"), *SHORT, flag, str(pixel),
                                "--space", "pixel"], cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=300)
         assert proc.returncode == 2 and "drop --space" in proc.stderr and not (tmp_path / "refused").exists()
+    proc = subprocess.run([sys.executable, TOOL, "--out", str(tmp_path / "refused"), *SHORT, "--max-offset", "left"],
+                          cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2 and "--max-offset must be" in proc.stderr and not (tmp_path / "refused").exists()
 
 
 def test_interrupt_writes_the_model_of_the_last_evaluation(built: Path, tmp_path: Path) -> None:

@@ -10,6 +10,7 @@ from model_providers.qwen_image.text_dataset import (
     HELD_OUT_WORDS,
     RL_WORDS,
     VOCABULARY,
+    TextLayout,
     images_to_tensor,
     prompt_for,
     render_dataset,
@@ -49,6 +50,55 @@ def test_dataset_is_reproducible_and_varied() -> None:
     assert not np.array_equal(np.asarray(a[0]), np.asarray(a[len(VOCABULARY)]))
     x = images_to_tensor(a)
     assert x.shape == (40, 3, 64, 64) and x.dtype == np.float32 and x.min() >= -1 and x.max() <= 1
+
+
+def _ink_box(image) -> tuple[int, int, int, int]:
+    dark = np.asarray(image.convert("L")) < 128
+    ys, xs = np.nonzero(dark)
+    return int(xs.min()), int(ys.min()), int(xs.max()), int(ys.max())
+
+
+def test_fixed_layout_draws_each_word_one_way_and_it_reads_back(scorer) -> None:
+    """Centred, one size, black on white: every draw of a word is the same image, the ink box is centred
+    (within a pixel of rounding and the glyphs' side bearings), and the reader reads every word."""
+    layout = TextLayout(max_offset=0, font_sizes=(15,), colours="fixed")
+    images, words = render_dataset(VOCABULARY, 2 * len(VOCABULARY), seed=5, layout=layout)
+    n = len(VOCABULARY)
+    assert all(np.array_equal(np.asarray(images[i]), np.asarray(images[i + n])) for i in range(n))
+    for image in images[:n]:
+        arr = np.asarray(image)
+        assert set(map(tuple, arr.reshape(-1, 3)[[0, -1]])) == {(255, 255, 255)}
+        x0, y0, x1, y1 = _ink_box(image)
+        assert abs((x0 + x1) / 2 - 31.5) <= 1.5 and abs((y0 + y1) / 2 - 31.5) <= 1.5, (x0, y0, x1, y1)
+    rewards = scorer([np.asarray(im) for im in images[:n]], [prompt_for(w) for w in words[:n]])
+    assert min(rewards) == 1.0, list(zip(words, rewards))
+
+
+def test_layout_narrows_only_what_it_names() -> None:
+    """A bounded offset with one size: positions vary within the bound of the centred box, the ink height does
+    not; the default moves words much further."""
+    centred = _ink_box(render_word("CAT", np.random.default_rng(0), layout=TextLayout(0, (15,), "fixed")))
+    layout = TextLayout(max_offset=4, font_sizes=(15,), colours="fixed")
+    images, _ = render_dataset(("CAT",), 40, seed=3, layout=layout)
+    boxes = [_ink_box(im) for im in images]
+    assert len({b[3] - b[1] for b in boxes}) == 1 and len({b[:2] for b in boxes}) > 10
+    assert max(max(abs(b[0] - centred[0]), abs(b[1] - centred[1])) for b in boxes) == 4
+    # whole-token offsets: the word lands on the centred box moved by -8, 0 or 8 px per axis
+    on_grid = render_dataset(("CAT",), 40, seed=3, layout=TextLayout(8, (15,), "fixed", offset_step=8))[0]
+    moves = {(b[0] - centred[0], b[1] - centred[1]) for b in map(_ink_box, on_grid)}
+    assert moves == {(dx, dy) for dx in (-8, 0, 8) for dy in (-8, 0, 8)}, moves
+    anywhere = [_ink_box(im) for im in render_dataset(("CAT",), 40, seed=3)[0]]
+    assert max(max(abs(b[0] - centred[0]), abs(b[1] - centred[1])) for b in anywhere) > 10
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"max_offset": -1}, "max_offset"), ({"colours": "rainbow"}, "colours"), ({"font_sizes": ()}, "font_sizes"),
+    ({"font_sizes": (15, 6)}, "font_sizes"),
+    ({"offset_step": 0}, "offset_step"),
+])
+def test_bad_layout_is_refused_by_name(kwargs, message) -> None:
+    with pytest.raises(ValueError, match=message):
+        TextLayout(**kwargs)
 
 
 def test_word_that_does_not_fit_is_an_error() -> None:
