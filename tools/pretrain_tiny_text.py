@@ -131,7 +131,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def layout_of(args: argparse.Namespace, base: TextLayout = VARIED) -> TextLayout:
-    """The dataset layout: --max-offset, --font-sizes and --colours where given, `base`'s otherwise."""
+    """The dataset layout: --max-offset, --offset-step, --font-sizes and --colours where given, `base`'s
+    otherwise."""
     offset = base.max_offset
     if args.max_offset is not None:
         if args.max_offset == "any":

@@ -34,8 +34,6 @@ FONT_SIZES = (13, 14, 15, 16, 17)  # DejaVu Sans Bold cap height is ~0.73 em: 9.
 MARGIN = 3
 
 
-
-
 @dataclass(frozen=True)
 class TextLayout:
     """How much the rendering varies. The default is the dataset the shipped pipeline learned (anywhere inside
