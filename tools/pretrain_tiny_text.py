@@ -39,6 +39,7 @@ folder (one process per rank, CPU fp32).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import shlex
 import shutil
@@ -149,8 +150,7 @@ def recorded_layout(record: dict | None) -> TextLayout:
     """The layout a pretrain.json records (a record without one predates the option: the varied default)."""
     if not record or "layout" not in record:
         return VARIED
-    d = record["layout"]
-    return TextLayout(d["max_offset"], tuple(d["font_sizes"]), d["colours"], d["offset_step"])
+    return TextLayout(**{**record["layout"], "font_sizes": tuple(record["layout"]["font_sizes"])})
 
 
 # ----------------------------------------------------------------------------------------------- VAE
@@ -250,8 +250,7 @@ def build_vae_and_latents(args: argparse.Namespace, work: Path) -> dict:
         start = {"init_from": None}
     args.space = _space_of(vae)  # recorded in pretrain.json: the space this run trained in, however chosen
     images, words = render_dataset(VOCABULARY, args.dataset_size, seed=args.seed * 1000 + 4, layout=layout)
-    start["layout"] = {"max_offset": layout.max_offset, "font_sizes": list(layout.font_sizes),
-                       "colours": layout.colours, "offset_step": layout.offset_step}
+    start["layout"] = dataclasses.asdict(layout)  # read back by recorded_layout
     z = encode_latents(vae, torch.from_numpy(images_to_tensor(images)).unsqueeze(2))
     if not (args.init_from or args.vae_from):
         vae.register_to_config(latents_mean=[float(v) for v in z.mean(dim=(0, 2, 3, 4))],
