@@ -5,10 +5,11 @@ default), with the OCR scorer in a reward server of its own (a separate process,
 trainer evaluates the held-out prompts (8 words RL trains on, 8 it never sees; 8 seeds each) with ODE
 sampling before the first and after the last step, and draws `eval_before_after.png` in the run folder.
 
-Printed: held-out OCR similarity before and after (all, seen, unseen), the number of RL steps, the wall
-time, and LAST the ratio after/before (target >= 2.0). One run's ratio moves with its seed (the shipped
-recipe read 1.45 with seed 0 and 1.29 with seed 1): `--seeds 0 1 2` runs it once per seed and prints the
-means and each seed's ratio, and last the ratio of the means.
+Printed: held-out OCR similarity before and after (all, seen, unseen; with the ODE, and with the rollout's
+SDE sampler when the recipe's `eval.rollout_sampler` is on), the number of RL steps, the wall time, and
+LAST the ODE's ratio after/before (target >= 2.0). One run's ratio moves with its seed (the shipped recipe
+read 1.45 with seed 0 and 1.29 with seed 1): `--seeds 0 1 2` runs it once per seed and prints the means and
+each seed's ratio, and last the ratio of the means.
 
     HF_HUB_OFFLINE=1 .venv/bin/python benchmarks/ocr_miniature.py [--steps N] [--seeds S ...] [--run-dir DIR]
         [--set a.b=v ...]
@@ -73,6 +74,13 @@ def main() -> None:
                   f"{cfg.rollout.prompts_per_step} x {cfg.rollout.group_size} images, run folder {cfg.run_dir}")
             for name, key in KEYS.items():
                 print(f"held-out OCR similarity ({name}): before {before[key]:.3f} -> after {after[key]:.3f}")
+            if "rollout_sampler_reward_mean" in before:
+                print(f"held-out OCR similarity with the rollout's sampler (SDE window, {cfg.rollout.num_steps} "
+                      f"steps; seen / unseen): before {before['rollout_sampler_reward_mean']:.3f} "
+                      f"({before['rollout_sampler_seen_reward_mean']:.3f} / "
+                      f"{before['rollout_sampler_unseen_reward_mean']:.3f}) -> after "
+                      f"{after['rollout_sampler_reward_mean']:.3f} ({after['rollout_sampler_seen_reward_mean']:.3f} / "
+                      f"{after['rollout_sampler_unseen_reward_mean']:.3f})")
             print(f"RL steps: {summary['steps']}   wall time (incl. both evaluations): {wall / 60:.1f} min")
             print(f"training reward: first step {summary['first_reward']:.3f} -> last step "
                   f"{summary['last_reward']:.3f}")

@@ -108,6 +108,9 @@ class EvalConfig:
     num_steps: int = 20  # ODE steps (noise 0): more than the rollout's
     guidance_scale: float | None = None  # None: the rollout's
     every: int = 0  # RL steps between evaluations; 0: only before the first and after the last step
+    # Also sample the same prompts and seeds with the rollout's sampler (its steps, guidance and SDE window):
+    # eval.jsonl gains rollout_sampler_* keys, the reward RL trains on, next to the ODE's.
+    rollout_sampler: bool = False
 
 
 @dataclass

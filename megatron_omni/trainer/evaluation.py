@@ -1,4 +1,6 @@
-"""Held-out evaluation: fixed prompts and seeds sampled with the ODE (no noise), scored by the run's reward.
+"""Held-out evaluation: fixed prompts and seeds sampled with the ODE (no noise), scored by the run's reward;
+optionally also with the rollout's own stochastic sampler (its steps and SDE window), whose gap to the ODE
+shows whether RL improves the sampler it is evaluated with or only the one it trains.
 
 The same prompts and seeds before and after training make the images directly comparable; prompts that
 also appear in the RL prompt list count as `seen`, the others as `unseen`. Each evaluation is kept as an
@@ -61,12 +63,16 @@ def eval_samples(prompts: list[str], seeds_per_prompt: int, seed: int) -> tuple[
 
 
 def evaluate(engine, reward_fn: RewardFunction, prompts: list[str], seeds: list[int],
-             params: SamplingParams) -> EvalResult:
-    """Sample `prompts[i]` with `seeds[i]` by `params.ode()` (noise 0) on `engine` and score every image."""
+             params: SamplingParams, ode: bool = True) -> EvalResult:
+    """Sample `prompts[i]` with `seeds[i]` on `engine` and score every image: by `params.ode()` (noise 0), or
+    with `ode=False` by `params` as given (a stochastic window draws its start and noise from each seed)."""
     if len(prompts) != len(seeds):
         raise ValueError(f"{len(prompts)} prompts but {len(seeds)} seeds")
+    if not ode and not params.stochastic:
+        raise ValueError("ode=False needs stochastic params (noise_level > 0 and a window): these are the ODE")
     reward_fn.begin(len(prompts))
-    traj = engine.generate(prompts, params.ode(), group_size=1, seeds=seeds, on_sample=reward_fn.on_sample)
+    traj = engine.generate(prompts, params.ode() if ode else params, group_size=1, seeds=seeds,
+                           on_sample=reward_fn.on_sample)
     rewards = reward_fn.collect()
     return EvalResult(prompts=list(prompts), seeds=list(seeds), images=traj.images.detach().cpu(), rewards=rewards)
 

@@ -39,9 +39,9 @@ def prepare_pipeline(cfg: JobConfig, run_dir: Path) -> Path:
 
 
 def run_evaluation(cfg: JobConfig, trainer: FlowGRPOTrainer, run_dir: Path, done: int) -> None:
-    """Rank 0 samples the held-out prompts (`cfg.eval`) with the ODE after `done` RL steps, saves
-    `eval/step_XXXX.npz` and a grid, appends to `eval.jsonl`; after the last step it also draws
-    `eval_before_after.png`. Collective (a barrier)."""
+    """Rank 0 samples the held-out prompts (`cfg.eval`) with the ODE after `done` RL steps (and with the
+    rollout's sampler when `eval.rollout_sampler`), saves `eval/step_XXXX.npz` and a grid of the ODE's images,
+    appends to `eval.jsonl`; after the last step it also draws `eval_before_after.png`. Collective (a barrier)."""
     if dist.get_rank() == 0:
         e = cfg.eval
         base = trainer.sampling_params()
@@ -57,6 +57,9 @@ def run_evaluation(cfg: JobConfig, trainer: FlowGRPOTrainer, run_dir: Path, done
         caps = [f"{p[:24]}\nr={r:.3g}" for p, r in zip(result.prompts, result.rewards.tolist())]
         save_image_grid(result.images, caps, folder / f"step_{done:04d}.png")
         summary = {"step": done, **result.summary(set(cfg.prompts))}
+        if e.rollout_sampler:
+            sde = evaluate(trainer.engine, trainer.reward_fn, prompts, seeds, base, ode=False)
+            summary.update({f"rollout_sampler_{k}": v for k, v in sde.summary(set(cfg.prompts)).items()})
         with open(run_dir / "eval.jsonl", "a") as f:
             f.write(json.dumps(summary) + "\n")
         first = folder / "step_0000.npz"

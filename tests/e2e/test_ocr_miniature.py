@@ -72,13 +72,16 @@ def test_rl_from_the_shipped_pipeline_raises_held_out_ocr(tmp_path: Path) -> Non
     steps = config["steps"]
     evals = [json.loads(line) for line in (run_dir / "eval.jsonl").read_text().splitlines()]
     assert [e["step"] for e in evals] == [0, steps]
+    keys = [p + k for p in ("", "rollout_sampler_")  # the ODE's and (eval.rollout_sampler) the SDE sampler's
+            for k in ("reward_mean", "seen_reward_mean", "unseen_reward_mean")]
     for e in evals:
-        assert all(math.isfinite(e[k]) and 0.0 <= e[k] <= 1.0
-                   for k in ("reward_mean", "seen_reward_mean", "unseen_reward_mean")), e
+        assert all(math.isfinite(e[k]) and 0.0 <= e[k] <= 1.0 for k in keys), e
     before, after = evals[0]["reward_mean"], evals[-1]["reward_mean"]
     print(f"held-out OCR similarity {before:.3f} -> {after:.3f} after {steps} RL steps "
           f"(seen {evals[0]['seen_reward_mean']:.3f} -> {evals[-1]['seen_reward_mean']:.3f}, "
-          f"unseen {evals[0]['unseen_reward_mean']:.3f} -> {evals[-1]['unseen_reward_mean']:.3f})")
+          f"unseen {evals[0]['unseen_reward_mean']:.3f} -> {evals[-1]['unseen_reward_mean']:.3f}); with the "
+          f"rollout's sampler {evals[0]['rollout_sampler_reward_mean']:.3f} -> "
+          f"{evals[-1]['rollout_sampler_reward_mean']:.3f}")
     assert after >= before + MARGIN, (before, after)
     assert (run_dir / "eval_before_after.png").stat().st_size > 0
     assert sorted(p.name for p in (run_dir / "eval").glob("*.npz")) == ["step_0000.npz", f"step_{steps:04d}.npz"]

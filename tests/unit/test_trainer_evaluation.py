@@ -1,5 +1,6 @@
 """Held-out evaluation records: seen/unseen split, the saved result round-trips, the before/after grid refuses
-evaluations of different prompts or seeds."""
+evaluations of different prompts or seeds; evaluation with the rollout's own sampler samples what a rollout of
+those seeds samples."""
 
 from __future__ import annotations
 
@@ -9,7 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatron_omni.trainer.evaluation import EvalResult, eval_samples, save_before_after_grid
+from megatron_omni.rollout.base import SamplingParams
+from megatron_omni.trainer.evaluation import EvalResult, eval_samples, evaluate, save_before_after_grid
 
 
 def _result(rewards: list[float], seed: int = 0) -> EvalResult:
@@ -68,3 +70,26 @@ def test_grid_shows_the_first_seeds_of_each_prompt(tmp_path: Path) -> None:
     assert short < tall, (short, tall)  # 3 pairs in 2 rows vs 6 pairs in 3 rows
     with pytest.raises(ValueError, match="per_prompt"):
         save_before_after_grid(before, after, tmp_path / "bad.png", per_prompt=0)
+
+
+def test_rollout_sampler_evaluation_samples_the_rollout(tmp_path: Path) -> None:
+    """`ode=False` scores the images a rollout of the same seeds draws (SDE window and all), which differ from
+    the ODE's; without a stochastic window there is nothing but the ODE, and that is refused."""
+    from megatron_omni.rollout.diffusers_engine import DiffusersRolloutEngine
+    from megatron_omni.trainer.rewards import RewardFunction
+    from model_providers.qwen_image.tiny_pipeline import make_tiny_pipeline
+
+    engine = DiffusersRolloutEngine(make_tiny_pipeline(tmp_path / "pipe", seed=0), max_batch_size=4)
+    reward_fn = RewardFunction("jpeg_compressibility")
+    params = SamplingParams(height=64, width=64, num_steps=4, noise_level=1.0, window_size=2, window_range=(0, 2))
+    prompts, seeds = eval_samples(['"A"', '"B"'], 2, seed=3)
+    sde = evaluate(engine, reward_fn, prompts, seeds, params, ode=False)
+    ode = evaluate(engine, reward_fn, prompts, seeds, params)
+    rollout = engine.generate(prompts, params, group_size=1, seeds=seeds)
+    assert torch.equal(sde.images, rollout.images.cpu())
+    assert torch.equal(ode.images, engine.generate(prompts, params.ode(), group_size=1, seeds=seeds).images.cpu())
+    assert (sde.images - ode.images).abs().max() > 1e-3
+    assert sde.rewards.shape == ode.rewards.shape == (4,) and not torch.equal(sde.rewards, ode.rewards)
+    with pytest.raises(ValueError, match="stochastic"):
+        evaluate(engine, reward_fn, prompts, seeds, params.ode(), ode=False)
+    reward_fn.close()
