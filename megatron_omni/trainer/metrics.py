@@ -75,8 +75,9 @@ def save_image_grid(images: torch.Tensor, captions: list[str], path: Path, colum
     os.replace(tmp, path)
 
 
-def save_reward_curve(history: list[dict[str, Any]], path: Path) -> None:
-    """Mean reward (with +-std band) per step -> PNG."""
+def save_reward_curve(history: list[dict[str, Any]], path: Path, evals: list[dict[str, Any]] | None = None) -> None:
+    """Mean training reward (with +-std band) per step -> PNG; with `evals` (eval.jsonl records) also the
+    held-out means at their steps: the ODE's and, when recorded, the rollout sampler's."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -89,6 +90,10 @@ def save_reward_curve(history: list[dict[str, Any]], path: Path) -> None:
     ax.plot(steps, mean, marker="o", label="reward mean")
     ax.fill_between(steps, [m - s for m, s in zip(mean, std)], [m + s for m, s in zip(mean, std)], alpha=0.2,
                     label="+- std")
+    for key, label in (("reward_mean", "held-out, ODE"), ("rollout_sampler_reward_mean", "held-out, rollout sampler")):
+        points = [(e["step"], e[key]) for e in evals or [] if key in e]
+        if points:
+            ax.plot(*zip(*points), marker="s", linestyle="--", label=label)
     ax.set_xlabel("RL step")
     ax.set_ylabel("reward")
     ax.legend()

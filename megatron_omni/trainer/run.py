@@ -137,10 +137,10 @@ def run(cfg: JobConfig) -> dict:
     if rank == 0:
         writer.close()
         history = read_history(run_dir / "metrics.jsonl")
-        save_reward_curve(history, run_dir / "reward_curve.png")
+        evals = read_history(run_dir / "eval.jsonl")
+        save_reward_curve(history, run_dir / "reward_curve.png", evals)
         summary.update(first_reward=history[0]["reward_mean"], last_reward=history[-1]["reward_mean"],
                        steps=len(history))
-        evals = read_history(run_dir / "eval.jsonl")
         if len(evals) >= 2 and evals[0]["step"] == 0:
             summary.update(eval_before=evals[0], eval_after=evals[-1])
     dist.barrier()
