@@ -87,7 +87,7 @@ def save_reward_curve(history: list[dict[str, Any]], path: Path, evals: list[dic
     mean = [h["reward_mean"] for h in history]
     std = [h["reward_std"] for h in history]
     fig, ax = plt.subplots(figsize=(6, 3.5))
-    ax.plot(steps, mean, marker="o", label="reward mean")
+    ax.plot(steps, mean, marker="o", label="training reward (mean)")
     ax.fill_between(steps, [m - s for m, s in zip(mean, std)], [m + s for m, s in zip(mean, std)], alpha=0.2,
                     label="+- std")
     for key, label in (("reward_mean", "held-out, ODE"), ("rollout_sampler_reward_mean", "held-out, rollout sampler")):
