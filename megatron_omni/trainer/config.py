@@ -158,6 +158,8 @@ class JobConfig:
             (self.eval.every >= 0, "eval.every", "must be >= 0 (0: before and after training only)"),
             (self.eval.guidance_scale is None or self.eval.guidance_scale >= 1, "eval.guidance_scale",
              "must be >= 1 (or none: the rollout's)"),
+            (not self.eval.rollout_sampler or (self.rollout.noise_level > 0 and self.rollout.window_size > 0),
+             "eval.rollout_sampler", "needs a stochastic rollout (rollout.noise_level > 0, rollout.window_size > 0)"),
         ]
         for ok, name, why in checks:
             if not ok:

@@ -140,6 +140,7 @@ def test_bypass_and_recompute_give_the_same_first_update(tmp_path: Path) -> None
         (["--set", "parallel.tp=3"], "world size 1 is not divisible"),
         (["--set", "rollout.group_size=1"], "rollout.group_size=1"),
         (["--set", "eval.guidance_scale=0.5"], "eval.guidance_scale=0.5"),
+        (["--set", "eval.rollout_sampler=true", "--set", "rollout.noise_level=0"], "eval.rollout_sampler=True"),
         (["--set", "parallel.tp=2", "--set", "rollout.transformer=trainer"], "rollout.transformer='trainer'"),
         (["--recipe", "examples.tiny.recipe:missing"], "--recipe"),
     ],
