@@ -96,12 +96,16 @@ def dry_run(cfg, world_size: int, gpu: str, gpus_per_node: int = 8, reward_gpus:
           f"diffusers engine tp=1), {elements:,} elements = {elements * 2 / 2**30:.2f} GiB bf16 per sync")
     m = report.memory
     total = m.total
-    if cfg.algorithm.beta > 0:
-        # The frozen reference model of the KL term: one more copy of this rank's shard (not in the planner's total).
-        reference = report.precision.param_bytes * max(report.stage_parameters)
-        total += reference
-        print(f"KL reference (algorithm.beta={cfg.algorithm.beta:g}): + {reference / 2**30:.1f} GiB per GPU -> "
-              f"{total / 2**30:.1f} GiB of {m.capacity / 2**30:.1f} GiB")
+    # The frozen reference of the KL term and the EMA of the weights: each one more copy of this rank's shard
+    # (not in the planner's total).
+    copies = [(f"KL reference (algorithm.beta={cfg.algorithm.beta:g})", cfg.algorithm.beta > 0),
+              (f"EMA of the weights (optim.ema_decay={cfg.optim.ema_decay:g})", cfg.optim.ema_decay > 0)]
+    for label, kept in copies:
+        if kept:
+            copy = report.precision.param_bytes * max(report.stage_parameters)
+            total += copy
+            print(f"{label}: + {copy / 2**30:.1f} GiB per GPU -> {total / 2**30:.1f} GiB of "
+                  f"{m.capacity / 2**30:.1f} GiB")
     return m.fits and total <= m.capacity
 
 

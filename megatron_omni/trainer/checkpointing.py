@@ -11,6 +11,8 @@ A checkpoint is one `dist_checkpointing` folder, `checkpoints/step_XXXXXX`, hold
 - the RNG states of every rank (torch CPU generator, Python, NumPy, the model-parallel tracker) as one
   `ShardedObject` per rank; restored only when the job has the same world size (a different layout
   cannot continue the same random streams anyway);
+- with `optim.ema_decay`, the EMA of the weights: the model's sharded tensors under `ema.` + name (so
+  `mcore-to-hf --prefix ema.` exports it as a diffusers transformer);
 - common state written once: scheduler, step, data position, metric history, world size.
 
 It is written into `step_XXXXXX.tmp` and renamed when every rank has finished; the `COMPLETE` marker
@@ -34,6 +36,7 @@ import torch.distributed as dist
 from megatron.core import dist_checkpointing
 from megatron.core.dist_checkpointing.dict_utils import nested_values
 from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedStateDict, ShardedTensor
+from megatron.core.dist_checkpointing.utils import add_prefix_for_sharding
 from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
 
@@ -47,6 +50,7 @@ COMPLETE = "COMPLETE"
 # supports the gather-free "fully_sharded_model_space"; "dp_reshardable" cannot change TP.)
 OPTIMIZER_SHARDING = "fully_reshardable"
 RNG_KEY = "trainer.rng_state"
+EMA_PREFIX = "ema."
 
 
 def checkpoint_dir(run_dir: Path, step: int) -> Path:
@@ -113,15 +117,24 @@ def _sharded_training_state(model: torch.nn.Module, optimizer: Any, is_loading: 
     return {"model": model_sd, "optimizer": optim_sd}
 
 
+def _ema_sharded_state(ema: torch.nn.Module, sharded_state: ModelShardedState) -> ShardedStateDict:
+    """The EMA copy's sharded tensors: the model's layout, keys prefixed with `ema.`."""
+    state = sharded_state(ema)
+    add_prefix_for_sharding(state, EMA_PREFIX)
+    return state
+
+
 def _rng_object(state: Any, world: int, rank: int) -> ShardedObject:
     return ShardedObject(RNG_KEY, state, (world,), (rank,), replica_id=0)
 
 
 def save_checkpoint(run_dir: Path, step: int, model: torch.nn.Module, optimizer: Any, scheduler: Any,
                     common: dict[str, Any], keep: int, content_metadata: dict[str, Any] | None = None,
-                    sharded_state: ModelShardedState = model_sharded_state_dict) -> Path:
-    """Collective: save model, optimizer, scheduler, RNG states and `common` (step, data position, metric
-    history: rank 0's copy is written) as the checkpoint after `step` steps; prune to the last `keep`.
+                    sharded_state: ModelShardedState = model_sharded_state_dict,
+                    ema: torch.nn.Module | None = None) -> Path:
+    """Collective: save model, optimizer, scheduler, RNG states, `common` (step, data position, metric
+    history: rank 0's copy is written) and the `ema` copy of the model if given, as the checkpoint after
+    `step` steps; prune to the last `keep`.
     `sharded_state` gives the model's ShardedStateDict (default: the MMDiT's; the AR-DiT hybrid passes
     `ar_dit_sharded_state_dict`).
 
@@ -138,6 +151,8 @@ def save_checkpoint(run_dir: Path, step: int, model: torch.nn.Module, optimizer:
     dist.barrier()
     state = _sharded_training_state(model, optimizer, is_loading=False, sharded_state=sharded_state)
     state["rng"] = _rng_object(rng_state(), world, rank)
+    if ema is not None:
+        state["ema"] = _ema_sharded_state(ema, sharded_state)
     state["scheduler"] = scheduler.state_dict()
     state["world_size"] = world
     # Every rank passes rank 0's copy (the one written): per-rank timings in the metric history would
@@ -161,10 +176,12 @@ def save_checkpoint(run_dir: Path, step: int, model: torch.nn.Module, optimizer:
 
 @torch.no_grad()
 def load_checkpoint(folder: Path, model: torch.nn.Module, optimizer: Any, scheduler: Any,
-                    sharded_state: ModelShardedState = model_sharded_state_dict) -> dict[str, Any]:
+                    sharded_state: ModelShardedState = model_sharded_state_dict,
+                    ema: torch.nn.Module | None = None) -> dict[str, Any]:
     """Collective: load a complete checkpoint saved at any layout into this rank's model and optimizer
-    shards and the scheduler; restore the RNG states when the world size matches. Returns `common`.
-    `sharded_state`: as for `save_checkpoint` (the one the checkpoint was saved with)."""
+    shards, the scheduler and the `ema` copy if given (the checkpoint must hold one); restore the RNG states
+    when the world size matches. Returns `common`. `sharded_state`: as for `save_checkpoint` (the one the
+    checkpoint was saved with)."""
     folder = Path(folder)
     if not (folder / COMPLETE).is_file():
         raise FileNotFoundError(f"{folder} is not a complete checkpoint (no {COMPLETE} marker)")
@@ -174,17 +191,25 @@ def load_checkpoint(folder: Path, model: torch.nn.Module, optimizer: Any, schedu
     same_world = saved["world_size"] == world
     if same_world:
         state["rng"] = _rng_object(None, world, rank)
+    if ema is not None:
+        state["ema"] = _ema_sharded_state(ema, sharded_state)
     available = dist_checkpointing.load_tensors_metadata(str(folder))
     wanted = [t.key for t in nested_values(state) if isinstance(t, ShardedTensor)]
     missing = sorted(k for k in wanted if k not in available)
+    if any(k.startswith(EMA_PREFIX) for k in missing):
+        raise RuntimeError(f"{folder} holds no EMA of the weights (saved without optim.ema_decay); this job keeps "
+                           f"one: resume it with optim.ema_decay=0 or start it anew")
     if missing:
         raise RuntimeError(f"{folder} lacks {len(missing)} tensors this job needs, e.g. {missing[:4]} (saved with "
                            f"another optim.distributed_optimizer setting or another model?)")
     loaded = dist_checkpointing.load(state, str(folder))
-    result = model.load_state_dict({k: loaded["model"][k] for k in state["model"]}, strict=False)
-    missing = [k for k in result.missing_keys if not k.endswith("_extra_state")]
-    if missing or result.unexpected_keys:
-        raise RuntimeError(f"loading {folder}: missing {missing}, unexpected {result.unexpected_keys}")
+    for name, module in (("model", model), ("ema", ema)):
+        if module is None:
+            continue
+        result = module.load_state_dict({k: loaded[name][k] for k in state[name]}, strict=False)
+        missing = [k for k in result.missing_keys if not k.endswith("_extra_state")]
+        if missing or result.unexpected_keys:
+            raise RuntimeError(f"loading {folder} ({name}): missing {missing}, unexpected {result.unexpected_keys}")
     optimizer.load_state_dict(loaded["optimizer"])
     _unshare_adam_steps(optimizer)
     scheduler.load_state_dict(loaded["scheduler"])

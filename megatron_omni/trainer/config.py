@@ -84,6 +84,9 @@ class OptimConfig:
     max_bad_steps: int = 3  # NaN/inf loss or grads in a row before the run stops
     micro_batch_size: int | None = None  # (sample, window step) transitions per forward; None: the mini-batch's samples
     distributed_optimizer: bool = False  # shard optimizer state over data parallel (Megatron's ZeRO-1)
+    # Exponential moving average of the trained weights, updated after every optimizer step (flow_grpo's
+    # train.ema): held-out evaluation samples with it and checkpoints keep it (keys `ema.` + name). 0: off.
+    ema_decay: float = 0.0
 
 
 @dataclass
@@ -150,6 +153,7 @@ class JobConfig:
              "must be recompute|bypass"),
             (self.algorithm.std_mode in ("global", "group"), "algorithm.std_mode", "must be global|group"),
             (self.algorithm.beta >= 0.0, "algorithm.beta", "must be >= 0 (KL weight to the frozen reference)"),
+            (0.0 <= self.optim.ema_decay < 1.0, "optim.ema_decay", "must be in [0, 1) (0: no EMA of the weights)"),
             (self.optim.micro_batch_size is None or self.optim.micro_batch_size >= 1, "optim.micro_batch_size",
              "must be >= 1 (or none: the whole mini-batch)"),
             (len(self.prompts) >= 1, "prompts", "needs at least one prompt"),

@@ -12,13 +12,17 @@ same trajectory (each rank's embedded engine holds the full weights: the sync ga
 into every engine). Rewards are gathered over data parallel for the advantages (global or per-group
 std). The recompute and the update run micro-batches (samples x one window step) through Megatron-Core's
 schedules (`pipeline_step.py`; 1F1B when pp > 1). With `algorithm.beta > 0` a frozen copy of the initial
-model gives the reference transition means of the KL term (design notes, section 4).
+model gives the reference transition means of the KL term (design notes, section 4). With
+`optim.ema_decay > 0` another copy holds the exponential moving average of the weights, which evaluation
+samples with (`evaluation_weights`).
 """
 
 from __future__ import annotations
 
 import math
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -77,6 +81,11 @@ class FlowGRPOTrainer:
         _count_stage_replicas_once(self.model, groups)
         # Built before DDP wraps the policy, from the same weights, never trained (no grads, no optimizer).
         self.reference = _frozen_copy(mcfg, groups, cfg.model.backend, hf_state) if cfg.algorithm.beta > 0 else None
+        self.ema = _frozen_copy(mcfg, groups, cfg.model.backend, hf_state) if cfg.optim.ema_decay > 0 else None
+        if self.ema is not None:
+            names = [n for n, _ in self.model.named_parameters()]
+            if names != [n for n, _ in self.ema.named_parameters()]:
+                raise RuntimeError("the EMA copy's parameters do not match the model's")
         self.ddp = DistributedDataParallel(
             config=mcfg,
             ddp_config=DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
@@ -166,6 +175,39 @@ class FlowGRPOTrainer:
             return None
         flat = [mb for mini in self.micro_batches(*traj.log_probs.shape, step) for mb in mini]
         return self.pipeline.transitions(self.reference, traj, flat, return_means=True).means
+
+    @torch.no_grad()
+    def update_ema(self) -> None:
+        """ema <- decay * ema + (1 - decay) * weights, for this rank's parameter shards (after an optimizer step;
+        nothing without `optim.ema_decay`)."""
+        if self.ema is None:
+            return
+        weight = 1.0 - self.cfg.optim.ema_decay
+        for e, p in zip(self.ema.parameters(), self.model.parameters(), strict=True):
+            e.lerp_(p.detach().to(e.dtype), weight)
+
+    @contextmanager
+    def evaluation_weights(self) -> Iterator[None]:
+        """Collective (every rank): inside, the model, and the engine when it samples with its own copy, hold
+        the EMA weights; on exit the trained weights again, bit for bit. Without an EMA nothing changes."""
+        if self.ema is None:
+            yield
+            return
+        params = list(self.model.parameters())
+        trained = [p.detach().clone() for p in params]
+        with torch.no_grad():
+            for p, e in zip(params, self.ema.parameters(), strict=True):
+                p.copy_(e)
+        if not self.shares_model:
+            self.sync_weights()
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                for p, t in zip(params, trained, strict=True):
+                    p.copy_(t)
+            if not self.shares_model:
+                self.sync_weights()
 
     # ------------------------------------------------------------------------------------------- a step
 
@@ -257,6 +299,8 @@ class FlowGRPOTrainer:
                 continue
             ok, grad_norm, _ = self.optimizer.step()
             self.scheduler.step(increment=1)
+            if ok:
+                self.update_ema()
             grad_norms.append(float(grad_norm) if grad_norm is not None else math.nan)
         sums = {k: sum(m[k] for m in per_micro) / len(per_micro) for k in per_micro[0]}
         sums["grad_norm"] = sum(grad_norms) / len(grad_norms) if grad_norms else math.nan

@@ -39,34 +39,41 @@ def prepare_pipeline(cfg: JobConfig, run_dir: Path) -> Path:
 
 
 def run_evaluation(cfg: JobConfig, trainer: FlowGRPOTrainer, run_dir: Path, done: int) -> None:
-    """Rank 0 samples the held-out prompts (`cfg.eval`) with the ODE after `done` RL steps (and with the
-    rollout's sampler when `eval.rollout_sampler`), saves `eval/step_XXXX.npz` and a grid of the ODE's images,
-    appends to `eval.jsonl`; after the last step it also draws `eval_before_after.png`. Collective (a barrier)."""
-    if dist.get_rank() == 0:
-        e = cfg.eval
-        base = trainer.sampling_params()
-        guidance = base.guidance_scale if e.guidance_scale is None else e.guidance_scale
-        params = dataclasses.replace(base, num_steps=e.num_steps, guidance_scale=guidance, window_range=None,
-                                     negative_prompt=base.negative_prompt if base.negative_prompt is not None
-                                     else (" " if guidance > 1 else None))
-        prompts, seeds = eval_samples(e.prompts, e.seeds_per_prompt, cfg.seed)
-        result = evaluate(trainer.engine, trainer.reward_fn, prompts, seeds, params)
-        folder = run_dir / "eval"
-        folder.mkdir(exist_ok=True)
-        result.save(folder / f"step_{done:04d}.npz")
-        caps = [f"{p[:24]}\nr={r:.3g}" for p, r in zip(result.prompts, result.rewards.tolist())]
-        save_image_grid(result.images, caps, folder / f"step_{done:04d}.png")
-        summary = {"step": done, **result.summary(set(cfg.prompts))}
-        if e.rollout_sampler:
-            sde = evaluate(trainer.engine, trainer.reward_fn, prompts, seeds, base, ode=False)
-            summary.update({f"rollout_sampler_{k}": v for k, v in sde.summary(set(cfg.prompts)).items()})
-        with open(run_dir / "eval.jsonl", "a") as f:
-            f.write(json.dumps(summary) + "\n")
-        first = folder / "step_0000.npz"
-        if done == cfg.steps and done > 0 and first.exists():
-            save_before_after_grid(EvalResult.load(first), result, run_dir / "eval_before_after.png")
-        tqdm.write(f"eval after {done} steps: " + ", ".join(f"{k} {v:.4f}" for k, v in summary.items() if k != "step"))
-    dist.barrier()
+    """Held-out evaluation after `done` RL steps (`record_evaluation` on rank 0), with the EMA of the weights
+    when `optim.ema_decay` is set. Collective (every rank)."""
+    with trainer.evaluation_weights():
+        if dist.get_rank() == 0:
+            record_evaluation(cfg, trainer, run_dir, done)
+        dist.barrier()
+
+
+def record_evaluation(cfg: JobConfig, trainer: FlowGRPOTrainer, run_dir: Path, done: int) -> None:
+    """Sample the held-out prompts (`cfg.eval`) with the ODE (and with the rollout's sampler when
+    `eval.rollout_sampler`), save `eval/step_XXXX.npz` and a grid of the ODE's images, append to `eval.jsonl`;
+    after the last step also draw `eval_before_after.png`."""
+    e = cfg.eval
+    base = trainer.sampling_params()
+    guidance = base.guidance_scale if e.guidance_scale is None else e.guidance_scale
+    params = dataclasses.replace(base, num_steps=e.num_steps, guidance_scale=guidance, window_range=None,
+                                 negative_prompt=base.negative_prompt if base.negative_prompt is not None
+                                 else (" " if guidance > 1 else None))
+    prompts, seeds = eval_samples(e.prompts, e.seeds_per_prompt, cfg.seed)
+    result = evaluate(trainer.engine, trainer.reward_fn, prompts, seeds, params)
+    folder = run_dir / "eval"
+    folder.mkdir(exist_ok=True)
+    result.save(folder / f"step_{done:04d}.npz")
+    caps = [f"{p[:24]}\nr={r:.3g}" for p, r in zip(result.prompts, result.rewards.tolist())]
+    save_image_grid(result.images, caps, folder / f"step_{done:04d}.png")
+    summary = {"step": done, **result.summary(set(cfg.prompts))}
+    if e.rollout_sampler:
+        sde = evaluate(trainer.engine, trainer.reward_fn, prompts, seeds, base, ode=False)
+        summary.update({f"rollout_sampler_{k}": v for k, v in sde.summary(set(cfg.prompts)).items()})
+    with open(run_dir / "eval.jsonl", "a") as f:
+        f.write(json.dumps(summary) + "\n")
+    first = folder / "step_0000.npz"
+    if done == cfg.steps and done > 0 and first.exists():
+        save_before_after_grid(EvalResult.load(first), result, run_dir / "eval_before_after.png")
+    tqdm.write(f"eval after {done} steps: " + ", ".join(f"{k} {v:.4f}" for k, v in summary.items() if k != "step"))
 
 
 def run(cfg: JobConfig) -> dict:
@@ -90,7 +97,7 @@ def run(cfg: JobConfig) -> dict:
     resume = cfg.checkpoint.resume
     folder = latest_checkpoint(run_dir) if resume == "auto" else (Path(resume) if resume else None)
     if folder is not None:
-        common = load_checkpoint(folder, trainer.model, trainer.optimizer, trainer.scheduler)
+        common = load_checkpoint(folder, trainer.model, trainer.optimizer, trainer.scheduler, ema=trainer.ema)
         start = common["step"]
         trainer.sync_weights()
         if rank == 0:
@@ -129,7 +136,7 @@ def run(cfg: JobConfig) -> dict:
             meta = content_metadata("qwen_image", dict(trainer.engine.transformer.config),
                                     model_layout(trainer.model), step=done)
             save_checkpoint(run_dir, done, trainer.model, trainer.optimizer, trainer.scheduler, common,
-                            cfg.checkpoint.keep, content_metadata=meta)
+                            cfg.checkpoint.keep, content_metadata=meta, ema=trainer.ema)
         if cfg.eval.prompts and (done == cfg.steps or (cfg.eval.every and done % cfg.eval.every == 0)):
             run_evaluation(cfg, trainer, run_dir, done)
     reward_fn.close()

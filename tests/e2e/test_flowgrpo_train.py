@@ -91,7 +91,9 @@ def test_reward_rises_pp2(tmp_path: Path) -> None:
 
 @pytest.mark.slow
 def test_sigkill_and_resume_is_bit_identical(tmp_path: Path) -> None:
-    steps = ["--set", "steps=4", "--set", "checkpoint.every=1", "--set", "checkpoint.keep=5"]
+    """With an EMA of the weights kept (optim.ema_decay): it is checkpointed and resumes bit-identically too."""
+    steps = ["--set", "steps=4", "--set", "checkpoint.every=1", "--set", "checkpoint.keep=5",
+             "--set", "optim.ema_decay=0.9"]
     ref = tmp_path / "uninterrupted"
     assert _train(ref, *steps).returncode == 0
 
@@ -110,6 +112,26 @@ def test_sigkill_and_resume_is_bit_identical(tmp_path: Path) -> None:
     assert "resumed from" in resumed.stdout + resumed.stderr
     _assert_same_state(_final_state(ref, 4), _final_state(run, 4))
     assert _rewards(ref)[-1] == _rewards(run)[-1]
+    model = _final_state(ref, 4)["model"]
+    ema = [k for k in model if k.startswith("ema.")]
+    assert ema and all(k.removeprefix("ema.") in model for k in ema)
+    assert any(not torch.equal(model[k], model[k.removeprefix("ema.")]) for k in ema), "the EMA must lag the weights"
+    # `mcore-to-hf --prefix ema.` exports the EMA: the same diffusers tensors, other values.
+    from safetensors.torch import load_file
+
+    from megatron_omni.checkpoint.convert import mcore_to_hf
+
+    exports = {}
+    for name, prefix in (("weights", ""), ("ema", "ema.")):
+        mcore_to_hf(ref / "checkpoints" / "step_000004", tmp_path / name, prefix=prefix, progress=False)
+        exports[name] = {k: v for f in sorted((tmp_path / name).glob("*.safetensors")) for k, v in load_file(f).items()}
+    assert exports["weights"].keys() == exports["ema"].keys()
+    assert any(not torch.equal(v, exports["ema"][k]) for k, v in exports["weights"].items())
+    # A checkpoint without an EMA cannot resume a job that keeps one: refused by name.
+    plain = tmp_path / "plain"
+    assert _train(plain, "--set", "steps=1").returncode == 0
+    refused = _train(plain, "--set", "steps=2", "--set", "optim.ema_decay=0.9", "--resume", "auto")
+    assert refused.returncode != 0 and "holds no EMA of the weights" in refused.stderr, refused.stderr[-2000:]
 
 
 @pytest.mark.slow
@@ -141,6 +163,7 @@ def test_bypass_and_recompute_give_the_same_first_update(tmp_path: Path) -> None
         (["--set", "rollout.group_size=1"], "rollout.group_size=1"),
         (["--set", "eval.guidance_scale=0.5"], "eval.guidance_scale=0.5"),
         (["--set", "eval.rollout_sampler=true", "--set", "rollout.noise_level=0"], "eval.rollout_sampler=True"),
+        (["--set", "optim.ema_decay=1"], "optim.ema_decay=1.0"),
         (["--set", "parallel.tp=2", "--set", "rollout.transformer=trainer"], "rollout.transformer='trainer'"),
         (["--recipe", "examples.tiny.recipe:missing"], "--recipe"),
     ],

@@ -1,0 +1,112 @@
+"""The EMA of the weights (`optim.ema_decay`, flow_grpo's `train.ema`) in the trainer.
+
+On the tiny offline pipeline, with fixed advantages on a real trajectory: after every optimizer step the EMA
+is decay * EMA + (1 - decay) * weights, starting from the initial weights; `evaluation_weights()` puts it
+into the model, and into the engine's own transformer when the engine samples with a copy
+(`rollout.transformer=engine`), so evaluation samples with the EMA; on exit the trained weights are back bit
+for bit and the engine samples exactly what it sampled before. Without `ema_decay` nothing is kept and the
+context changes nothing.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.distributed.harness import run_ranks
+
+PROMPTS = ["a red cube", "a photo of a cat on a mat"]
+GROUP = 2
+DECAY = 0.75
+
+
+def _trainer(pipeline_dir: str, ema_decay: float, transformer: str = "auto"):
+    from megatron_omni.parallel import ParallelLayout, build_parallel_groups
+    from megatron_omni.trainer.config import JobConfig
+    from megatron_omni.trainer.flowgrpo import FlowGRPOTrainer
+    from megatron_omni.trainer.rewards import RewardFunction
+
+    cfg = JobConfig(prompts=PROMPTS, seed=5)
+    cfg.rollout.height = cfg.rollout.width = 32
+    cfg.rollout.num_steps = 4
+    cfg.rollout.window_size = 2
+    cfg.rollout.prompts_per_step = len(PROMPTS)
+    cfg.rollout.group_size = GROUP
+    cfg.rollout.transformer = transformer
+    cfg.optim.lr = 1e-2
+    cfg.optim.mini_batches = 1  # one optimizer step per update: the EMA is checked after each
+    cfg.optim.ema_decay = ema_decay
+    cfg.validate(1)
+    return FlowGRPOTrainer(cfg, build_parallel_groups(ParallelLayout()), pipeline_dir,
+                           RewardFunction("jpeg_compressibility"))
+
+
+def _params(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in model.named_parameters()}
+
+
+def _max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    assert a.keys() == b.keys()
+    return max(float((a[k] - b[k]).abs().max()) for k in a)
+
+
+def _ode_images(trainer) -> torch.Tensor:
+    return trainer.engine.generate(PROMPTS, trainer.sampling_params().ode(), group_size=1, seeds=[3, 4]).images
+
+
+def _ema_run(rank: int, world_size: int, pipeline_dir: str) -> dict:
+    out: dict = {}
+    for transformer in ("auto", "engine"):
+        trainer = _trainer(pipeline_dir, DECAY, transformer)
+        res: dict = {"shares_model": trainer.shares_model}
+        expected = _params(trainer.model)
+        res["starts_at_weights"] = _max_diff(_params(trainer.ema), expected)
+        n = len(PROMPTS) * GROUP
+        traj = trainer.engine.generate(PROMPTS, trainer.sampling_params(), group_size=GROUP,
+                                       seeds=[7 + i for i in range(n)])
+        advantages = torch.linspace(-1.0, 1.0, n)
+        res["ema_error"], res["ema_vs_weights"] = [], []
+        for step in (0, 1):
+            trainer._update(traj, trainer.old_log_probs(traj, step), advantages, step)
+            weights = _params(trainer.model)
+            expected = {k: DECAY * expected[k] + (1 - DECAY) * weights[k] for k in weights}
+            res["ema_error"].append(_max_diff(_params(trainer.ema), expected))
+            res["ema_vs_weights"].append(_max_diff(_params(trainer.ema), weights))
+        if not trainer.shares_model:
+            trainer.sync_weights()
+        trained, before = _params(trainer.model), _ode_images(trainer)
+        with trainer.evaluation_weights():
+            res["inside_is_ema"] = _max_diff(_params(trainer.model), _params(trainer.ema))
+            res["inside_vs_trained_images"] = float((_ode_images(trainer) - before).abs().max())
+        res["restored"] = _max_diff(_params(trainer.model), trained)
+        res["images_restored"] = torch.equal(_ode_images(trainer), before)
+        out[transformer] = res
+    plain = _trainer(pipeline_dir, 0.0)
+    weights, images = _params(plain.model), _ode_images(plain)
+    with plain.evaluation_weights():
+        out["plain"] = {"no_ema": plain.ema is None, "unchanged": _max_diff(_params(plain.model), weights),
+                        "same_images": torch.equal(_ode_images(plain), images)}
+    return out
+
+
+@pytest.fixture(scope="module")
+def pipeline_dir(tmp_path_factory) -> str:
+    from model_providers.qwen_image.tiny_pipeline import make_tiny_pipeline
+
+    path = tmp_path_factory.mktemp("trainer_ema") / "tiny"
+    make_tiny_pipeline(path, seed=0)
+    return str(path)
+
+
+def test_ema_of_the_weights_is_what_evaluation_samples(pipeline_dir: str) -> None:
+    (out,) = run_ranks(_ema_run, 1, pipeline_dir, timeout_s=400)
+    assert out["auto"]["shares_model"] and not out["engine"]["shares_model"]
+    for transformer in ("auto", "engine"):
+        r = out[transformer]
+        assert r["starts_at_weights"] == 0.0
+        assert max(r["ema_error"]) < 1e-6, r["ema_error"]
+        assert min(r["ema_vs_weights"]) > 1e-4, "lr 1e-2 moves the weights: the EMA must lag them"
+        assert r["inside_is_ema"] == 0.0
+        assert r["inside_vs_trained_images"] > 1e-4, "the engine must sample with the EMA inside the context"
+        assert r["restored"] == 0.0 and r["images_restored"], transformer
+    assert out["plain"] == {"no_ema": True, "unchanged": 0.0, "same_images": True}
