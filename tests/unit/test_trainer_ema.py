@@ -10,35 +10,12 @@ context changes nothing.
 
 from __future__ import annotations
 
-import pytest
 import torch
 
 from tests.distributed.harness import run_ranks
+from tests.unit.tiny_trainer import GROUP, PROMPTS, tiny_trainer
 
-PROMPTS = ["a red cube", "a photo of a cat on a mat"]
-GROUP = 2
 DECAY = 0.75
-
-
-def _trainer(pipeline_dir: str, ema_decay: float, transformer: str = "auto"):
-    from megatron_omni.parallel import ParallelLayout, build_parallel_groups
-    from megatron_omni.trainer.config import JobConfig
-    from megatron_omni.trainer.flowgrpo import FlowGRPOTrainer
-    from megatron_omni.trainer.rewards import RewardFunction
-
-    cfg = JobConfig(prompts=PROMPTS, seed=5)
-    cfg.rollout.height = cfg.rollout.width = 32
-    cfg.rollout.num_steps = 4
-    cfg.rollout.window_size = 2
-    cfg.rollout.prompts_per_step = len(PROMPTS)
-    cfg.rollout.group_size = GROUP
-    cfg.rollout.transformer = transformer
-    cfg.optim.lr = 1e-2
-    cfg.optim.mini_batches = 1  # one optimizer step per update: the EMA is checked after each
-    cfg.optim.ema_decay = ema_decay
-    cfg.validate(1)
-    return FlowGRPOTrainer(cfg, build_parallel_groups(ParallelLayout()), pipeline_dir,
-                           RewardFunction("jpeg_compressibility"))
 
 
 def _params(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -57,7 +34,7 @@ def _ode_images(trainer) -> torch.Tensor:
 def _ema_run(rank: int, world_size: int, pipeline_dir: str) -> dict:
     out: dict = {}
     for transformer in ("auto", "engine"):
-        trainer = _trainer(pipeline_dir, DECAY, transformer)
+        trainer = tiny_trainer(pipeline_dir, f"optim.ema_decay={DECAY}", f"rollout.transformer={transformer}")
         res: dict = {"shares_model": trainer.shares_model}
         expected = _params(trainer.model)
         res["starts_at_weights"] = _max_diff(_params(trainer.ema), expected)
@@ -81,7 +58,7 @@ def _ema_run(rank: int, world_size: int, pipeline_dir: str) -> dict:
         res["restored"] = _max_diff(_params(trainer.model), trained)
         res["images_restored"] = torch.equal(_ode_images(trainer), before)
         out[transformer] = res
-    plain = _trainer(pipeline_dir, 0.0)
+    plain = tiny_trainer(pipeline_dir)
     weights, images = _params(plain.model), _ode_images(plain)
     with plain.evaluation_weights():
         out["plain"] = {"no_ema": plain.ema is None, "unchanged": _max_diff(_params(plain.model), weights),
@@ -89,17 +66,8 @@ def _ema_run(rank: int, world_size: int, pipeline_dir: str) -> dict:
     return out
 
 
-@pytest.fixture(scope="module")
-def pipeline_dir(tmp_path_factory) -> str:
-    from model_providers.qwen_image.tiny_pipeline import make_tiny_pipeline
-
-    path = tmp_path_factory.mktemp("trainer_ema") / "tiny"
-    make_tiny_pipeline(path, seed=0)
-    return str(path)
-
-
-def test_ema_of_the_weights_is_what_evaluation_samples(pipeline_dir: str) -> None:
-    (out,) = run_ranks(_ema_run, 1, pipeline_dir, timeout_s=400)
+def test_ema_of_the_weights_is_what_evaluation_samples(tiny_pipeline_dir: str) -> None:
+    (out,) = run_ranks(_ema_run, 1, tiny_pipeline_dir, timeout_s=400)
     assert out["auto"]["shares_model"] and not out["engine"]["shares_model"]
     for transformer in ("auto", "engine"):
         r = out[transformer]

@@ -14,31 +14,9 @@ import pytest
 import torch
 
 from tests.distributed.harness import run_ranks
+from tests.unit.tiny_trainer import GROUP, PROMPTS, tiny_trainer
 
-PROMPTS = ["a red cube", "a photo of a cat on a mat"]
-GROUP = 2
 BETA = 0.5
-
-
-def _trainer(pipeline_dir: str, beta: float):
-    from megatron_omni.parallel import ParallelLayout, build_parallel_groups
-    from megatron_omni.trainer.config import JobConfig
-    from megatron_omni.trainer.flowgrpo import FlowGRPOTrainer
-    from megatron_omni.trainer.rewards import RewardFunction
-
-    cfg = JobConfig(prompts=PROMPTS, seed=5)
-    cfg.rollout.height = cfg.rollout.width = 32
-    cfg.rollout.num_steps = 4
-    cfg.rollout.window_size = 2
-    cfg.rollout.prompts_per_step = len(PROMPTS)
-    cfg.rollout.group_size = GROUP
-    cfg.optim.lr = 1e-2
-    cfg.optim.mini_batches = 1  # the step's loss is computed before its only optimizer step
-    cfg.algorithm.clip_range = 0.2
-    cfg.algorithm.beta = beta
-    cfg.validate(1)
-    return FlowGRPOTrainer(cfg, build_parallel_groups(ParallelLayout()), pipeline_dir,
-                           RewardFunction("jpeg_compressibility"))
 
 
 def _algorithm_level(trainer, traj, old, advantages, step: int) -> dict[str, float]:
@@ -67,7 +45,7 @@ def _weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 
 def _kl_run(rank: int, world_size: int, pipeline_dir: str) -> dict:
-    with_kl, without = _trainer(pipeline_dir, BETA), _trainer(pipeline_dir, 0.0)
+    with_kl, without = tiny_trainer(pipeline_dir, f"algorithm.beta={BETA}"), tiny_trainer(pipeline_dir)
     assert without.reference is None
     n = len(PROMPTS) * GROUP
     traj = with_kl.engine.generate(PROMPTS, with_kl.sampling_params(), group_size=GROUP,
@@ -91,17 +69,8 @@ def _kl_run(rank: int, world_size: int, pipeline_dir: str) -> dict:
     return out
 
 
-@pytest.fixture(scope="module")
-def pipeline_dir(tmp_path_factory) -> str:
-    from model_providers.qwen_image.tiny_pipeline import make_tiny_pipeline
-
-    path = tmp_path_factory.mktemp("trainer_kl") / "tiny"
-    make_tiny_pipeline(path, seed=0)
-    return str(path)
-
-
-def test_kl_to_frozen_reference(pipeline_dir: str) -> None:
-    (out,) = run_ranks(_kl_run, 1, pipeline_dir, timeout_s=400)
+def test_kl_to_frozen_reference(tiny_pipeline_dir: str) -> None:
+    (out,) = run_ranks(_kl_run, 1, tiny_pipeline_dir, timeout_s=400)
     assert out["frozen"] and out["reference_unchanged"] and out["reference_moved_from_policy"] > 0
     s0, s1 = out[0], out[1]
     # Step 0: the policy is the reference.
