@@ -1,6 +1,6 @@
 """The trainer end to end, as users run it (`python -m megatron_omni.train`, torchrun for TP=2):
-the reward rises, a SIGKILLed run resumes bit-identically, bypass and recompute agree, bad configs fail
-before any work starts."""
+the reward rises, a SIGKILLed run resumes bit-identically (EMA of the weights included), bypass and
+recompute agree, bad configs fail before any work starts."""
 
 from __future__ import annotations
 
