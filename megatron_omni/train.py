@@ -96,13 +96,14 @@ def dry_run(cfg, world_size: int, gpu: str, gpus_per_node: int = 8, reward_gpus:
           f"diffusers engine tp=1), {elements:,} elements = {elements * 2 / 2**30:.2f} GiB bf16 per sync")
     m = report.memory
     total = m.total
-    # The frozen reference of the KL term and the EMA of the weights: each one more copy of this rank's shard
-    # (not in the planner's total).
-    copies = [(f"KL reference (algorithm.beta={cfg.algorithm.beta:g})", cfg.algorithm.beta > 0),
-              (f"EMA of the weights (optim.ema_decay={cfg.optim.ema_decay:g})", cfg.optim.ema_decay > 0)]
-    for label, kept in copies:
+    # The frozen reference of the KL term (in the parameters' dtype) and the EMA of the weights (fp32): each one
+    # more copy of this rank's shard (not in the planner's total).
+    copies = [(f"KL reference (algorithm.beta={cfg.algorithm.beta:g})", cfg.algorithm.beta > 0,
+               report.precision.param_bytes),
+              (f"EMA of the weights (optim.ema_decay={cfg.optim.ema_decay:g}, fp32)", cfg.optim.ema_decay > 0, 4)]
+    for label, kept, bytes_per_param in copies:
         if kept:
-            copy = report.precision.param_bytes * max(report.stage_parameters)
+            copy = bytes_per_param * max(report.stage_parameters)
             total += copy
             print(f"{label}: + {copy / 2**30:.1f} GiB per GPU -> {total / 2**30:.1f} GiB of "
                   f"{m.capacity / 2**30:.1f} GiB")

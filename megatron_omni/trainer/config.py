@@ -84,7 +84,7 @@ class OptimConfig:
     max_bad_steps: int = 3  # NaN/inf loss or grads in a row before the run stops
     micro_batch_size: int | None = None  # (sample, window step) transitions per forward; None: the mini-batch's samples
     distributed_optimizer: bool = False  # shard optimizer state over data parallel (Megatron's ZeRO-1)
-    # Exponential moving average of the trained weights, updated after every optimizer step (flow_grpo's
+    # Exponential moving average of the trained weights in fp32, updated after every optimizer step (flow_grpo's
     # train.ema): held-out evaluation samples with it and checkpoints keep it (keys `ema.` + name). 0: off.
     ema_decay: float = 0.0
 

@@ -35,7 +35,8 @@ def _ema_run(rank: int, world_size: int, pipeline_dir: str) -> dict:
     out: dict = {}
     for transformer in ("auto", "engine"):
         trainer = tiny_trainer(pipeline_dir, f"optim.ema_decay={DECAY}", f"rollout.transformer={transformer}")
-        res: dict = {"shares_model": trainer.shares_model}
+        res: dict = {"shares_model": trainer.shares_model,
+                     "ema_fp32": all(p.dtype == torch.float32 for p in trainer.ema.parameters())}
         expected = _params(trainer.model)
         res["starts_at_weights"] = _max_diff(_params(trainer.ema), expected)
         n = len(PROMPTS) * GROUP
@@ -71,7 +72,7 @@ def test_ema_of_the_weights_is_what_evaluation_samples(tiny_pipeline_dir: str) -
     assert out["auto"]["shares_model"] and not out["engine"]["shares_model"]
     for transformer in ("auto", "engine"):
         r = out[transformer]
-        assert r["starts_at_weights"] == 0.0
+        assert r["ema_fp32"] and r["starts_at_weights"] == 0.0
         assert max(r["ema_error"]) < 1e-6, r["ema_error"]
         assert min(r["ema_vs_weights"]) > 1e-4, "lr 1e-2 moves the weights: the EMA must lag them"
         assert r["inside_is_ema"] == 0.0
