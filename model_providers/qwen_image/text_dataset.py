@@ -77,12 +77,16 @@ def _font(size: int) -> ImageFont.FreeTypeFont:
     return ImageFont.truetype(str(FONT_PATH), size)
 
 
+def _ink_width(word: str, font_size: int) -> int:
+    left, _, right, _ = _font(font_size).getbbox(word)
+    return right - left
+
+
 def render_word(word: str, rng: np.random.Generator, size: int = 64, layout: TextLayout = VARIED) -> Image.Image:
     """`word` drawn at a size, position and colour pair drawn as `layout` says on a `size` x `size` RGB image.
 
     A size that would not fit (long words at big sizes) is not drawn from; a word that fits at none raises."""
-    sizes = [s for s in layout.font_sizes
-             if _font(s).getbbox(word)[2] - _font(s).getbbox(word)[0] <= size - 2 * MARGIN]
+    sizes = [s for s in layout.font_sizes if _ink_width(word, s) <= size - 2 * MARGIN]
     if not sizes:
         raise ValueError(f"{word!r} does not fit a {size} px image at font sizes {layout.font_sizes}")
     font = _font(sizes[int(rng.integers(len(sizes)))])
