@@ -143,7 +143,8 @@ def layout_of(args: argparse.Namespace, base: TextLayout = VARIED) -> TextLayout
         else:
             offset = int(args.max_offset)
     return TextLayout(offset, tuple(args.font_sizes) if args.font_sizes else base.font_sizes,
-                      args.colours or base.colours, args.offset_step or base.offset_step)
+                      args.colours or base.colours,
+                      base.offset_step if args.offset_step is None else args.offset_step)
 
 
 def recorded_layout(record: dict | None) -> TextLayout:

@@ -138,7 +138,7 @@ def test_pixel_space_folder_continues_and_lends_its_vae(tmp_path: Path) -> None:
     """`--space pixel` writes a pipeline whose VAE is the exact PixelShuffleVAE with the dataset's latent
     statistics, that samples through the diffusers engine, continues with `--init-from` (on the folder's
     dataset layout unless a flag changes it) and lends its VAE with `--vae-from`; `--space pixel` beside
-    either of those is refused, and so is a bad --max-offset."""
+    either of those is refused, and so are a bad --max-offset and --offset-step 0."""
     from megatron_omni.rollout.base import SamplingParams
     from megatron_omni.rollout.diffusers_engine import DiffusersRolloutEngine
     from model_providers.qwen_image.pixel_vae import PixelShuffleVAE
@@ -175,9 +175,11 @@ def test_pixel_space_folder_continues_and_lends_its_vae(tmp_path: Path) -> None:
         proc = subprocess.run([sys.executable, TOOL, "--out", str(tmp_path / "refused"), *SHORT, flag, str(pixel),
                                "--space", "pixel"], cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=300)
         assert proc.returncode == 2 and "drop --space" in proc.stderr and not (tmp_path / "refused").exists()
-    proc = subprocess.run([sys.executable, TOOL, "--out", str(tmp_path / "refused"), *SHORT, "--max-offset", "left"],
-                          cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 2 and "--max-offset must be" in proc.stderr and not (tmp_path / "refused").exists()
+    for bad, message in ((["--max-offset", "left"], "--max-offset must be"),
+                         (["--offset-step", "0"], "offset_step must be >= 1")):
+        proc = subprocess.run([sys.executable, TOOL, "--out", str(tmp_path / "refused"), *SHORT, *bad],
+                              cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 2 and message in proc.stderr and not (tmp_path / "refused").exists(), bad
 
 
 def test_interrupt_writes_the_model_of_the_last_evaluation(built: Path, tmp_path: Path) -> None:
