@@ -10,7 +10,10 @@ import json
 import types
 import typing
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from megatron_omni.rollout.base import SamplingParams
 
 
 class ConfigError(ValueError):
@@ -53,6 +56,17 @@ class RolloutConfig:
     # needs a one-rank model replica, tp = ulysses = ring = pp = 1, and the engine's dtype), "auto" (trainer when
     # it can, else engine).
     transformer: str = "auto"
+
+    def sampling_params(self) -> SamplingParams:
+        """The rollout's sampler (raises ValueError naming the problem: a window that does not fit, ...)."""
+        from megatron_omni.rollout.base import SamplingParams
+
+        return SamplingParams(
+            height=self.height, width=self.width, num_steps=self.num_steps, noise_level=self.noise_level,
+            sde_type=self.sde_type, window_size=self.window_size,
+            window_range=tuple(self.window_range) if self.window_range else None,
+            guidance_scale=self.guidance_scale, negative_prompt=self.negative_prompt,
+        )
 
 
 @dataclass
@@ -168,6 +182,10 @@ class JobConfig:
         for ok, name, why in checks:
             if not ok:
                 raise ConfigError(f"{name}={_get(self, name)!r} {why}")
+        try:
+            self.rollout.sampling_params()
+        except ValueError as exc:
+            raise ConfigError(f"rollout: {exc}") from None
         n = self.rollout.prompts_per_step * self.rollout.group_size
         if n % self.optim.mini_batches:
             raise ConfigError(f"optim.mini_batches={self.optim.mini_batches} does not divide the {n} samples per step")

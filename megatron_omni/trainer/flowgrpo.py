@@ -133,13 +133,7 @@ class FlowGRPOTrainer:
     # ------------------------------------------------------------------------------------------ pieces
 
     def sampling_params(self) -> SamplingParams:
-        r = self.cfg.rollout
-        return SamplingParams(
-            height=r.height, width=r.width, num_steps=r.num_steps, noise_level=r.noise_level,
-            sde_type=r.sde_type, window_size=r.window_size,
-            window_range=tuple(r.window_range) if r.window_range else None,
-            guidance_scale=r.guidance_scale, negative_prompt=r.negative_prompt,
-        )
+        return self.cfg.rollout.sampling_params()
 
     def step_prompts(self, step: int) -> tuple[list[str], list[int], list[int]]:
         """This data-parallel rank's prompts, global group ids and per-sample seeds for RL step `step`."""
