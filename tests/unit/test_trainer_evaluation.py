@@ -72,14 +72,13 @@ def test_grid_shows_the_first_seeds_of_each_prompt(tmp_path: Path) -> None:
         save_before_after_grid(before, after, tmp_path / "bad.png", per_prompt=0)
 
 
-def test_rollout_sampler_evaluation_samples_the_rollout(tmp_path: Path) -> None:
+def test_rollout_sampler_evaluation_samples_the_rollout(tiny_pipeline_dir: str) -> None:
     """`ode=False` scores the images a rollout of the same seeds draws (SDE window and all), which differ from
     the ODE's; without a stochastic window there is nothing but the ODE, and that is refused."""
     from megatron_omni.rollout.diffusers_engine import DiffusersRolloutEngine
     from megatron_omni.trainer.rewards import RewardFunction
-    from model_providers.qwen_image.tiny_pipeline import make_tiny_pipeline
 
-    engine = DiffusersRolloutEngine(make_tiny_pipeline(tmp_path / "pipe", seed=0), max_batch_size=4)
+    engine = DiffusersRolloutEngine(tiny_pipeline_dir, max_batch_size=4)
     reward_fn = RewardFunction("jpeg_compressibility")
     params = SamplingParams(height=64, width=64, num_steps=4, noise_level=1.0, window_size=2, window_range=(0, 2))
     prompts, seeds = eval_samples(['"A"', '"B"'], 2, seed=3)
