@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 
 from megatron_omni.rollout.ar_dit_engine import ARDiTSamplingParams, ARDiTTrajectory
+from megatron_omni.trainer import atomic_files
 from megatron_omni.trainer.ar_dit import ARDiTTrainConfig, ARDiTTrainer
 
 
@@ -63,10 +64,7 @@ def run(cfg: ARDiTTrainConfig, groups, steps: int, out_dir: str | os.PathLike | 
         if common is not None:
             start, history = int(common["step"]), list(common["history"])
             if groups.rank == 0:  # the metrics of steps after that checkpoint are about to be redone
-                path = Path(out_dir) / "metrics.jsonl"
-                tmp = path.with_suffix(".jsonl.tmp")
-                tmp.write_text("".join(json.dumps(m) + "\n" for m in history))
-                os.replace(tmp, path)
+                atomic_files.write_jsonl(Path(out_dir) / "metrics.jsonl", history)
     for step in range(start, steps):
         metrics, traj, _ = trainer.train_step(step)
         metrics["reward_image"] = float(brightness(traj).mean())

@@ -9,7 +9,6 @@ also appear in the RL prompt list count as `seen`, the others as `unseen`. Each 
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -17,6 +16,7 @@ import numpy as np
 import torch
 
 from megatron_omni.rollout.base import SamplingParams
+from megatron_omni.trainer import atomic_files
 from megatron_omni.trainer.rewards import RewardFunction
 
 
@@ -43,10 +43,9 @@ class EvalResult:
     def save(self, path: Path) -> None:
         """Atomic `.npz` of this result (images as uint8)."""
         images = (self.images.clamp(0, 1) * 255).round().to(torch.uint8).numpy()
-        tmp = path.with_name(path.name + ".tmp.npz")
-        np.savez_compressed(tmp, images=images, rewards=self.rewards.numpy(), prompts=np.array(self.prompts),
-                            seeds=np.array(self.seeds, dtype=np.int64))
-        os.replace(tmp, path)
+        with atomic_files.replacing(path, suffix=".npz") as tmp:
+            np.savez_compressed(tmp, images=images, rewards=self.rewards.numpy(), prompts=np.array(self.prompts),
+                                seeds=np.array(self.seeds, dtype=np.int64))
 
     @classmethod
     def load(cls, path: Path) -> EvalResult:
@@ -111,7 +110,4 @@ def save_before_after_grid(before: EvalResult, after: EvalResult, path: Path, co
     fig.suptitle(f"held-out reward over {len(before.prompts)} samples: before {before.mean():.3f} -> after "
                  f"{after.mean():.3f} (shown: {n})", fontsize=9)
     fig.tight_layout()
-    tmp = path.with_name(path.name + ".tmp.png")
-    fig.savefig(tmp, dpi=110)
-    plt.close(fig)
-    os.replace(tmp, path)
+    atomic_files.save_figure(fig, path, dpi=110)

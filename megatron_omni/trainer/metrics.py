@@ -10,6 +10,8 @@ from typing import Any
 
 import torch
 
+from megatron_omni.trainer import atomic_files
+
 
 class MetricsWriter:
     """Writes one record per step to `metrics.jsonl` (appending: resumed runs continue the file)."""
@@ -69,10 +71,7 @@ def save_image_grid(images: torch.Tensor, captions: list[str], path: Path, colum
             ax.imshow(images[i].clamp(0, 1).permute(1, 2, 0).cpu().numpy())
             ax.set_title(captions[i], fontsize=7)
     fig.tight_layout()
-    tmp = path.with_suffix(".tmp.png")
-    fig.savefig(tmp, dpi=100)
-    plt.close(fig)
-    os.replace(tmp, path)
+    atomic_files.save_figure(fig, path, dpi=100)
 
 
 def save_reward_curve(history: list[dict[str, Any]], path: Path, evals: list[dict[str, Any]] | None = None) -> None:
@@ -98,7 +97,4 @@ def save_reward_curve(history: list[dict[str, Any]], path: Path, evals: list[dic
     ax.set_ylabel("reward")
     ax.legend()
     fig.tight_layout()
-    tmp = path.with_suffix(".tmp.png")
-    fig.savefig(tmp, dpi=100)
-    plt.close(fig)
-    os.replace(tmp, path)
+    atomic_files.save_figure(fig, path, dpi=100)

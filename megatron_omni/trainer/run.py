@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 from pathlib import Path
 
 import torch.distributed as dist
@@ -12,6 +11,7 @@ from tqdm import tqdm
 
 from megatron_omni.checkpoint.sharded_state import content_metadata, model_layout
 from megatron_omni.parallel import ParallelLayout, build_parallel_groups
+from megatron_omni.trainer import atomic_files
 from megatron_omni.trainer.checkpointing import latest_checkpoint, load_checkpoint, save_checkpoint
 from megatron_omni.trainer.config import JobConfig, to_dict
 from megatron_omni.trainer.evaluation import EvalResult, eval_samples, evaluate, save_before_after_grid
@@ -83,9 +83,7 @@ def run(cfg: JobConfig) -> dict:
     if rank == 0:
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "samples").mkdir(exist_ok=True)
-        tmp = run_dir / "config.json.tmp"
-        tmp.write_text(json.dumps(to_dict(cfg), indent=2))
-        os.replace(tmp, run_dir / "config.json")
+        atomic_files.write_text(run_dir / "config.json", json.dumps(to_dict(cfg), indent=2))
     dist.barrier()
     p = cfg.parallel
     groups = build_parallel_groups(ParallelLayout(tp=p.tp, ulysses=p.ulysses, ring=p.ring, pp=p.pp))
@@ -102,14 +100,10 @@ def run(cfg: JobConfig) -> dict:
         trainer.sync_weights()
         if rank == 0:
             # Records written after the checkpoint (before a crash) are dropped: the resumed run redoes them.
-            tmp = run_dir / "metrics.jsonl.tmp"
-            tmp.write_text("".join(json.dumps(h) + "\n" for h in common["metrics_history"]))
-            os.replace(tmp, run_dir / "metrics.jsonl")
+            atomic_files.write_jsonl(run_dir / "metrics.jsonl", common["metrics_history"])
             evals = read_history(run_dir / "eval.jsonl")
             if evals:
-                tmp = run_dir / "eval.jsonl.tmp"
-                tmp.write_text("".join(json.dumps(e) + "\n" for e in evals if e["step"] <= start))
-                os.replace(tmp, run_dir / "eval.jsonl")
+                atomic_files.write_jsonl(run_dir / "eval.jsonl", [e for e in evals if e["step"] <= start])
             print(f"resumed from {folder} at step {start}")
 
     writer = None
