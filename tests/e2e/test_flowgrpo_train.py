@@ -99,13 +99,16 @@ def test_sigkill_and_resume_is_bit_identical(tmp_path: Path) -> None:
 
     run = tmp_path / "killed"
     cmd = [sys.executable, "-m", "megatron_omni.train", "--set", f"run_dir={run}", *SHORT, *steps]
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    # Its own process group, killed whole below: the trainer and its helper processes die together, as when
+    # a node is lost, and none is left behind idle.
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            start_new_session=True)
     marker = run / "checkpoints" / "step_000002" / "COMPLETE"
     deadline = time.monotonic() + 600
     while not marker.exists() and proc.poll() is None and time.monotonic() < deadline:
         time.sleep(0.05)
     assert marker.exists(), "the run never reached its step-2 checkpoint"
-    proc.send_signal(signal.SIGKILL)
+    os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
     resumed = _train(run, *steps, "--resume", "auto")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
