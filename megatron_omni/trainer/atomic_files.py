@@ -6,6 +6,7 @@ temporary file is removed and the error propagates."""
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -34,8 +35,6 @@ def write_text(path: str | Path, text: str) -> None:
 
 def write_jsonl(path: str | Path, records: list[dict[str, Any]]) -> None:
     """Replace `path` with one JSON object per line, atomically."""
-    import json
-
     write_text(path, "".join(json.dumps(r) + "\n" for r in records))
 
 
