@@ -4,6 +4,7 @@ recompute agree, bad configs fail before any work starts."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -105,11 +106,14 @@ def test_sigkill_and_resume_is_bit_identical(tmp_path: Path) -> None:
                             start_new_session=True)
     marker = run / "checkpoints" / "step_000002" / "COMPLETE"
     deadline = time.monotonic() + 600
-    while not marker.exists() and proc.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.05)
+    try:
+        while not marker.exists() and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+    finally:  # also when the wait fails: nothing of the run may outlive the test
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
     assert marker.exists(), "the run never reached its step-2 checkpoint"
-    os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait()
     resumed = _train(run, *steps, "--resume", "auto")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "resumed from" in resumed.stdout + resumed.stderr
