@@ -77,20 +77,22 @@ def _font(size: int) -> ImageFont.FreeTypeFont:
     return ImageFont.truetype(str(FONT_PATH), size)
 
 
-def _ink_width(word: str, font_size: int) -> int:
-    left, _, right, _ = _font(font_size).getbbox(word)
-    return right - left
+@cache
+def _bbox(word: str, font_size: int) -> tuple[int, int, int, int]:
+    """`word`'s ink box (left, top, right, bottom) at `font_size`: a dataset renders each word thousands of times."""
+    return _font(font_size).getbbox(word)
 
 
 def render_word(word: str, rng: np.random.Generator, size: int = 64, layout: TextLayout = VARIED) -> Image.Image:
     """`word` drawn at a size, position and colour pair drawn as `layout` says on a `size` x `size` RGB image.
 
     A size that would not fit (long words at big sizes) is not drawn from; a word that fits at none raises."""
-    sizes = [s for s in layout.font_sizes if _ink_width(word, s) <= size - 2 * MARGIN]
+    sizes = [s for s in layout.font_sizes if _bbox(word, s)[2] - _bbox(word, s)[0] <= size - 2 * MARGIN]
     if not sizes:
         raise ValueError(f"{word!r} does not fit a {size} px image at font sizes {layout.font_sizes}")
-    font = _font(sizes[int(rng.integers(len(sizes)))])
-    left, top, right, bottom = font.getbbox(word)
+    font_size = sizes[int(rng.integers(len(sizes)))]
+    font = _font(font_size)
+    left, top, right, bottom = _bbox(word, font_size)
     w, h = right - left, bottom - top
     if layout.max_offset is None:
         x = int(rng.integers(MARGIN, size - MARGIN - w + 1)) - left
