@@ -151,6 +151,10 @@ class JobConfig:
         """Check values and the layout against the world size; raises ConfigError naming the field."""
         from megatron_omni.parallel.layout import LayoutError, ParallelLayout
 
+        try:
+            rollout_params = self.rollout.sampling_params()
+        except ValueError as exc:
+            raise ConfigError(f"rollout: {exc}") from None
         checks = [
             (self.steps >= 1, "steps", "must be >= 1"),
             (self.rollout.group_size >= 2, "rollout.group_size", "must be >= 2 (group-relative advantages)"),
@@ -176,16 +180,12 @@ class JobConfig:
             (self.eval.every >= 0, "eval.every", "must be >= 0 (0: before and after training only)"),
             (self.eval.guidance_scale is None or self.eval.guidance_scale >= 1, "eval.guidance_scale",
              "must be >= 1 (or none: the rollout's)"),
-            (not self.eval.rollout_sampler or (self.rollout.noise_level > 0 and self.rollout.window_size > 0),
+            (not self.eval.rollout_sampler or rollout_params.stochastic,
              "eval.rollout_sampler", "needs a stochastic rollout (rollout.noise_level > 0, rollout.window_size > 0)"),
         ]
         for ok, name, why in checks:
             if not ok:
                 raise ConfigError(f"{name}={_get(self, name)!r} {why}")
-        try:
-            self.rollout.sampling_params()
-        except ValueError as exc:
-            raise ConfigError(f"rollout: {exc}") from None
         n = self.rollout.prompts_per_step * self.rollout.group_size
         if n % self.optim.mini_batches:
             raise ConfigError(f"optim.mini_batches={self.optim.mini_batches} does not divide the {n} samples per step")
