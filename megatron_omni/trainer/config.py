@@ -20,11 +20,40 @@ class ConfigError(ValueError):
     """A configuration that cannot run; the message names the field."""
 
 
+# The dtype names a config may use, and what they mean in torch (`torch_dtype`).
+DTYPES = ("fp32", "bf16")
+MODEL_BACKENDS = ("local", "te")
+ROLLOUT_ENGINES = ("diffusers", "vllm_omni")
+
+
+def torch_dtype(name: str):
+    """The torch dtype of a config dtype name ('fp32' | 'bf16'); raises ConfigError on any other name."""
+    import torch
+
+    table = {"fp32": torch.float32, "bf16": torch.bfloat16}
+    if name not in table:
+        raise ConfigError(f"dtype {name!r} is not one of {'|'.join(DTYPES)}")
+    return table[name]
+
+
+def module_importable(name: str) -> bool:
+    """Whether `import name` would find the module (without importing it)."""
+    import importlib.util
+
+    try:
+        return importlib.util.find_spec(name) is not None
+    except (ImportError, ValueError):
+        return False
+
+
 @dataclass
 class ModelConfig:
     pipeline: str = "tiny"  # a diffusers Qwen-Image folder, or "tiny": built offline into the run folder
     tiny_seed: int = 0
-    backend: str = "local"  # layer spec: "local" | "te"
+    backend: str = "local"  # layer spec: "local" | "te" (TransformerEngine linears; needs transformer_engine)
+    # Parameters and activations of the Megatron model: "fp32" | "bf16". bf16 is Megatron-LM's mixed precision:
+    # bf16 weights, fp32 main weights, grads reduced in fp32 and Adam state in the optimizer; SDE math stays fp32.
+    params_dtype: str = "fp32"
     recompute: str | None = None  # None | "full" | "selective"
     preset: str | None = None  # architecture preset ("20b") a --dry-run plans with when the pipeline is not at hand
 
@@ -56,6 +85,11 @@ class RolloutConfig:
     # needs a one-rank model replica, tp = ulysses = ring = pp = 1, and the engine's dtype), "auto" (trainer when
     # it can, else engine).
     transformer: str = "auto"
+    # The rollout engine: "diffusers" (embedded, one process per rank) | "vllm_omni" (vLLM-Omni's pipeline with
+    # our SDE pipeline class: the Omni engine on GPU, its real transformer in process on CPU).
+    engine: str = "diffusers"
+    dtype: str = "fp32"  # what the engine samples in: "fp32" | "bf16" (the SDE math and log-probs stay fp32)
+    tp: int = 1  # the rollout engine's tensor-parallel size (vllm_omni; the diffusers engine is tp=1)
 
     def sampling_params(self) -> SamplingParams:
         """The rollout's sampler (raises ValueError naming the problem: a window that does not fit, ...)."""
@@ -83,6 +117,9 @@ class AlgorithmConfig:
     std_mode: str = "global"  # "global" | "group"
     beta: float = 0.0
     old_logprob: str = "recompute"  # "recompute" (trainer's model) | "bypass" (the rollout's)
+    # Largest mean |logp_trainer - logp_rollout| a step may show before the run stops with an error naming the
+    # step (a stale or wrongly synced engine shows up here first); None: logged only.
+    max_logp_gap: float | None = None
 
 
 @dataclass
@@ -155,7 +192,25 @@ class JobConfig:
             rollout_params = self.rollout.sampling_params()
         except ValueError as exc:
             raise ConfigError(f"rollout: {exc}") from None
+        m, r = self.model, self.rollout
         checks = [
+            (m.backend in MODEL_BACKENDS, "model.backend", f"must be {'|'.join(MODEL_BACKENDS)}"),
+            (m.backend != "te" or module_importable("transformer_engine"), "model.backend",
+             "needs the transformer_engine package (TransformerEngine, GPU image only), which is not importable "
+             "here; use model.backend=local"),
+            (m.params_dtype in DTYPES, "model.params_dtype", f"must be {'|'.join(DTYPES)}"),
+            (r.dtype in DTYPES, "rollout.dtype", f"must be {'|'.join(DTYPES)}"),
+            (r.engine in ROLLOUT_ENGINES, "rollout.engine", f"must be {'|'.join(ROLLOUT_ENGINES)}"),
+            (r.engine != "vllm_omni" or module_importable("vllm_omni"), "rollout.engine",
+             "= vllm_omni needs the vllm_omni package, which is not importable here; use rollout.engine=diffusers"),
+            (r.tp >= 1, "rollout.tp", "must be >= 1"),
+            (r.tp == 1 or r.engine == "vllm_omni", "rollout.tp", "> 1 needs rollout.engine=vllm_omni (the diffusers "
+             "engine is one process per rank)"),
+            (r.max_batch_size >= 1, "rollout.max_batch_size", "must be >= 1"),
+            (self.algorithm.clip_range > 0, "algorithm.clip_range", "must be > 0"),
+            (self.algorithm.max_logp_gap is None or self.algorithm.max_logp_gap > 0, "algorithm.max_logp_gap",
+             "must be > 0 (or none: logged only)"),
+            (self.optim.lr > 0, "optim.lr", "must be > 0"),
             (self.steps >= 1, "steps", "must be >= 1"),
             (self.rollout.group_size >= 2, "rollout.group_size", "must be >= 2 (group-relative advantages)"),
             (self.rollout.prompts_per_step >= 1, "rollout.prompts_per_step", "must be >= 1"),
@@ -167,6 +222,8 @@ class JobConfig:
             (self.rollout.transformer != "trainer" or self.parallel.tp * self.parallel.ulysses * self.parallel.ring
              * self.parallel.pp == 1, "rollout.transformer",
              "= trainer needs a one-rank model replica (parallel.tp = ulysses = ring = pp = 1); use engine or auto"),
+            (r.transformer != "trainer" or r.engine == "diffusers", "rollout.transformer",
+             "= trainer needs rollout.engine=diffusers (vLLM-Omni samples with its own copy)"),
             (self.algorithm.old_logprob in ("recompute", "bypass"), "algorithm.old_logprob",
              "must be recompute|bypass"),
             (self.algorithm.std_mode in ("global", "group"), "algorithm.std_mode", "must be global|group"),
@@ -194,6 +251,8 @@ class JobConfig:
             ParallelLayout(tp=p.tp, ulysses=p.ulysses, ring=p.ring, pp=p.pp).resolve(world_size)
         except LayoutError as exc:
             raise ConfigError(f"parallel: {exc}") from exc
+        if world_size % self.rollout.tp:
+            raise ConfigError(f"rollout.tp={self.rollout.tp} does not divide the world size {world_size}")
 
 
 def _get(cfg: Any, dotted: str) -> Any:

@@ -176,6 +176,18 @@ def test_bypass_and_recompute_give_the_same_first_update(tmp_path: Path) -> None
         (["--set", "rollout.guidance_scale=3"], "rollout: guidance_scale > 1 (true CFG) needs a negative_prompt"),
         (["--set", "parallel.tp=2", "--set", "rollout.transformer=trainer"], "rollout.transformer='trainer'"),
         (["--recipe", "examples.tiny.recipe:missing"], "--recipe"),
+        (["--set", "model.backend=foo"], "model.backend='foo' must be local|te"),
+        (["--set", "model.backend=te"], "needs the transformer_engine package"),
+        (["--set", "model.backend=te", "--dry-run"], "needs the transformer_engine package"),
+        (["--set", "model.backend=foo", "--dry-run"], "model.backend='foo'"),
+        (["--set", "model.params_dtype=fp16"], "model.params_dtype='fp16' must be fp32|bf16"),
+        (["--set", "rollout.dtype=half", "--dry-run"], "rollout.dtype='half' must be fp32|bf16"),
+        (["--set", "rollout.engine=sglang"], "rollout.engine='sglang' must be diffusers|vllm_omni"),
+        (["--set", "rollout.tp=2"], "rollout.tp=2 > 1 needs rollout.engine=vllm_omni"),
+        (["--set", "rollout.engine=vllm_omni", "--set", "rollout.tp=2"], "rollout.tp=2 does not divide"),
+        (["--set", "algorithm.clip_range=0"], "algorithm.clip_range=0.0 must be > 0"),
+        (["--set", "algorithm.max_logp_gap=-1"], "algorithm.max_logp_gap=-1.0"),
+        (["--set", "optim.lr=0"], "optim.lr=0.0 must be > 0"),
     ],
 )
 def test_bad_config_fails_before_work(tmp_path: Path, args: list[str], message: str) -> None:
