@@ -116,7 +116,9 @@ def shift_sigmas(base: torch.Tensor, image_seq_len: int, shift: ShiftConfig | No
     return torch.div(c, c + (torch.div(one, base) - 1))
 
 
-def model_timesteps(sigmas: torch.Tensor) -> torch.Tensor:
-    """The transformer's timestep input for each sigma: `sigma * 1000 / 1000` exactly as the pipeline
-    passes it (`t = sigma * 1000` in float32, then `t / 1000`), same shape as `sigmas`."""
-    return (sigmas.to(torch.float32) * NUM_TRAIN_TIMESTEPS) / NUM_TRAIN_TIMESTEPS
+def model_timesteps(sigmas: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The transformer's timestep input for each sigma in the model's compute `dtype`, exactly as
+    `QwenImagePipeline` passes it: the scheduler's `t = sigma * 1000` (float32) is cast to the latents' dtype,
+    then divided by 1000 in that dtype, so bf16 gets bf16(bf16(1000 sigma) / 1000), not bf16(sigma) (one bf16
+    step apart at about a quarter of the grid points). Same shape as `sigmas`."""
+    return (sigmas.to(torch.float32) * NUM_TRAIN_TIMESTEPS).to(dtype) / NUM_TRAIN_TIMESTEPS

@@ -48,6 +48,7 @@ class _Sample:
     neg_text: torch.Tensor | None
     latents: torch.Tensor  # [S, C] fp32
     img_shape: tuple[int, int, int]
+    text_length: int  # every forward pads its text (and negative text) to this many tokens
     step: int = 0
     rec_latents: list[torch.Tensor] = field(default_factory=list)
     rec_next: list[torch.Tensor] = field(default_factory=list)
@@ -165,8 +166,11 @@ class DiffusersRolloutEngine:
         return (1, params.height // f, params.width // f)
 
     def _new_sample(
-        self, index: int, prompt: str, group_id: int, seed: int, params: SamplingParams, text, neg_text
+        self, index: int, prompt: str, group_id: int, seed: int, params: SamplingParams, text, neg_text,
+        text_length: int | None = None,
     ) -> _Sample:
+        """A new sample of `prompt` (text [L, D], neg_text [Ln, D] or None); its forwards pad text to
+        `text_length` (None: its own longest text)."""
         img_shape = self._img_shape(params)
         channels = self.transformer.config.in_channels // 4
         g = torch.Generator().manual_seed(int(seed))
@@ -198,6 +202,8 @@ class DiffusersRolloutEngine:
             neg_text=None if neg_text is None else neg_text[: params.max_sequence_length],
             latents=latents.to(self.device, torch.float32),
             img_shape=img_shape,
+            text_length=text_length or min(params.max_sequence_length,
+                                           max(text.shape[0], 0 if neg_text is None else neg_text.shape[0])),
         )
 
     @torch.no_grad()
@@ -210,12 +216,14 @@ class DiffusersRolloutEngine:
         sigma_one = torch.stack([s.sigmas[1] if s.sigmas.numel() > 2 else s.sigmas[0] for s in batch])
         levels = torch.tensor([float(s.levels[s.step]) for s in batch], device=dev)
         latents = torch.stack([s.latents for s in batch])
-        text, mask = pad_text([s.text for s in batch])
+        length = max(s.text_length for s in batch)
+        text, mask = pad_text([s.text for s in batch], length)
         guidance = torch.tensor([s.params.guidance_scale for s in batch], device=dev)
         neg_text = neg_mask = None
         if any(s.neg_text is not None for s in batch):
             # rows without CFG get a placeholder that guided_velocity never reads
-            neg_text, neg_mask = pad_text([s.text[:1] if s.neg_text is None else s.neg_text for s in batch])
+            neg_text, neg_mask = pad_text([s.text[:1] if s.neg_text is None else s.neg_text for s in batch],
+                                          length)
         v = guided_velocity(
             self.velocity_model,
             latents,
@@ -324,8 +332,14 @@ class DiffusersRolloutEngine:
         n = len(seeds)
         texts = self.encode_prompts(list(prompts))
         neg_text = self.encode_prompts([params.negative_prompt])[0] if params.do_cfg else None
+        # One text length for every forward of the call (the longest prompt, negative included): the trainer
+        # recomputes from the trajectory's text, padded to this length, and a different padding changes the
+        # bf16 attention's rounding (masked keys still move the kernel's blocking).
+        length = min(params.max_sequence_length,
+                     max(t.shape[0] for t in texts + ([neg_text] if neg_text is not None else [])))
         samples = [
-            self._new_sample(p * group_size + k, prompts[p], p, seeds[p * group_size + k], params, texts[p], neg_text)
+            self._new_sample(p * group_size + k, prompts[p], p, seeds[p * group_size + k], params, texts[p], neg_text,
+                             length)
             for p in range(len(prompts))
             for k in range(group_size)
         ]
@@ -346,10 +360,11 @@ class DiffusersRolloutEngine:
         w = len(samples[0].rec_log_probs)
         if any(len(s.rec_log_probs) != w for s in samples):
             raise RuntimeError("samples recorded different numbers of window steps")
-        text, mask = pad_text([s.text for s in samples])
+        length = max(s.text_length for s in samples)
+        text, mask = pad_text([s.text for s in samples], length)
         neg_text = neg_mask = None
         if params.do_cfg:
-            neg_text, neg_mask = pad_text([s.neg_text for s in samples])
+            neg_text, neg_mask = pad_text([s.neg_text for s in samples], length)
         s0 = samples[0]
         empty = s0.latents.new_zeros(0, *s0.latents.shape)
 

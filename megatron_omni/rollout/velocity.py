@@ -77,7 +77,7 @@ class GuidedBatch:
             hidden_states=self.latents.to(dtype),
             encoder_hidden_states=self.text.to(dtype),
             encoder_hidden_states_mask=self.mask,
-            timestep=model_timesteps(self.sigma).to(dtype),
+            timestep=model_timesteps(self.sigma, dtype),
         )
 
     def combine(self, v_all: torch.Tensor) -> torch.Tensor:

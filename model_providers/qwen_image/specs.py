@@ -4,9 +4,8 @@
 from __future__ import annotations
 
 from megatron.core.transformer.spec_utils import ModuleSpec
-from torch import nn
-
 from megatron_omni.models.dit.layer import MMDiTLayerSubmodules, MMDiTStreamSubmodules
+from megatron_omni.models.dit.norms import RMSNorm
 from megatron_omni.parallel.linear import ColumnParallelLinear, RowParallelLinear
 
 
@@ -15,8 +14,8 @@ def _stream(column, row) -> MMDiTStreamSubmodules:
         # TE's column-parallel linear cannot gather its output; the adaLN stays a Megatron-Core linear.
         adaln=ColumnParallelLinear,
         linear_qkv=column,
-        q_layernorm=ModuleSpec(module=nn.RMSNorm),
-        k_layernorm=ModuleSpec(module=nn.RMSNorm),
+        q_layernorm=ModuleSpec(module=RMSNorm),
+        k_layernorm=ModuleSpec(module=RMSNorm),
         linear_proj=row,
         linear_fc1=column,
         linear_fc2=row,
@@ -25,7 +24,7 @@ def _stream(column, row) -> MMDiTStreamSubmodules:
 
 def local_spec() -> MMDiTLayerSubmodules:
     """Megatron-Core's own tensor-parallel linears (with the direct path of `parallel.linear` when a layer
-    is not split) and torch norms: runs anywhere, used by the tests."""
+    is not split) and our RMSNorm (diffusers' rounding order): runs anywhere, used by the tests."""
     return MMDiTLayerSubmodules(img=_stream(ColumnParallelLinear, RowParallelLinear),
                                 txt=_stream(ColumnParallelLinear, RowParallelLinear))
 

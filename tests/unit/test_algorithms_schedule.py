@@ -72,6 +72,20 @@ def test_model_timesteps_roundtrip_like_pipeline() -> None:
     torch.testing.assert_close(model_timesteps(sig[:-1]), sched_t / 1000, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_model_timesteps_match_the_pipeline_in_each_dtype(dtype: torch.dtype) -> None:
+    # QwenImagePipeline: timestep = t.expand(b).to(latents.dtype), the transformer gets timestep / 1000.
+    sched = FlowMatchEulerDiscreteScheduler(**QWEN_LIKE)
+    mu = calculate_shift(1024, 256, 4096, 0.5, 1.15)
+    sched.set_timesteps(sigmas=np.linspace(1.0, 1 / 50, 50), mu=mu)
+    pipeline = torch.stack([t.expand(1).to(dtype) / 1000 for t in sched.timesteps]).flatten()
+    ours = model_timesteps(sched.sigmas[:-1], dtype)
+    assert ours.dtype == dtype
+    assert torch.equal(ours, pipeline)
+    if dtype == torch.bfloat16:  # the convention matters: bf16(sigma) misses at many grid points
+        assert int((sched.sigmas[:-1].to(dtype) != pipeline).sum()) >= 5
+
+
 def test_bad_config_raises() -> None:
     with pytest.raises(ValueError, match="use_dynamic_shifting"):
         ShiftConfig.from_scheduler_config({"use_dynamic_shifting": False})

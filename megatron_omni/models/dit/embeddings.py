@@ -26,11 +26,11 @@ class TimestepEmbedder(nn.Module):
     `pipeline_parallel` so Megatron-Core sums their grads across pipeline stages.
     """
 
-    def __init__(self, hidden_size: int, channels: int = 256) -> None:
+    def __init__(self, hidden_size: int, channels: int = 256, dtype: torch.dtype = torch.float32) -> None:
         super().__init__()
         self.channels = channels
-        self.linear_1 = nn.Linear(channels, hidden_size)
-        self.linear_2 = nn.Linear(hidden_size, hidden_size)
+        self.linear_1 = nn.Linear(channels, hidden_size, dtype=dtype)
+        self.linear_2 = nn.Linear(hidden_size, hidden_size, dtype=dtype)
         for p in self.parameters():
             p.pipeline_parallel = True
 

@@ -64,8 +64,9 @@ class MMDiTStream(MegatronModule):
                       tp_group=tp_group, is_expert=False)
         self.adaln = build_module(submodules.adaln, h, 6 * h, gather_output=True, **common)
         self.linear_qkv = build_module(submodules.linear_qkv, h, 3 * h, gather_output=False, **common)
-        self.q_layernorm = build_module(submodules.q_layernorm, head_dim, eps=config.norm_eps)
-        self.k_layernorm = build_module(submodules.k_layernorm, head_dim, eps=config.norm_eps)
+        norm = dict(eps=config.norm_eps, dtype=config.params_dtype)
+        self.q_layernorm = build_module(submodules.q_layernorm, head_dim, **norm)
+        self.k_layernorm = build_module(submodules.k_layernorm, head_dim, **norm)
         out_common = dict(common, init_method=config.output_layer_init_method)
         self.linear_proj = build_module(submodules.linear_proj, h, h, input_is_parallel=True, **out_common)
         self.linear_fc1 = build_module(submodules.linear_fc1, h, config.ffn_hidden_size, gather_output=False,

@@ -27,6 +27,7 @@ from torch import nn
 from megatron_omni.models.dit.config import MMDiTConfig
 from megatron_omni.models.dit.embeddings import TimestepEmbedder, qwen_rope_angles, rope_rotations
 from megatron_omni.models.dit.layer import MMDiTLayer, MMDiTLayerSubmodules
+from megatron_omni.models.dit.norms import RMSNorm
 
 
 @dataclass
@@ -79,18 +80,21 @@ class MMDiTModel(MegatronModule):
         self.layer_offset = pp_rank * per_stage
         h = config.hidden_size
 
-        self.time_embedder = TimestepEmbedder(h, config.timestep_channels)
+        # The plain torch layers are built in the parameters' dtype, as Megatron-Core's linears are: the
+        # whole model computes in params_dtype (bf16 mixed precision keeps fp32 copies in the optimizer).
+        dtype = config.params_dtype
+        self.time_embedder = TimestepEmbedder(h, config.timestep_channels, dtype=dtype)
         if self.pre_process:
-            self.img_in = nn.Linear(config.in_channels, h)
-            self.txt_norm = nn.RMSNorm(config.joint_attention_dim, eps=config.norm_eps)
-            self.txt_in = nn.Linear(config.joint_attention_dim, h)
+            self.img_in = nn.Linear(config.in_channels, h, dtype=dtype)
+            self.txt_norm = RMSNorm(config.joint_attention_dim, eps=config.norm_eps, dtype=dtype)
+            self.txt_in = nn.Linear(config.joint_attention_dim, h, dtype=dtype)
         self.layers = nn.ModuleList(
             MMDiTLayer(config, layer_spec, self.layer_offset + i + 1, pg, self.ulysses_group, self.ring_group)
             for i in range(per_stage)
         )
         if self.post_process:
-            self.norm_out = _AdaNormOut(h, config.norm_eps)
-            self.proj_out = nn.Linear(h, config.patch_size**2 * config.out_channels)
+            self.norm_out = _AdaNormOut(h, config.norm_eps, dtype=dtype)
+            self.proj_out = nn.Linear(h, config.patch_size**2 * config.out_channels, dtype=dtype)
         self.input_tensor: torch.Tensor | None = None
 
     # The pipeline schedules hand the previous stage's output here.
@@ -163,10 +167,10 @@ class MMDiTModel(MegatronModule):
 class _AdaNormOut(nn.Module):
     """Final adaptive LayerNorm: `linear(silu(temb))` chunks as (scale, shift), in that order."""
 
-    def __init__(self, hidden: int, eps: float) -> None:
+    def __init__(self, hidden: int, eps: float, dtype: torch.dtype = torch.float32) -> None:
         super().__init__()
         self.eps = eps
-        self.linear = nn.Linear(hidden, 2 * hidden)
+        self.linear = nn.Linear(hidden, 2 * hidden, dtype=dtype)
 
     def forward(self, x: torch.Tensor, temb: torch.Tensor) -> torch.Tensor:
         scale, shift = self.linear(nn.functional.silu(temb)).chunk(2, dim=-1)
