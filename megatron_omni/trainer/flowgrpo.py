@@ -36,6 +36,7 @@ from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron_omni.algorithms.advantages import group_advantages
 from megatron_omni.bridge import DiffusersTarget, DistributedTransport, WeightSync
 from megatron_omni.bridge.qwen_image import megatron_sources, qwen_image_plan
+from megatron_omni.checkpoint.safetensors_io import SafetensorsFolder
 from megatron_omni.models.dit.config import MMDiTConfig
 from megatron_omni.models.dit.diffusers_interface import DiffusersForward
 from megatron_omni.models.dit.model import MMDiTModel
@@ -43,7 +44,7 @@ from megatron_omni.parallel.groups import ParallelGroups
 from megatron_omni.parallel.platform import seed_everything
 from megatron_omni.rollout.base import SamplingParams, Trajectory
 from megatron_omni.rollout.diffusers_engine import DiffusersRolloutEngine
-from megatron_omni.trainer.config import JobConfig
+from megatron_omni.trainer.config import JobConfig, torch_dtype
 from megatron_omni.trainer.grad_guard import GradGuard
 from megatron_omni.trainer.pipeline_step import MicroBatch, PipelineStep, plan_micro_batches
 from megatron_omni.trainer.rewards import RewardFunction, gather_rewards
@@ -66,16 +67,18 @@ class FlowGRPOTrainer:
         self.groups = groups
         self.reward_fn = reward_fn
         seed_everything(cfg.seed, tp_rank=groups.tp.rank())
-        self.engine = DiffusersRolloutEngine(pipeline_dir, max_batch_size=cfg.rollout.max_batch_size)
+        self.engine = DiffusersRolloutEngine(pipeline_dir, max_batch_size=cfg.rollout.max_batch_size,
+                                             dtype=torch_dtype(cfg.rollout.dtype))
         p = cfg.parallel
         overrides: dict = {"batch_p2p_comm": False}  # batched p2p on gloo gave wrong results (environment.md)
         if cfg.model.recompute == "full":
             overrides.update(recompute_granularity="full", recompute_method="block", recompute_num_layers=None)
         elif cfg.model.recompute == "selective":
             overrides.update(recompute_granularity="selective")
+        params_dtype = torch_dtype(cfg.model.params_dtype)
         mcfg = provider.transformer_config(dict(self.engine.transformer.config), tp=p.tp, pp=p.pp,
-                                           ulysses=p.ulysses, ring=p.ring, **overrides)
-        hf_state = self.engine.transformer.state_dict()
+                                           ulysses=p.ulysses, ring=p.ring, params_dtype=params_dtype, **overrides)
+        hf_state = _initial_weights(self.engine.transformer, pipeline_dir, params_dtype)
         self.model = provider.build_model(mcfg, groups, backend=cfg.model.backend)
         provider.load_hf_state_dict(self.model, hf_state)
         _count_stage_replicas_once(self.model, groups)
@@ -97,9 +100,12 @@ class FlowGRPOTrainer:
         )
         o = cfg.optim
         self.optimizer = get_megatron_optimizer(
+            # bf16: Megatron-Core's mixed precision (fp32 main params and Adam state; grads reduced in fp32
+            # above), as Megatron-LM's --bf16.
             OptimizerConfig(optimizer="adam", lr=o.lr, min_lr=o.lr, weight_decay=o.weight_decay,
                             adam_beta1=o.adam_beta1, adam_beta2=o.adam_beta2, adam_eps=o.adam_eps,
                             clip_grad=o.clip_grad, params_dtype=mcfg.params_dtype,
+                            bf16=mcfg.params_dtype == torch.bfloat16,
                             use_distributed_optimizer=o.distributed_optimizer),
             [self.ddp], use_gloo_process_groups=False, pg_collection=groups.mcore,
         )
@@ -221,7 +227,7 @@ class FlowGRPOTrainer:
 
         t0 = time.perf_counter()
         old = self.old_log_probs(traj, step) if cfg.algorithm.old_logprob == "recompute" else traj.log_probs
-        dlogp_rollout = float((old - traj.log_probs).abs().mean())
+        dlogp_mean, dlogp_max = self.logp_gap(old, traj.log_probs, step)
         t["old_logprob"] = time.perf_counter() - t0
         t0 = time.perf_counter()
         ref_means = self.reference_means(traj, step)
@@ -238,13 +244,30 @@ class FlowGRPOTrainer:
 
         metrics = {
             "reward_mean": float(all_rewards.mean()), "reward_std": float(all_rewards.std(correction=0)),
-            "zero_std_ratio": float(adv.zero_std_ratio), "train_rollout_dlogp": dlogp_rollout,
+            "zero_std_ratio": float(adv.zero_std_ratio), "train_rollout_dlogp": dlogp_mean,
+            "train_rollout_dlogp_max": dlogp_max,
             **train_metrics, **{f"time_{k}": v for k, v in t.items()},
         }
         total = sum(t.values())
         metrics["time_step"] = total
         metrics["images_per_s_per_rank"] = len(all_rewards) / total / self.groups.layout.world_size
         return StepResult(metrics=metrics, trajectory=traj, rewards=local_rewards)
+
+    def logp_gap(self, old: torch.Tensor, rollout: torch.Tensor, step: int) -> tuple[float, float]:
+        """Mean and max |old - rollout| over the step's samples of every data-parallel rank (old, rollout
+        [N, W] log-probs of this rank's trajectory). Raises LogpGapError on every rank when the mean exceeds
+        `algorithm.max_logp_gap`. Collective over data parallel."""
+        gap = (old - rollout).abs().double()
+        sums = torch.stack([gap.sum(), torch.tensor(float(gap.numel()), dtype=torch.float64)])
+        peak = gap.max() if gap.numel() else torch.zeros((), dtype=torch.float64)
+        if self.groups.dp.size() > 1:
+            dist.all_reduce(sums, group=self.groups.dp)
+            dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=self.groups.dp)
+        mean, peak = float(sums[0] / sums[1]), float(peak)
+        bound = self.cfg.algorithm.max_logp_gap
+        if bound is not None and mean > bound:
+            raise LogpGapError(step, mean, peak, bound)
+        return mean, peak
 
     def rollout(self, prompts: list[str], seeds: list[int]) -> tuple[Trajectory, torch.Tensor, float]:
         """This data-parallel rank's samples (`group_size` per prompt, row-major) with their rewards [N] and
@@ -303,6 +326,28 @@ class FlowGRPOTrainer:
         sums["skipped_updates"] = float(skipped)
         sums["lr"] = float(self.optimizer.param_groups[0]["lr"])
         return sums
+
+
+class LogpGapError(RuntimeError):
+    """The rollout's log-probs and the trainer's recomputation of them differ by more than
+    `algorithm.max_logp_gap` (mean |dlogp| over the step's samples)."""
+
+    def __init__(self, step: int, mean: float, peak: float, bound: float) -> None:
+        super().__init__(f"step {step}: mean |logp_trainer - logp_rollout| = {mean:.3e} (max {peak:.3e}) exceeds "
+                         f"algorithm.max_logp_gap = {bound:.3e}; the rollout engine and the trainer disagree "
+                         "(dtypes, weights or padding)")
+        self.step, self.mean, self.peak, self.bound = step, mean, peak, bound
+
+
+def _initial_weights(transformer: torch.nn.Module, pipeline_dir: str | Path,
+                     dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """The diffusers-named weights the trainer starts from: the engine's transformer, unless it holds them
+    in a narrower dtype than the trainer's (a bf16 engine for an fp32 model), then the folder's own tensors."""
+    held = next(transformer.parameters()).dtype
+    if torch.finfo(held).bits >= torch.finfo(dtype).bits:
+        return transformer.state_dict()
+    folder = SafetensorsFolder(Path(pipeline_dir) / "transformer")
+    return {name: folder.read(name) for name in folder.entries}
 
 
 def _rollout_uses_trainer_model(cfg: JobConfig, model_dtype: torch.dtype, engine_dtype: torch.dtype) -> bool:
