@@ -6,7 +6,8 @@ the world size before any work starts; a bad field exits non-zero with a message
 `--dry-run` (with WORLD_SIZE = trainer ranks in the environment; the launch scripts' DRY_RUN=1 sets it) stops
 there: it validates the layout against the model, prints the planner's per-GPU memory, predicted step time and
 the weight-sync plan, and exits 0 when the job fits, 2 for an invalid config or layout, 3 when it does not fit
-in GPU memory. Nothing is loaded and no GPU is needed.
+in GPU memory. Nothing is loaded and no GPU is needed. A run whose train/rollout log-prob gap exceeds
+`algorithm.max_logp_gap` stops with exit status 4 and a message naming the step.
 """
 
 from __future__ import annotations
@@ -136,11 +137,15 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
     from megatron_omni.parallel import platform
+    from megatron_omni.trainer.flowgrpo import LogpGapError
     from megatron_omni.trainer.run import run
 
     platform.init_distributed()
     try:
         summary = run(cfg)
+    except LogpGapError as exc:  # every rank raises it at the same step (the gap is reduced over data parallel)
+        print(f"train/rollout mismatch: {exc}", file=sys.stderr)
+        return 4
     finally:
         platform.destroy_distributed()
     if "last_reward" in summary:
