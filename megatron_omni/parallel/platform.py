@@ -13,8 +13,9 @@ necessary by running it, see docs/environment notes):
   token counter -> the CPU device;
 - the distributed optimizer sorts parameters by comparing `param.type()` with CUDA tensor type names
   ('torch.cuda.FloatTensor', ...) and moves its checkpoint gather buffers with `.cuda()` -> the same
-  code with the CPU type names and `.cpu()` (bf16's `Float16OptimizerWithFloat16Params` likewise); and its model-space ("fully_reshardable") checkpoint load
-  copies every per-parameter state key, which with torch's Adam (no apex/TE here) includes `step`, absent
+  code with the CPU type names and `.cpu()` (bf16's `Float16OptimizerWithFloat16Params` likewise); and its
+  model-space ("fully_reshardable") checkpoint load copies every per-parameter state key, which with torch's
+  Adam (no apex/TE here) includes `step`, absent
   from the checkpoint's tensors (the step travels in the param groups) -> the step is copied onto itself;
   and its `load_state_dict` gives every parameter's torch-Adam state the SAME `step` tensor, which torch's
   foreach Adam then increments once per parameter -> each parameter gets its own copy after loading.

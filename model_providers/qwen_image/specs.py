@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 from megatron.core.transformer.spec_utils import ModuleSpec
+
 from megatron_omni.models.dit.layer import MMDiTLayerSubmodules, MMDiTStreamSubmodules
 from megatron_omni.models.dit.norms import RMSNorm
 from megatron_omni.parallel.linear import ColumnParallelLinear, RowParallelLinear
