@@ -35,6 +35,10 @@ class SamplingParams:
     guidance_scale: float = 1.0
     negative_prompt: str | None = None
     max_sequence_length: int = 512
+    # Every forward pads the text (and the negative prompt's) to this many tokens; None: the longest text of
+    # the `generate` call. Calls that must pad alike (the shares of one trainer step rolled out on several
+    # ranks) set it: a bf16 attention over another text length rounds differently.
+    text_length: int | None = None
 
     def __post_init__(self) -> None:
         if self.sde_type not in SDE_TYPES:
@@ -51,6 +55,9 @@ class SamplingParams:
             raise ValueError("guidance_scale > 1 (true CFG) needs a negative_prompt (may be ' ')")
         if not 1 <= self.max_sequence_length <= 1024:
             raise ValueError(f"max_sequence_length must be in [1, 1024], got {self.max_sequence_length}")
+        if self.text_length is not None and not 1 <= self.text_length <= self.max_sequence_length:
+            raise ValueError(f"text_length must be in [1, max_sequence_length={self.max_sequence_length}], got "
+                             f"{self.text_length}")
         if self.stochastic:
             check_window(self.num_steps, self.window_size, self.resolved_window_range)
             if self.window_start is not None:

@@ -170,7 +170,7 @@ class DiffusersRolloutEngine:
         text_length: int | None = None,
     ) -> _Sample:
         """A new sample of `prompt` (text [L, D], neg_text [Ln, D] or None); its forwards pad text to
-        `text_length` (None: its own longest text)."""
+        `text_length` (None: params.text_length, else its own longest text)."""
         img_shape = self._img_shape(params)
         channels = self.transformer.config.in_channels // 4
         g = torch.Generator().manual_seed(int(seed))
@@ -202,8 +202,8 @@ class DiffusersRolloutEngine:
             neg_text=None if neg_text is None else neg_text[: params.max_sequence_length],
             latents=latents.to(self.device, torch.float32),
             img_shape=img_shape,
-            text_length=text_length or min(params.max_sequence_length,
-                                           max(text.shape[0], 0 if neg_text is None else neg_text.shape[0])),
+            text_length=text_length or params.text_length or min(
+                params.max_sequence_length, max(text.shape[0], 0 if neg_text is None else neg_text.shape[0])),
         )
 
     @torch.no_grad()
@@ -332,11 +332,16 @@ class DiffusersRolloutEngine:
         n = len(seeds)
         texts = self.encode_prompts(list(prompts))
         neg_text = self.encode_prompts([params.negative_prompt])[0] if params.do_cfg else None
-        # One text length for every forward of the call (the longest prompt, negative included): the trainer
-        # recomputes from the trajectory's text, padded to this length, and a different padding changes the
-        # bf16 attention's rounding (masked keys still move the kernel's blocking).
+        # One text length for every forward of the call (params.text_length, else the longest prompt, negative
+        # included): the trainer recomputes from the trajectory's text, padded to this length, and another
+        # padding changes the bf16 attention's rounding (masked keys still move the kernel's blocking).
         length = min(params.max_sequence_length,
                      max(t.shape[0] for t in texts + ([neg_text] if neg_text is not None else [])))
+        if params.text_length is not None:
+            if length > params.text_length:
+                raise ValueError(f"a prompt of this call has {length} text tokens, more than text_length="
+                                 f"{params.text_length}")
+            length = params.text_length
         samples = [
             self._new_sample(p * group_size + k, prompts[p], p, seeds[p * group_size + k], params, texts[p], neg_text,
                              length)

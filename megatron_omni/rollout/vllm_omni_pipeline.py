@@ -214,12 +214,12 @@ def record_to_trajectory(records: Sequence[Mapping[str, Any]], params: SamplingP
             raise ValueError(f"sample record {r.get('index')} lacks tensors {bad}")
     if len({r["log_probs"].shape[0] for r in recs}) != 1:
         raise RuntimeError("samples recorded different numbers of window steps")
-    text, mask = pad_text([r["prompt_embeds"] for r in recs])
+    text, mask = pad_text([r["prompt_embeds"] for r in recs], params.text_length)
     neg = neg_mask = None
     if params.do_cfg:
         if any(r["negative_prompt_embeds"] is None for r in recs):
             raise ValueError("a CFG sample record has no negative prompt embeddings")
-        neg, neg_mask = pad_text([r["negative_prompt_embeds"] for r in recs])
+        neg, neg_mask = pad_text([r["negative_prompt_embeds"] for r in recs], params.text_length)
     return Trajectory(
         prompts=[r["prompt"] for r in recs],
         group_ids=torch.tensor([r["group_id"] for r in recs], dtype=torch.long),

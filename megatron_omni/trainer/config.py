@@ -90,6 +90,11 @@ class RolloutConfig:
     engine: str = "diffusers"
     dtype: str = "fp32"  # what the engine samples in: "fp32" | "bf16" (the SDE math and log-probs stay fp32)
     tp: int = 1  # the rollout engine's tensor-parallel size (vllm_omni; the diffusers engine is tp=1)
+    # Pad every prompt's embeddings to this many tokens (>= the longest prompt); None: the longest prompt of
+    # each rollout call. A model replica over several ranks (tp/ulysses/ring/pp > 1) rolls out one share of the
+    # step's samples per rank: set it so every share pads alike and the trainer recomputes the rollout's
+    # padding (in bf16, attention over another text length rounds differently: train_rollout_dlogp grows).
+    text_length: int | None = None
 
     def sampling_params(self) -> SamplingParams:
         """The rollout's sampler (raises ValueError naming the problem: a window that does not fit, ...)."""
@@ -99,7 +104,7 @@ class RolloutConfig:
             height=self.height, width=self.width, num_steps=self.num_steps, noise_level=self.noise_level,
             sde_type=self.sde_type, window_size=self.window_size,
             window_range=tuple(self.window_range) if self.window_range else None,
-            guidance_scale=self.guidance_scale, negative_prompt=self.negative_prompt,
+            guidance_scale=self.guidance_scale, negative_prompt=self.negative_prompt, text_length=self.text_length,
         )
 
 

@@ -6,6 +6,8 @@ World size 1 in this process (gloo)."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 from diffusers import QwenImageTransformer2DModel
@@ -117,3 +119,24 @@ def test_a_gap_above_max_logp_gap_stops_the_step(pipeline) -> None:
                                            r"algorithm.max_logp_gap = 1.000e-07") as info:
         trainer.train_step(0)
     assert isinstance(info.value, RuntimeError) and info.value.step == 0 and info.value.mean > 1e-7
+
+
+def test_text_length_pads_every_call_alike(pipeline) -> None:
+    from megatron_omni.rollout.base import SamplingParams
+    from megatron_omni.rollout.diffusers_engine import DiffusersRolloutEngine
+
+    engine = DiffusersRolloutEngine(pipeline, max_batch_size=2, dtype=torch.bfloat16)
+    base = SamplingParams(height=32, width=32, num_steps=2, window_size=1, guidance_scale=2.0, negative_prompt=" ")
+    short, long = ["a cat"], ["a photo of a cat on a mat next to a red cube"]
+    # Without it each call pads to its own longest prompt ...
+    lengths = {engine.generate(p, base, seeds=[0]).prompt_embeds.shape[1] for p in (short, long)}
+    assert len(lengths) == 2
+    # ... with it, both calls (text and negative text) pad to the same length, which the recompute then sees.
+    params = replace(base, text_length=max(lengths) + 3)
+    for p in (short, long):
+        traj = engine.generate(p, params, seeds=[0])
+        assert traj.prompt_embeds.shape[1] == traj.negative_prompt_embeds.shape[1] == max(lengths) + 3
+    with pytest.raises(ValueError, match="more than text_length=2"):
+        engine.generate(long, replace(base, text_length=2), seeds=[0])
+    with pytest.raises(ValueError, match="text_length must be in"):
+        replace(base, text_length=1000)
