@@ -54,7 +54,8 @@ def test_gpu_install_plan_keeps_the_constrained_torch(tmp_path: Path) -> None:
     proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=1200)
     assert proc.returncode == 0, f"the image's install plan does not resolve under {CONSTRAINTS.name}:\n" \
                                  f"{proc.stderr[-4000:]}"
-    planned = {i["metadata"]["name"].lower(): i["metadata"]["version"] for i in json.loads(report.read_text())["install"]}
+    plan = json.loads(report.read_text())["install"]
+    planned = {i["metadata"]["name"].lower(): i["metadata"]["version"] for i in plan}
     for name, version in _pins(CONSTRAINTS).items():
         assert name in planned, f"{name} is not in the plan"
         assert planned[name].split("+")[0] == version, f"{name}: plan has {planned[name]}, image pins {version}"

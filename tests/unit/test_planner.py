@@ -226,7 +226,8 @@ def test_measured_mfu_file(tmp_path) -> None:
     good = tmp_path / "gpu_check.json"
     good.write_text('{"mfu": 0.41, "gpu": "H200"}')
     assert measured_mfu(str(good)) == 0.41
-    for text, message in (('{"mfu": 1.5}', "must be a number in"), ('{"gpu": "H200"}', "got None"), ("{", "not a JSON")):
+    bad = (('{"mfu": 1.5}', "must be a number in"), ('{"gpu": "H200"}', "got None"), ("{", "not a JSON"))
+    for text, message in bad:
         good.write_text(text)
         with pytest.raises(ValueError, match=message):
             measured_mfu(str(good))
