@@ -29,8 +29,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from megatron.core import tensor_parallel
-from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
-from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+from megatron.core.distributed import finalize_model_grads
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
 from megatron_omni.algorithms.advantages import group_advantages
@@ -48,6 +47,7 @@ from megatron_omni.trainer.config import JobConfig, torch_dtype
 from megatron_omni.trainer.grad_guard import GradGuard
 from megatron_omni.trainer.pipeline_step import MicroBatch, PipelineStep, plan_micro_batches
 from megatron_omni.trainer.rewards import RewardFunction, gather_rewards
+from megatron_omni.trainer.training_state import OptimizerSettings, build_ddp_and_optimizer
 from model_providers.qwen_image import provider
 
 
@@ -91,23 +91,14 @@ class FlowGRPOTrainer:
             names = [n for n, _ in self.model.named_parameters()]
             if names != [n for n, _ in self.ema.named_parameters()]:
                 raise RuntimeError("the EMA copy's parameters do not match the model's")
-        self.ddp = DistributedDataParallel(
-            config=mcfg,
-            ddp_config=DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
-                                                     use_distributed_optimizer=cfg.optim.distributed_optimizer),
-            module=self.model,
-            pg_collection=groups.mcore,
-        )
         o = cfg.optim
-        self.optimizer = get_megatron_optimizer(
-            # bf16: Megatron-Core's mixed precision (fp32 main params and Adam state; grads reduced in fp32
-            # above), as Megatron-LM's --bf16.
-            OptimizerConfig(optimizer="adam", lr=o.lr, min_lr=o.lr, weight_decay=o.weight_decay,
-                            adam_beta1=o.adam_beta1, adam_beta2=o.adam_beta2, adam_eps=o.adam_eps,
-                            clip_grad=o.clip_grad, params_dtype=mcfg.params_dtype,
-                            bf16=mcfg.params_dtype == torch.bfloat16,
-                            use_distributed_optimizer=o.distributed_optimizer),
-            [self.ddp], use_gloo_process_groups=False, pg_collection=groups.mcore,
+        # bf16: Megatron-Core's mixed precision (bf16 parameters, fp32 main params and Adam state, grads reduced
+        # in fp32), as Megatron-LM's --bf16; the same with the distributed optimizer.
+        self.ddp, self.optimizer = build_ddp_and_optimizer(
+            self.model, mcfg, groups.mcore,
+            OptimizerSettings(lr=o.lr, weight_decay=o.weight_decay, adam_beta1=o.adam_beta1,
+                              adam_beta2=o.adam_beta2, adam_eps=o.adam_eps, clip_grad=o.clip_grad,
+                              distributed_optimizer=o.distributed_optimizer),
         )
         total_updates = cfg.steps * o.mini_batches
         self.scheduler = OptimizerParamScheduler(
