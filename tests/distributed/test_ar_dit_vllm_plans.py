@@ -143,7 +143,7 @@ def test_vllm_engine_follows_the_megatron_decoder() -> None:
 
 def _vllm_omni_dit(rank: int, world_size: int) -> dict:
     from model_providers.ar_dit import provider
-    from tests import vllm_omni_cpu
+    from megatron_omni.rollout import vllm_omni_cpu
 
     groups = build_parallel_groups(ParallelLayout())
     seed_everything(0)
@@ -188,7 +188,7 @@ def _served_dit(rank: int, world_size: int, folder: str) -> dict:
         parse_hybrid_request,
     )
     from model_providers.ar_dit import provider
-    from tests import vllm_omni_cpu
+    from megatron_omni.rollout import vllm_omni_cpu
 
     seed_everything(0)
     hybrid = provider.torch_hybrid(HYBRID, seed=5)

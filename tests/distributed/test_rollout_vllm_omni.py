@@ -74,7 +74,7 @@ def _case(rank: int, world_size: int, folder: str) -> dict:
     from megatron_omni.rollout.vllm_omni_pipeline import PIPELINE_CLASS, record_to_trajectory
     from megatron_omni.rollout.vllm_omni_worker import WeightReceiver, WeightUpdateError
     from model_providers.qwen_image import provider
-    from tests import vllm_omni_cpu
+    from megatron_omni.rollout import vllm_omni_cpu
 
     res: dict = {}
     ref = DiffusersRolloutEngine(folder, max_batch_size=3)
