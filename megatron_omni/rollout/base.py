@@ -16,10 +16,9 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
-from megatron_omni.bridge.targets import RolloutTarget
-
 from megatron_omni.algorithms.sde import SDE_TYPES
 from megatron_omni.algorithms.window import check_window
+from megatron_omni.bridge.targets import RolloutTarget
 
 
 @dataclass(frozen=True)

@@ -34,7 +34,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from megatron_omni.bridge.targets import VllmOmniTarget
 from megatron_omni.parallel import platform
 from megatron_omni.rollout.base import FinishedSample, SamplingParams, Trajectory, WeightSink, sample_seeds
 from megatron_omni.rollout.vllm_omni_pipeline import (

@@ -1,15 +1,16 @@
 """The FlowGRPO trainer: one readable RL step on the Megatron model.
 
-rollout (the engine `rollout.engine` names, built by the rollout registry) -> rewards -> old log-probs (recomputed by the Megatron model, or the rollout's in
-`bypass` mode) -> group advantages -> mini-batch updates through Megatron-Core's DDP and optimizer
-(gradient accumulation over the window steps) -> weight sync into the rollout engine, proven by a probe
-forward -> metrics. The engine sleeps from the end of the rollout to the end of the update (vLLM-Omni on GPU
-frees its memory for training). When the model replica is one rank (`rollout.transformer` trainer, or auto), the engine samples with the
+rollout (the engine `rollout.engine` names, built by the rollout registry) -> rewards -> old log-probs
+(recomputed by the Megatron model, or the rollout's in `bypass` mode) -> group advantages -> mini-batch
+updates through Megatron-Core's DDP and optimizer (gradient accumulation over the window steps) -> weight
+sync into the rollout engine, proven by a probe forward -> metrics. The engine sleeps from the end of the
+rollout to the end of the update (vLLM-Omni on GPU frees its memory for training). When the model replica is
+one rank (`rollout.transformer` trainer, or auto, with the diffusers engine), the engine samples with the
 trainer's Megatron module itself, so there is no copy to sync.
 
 Data parallel ranks take disjoint prompts; the ranks of one model replica (tp x cp x pp) split that
 replica's samples, each rolls out and scores its share, and the shares are gathered so they all train on the
-same trajectory (each rank's embedded engine holds the full weights: the sync gathers every pipeline stage
+same trajectory (each rank's diffusers engine holds the full weights: the sync gathers every pipeline stage
 into every engine). Rewards are gathered over data parallel for the advantages (global or per-group
 std). The recompute and the update run micro-batches (samples x one window step) through Megatron-Core's
 schedules (`pipeline_step.py`; 1F1B when pp > 1). With `algorithm.beta > 0` a frozen copy of the initial
@@ -40,8 +41,8 @@ from megatron_omni.bridge.qwen_image import megatron_sources, qwen_image_plan
 from megatron_omni.models.dit.config import MMDiTConfig
 from megatron_omni.models.dit.diffusers_interface import DiffusersForward
 from megatron_omni.models.dit.model import MMDiTModel
-from megatron_omni.parallel.groups import ParallelGroups
 from megatron_omni.parallel import platform
+from megatron_omni.parallel.groups import ParallelGroups
 from megatron_omni.parallel.platform import seed_everything
 from megatron_omni.rollout.base import SamplingParams, Trajectory, WeightSink
 from megatron_omni.rollout.probe import check_probe, probe_tolerance, probe_trajectory

@@ -6,18 +6,12 @@ probe's failures: tests/distributed/test_trainer_vllm_omni.py.)"""
 
 from __future__ import annotations
 
-import contextlib
 import json
-import os
-import signal
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
 
-from tests.e2e.test_flowgrpo_train import ROOT, SHORT, _assert_same_state, _env, _final_state, _rewards, _train
+from tests.e2e.test_flowgrpo_train import _assert_same_state, _final_state, _kill_after_checkpoint, _rewards, _train
 
 VLLM = ["--set", "rollout.engine=vllm_omni"]
 
@@ -39,19 +33,7 @@ def test_reward_rises_and_sigkill_resume_is_bit_identical(tmp_path: Path) -> Non
     assert max(_probe_diffs(ref)) < 1e-5
 
     run = tmp_path / "killed"
-    cmd = [sys.executable, "-m", "megatron_omni.train", "--set", f"run_dir={run}", *SHORT, *steps]
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            start_new_session=True)
-    marker = run / "checkpoints" / "step_000004" / "COMPLETE"
-    deadline = time.monotonic() + 600
-    try:
-        while not marker.exists() and proc.poll() is None and time.monotonic() < deadline:
-            time.sleep(0.05)
-    finally:  # nothing of the run may outlive the test
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
-    assert marker.exists(), "the run never reached its step-4 checkpoint"
+    _kill_after_checkpoint(run, 4, *steps)
     assert not (run / "checkpoints" / "step_000008").exists(), "the run finished before it was killed"
     resumed = _train(run, *steps, "--resume", "auto")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
@@ -62,11 +44,14 @@ def test_reward_rises_and_sigkill_resume_is_bit_identical(tmp_path: Path) -> Non
 
 @pytest.mark.slow
 def test_reward_rises_rollout_tp2(tmp_path: Path) -> None:
-    """Two ranks, trainer tp 1 (data parallel 2), vLLM-Omni's transformer sharded over both (rollout tp 2)."""
+    """Two ranks, trainer tp 1 (data parallel 2), vLLM-Omni's transformer sharded over both (rollout tp 2); the
+    held-out evaluation before and after (rank 0's samples, its engine peer serving the calls) runs too."""
     run = tmp_path / "rollout_tp2"
-    proc = _train(run, *VLLM, "--set", "rollout.tp=2", "--set", "steps=8", nproc=2)
+    proc = _train(run, *VLLM, "--set", "rollout.tp=2", "--set", "steps=8", "--set", 'eval.prompts=["a red cube"]',
+                  "--set", "eval.num_steps=4", nproc=2)
     assert proc.returncode == 0, proc.stderr[-3000:]
     r = _rewards(run)
     print("vllm_omni rollout tp=2 reward per step:", [f"{x:.3f}" for x in r])
     assert len(r) == 8 and sum(r[-2:]) / 2 > sum(r[:2]) / 2 + 0.05, r
     assert max(_probe_diffs(run)) < 1e-5
+    assert [e["step"] for e in map(json.loads, (run / "eval.jsonl").read_text().splitlines())] == [0, 8]
