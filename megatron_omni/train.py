@@ -31,6 +31,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="--dry-run: GPUs per node (collectives inside a node use NVLink, across nodes the network)")
     ap.add_argument("--reward-gpus", type=int, default=0,
                     help="--dry-run: GPUs the job holds for the reward server (counted in images/s/GPU)")
+    ap.add_argument("--mfu-from", default=None, metavar="FILE",
+                    help="--dry-run: the JSON tools/gpu_check.sh writes; its measured MFU replaces the assumed 0.35")
     return ap.parse_args(argv)
 
 
@@ -64,36 +66,52 @@ def _model_config(cfg) -> tuple[dict, str]:
     return cfg.model.preset, f"preset {cfg.model.preset!r} ({path} not found here)"
 
 
-def dry_run(cfg, world_size: int, gpu: str, gpus_per_node: int = 8, reward_gpus: int = 0) -> bool:
+def dry_run(cfg, world_size: int, gpu: str, gpus_per_node: int = 8, reward_gpus: int = 0,
+            mfu_from: str | None = None) -> bool:
     """Print the planner's report and the bridge plan for this job; needs no GPU and loads no weights.
+    `mfu_from`: a JSON written by tools/gpu_check.sh whose measured MFU replaces the assumed one.
     Returns whether the plan fits in GPU memory."""
-    from megatron_omni.bridge.qwen_image import qwen_image_plan
+    from megatron_omni.bridge.qwen_image import qwen_image_plan, sync_mode
     from megatron_omni.parallel.layout import ParallelLayout
-    from megatron_omni.trainer.planner import Precision, RolloutSpec, Workload, plan
+    from megatron_omni.trainer.planner import DEFAULT_MFU, Precision, RolloutSpec, Workload, measured_mfu, plan
+
+    mfu, mfu_source = DEFAULT_MFU, None
+    if mfu_from is not None:
+        try:
+            mfu = measured_mfu(mfu_from)
+        except ValueError as exc:
+            raise ConfigError(f"--mfu-from: {exc}") from None
+        mfu_source = mfu_from
 
     model, source = _model_config(cfg)
     r, p = cfg.rollout, cfg.parallel
-    # What the trainer does (trainer/flowgrpo.py): the embedded diffusers engine sits on every rank at rollout
-    # tp=1 with the full weights, and every rank rolls out its own share of the images (the ranks of a model
-    # replica split its samples and gather them), so all trainer GPUs split the rollout. The tiny pipeline's
-    # text encoder and VAE are negligible.
+    # What the trainer does (trainer/flowgrpo.py): the engine is colocated with the trainer and every rollout
+    # group of rollout.tp ranks rolls out its share of the images. The embedded diffusers engine (tp=1) keeps
+    # its full weights resident; vLLM-Omni sleeps during the update. The tiny pipeline's text encoder and VAE
+    # are negligible.
     dp = world_size // (p.tp * p.ulysses * p.ring * p.pp)
-    rollout = RolloutSpec(extra_params=0 if cfg.model.pipeline == "tiny" else RolloutSpec.extra_params)
+    vllm = r.engine == "vllm_omni"
+    rollout = RolloutSpec(tp=r.tp, sleeps=vllm,
+                          extra_params=0 if cfg.model.pipeline == "tiny" else RolloutSpec.extra_params)
+    precision = Precision.of(cfg.model.params_dtype, r.dtype, cfg.optim.distributed_optimizer)
     per_replica = r.prompts_per_step * r.group_size // cfg.optim.mini_batches // dp
     workload = Workload(height=r.height, width=r.width, sampling_steps=r.num_steps, window=r.window_size,
                         prompts=r.prompts_per_step, group_size=r.group_size, mini_batches=cfg.optim.mini_batches,
                         micro_batch_size=cfg.optim.micro_batch_size or max(per_replica, 1),
                         cfg=r.guidance_scale > 1, recompute_old_logprob=cfg.algorithm.old_logprob == "recompute")
     report = plan(model, ParallelLayout(tp=p.tp, ulysses=p.ulysses, ring=p.ring, pp=p.pp), world_size, gpu,
-                  workload, rollout=rollout, precision=Precision(distributed_optimizer=cfg.optim.distributed_optimizer),
-                  recompute=cfg.model.recompute or "none", gpus_per_node=gpus_per_node, reward_gpus=reward_gpus)
-    sync = qwen_image_plan(model, trainer_tp=p.tp, trainer_pp=p.pp, rollout_kind="diffusers", rollout_tp=1,
-                           mode="full")
+                  workload, rollout=rollout, precision=precision, recompute=cfg.model.recompute or "none",
+                  gpus_per_node=gpus_per_node, reward_gpus=reward_gpus, mfu=mfu)
+    mode = sync_mode(p.tp, p.pp, r.tp) if vllm else "full"
+    sync = qwen_image_plan(model, trainer_tp=p.tp, trainer_pp=p.pp, rollout_kind=r.engine, rollout_tp=r.tp, mode=mode)
     elements = sync.numel_per_rollout_rank()[0]
     print(f"dry run: world size {world_size} trainer ranks + {reward_gpus} reward GPUs, model from {source}")
+    print(f"precision: model {cfg.model.params_dtype} ({cfg.model.backend} layer spec), rollout {r.engine} engine "
+          f"in {r.dtype} at tp={r.tp}" + (f"; MFU {mfu:.3f} from {mfu_source}" if mfu_source else ""))
     print(report.table())
-    print(f"bridge: {len(sync.sources)} Megatron tensors -> {len(sync.params)} rollout parameters (full mode, "
-          f"diffusers engine tp=1), {elements:,} elements = {elements * 2 / 2**30:.2f} GiB bf16 per sync")
+    print(f"bridge: {len(sync.sources)} Megatron tensors -> {len(sync.params)} rollout parameters ({mode} mode, "
+          f"{r.engine} engine tp={r.tp}), {elements:,} elements = "
+          f"{elements * precision.rollout_param_bytes / 2**30:.2f} GiB {r.dtype} per rollout rank per sync")
     m = report.memory
     total = m.total
     # The frozen reference of the KL term (in the parameters' dtype) and the EMA of the weights (fp32): each one
@@ -118,11 +136,13 @@ def main(argv: list[str] | None = None) -> int:
         if args.resume is not None:
             cfg.checkpoint.resume = args.resume
         cfg.validate(world_size)
+        if args.mfu_from is not None and not args.dry_run:
+            raise ConfigError("--mfu-from is read by --dry-run only")
         if args.dry_run:
             from megatron_omni.parallel.layout import LayoutError
 
             try:
-                fits = dry_run(cfg, world_size, args.gpu, args.gpus_per_node, args.reward_gpus)
+                fits = dry_run(cfg, world_size, args.gpu, args.gpus_per_node, args.reward_gpus, args.mfu_from)
             except LayoutError as exc:
                 raise ConfigError(f"layout: {exc}") from exc
             if not fits:

@@ -11,7 +11,11 @@
 #                      | vlm (vllm serve JUDGE_MODEL on REWARD_GPUS + our server with the vlm_ocr scorer as its
 #                      client) | url (an already running server at REWARD_URL) | none (score inside the trainer)
 #   REWARD_SCORER REWARD_HOST REWARD_PORT REWARD_URL REWARD_WORKERS REWARD_DEVICE_KIND JUDGE_MODEL JUDGE_PORT
-#   RECIPE PIPELINE_DIR RUN_DIR PYTHON GPU_KIND DRY_RUN HEALTH_TIMEOUT_S
+#   RECIPE PIPELINE_DIR RUN_DIR PYTHON GPU_KIND DRY_RUN HEALTH_TIMEOUT_S MFU_FROM
+#   MODEL_BACKEND      the layer spec the 20B recipes read (default te: TransformerEngine). A dry run where
+#                      transformer_engine is not importable (a laptop, a CPU login node) plans with local and
+#                      says so: the planner's memory and time do not depend on the layer spec.
+#   MFU_FROM           a dry run's measured MFU: the JSON tools/gpu_check.sh wrote (default: the assumed 0.35)
 # Extra arguments of the script ("$@") go to the entry point (e.g. --set steps=100, --resume auto).
 
 count_list() {  # number of comma-separated entries in $1 ("" -> 0)
@@ -133,8 +137,15 @@ launch() {  # the one call of the entry point: a dry run (DRY_RUN=1) or torchrun
 
     if [[ "$DRY_RUN" == 1 ]]; then
         # Nothing is started: the planner validates the layout for this world size and prints the plan.
-        WORLD_SIZE="$world" exec "$PYTHON" -m megatron_omni.train --dry-run --gpu "$GPU_KIND" \
-            --gpus-per-node "$GPUS_PER_NODE" --reward-gpus "$(( NNODES * n_reward ))" "${ENTRY_ARGS[@]}" "$@"
+        if [[ -z "${MODEL_BACKEND:-}" ]] && ! "$PYTHON" -c \
+                'import importlib.util, sys; sys.exit(importlib.util.find_spec("transformer_engine") is None)'; then
+            echo "launch: transformer_engine is not importable here: the dry run plans with MODEL_BACKEND=local" \
+                 "(same memory and time model; the cluster run uses te)"
+            export MODEL_BACKEND=local
+        fi
+        local dry=(--dry-run --gpu "$GPU_KIND" --gpus-per-node "$GPUS_PER_NODE" --reward-gpus "$(( NNODES * n_reward ))")
+        if [[ -n "${MFU_FROM:-}" ]]; then dry+=(--mfu-from "$MFU_FROM"); fi
+        WORLD_SIZE="$world" exec "$PYTHON" -m megatron_omni.train "${dry[@]}" "${ENTRY_ARGS[@]}" "$@"
     fi
 
     trap cleanup EXIT

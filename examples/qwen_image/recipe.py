@@ -15,13 +15,15 @@ Inputs come from the environment so that one launch script serves every cluster:
 - `OCR_PROMPTS`: a text file, one prompt per line, each quoting the text to render ('A sign that says
   "OPEN"', flow_grpo's dataset/ocr/train.txt format); unset: the small built-in list below.
 
-Layouts (trainer ranks on H200; figures from `--dry-run`, reasons in docs/parallelism.md). The trainer keeps
-a full bf16 rollout engine on every rank (each rank rolls out its share of the images) and by default does
-not shard the optimizer state, so the smallest model-parallel size that fits the memory is the layout: TP
-inside the node x DP, no recompute.
-- 1 node x 8 with 2 GPUs for the reward: 6 trainer ranks, tp=6 (dp=1);
-- 2 nodes x 8: 16 ranks, tp=8 x dp=2 (tp=4 would need 149 GiB per GPU);
-- 4 nodes x 8: 32 ranks, tp=8 x dp=4.
+Layouts (trainer ranks on H200; figures from `--dry-run`, reasons in docs/parallelism.md). Trainer and
+rollout are bf16; a vLLM-Omni engine at rollout tp=1 sits on every rank (each rank rolls out its share of the
+images; it sleeps during the update, and the bridge gathers the trainer's tp shards into it in full mode), and
+by default the optimizer state is not sharded, so the layout is the fastest one the planner finds that leaves
+10% of the GPU free: TP inside the node x DP, no recompute.
+- 1 node x 8 with 2 GPUs for the reward: 6 trainer ranks, tp=6 (dp=1): 117 GiB, 0.871 images/s/GPU predicted
+  (tp=3 would need 174 GiB);
+- 2 nodes x 8: 16 ranks, tp=8 x dp=2: 102 GiB, 0.818 (tp=4: 145 GiB; rollout tp=8, direct sync: 0.611);
+- 4 nodes x 8: 32 ranks, tp=8 x dp=4: 102 GiB, 0.815.
 """
 
 from __future__ import annotations
@@ -55,9 +57,9 @@ OCR_PROMPTS = [
 
 # Per cluster shape: trainer ranks, parallel sizes and recompute (chosen from the planner's figures).
 LAYOUTS: dict[str, dict] = {
-    "1node": dict(world=6, tp=6, recompute=None),
-    "2nodes": dict(world=16, tp=8, recompute=None),
-    "4nodes": dict(world=32, tp=8, recompute=None),
+    "1node": dict(world=6, tp=6, rollout_tp=1, recompute=None),
+    "2nodes": dict(world=16, tp=8, rollout_tp=1, recompute=None),
+    "4nodes": dict(world=32, tp=8, rollout_tp=1, recompute=None),
 }
 
 
@@ -80,7 +82,12 @@ def ocr_20b() -> JobConfig:
     cfg.prompts = load_prompts(os.environ.get("OCR_PROMPTS") or None)
     cfg.model.pipeline = os.environ.get("QWEN_IMAGE_PIPELINE") or DEFAULT_PIPELINE
     cfg.model.preset = "20b"
-    cfg.model.backend = "te"
+    # TransformerEngine's linears on the cluster; MODEL_BACKEND=local where TE is not installed (the launch
+    # scripts' dry run on a laptop sets it: the planner's figures do not depend on the layer spec).
+    cfg.model.backend = os.environ.get("MODEL_BACKEND") or "te"
+    # Megatron-LM's mixed precision (bf16 weights and activations, fp32 main weights, grads and Adam state);
+    # vLLM-Omni samples in bf16 and sleeps during the update (the SDE math and log-probs stay fp32).
+    cfg.model.params_dtype = "bf16"
     r = cfg.rollout
     r.height = r.width = 512
     r.num_steps = 10
@@ -92,6 +99,8 @@ def ocr_20b() -> JobConfig:
     r.prompts_per_step = 32
     r.group_size = 16
     r.max_batch_size = 16
+    r.engine = "vllm_omni"
+    r.dtype = "bf16"
     cfg.reward.scorer = "ocr"
     cfg.reward.timeout_s = 600.0  # 512 images per step through one OCR server
     cfg.algorithm.clip_range = 1e-5
@@ -126,6 +135,7 @@ def with_layout(cfg: JobConfig, cluster: str) -> JobConfig:
         raise ConfigError(f"unknown cluster shape {cluster!r}; known: {sorted(LAYOUTS)}")
     lay = LAYOUTS[cluster]
     cfg.parallel.tp = lay["tp"]
+    cfg.rollout.tp = lay["rollout_tp"]
     cfg.model.recompute = lay["recompute"]
     cfg.run_dir = f"{cfg.run_dir}-{cluster}"
     return cfg

@@ -40,6 +40,12 @@ def qwen_image_plan(
     )
 
 
+def sync_mode(trainer_tp: int, trainer_pp: int, rollout_tp: int) -> str:
+    """The bridge mode a vLLM-Omni sync uses: `direct` when each rollout rank's shard is its trainer rank's
+    (same tp, one pipeline stage), else `full` (gathered over tp and pp, then split the engine's way)."""
+    return "direct" if trainer_tp == rollout_tp and trainer_pp == 1 else "full"
+
+
 def megatron_sources(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """This rank's Megatron tensors (local tp shards of its stage) by global Megatron name.
 

@@ -12,7 +12,8 @@ necessary by running it, see docs/environment notes):
 - `device="cuda"` literals in the causal-mask helpers, the fused-softmax mask and the schedules'
   token counter -> the CPU device;
 - the distributed optimizer sorts parameters by comparing `param.type()` with CUDA tensor type names
-  ('torch.cuda.FloatTensor', ...) and moves its checkpoint gather buffers with `.cuda()` -> the same
+  ('torch.cuda.FloatTensor', ...) and moves its checkpoint gather buffers with `.cuda()` (as does the bf16
+  wrapper without it, `Float16OptimizerWithFloat16Params`) -> the same
   code with the CPU type names and `.cpu()`; and its model-space ("fully_reshardable") checkpoint load
   copies every per-parameter state key, which with torch's Adam (no apex/TE here) includes `step`, absent
   from the checkpoint's tensors (the step travels in the param groups) -> the step is copied onto itself;
@@ -398,6 +399,9 @@ def apply_cpu_shims() -> None:
     for module in (clip_grads, mcore_optimizer):
         if getattr(module, "clip_grad_by_total_norm_fp32", None) is original_clip:
             module.clip_grad_by_total_norm_fp32 = _cpu_clip_grad_by_total_norm_fp32
+    # bf16 without the distributed optimizer: the mixed-precision wrapper checks parameters against CUDA type
+    # names (its own methods have no device literals, so this rebinding is all they need; before the module's).
+    _rebind_cuda_code(mcore_optimizer.Float16OptimizerWithFloat16Params)
     for module in (clip_grads, mcore_optimizer):
         _rebind_module(module)
     # The distributed optimizer sorts parameters by their CUDA tensor type name and gathers its state on CUDA.

@@ -12,8 +12,12 @@ Time model (stated, so a reader can redo it by hand):
   all-reduces (2 per stream per block forward, 2 backward), Ulysses all-to-alls (Q, K, V, out of the
   image stream; text output gather), the gradient reduce-scatter and parameter all-gather of the
   distributed optimizer once per mini-batch. Ring attention's K/V passing is assumed hidden behind
-  compute. Reward scoring runs on its own GPUs and overlaps generation; weight sync and VAE decode are
-  not counted.
+  compute. Reward scoring runs on its own GPUs and overlaps generation; VAE decode is not counted;
+- weight sync (once per step, after the update): the rollout copy's bytes per rollout GPU, at HBM bandwidth
+  when the rollout layout equals the trainer's (direct mode: a local copy of the own shard), else at link
+  bandwidth (full mode: gathered over the trainer's tp and pp);
+- a colocated engine that sleeps (vLLM-Omni) frees its weights during the update, so its weights count in
+  the rollout phase's memory only; the embedded diffusers engine keeps them resident.
 """
 
 from __future__ import annotations
@@ -57,13 +61,14 @@ class GPUSpec:
     peak_bf16_flops: float
     link_bytes_per_s: float
     internode_bytes_per_s: float = 50e9  # one 400 Gb/s NIC per GPU
+    hbm_bytes_per_s: float = 4.8e12
 
 
 # Sold as 141 GB and 80 GB; nvidia-smi reports 143771 MiB and 81559 MiB. NVLink: 900 and 400 GB/s
 # bidirectional. Both have the Hopper SXM dense bf16 peak of about 989 TFLOP/s.
 GPUS: dict[str, GPUSpec] = {
-    "H200": GPUSpec("H200", 143771 * 1024**2, 989e12, 450e9),
-    "H800": GPUSpec("H800", 81559 * 1024**2, 989e12, 200e9),
+    "H200": GPUSpec("H200", 143771 * 1024**2, 989e12, 450e9, hbm_bytes_per_s=4.8e12),
+    "H800": GPUSpec("H800", 81559 * 1024**2, 989e12, 200e9, hbm_bytes_per_s=3.35e12),
 }
 
 
@@ -97,7 +102,9 @@ class RolloutSpec:
     state); otherwise it runs on `gpus` GPUs of its own. batch: images in flight per engine instance.
     mfu: defaults to the training MFU. extra_params: non-transformer weights it holds (text encoder, VAE).
     replicas: engine instances that split the images between them; None = every rollout GPU group of `tp`
-    (rollout GPUs / tp), which is what the trainer's embedded engine does: every rank rolls out a share."""
+    (rollout GPUs / tp), which is what the trainer's embedded engine does: every rank rolls out a share.
+    sleeps: a colocated engine that frees its GPU memory during the update (vLLM-Omni's sleep mode), so
+    its weights are not resident beside the training activations."""
 
     tp: int = 1
     colocated: bool = True
@@ -106,12 +113,13 @@ class RolloutSpec:
     mfu: float | None = None
     extra_params: int = QWEN_IMAGE_TEXT_ENCODER_PARAMS + QWEN_IMAGE_VAE_PARAMS
     replicas: int | None = None
+    sleeps: bool = False
 
 
 @dataclass(frozen=True)
 class Precision:
     """Bytes per parameter: bf16 weights, fp32 main grads, fp32 master + Adam m, v (12 bytes) sharded over
-    dp x cp by Megatron's distributed optimizer; bf16 activations and rollout weights."""
+    dp x cp by Megatron's distributed optimizer; bf16 activations and rollout weights (`of` for a config)."""
 
     param_bytes: int = 2
     grad_bytes: int = 4
@@ -119,6 +127,20 @@ class Precision:
     distributed_optimizer: bool = True
     activation_bytes: int = 2
     rollout_param_bytes: int = 2
+
+    @classmethod
+    def of(cls, params_dtype: str, rollout_dtype: str, distributed_optimizer: bool) -> Precision:
+        """What Megatron-Core allocates for `model.params_dtype` ('fp32' | 'bf16'): in bf16, 2-byte weights and
+        activations and fp32 main params + Adam m, v (12 bytes); in fp32 the weights are the main params, so
+        the optimizer holds m, v only (8 bytes). Grads are fp32 either way (grad_reduce_in_fp32)."""
+        width = {"fp32": 4, "bf16": 2}
+        for field_name, name in (("model.params_dtype", params_dtype), ("rollout.dtype", rollout_dtype)):
+            if name not in width:
+                raise LayoutError(f"{field_name}={name!r}: expected fp32 or bf16")
+        bf16 = params_dtype == "bf16"
+        return cls(param_bytes=width[params_dtype], grad_bytes=4, optimizer_bytes=12 if bf16 else 8,
+                   distributed_optimizer=distributed_optimizer, activation_bytes=width[params_dtype],
+                   rollout_param_bytes=width[rollout_dtype])
 
 
 @dataclass(frozen=True)
@@ -132,6 +154,7 @@ class TimeReport:
     bubble_fraction: float
     step_s: float
     images_per_s_per_gpu: float
+    sync_s: float = 0.0  # trainer -> rollout weight sync, once per step (included in step_s)
 
 
 @dataclass(frozen=True)
@@ -182,7 +205,8 @@ class PlanReport:
             f"  optimizer states    {gib(m.optimizer_states)}",
             f"  activations         {gib(m.activations)}  (none: {m.activations_no_recompute / GIB:.1f}, "
             f"full recompute: {m.activations_full_recompute / GIB:.1f})",
-            f"  rollout weights     {gib(m.rollout_weights)}",
+            f"  rollout weights     {gib(m.rollout_weights)}"
+            f"{'  (engine asleep during the update: not resident beside training)' if m.rollout_asleep else ''}",
             f"  rollout activations {gib(m.rollout_activations)}",
             f"  reserve             {gib(m.reserve)}",
             f"  total               {gib(m.total)} of {m.capacity / GIB:.1f} GiB -> "
@@ -192,6 +216,7 @@ class PlanReport:
             f"  old log-probs       {t.old_logprob_s:8.1f} s",
             f"  training            {t.train_s:8.1f} s  (bubble {t.bubble_fraction:.0%}, "
             f"non-overlapped communication {t.communication_s:.1f} s in all)",
+            f"  weight sync         {t.sync_s:8.1f} s",
             f"  step                {t.step_s:8.1f} s  -> {t.images_per_s_per_gpu:.3f} images/s/GPU",
             f"reference (VeRL-Omni, {REFERENCE_GPUS}xH200): {REFERENCE_IMAGES_PER_S_PER_GPU:.3f} images/s/GPU, "
             f"~{REFERENCE_STEP_S:.0f} s/step; predicted/reference = {self.ratio_to_reference:.2f}",
@@ -339,6 +364,7 @@ def plan(
         rollout_activations=rollout_acts if rollout.colocated else 0,
         reserve=reserve_bytes,
         capacity=gpu.memory_bytes,
+        rollout_asleep=rollout.colocated and rollout.sleeps,
     )
     if not rollout.colocated:
         rollout_total = rollout_weights + rollout_acts + reserve_bytes
@@ -394,7 +420,11 @@ def plan(
     r_comm = r_fwd / replicas * r_tp_fwd
     rollout_s = r_compute + r_comm
 
-    step_s = rollout_s + old_s + train_s
+    # Weight sync: what one rollout GPU receives. Direct mode (same tp, no pp) copies the own shard locally.
+    sync_bytes = precision.rollout_param_bytes * rollout_parameter_count(cfg, rollout.tp)
+    direct = rollout.colocated and rollout.tp == tp and pp == 1 and cp == 1
+    sync_s = sync_bytes / (gpu.hbm_bytes_per_s if direct else bw(tp * pp, 1))
+    step_s = rollout_s + old_s + train_s + sync_s
     total_gpus = world_size + (0 if rollout.colocated else rollout_gpus) + reward_gpus
     flops_per_image = (w.sampling_steps * cfg_x * flops.total
                        + w.window * cfg_x * (int(w.recompute_old_logprob) + 3) * flops.total
@@ -407,6 +437,7 @@ def plan(
         bubble_fraction=bubble,
         step_s=step_s,
         images_per_s_per_gpu=w.images / (step_s * total_gpus),
+        sync_s=sync_s,
     )
     return PlanReport(
         model=model if isinstance(model, str) else "custom", layout=lay, gpu=gpu, workload=w, rollout=rollout,
@@ -414,6 +445,25 @@ def plan(
         flops_per_image=flops_per_image, stage_parameters=stage_params, memory=memory, time=time,
         warnings=warnings, precision=precision,
     )
+
+
+def measured_mfu(path: str) -> float:
+    """The MFU measured by tools/gpu_check.sh (its JSON's `mfu`: one 20B-shaped MMDiT block's forward +
+    backward at batch 1, against the GPU's bf16 peak). Raises ValueError naming the file and the problem."""
+    import json
+    from pathlib import Path
+
+    p = Path(path)
+    try:
+        data = json.loads(p.read_text())
+    except FileNotFoundError:
+        raise ValueError(f"{path}: no such file (tools/gpu_check.sh writes it)") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ValueError(f"{path}: not a JSON file ({exc})") from None
+    mfu = data.get("mfu") if isinstance(data, dict) else None
+    if isinstance(mfu, bool) or not isinstance(mfu, (int, float)) or not 0 < mfu <= 1:
+        raise ValueError(f"{path}: 'mfu' must be a number in (0, 1], got {mfu!r}")
+    return float(mfu)
 
 
 def reference_implied_mfu(report: PlanReport) -> float:

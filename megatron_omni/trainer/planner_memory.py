@@ -147,13 +147,17 @@ class MemoryReport:
     rollout_activations: int
     reserve: int  # CUDA context, communication buffers, allocator fragmentation
     capacity: int
+    rollout_asleep: bool = False  # the engine frees its weights during the update (vLLM-Omni's sleep)
 
     @property
     def total(self) -> int:
-        """Peak bytes: resident state plus the larger of the training and rollout working sets (they do
-        not run at the same time on a colocated GPU)."""
-        resident = self.parameters + self.gradients + self.optimizer_states + self.rollout_weights + self.reserve
-        return resident + max(self.activations, self.rollout_activations)
+        """Peak bytes: the training state plus the larger of the two phases a colocated GPU runs in turn:
+        rollout (engine weights + its working set) and update (activations, + the engine's weights unless it
+        sleeps)."""
+        resident = self.parameters + self.gradients + self.optimizer_states + self.reserve
+        rollout_phase = self.rollout_weights + self.rollout_activations
+        update_phase = self.activations + (0 if self.rollout_asleep else self.rollout_weights)
+        return resident + max(rollout_phase, update_phase)
 
     @property
     def fits(self) -> bool:

@@ -120,9 +120,34 @@ def test_impossible_layout_in_process(case: str, monkeypatch: pytest.MonkeyPatch
     monkeypatch.setenv("WORLD_SIZE", str(world))
     monkeypatch.delenv("QWEN_IMAGE_PIPELINE", raising=False)
     monkeypatch.delenv("OCR_PROMPTS", raising=False)
+    monkeypatch.setenv("MODEL_BACKEND", "local")  # what the launch scripts' dry run sets without TransformerEngine
     args = ["--dry-run", "--recipe", f"examples.qwen_image.recipe:{recipe}"]
     for o in overrides:
         args += ["--set", o]
     assert main(args) == rc
     err = capsys.readouterr().err
     assert re.search(pattern, err), f"{case}: message not found in:\n{err}"
+
+
+def test_dry_run_reads_measured_mfu(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys) -> None:
+    """`--mfu-from` (the JSON tools/gpu_check.sh writes) replaces the assumed MFU; a bad file exits 2."""
+    from megatron_omni.train import main
+
+    monkeypatch.setenv("WORLD_SIZE", "16")
+    monkeypatch.setenv("MODEL_BACKEND", "local")
+    monkeypatch.delenv("QWEN_IMAGE_PIPELINE", raising=False)
+    args = ["--dry-run", "--recipe", "examples.qwen_image.recipe:ocr_20b_2nodes"]
+    assert main(args) == 0
+    assumed = capsys.readouterr().out
+    measured = tmp_path / "gpu_check.json"
+    measured.write_text('{"mfu": 0.5}')
+    assert main(args + ["--mfu-from", str(measured)]) == 0
+    out = capsys.readouterr().out
+    assert f"MFU 0.500 from {measured}" in out and "assumption: MFU 0.50 of" in out
+    step = lambda text: float(re.search(r"step +([\d.]+) s", text).group(1))  # noqa: E731
+    assert step(out) < step(assumed)
+    measured.write_text('{"mfu": "fast"}')
+    assert main(args + ["--mfu-from", str(measured)]) == 2
+    assert "--mfu-from" in capsys.readouterr().err
+    assert main(["--recipe", "examples.qwen_image.recipe:ocr_20b_2nodes", "--mfu-from", str(measured)]) == 2
+    assert "read by --dry-run only" in capsys.readouterr().err

@@ -117,7 +117,7 @@ def test_time_model_accounting() -> None:
     wl = Workload(micro_batch_size=2)
     base = plan("20b", ParallelLayout(tp=2), 8, "H200", wl)
     t = base.time
-    assert t.step_s == pytest.approx(t.rollout_s + t.old_logprob_s + t.train_s)
+    assert t.step_s == pytest.approx(t.rollout_s + t.old_logprob_s + t.train_s + t.sync_s) and t.sync_s > 0
     assert t.images_per_s_per_gpu == pytest.approx(512 / (t.step_s * 8))
     # rollout compute: 512 images x 10 forwards at MFU (+ text encoder, + TP all-reduces at rollout tp=1: none)
     compute = 512 * 10 * base.flops.total / (8 * GPUS["H200"].peak_bf16_flops * 0.35)
@@ -181,6 +181,58 @@ def test_separate_rollout_gpus_count_in_throughput() -> None:
     own = plan("20b", ParallelLayout(tp=2), 8, "H200", wl, rollout=RolloutSpec(tp=2, colocated=False, gpus=8))
     assert own.gpus == 16 and own.memory.rollout_weights == 0
     assert own.time.images_per_s_per_gpu == pytest.approx(512 / (own.time.step_s * 16))
+
+
+def test_precision_of_config_dtypes() -> None:
+    bf16 = Precision.of("bf16", "bf16", True)
+    assert (bf16.param_bytes, bf16.grad_bytes, bf16.optimizer_bytes, bf16.activation_bytes) == (2, 4, 12, 2)
+    fp32 = Precision.of("fp32", "bf16", False)  # fp32 weights are the main weights: Adam m, v only
+    assert (fp32.param_bytes, fp32.optimizer_bytes, fp32.activation_bytes, fp32.rollout_param_bytes) == (4, 8, 4, 2)
+    assert not fp32.distributed_optimizer
+    with pytest.raises(LayoutError, match="model.params_dtype='fp16'"):
+        Precision.of("fp16", "bf16", False)
+    wl = Workload(micro_batch_size=2)
+    full = plan("20b", ParallelLayout(tp=8), 16, "H200", wl, precision=Precision.of("fp32", "fp32", False))
+    mixed = plan("20b", ParallelLayout(tp=8), 16, "H200", wl, precision=Precision.of("bf16", "bf16", False))
+    assert full.memory.parameters == 2 * mixed.memory.parameters
+    assert full.memory.rollout_weights == 2 * mixed.memory.rollout_weights
+
+
+def test_sleeping_engine_frees_its_weights_during_the_update() -> None:
+    wl = Workload(micro_batch_size=2)
+    awake = plan("20b", ParallelLayout(tp=8), 16, "H200", wl, rollout=RolloutSpec(tp=1), recompute="none")
+    asleep = plan("20b", ParallelLayout(tp=8), 16, "H200", wl, rollout=RolloutSpec(tp=1, sleeps=True),
+                  recompute="none")
+    m, a = asleep.memory, awake.memory
+    state = m.parameters + m.gradients + m.optimizer_states + m.reserve
+    assert m.total == state + max(m.rollout_weights + m.rollout_activations, m.activations)
+    assert a.total == state + m.rollout_weights + max(m.rollout_activations, m.activations)
+    assert m.total < a.total and "engine asleep during the update" in asleep.table()
+
+
+def test_weight_sync_time_direct_vs_full() -> None:
+    wl = Workload(micro_batch_size=2)
+    direct = plan("20b", ParallelLayout(tp=8), 16, "H200", wl, rollout=RolloutSpec(tp=8))
+    full = plan("20b", ParallelLayout(tp=8), 16, "H200", wl, rollout=RolloutSpec(tp=1))
+    gpu = GPUS["H200"]
+    assert direct.time.sync_s == pytest.approx(2 * rollout_parameter_count("20b", 8) / gpu.hbm_bytes_per_s)
+    assert full.time.sync_s == pytest.approx(2 * rollout_parameter_count("20b", 1) / (gpu.link_bytes_per_s * 0.7))
+    assert "weight sync" in full.table()
+
+
+def test_measured_mfu_file(tmp_path) -> None:
+    from megatron_omni.trainer.planner import measured_mfu
+
+    good = tmp_path / "gpu_check.json"
+    good.write_text('{"mfu": 0.41, "gpu": "H200"}')
+    assert measured_mfu(str(good)) == 0.41
+    bad = (('{"mfu": 1.5}', "must be a number in"), ('{"gpu": "H200"}', "got None"), ("{", "not a JSON"))
+    for text, message in bad:
+        good.write_text(text)
+        with pytest.raises(ValueError, match=message):
+            measured_mfu(str(good))
+    with pytest.raises(ValueError, match="no such file"):
+        measured_mfu(str(tmp_path / "missing.json"))
 
 
 # ---------------------------------------------------- activation model against the real block (spawned ranks)

@@ -1,0 +1,42 @@
+"""tools/gpu_check_report.py: the GPU check's table names every check (those that did not run as such), and
+its JSON is what `--dry-run --mfu-from` reads (the planner's `measured_mfu`)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from megatron_omni.trainer.planner import measured_mfu
+
+ROOT = Path(__file__).resolve().parents[2]
+BLOCK = {f"batch_{b}": dict(block_ms=10.0 * b, tflops=400.0, mfu_790=0.506, mfu=0.404) for b in (1, 2, 4)}
+
+
+def _report(tmp_path: Path, rows: list[str]) -> tuple[subprocess.CompletedProcess, Path]:
+    figures, out = tmp_path / "figures.jsonl", tmp_path / "gpu_check.json"
+    figures.write_text("\n".join(rows) + "\n")
+    proc = subprocess.run([sys.executable, "tools/gpu_check_report.py", str(figures), str(out)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=60)
+    return proc, out
+
+
+def test_report_table_and_mfu_json(tmp_path: Path) -> None:
+    rows = [json.dumps({"check": "c_20b_block_fwd_bwd", **BLOCK}),
+            json.dumps({"check": "a_local_vs_diffusers_bf16", "max_abs_diff": 1e-3, "ours_vs_fp32": 4e-3,
+                        "diffusers_vs_fp32": 4e-3, "output_abs_max": 2.0})]
+    proc, out = _report(tmp_path, rows)
+    assert proc.returncode == 0, proc.stderr
+    assert "MFU 0.506 of 790 (0.404 of 989)" in proc.stdout and "max |ours - diffusers| 1.000e-03" in proc.stdout
+    assert proc.stdout.count("not run") == 2  # (b) and (d)
+    assert measured_mfu(str(out)) == 0.404
+    assert not list(tmp_path.glob(".*partial"))
+
+
+def test_report_without_block_has_no_mfu_and_bad_lines_fail(tmp_path: Path) -> None:
+    proc, out = _report(tmp_path, [])
+    assert proc.returncode == 0 and "no MFU" in proc.stdout
+    assert "mfu" not in json.loads(out.read_text())
+    proc, _ = _report(tmp_path, ["{broken"])
+    assert proc.returncode == 1 and "figures.jsonl:1: not JSON" in proc.stderr
