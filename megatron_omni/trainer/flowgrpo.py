@@ -37,7 +37,7 @@ from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
 from megatron_omni.algorithms.advantages import group_advantages
 from megatron_omni.bridge import DistributedTransport, WeightSync
-from megatron_omni.bridge.qwen_image import megatron_sources, qwen_image_plan
+from megatron_omni.bridge.qwen_image import megatron_sources, qwen_image_plan, sync_mode
 from megatron_omni.models.dit.config import MMDiTConfig
 from megatron_omni.models.dit.diffusers_interface import DiffusersForward
 from megatron_omni.models.dit.model import MMDiTModel
@@ -123,7 +123,7 @@ class FlowGRPOTrainer:
         # pp > 1 each stage's first rank broadcasts its stage's buckets so every engine gets all blocks.
         sink = self.engine.weight_sink()
         plan = qwen_image_plan(self.hf_config, trainer_tp=p.tp, trainer_pp=p.pp, rollout_kind=sink.kind,
-                               rollout_tp=sink.tp, mode=sync_mode(sink, p))
+                               rollout_tp=sink.tp, mode=_sync_mode(sink, p))
         transport = None
         if p.pp > 1:
             layout = groups.layout
@@ -339,10 +339,10 @@ class FlowGRPOTrainer:
         return sums
 
 
-def sync_mode(sink: WeightSink, p: ParallelConfig) -> str:
-    """The bridge mode into `sink`: `direct` (trainer shards copied straight into the engine's live shards)
-    when they are in this process at the trainer's tp and every rank holds all blocks (pp 1), else `full`."""
-    return "direct" if sink.in_place and sink.tp == p.tp and p.pp == 1 else "full"
+def _sync_mode(sink: WeightSink, p: ParallelConfig) -> str:
+    """The bridge's mode rule (`sync_mode`), where the engine's shards are live tensors in this process; `full`
+    into an engine in other processes (vLLM-Omni's workers on GPU take full tensors through their loader)."""
+    return sync_mode(p.tp, p.pp, sink.tp) if sink.in_place else "full"
 
 
 def _rollout_uses_trainer_model(cfg: JobConfig, model_dtype: torch.dtype, engine_dtype: torch.dtype) -> bool:
