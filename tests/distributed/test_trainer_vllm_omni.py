@@ -5,8 +5,8 @@ configuration through the rollout registry, against the diffusers engine.
 For the same seeds the first step's trajectories (window latents, log-probs) equal the diffusers engine's
 (fp32, 1e-5) at rollout tp 1 and 2, under trainer tp 1 (the bridge's full mode at rollout tp 2, direct at
 rollout tp 1) and trainer tp 2 (direct); every sync is proven by the probe forward. A sync that misses a
-tensor fails: a skipped mapping in the bridge's coverage check, a tensor the engine no longer reads (written,
-but unbound) in the probe, naming the max difference and the tolerance.
+tensor fails: one the engine's loader skips in the bridge's coverage check, one the engine no longer reads
+(written, but unbound) in the probe (both engines), naming the max difference and the tolerance.
 """
 
 from __future__ import annotations
@@ -68,17 +68,18 @@ def _steps(rank: int, world_size: int, folder: str, root: str) -> dict:
                                                                          second.metrics["sync_probe_max_diff"]],
                          "kind": type(trainer.engine).__name__,
                          "dlogp": [first.metrics["train_rollout_dlogp"], second.metrics["train_rollout_dlogp"]]}
-            if name == "vllm_tp2_trainer_tp2":
+            if name in ("vllm_tp2_trainer_tp2", "diffusers"):
                 # Direct mode, a tensor the engine no longer reads: the sync writes the old storage (coverage is
                 # complete), the forward reads a stale copy; the trainer's weights move first so it is stale.
                 _move(trainer)
-                proj = trainer.engine.omni.pipeline.transformer.proj_out
-                proj.weight = torch.nn.Parameter(proj.weight.detach().clone())
+                e = trainer.engine
+                module = e.transformer if engine == "diffusers" else e.omni.pipeline.transformer
+                module.proj_out.weight = torch.nn.Parameter(module.proj_out.weight.detach().clone())
                 try:
                     trainer.sync_weights()
-                    out["unbound"] = "no error"
+                    out[f"unbound_{engine}"] = "no error"
                 except ProbeMismatch as e:
-                    out["unbound"] = str(e)
+                    out[f"unbound_{engine}"] = str(e)
             if name == "vllm_tp2":
                 # Full mode, a tensor the engine's loader skips: the bridge's coverage check names it.
                 _move(trainer)
@@ -136,7 +137,9 @@ def test_second_step_follows_the_sync(results: list[dict]) -> None:
 
 
 def test_unbound_and_skipped_tensors_raise(results: list[dict]) -> None:
-    print(results[0]["unbound"])
+    print(results[0]["unbound_vllm_omni"])
     for r in results:
-        assert "max |difference|" in r["unbound"] and "tolerance" in r["unbound"], r["unbound"]
+        for engine in ("vllm_omni", "diffusers"):
+            message = r[f"unbound_{engine}"]
+            assert "max |difference|" in message and "tolerance 0.0001" in message, message
         assert "skipped diffusers tensor 'proj_out.bias'" in r["skipped"], r["skipped"]
