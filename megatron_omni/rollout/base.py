@@ -230,7 +230,8 @@ class RolloutEngine(Protocol):
         on_sample: Callable[[FinishedSample], None] | None = None,
     ) -> Trajectory:
         """`group_size` samples per prompt (sample k of prompt p at index p * group_size + k) with the
-        given per-sample seeds (default 0..N-1); `on_sample` is called as each sample finishes."""
+        given per-sample seeds (default 0..N-1); `on_sample` is called as each sample finishes. A `collective`
+        engine may be called with no prompts (serving its peers' shares): it then returns None."""
         ...
 
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> list[str]:
