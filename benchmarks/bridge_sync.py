@@ -70,7 +70,7 @@ def main() -> None:
 
     ctx = None
     if args.rollout == "vllm_omni":
-        from tests import vllm_omni_cpu
+        from megatron_omni.rollout import vllm_omni_cpu
 
         ctx = vllm_omni_cpu.vllm_omni_parallel(1)
         od, _ = ctx.__enter__()

@@ -92,7 +92,7 @@ def dry_run(cfg, world_size: int, gpu: str, gpus_per_node: int = 8, reward_gpus:
     # are negligible.
     dp = world_size // (p.tp * p.ulysses * p.ring * p.pp)
     vllm = r.engine == "vllm_omni"
-    rollout = RolloutSpec(tp=r.tp, sleeps=vllm,
+    rollout = RolloutSpec(tp=r.tp, sleeps=vllm, in_process=not vllm,
                           extra_params=0 if cfg.model.pipeline == "tiny" else RolloutSpec.extra_params)
     precision = Precision.of(cfg.model.params_dtype, r.dtype, cfg.optim.distributed_optimizer)
     per_replica = r.prompts_per_step * r.group_size // cfg.optim.mini_batches // dp
@@ -103,7 +103,8 @@ def dry_run(cfg, world_size: int, gpu: str, gpus_per_node: int = 8, reward_gpus:
     report = plan(model, ParallelLayout(tp=p.tp, ulysses=p.ulysses, ring=p.ring, pp=p.pp), world_size, gpu,
                   workload, rollout=rollout, precision=precision, recompute=cfg.model.recompute or "none",
                   gpus_per_node=gpus_per_node, reward_gpus=reward_gpus, mfu=mfu)
-    mode = sync_mode(p.tp, p.pp, r.tp) if vllm else "full"
+    # On the cluster vLLM-Omni's workers are processes of their own: its sync is full mode (bucketed RPCs).
+    mode = "full" if vllm else sync_mode(p.tp, p.pp, r.tp)
     sync = qwen_image_plan(model, trainer_tp=p.tp, trainer_pp=p.pp, rollout_kind=r.engine, rollout_tp=r.tp, mode=mode)
     elements = sync.numel_per_rollout_rank()[0]
     print(f"dry run: world size {world_size} trainer ranks + {reward_gpus} reward GPUs, model from {source}")

@@ -25,12 +25,13 @@ The shims are idempotent and only ever applied when CUDA is absent.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 import socket
 import sys
 import types
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
@@ -59,6 +60,32 @@ def device() -> torch.device:
 def backend() -> str:
     """The collective backend: nccl with GPUs, gloo on CPU."""
     return "nccl" if has_gpu() else "gloo"
+
+
+def rollout_in_process() -> bool:
+    """Whether a vLLM-Omni rollout runs its pipeline inside the trainer's ranks (vLLM-Omni's real pipeline class
+    and transformer, its parallel state over the job's collective backend) rather than as vLLM-Omni's own
+    `Omni` engine with worker processes: the engine's executor needs a GPU platform, so without one the
+    pipeline is served in process."""
+    return not has_gpu()
+
+
+@contextlib.contextmanager
+def devices_for_workers(local_devices: Iterable[int]) -> Iterator[None]:
+    """Inside, the processes this one starts see only this node's GPUs `local_devices` (numbered from 0 in
+    them: vLLM-Omni's workers take devices 0..tp-1), so the engine a trainer rank owns runs on its rollout
+    group's GPUs; the variable is restored on exit."""
+    key = "CUDA_VISIBLE_DEVICES"
+    before = os.environ.get(key)
+    visible = before.split(",") if before else [str(i) for i in range(torch.cuda.device_count())]
+    os.environ[key] = ",".join(visible[i] for i in local_devices)
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(key)
+        else:
+            os.environ[key] = before
 
 
 def synchronize() -> None:

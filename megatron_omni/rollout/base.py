@@ -10,6 +10,7 @@ start, the per-sample seeds and the decoded images.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, fields, replace
 from typing import Any, Protocol, runtime_checkable
 
@@ -17,6 +18,7 @@ import torch
 
 from megatron_omni.algorithms.sde import SDE_TYPES
 from megatron_omni.algorithms.window import check_window
+from megatron_omni.bridge.targets import RolloutTarget
 
 
 @dataclass(frozen=True)
@@ -196,9 +198,35 @@ def sample_seeds(num_prompts: int, group_size: int, seeds: Sequence[int] | None)
     return out
 
 
+@dataclass(frozen=True)
+class WeightSink:
+    """Where the bridge writes an engine's transformer weights on this rank.
+
+    kind: the sync plan's rollout layout ("diffusers" | "vllm_omni"); tp: the engine's tensor-parallel size;
+    target: the bridge target on this rank (None on a rank that holds no part of the engine); in_place: the
+    target's parameters are the engine's live tensors in this process, so the bridge may copy trainer shards
+    straight into them (`direct` mode) instead of handing full tensors to the engine's loader (`full`).
+    """
+
+    kind: str
+    tp: int
+    target: RolloutTarget | None
+    in_place: bool
+
+
 @runtime_checkable
 class RolloutEngine(Protocol):
-    """A generator of FlowGRPO trajectories that can receive fresh weights."""
+    """A generator of FlowGRPO trajectories that can receive fresh weights.
+
+    The trainer builds it through `megatron_omni.rollout.registry.build_engine` (by `rollout.engine` name),
+    takes the model's architecture and initial weights from it, syncs trained weights into its `weight_sink`
+    inside `weight_update()`, proves the sync with `probe`, and puts it to sleep while it trains.
+    """
+
+    dtype: torch.dtype  # what the transformer computes in (the SDE math is fp32 regardless)
+    # generate() is collective over the ranks that share the engine: each of them calls it with its own share
+    # (possibly empty: then it returns None) and the engine runs their union.
+    collective: bool
 
     def generate(
         self,
@@ -209,7 +237,8 @@ class RolloutEngine(Protocol):
         on_sample: Callable[[FinishedSample], None] | None = None,
     ) -> Trajectory:
         """`group_size` samples per prompt (sample k of prompt p at index p * group_size + k) with the
-        given per-sample seeds (default 0..N-1); `on_sample` is called as each sample finishes."""
+        given per-sample seeds (default 0..N-1); `on_sample` is called as each sample finishes. A `collective`
+        engine may be called with no prompts (serving its peers' shares): it then returns None."""
         ...
 
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> list[str]:
@@ -217,10 +246,36 @@ class RolloutEngine(Protocol):
         on an unknown name or a shape mismatch."""
         ...
 
+    def transformer_config(self) -> dict[str, Any]:
+        """The diffusers config of the engine's transformer (what `model_providers.qwen_image` builds from)."""
+        ...
+
+    def initial_state_dict(self) -> dict[str, torch.Tensor]:
+        """The transformer weights the engine started from, full diffusers-named tensors in its dtype."""
+        ...
+
+    def weight_sink(self) -> WeightSink:
+        """Where the bridge writes this rank's part of the engine's transformer."""
+        ...
+
+    def weight_update(self) -> AbstractContextManager[None]:
+        """Brackets one complete sync into `weight_sink()` (an engine may check completeness on exit)."""
+        ...
+
+    def probe(self, traj: Trajectory) -> torch.Tensor:
+        """Transition means [N, W, S, C] fp32 of the fixed trajectory `traj` under the engine's transformer as it
+        holds its weights now (the proof that a sync reached the weights it samples with). Collective over
+        the ranks that share the engine."""
+        ...
+
     def sleep(self) -> None:
-        """Release device memory between rollouts where the engine can (else a no-op)."""
+        """Release device memory between rollouts where the engine can; generate() refuses until wake_up()."""
         ...
 
     def wake_up(self) -> None:
         """Undo `sleep`."""
+        ...
+
+    def close(self) -> None:
+        """Release the engine (its workers, its parallel state)."""
         ...

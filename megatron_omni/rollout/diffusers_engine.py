@@ -15,10 +15,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections import OrderedDict, deque
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from tqdm import tqdm
@@ -26,8 +28,10 @@ from tqdm import tqdm
 from megatron_omni.algorithms.schedule import ShiftConfig, qwen_image_sigmas
 from megatron_omni.algorithms.sde import SdeCoefficients, sde_log_prob, sde_step
 from megatron_omni.algorithms.window import sample_window_start
+from megatron_omni.bridge.targets import DiffusersTarget
 from megatron_omni.parallel import platform
-from megatron_omni.rollout.base import FinishedSample, SamplingParams, Trajectory, sample_seeds
+from megatron_omni.rollout.base import FinishedSample, SamplingParams, Trajectory, WeightSink, sample_seeds
+from megatron_omni.rollout.logprob import recompute_log_probs
 from megatron_omni.rollout.velocity import VelocityModel, guided_velocity, pad_text
 
 
@@ -92,6 +96,7 @@ class DiffusersRolloutEngine:
             raise FileNotFoundError(f"no diffusers pipeline folder at {model_path}")
         self.device = device or platform.device()
         self.dtype = dtype
+        self.collective = False
         self.pipe = QwenImagePipeline.from_pretrained(model_path, local_files_only=True, dtype=dtype)
         self.pipe.to(self.device)
         self.pipe.set_progress_bar_config(disable=True)
@@ -415,9 +420,42 @@ class DiffusersRolloutEngine:
                 loaded.append(key)
         return loaded
 
+    # ------------------------------------------------------------------ the trainer's side
+    def transformer_config(self) -> dict[str, Any]:
+        """The diffusers config of the transformer (see `RolloutEngine`)."""
+        return dict(self.transformer.config)
+
+    def initial_state_dict(self) -> dict[str, torch.Tensor]:
+        """The transformer's tensors as loaded from the folder (live tensors: call it before the first sync)."""
+        return self.transformer.state_dict()
+
+    def weight_sink(self) -> WeightSink:
+        """The diffusers transformer, whole on this rank (rollout tp 1), written in place."""
+        return WeightSink(kind="diffusers", tp=1, target=DiffusersTarget(self.transformer), in_place=True)
+
+    @contextlib.contextmanager
+    def weight_update(self) -> Iterator[None]:
+        """Nothing to bracket: the bridge's coverage check covers the one in-process module."""
+        yield
+
+    @torch.no_grad()
+    def probe(self, traj: Trajectory) -> torch.Tensor:
+        """Transition means [N, W, S, C] of `traj` under the velocity model the engine samples with."""
+        return recompute_log_probs(traj, self.velocity_model, dtype=self.dtype, return_means=True).means
+
     def sleep(self) -> None:
         """Nothing to release in the embedded engine; generate() refuses to run until wake_up()."""
         self._asleep = True
 
     def wake_up(self) -> None:
         self._asleep = False
+
+    def close(self) -> None:
+        """Nothing to release (the pipeline goes with the object)."""
+
+
+def build_diffusers_engine(pipeline_dir: str | os.PathLike, settings: Any) -> DiffusersRolloutEngine:
+    """The registry's builder (`rollout.engine=diffusers`): one embedded engine per rank, rollout tp 1."""
+    if settings.tp != 1:
+        raise ValueError(f"the diffusers engine runs at rollout tp 1 (one per rank), got tp={settings.tp}")
+    return DiffusersRolloutEngine(pipeline_dir, max_batch_size=settings.max_batch_size, dtype=settings.dtype)

@@ -1,25 +1,41 @@
-"""`VllmOmniRolloutEngine`: FlowGRPO rollout in vLLM-Omni (GPU production engine).
+"""`VllmOmniRolloutEngine`: FlowGRPO rollout in vLLM-Omni (`rollout.engine=vllm_omni`).
 
-vLLM-Omni's `Omni` serves the Qwen-Image folder with OUR pipeline class (`custom_pipeline_args`, see
+vLLM-Omni serves the Qwen-Image folder with OUR pipeline class (`custom_pipeline_args`, see
 `vllm_omni_pipeline`: the embedded engine's SDE stepping on vLLM-Omni's tensor-parallel transformer) and
 OUR worker extension (`worker_extension_cls`, see `vllm_omni_worker`), which receives weights through
 `collective_rpc`. One request is one sample; each returns its trajectory record, stacked here into the
 same `Trajectory` the embedded engine returns.
 
+Two ways to run it, chosen by the platform (`platform.rollout_in_process`), behind one class:
+- with GPUs, vLLM-Omni's `Omni` engine with its own worker processes: the first trainer rank of each group of
+  `rollout.tp` consecutive ranks owns one, its workers on the group's GPUs (colocated with the trainer, put
+  to sleep while it trains); the other ranks of the group send it their requests. Weights go through the
+  worker extension's bucket RPCs (the bridge's `full` mode), each worker checking the update was complete;
+- without, vLLM-Omni's real pipeline class and transformer in the trainer's own ranks (`vllm_omni_cpu`),
+  its tensor-parallel groups over the job's ranks: every rank of a rollout group runs the same forward on its
+  shard, and the bridge writes the live parameters (`direct` mode at rollout tp = trainer tp).
+
+Across the ranks of a rollout group, `generate` is collective (`collective = True`): each rank passes its
+own share, the engine runs the union and each rank gets its own rows back.
+
 vLLM and vLLM-Omni are imported when an engine is built, so `megatron_omni.rollout` imports without them.
-vLLM-Omni has no CPU platform: this engine needs a GPU (tests on CPU drive the pipeline class and the
-weight receiver directly).
 """
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
-from megatron_omni.rollout.base import FinishedSample, SamplingParams, Trajectory, sample_seeds
+from megatron_omni.parallel import platform
+from megatron_omni.rollout.base import FinishedSample, SamplingParams, Trajectory, WeightSink, sample_seeds
 from megatron_omni.rollout.vllm_omni_pipeline import (
     EXTRA_KEY,
     PIPELINE_CLASS,
@@ -45,29 +61,54 @@ def omni_kwargs(model_path: str | os.PathLike, tensor_parallel_size: int = 1, dt
     }
 
 
+@dataclass(frozen=True)
+class RolloutPeers:
+    """The trainer ranks that share one engine: `group` (a process group of exactly them), their global `ranks`
+    (`ranks[0]` owns a multi-process engine), `spmd`: every one of them runs the engine's forward on its own
+    shard (in process), else only `ranks[0]` does and sends the others their rows."""
+
+    group: Any
+    ranks: tuple[int, ...]
+    spmd: bool
+
+
 class VllmOmniRolloutEngine:
     """A `RolloutEngine` backed by vLLM-Omni.
 
     Args:
         model_path: a diffusers Qwen-Image folder.
         tensor_parallel_size: vLLM-Omni's rollout tp.
-        dtype: vLLM-Omni's model dtype (the SDE math is fp32 regardless).
+        dtype: vLLM-Omni's model dtype (the SDE math is fp32 regardless): a torch dtype or its name.
         bucket_bytes: largest weight bucket `load_weights` sends in one `collective_rpc`.
-        omni: an already started `Omni` with our pipeline and extension (then the other args are unused).
+        omni: an already started `Omni` (or `vllm_omni_cpu.InProcessOmni`) with our pipeline and extension
+            (then the other `Omni` args are unused); None with `peers` on a rank that owns no engine.
+        peers: the ranks sharing this engine's calls (None: this rank alone).
         **omni_extra: more `Omni(...)` keywords (e.g. `max_num_seqs`, `enable_sleep_mode`).
     """
 
-    def __init__(self, model_path: str | os.PathLike, tensor_parallel_size: int = 1, dtype: str = "bfloat16",
-                 bucket_bytes: int = DEFAULT_BUCKET_BYTES, omni: Any = None, **omni_extra: Any) -> None:
-        if omni is None:
-            if not os.path.isdir(model_path):
-                raise FileNotFoundError(f"no diffusers pipeline folder at {model_path}")
+    def __init__(self, model_path: str | os.PathLike, tensor_parallel_size: int = 1,
+                 dtype: str | torch.dtype = "bfloat16", bucket_bytes: int = DEFAULT_BUCKET_BYTES, omni: Any = None,
+                 peers: RolloutPeers | None = None, **omni_extra: Any) -> None:
+        if not os.path.isdir(model_path):
+            raise FileNotFoundError(f"no diffusers pipeline folder at {model_path}")
+        self.dtype = dtype if isinstance(dtype, torch.dtype) else getattr(torch, dtype)
+        if omni is None and (peers is None or peers.spmd or dist.get_rank() == peers.ranks[0]):
             from vllm_omni import Omni
 
-            omni = Omni(**omni_kwargs(model_path, tensor_parallel_size, dtype, **omni_extra))
+            omni = Omni(**omni_kwargs(model_path, tensor_parallel_size, str(self.dtype).removeprefix("torch."),
+                                      **omni_extra))
+        self.model_path = Path(model_path)
+        self.tp = int(tensor_parallel_size)
         self.omni = omni
+        self.peers = peers if peers is not None and len(peers.ranks) > 1 else None
+        self.collective = self.peers is not None
         self.bucket_bytes = bucket_bytes
         self._asleep = False
+
+    @property
+    def in_process(self) -> bool:
+        """Whether the pipeline runs in this process (`vllm_omni_cpu.InProcessOmni`)."""
+        return hasattr(self.omni, "worker")
 
     # ------------------------------------------------------------------ generation
     def generate(
@@ -77,30 +118,81 @@ class VllmOmniRolloutEngine:
         group_size: int = 1,
         seeds: Sequence[int] | None = None,
         on_sample: Callable[[FinishedSample], None] | None = None,
-    ) -> Trajectory:
-        """See `RolloutEngine.generate`: row p * group_size + k is sample k of prompt p, seed `seeds[row]`."""
-        from vllm_omni.inputs.data import OmniDiffusionSamplingParams
-
+    ) -> Trajectory | None:
+        """See `RolloutEngine.generate`: row p * group_size + k is sample k of prompt p, seed `seeds[row]`.
+        With peers, collective: their shares run together; an empty share returns None."""
         if self._asleep:
             raise RuntimeError("engine is asleep; call wake_up() first")
-        seeds = sample_seeds(len(prompts), group_size, seeds)
-        n = len(seeds)
+        if self.peers is None or prompts:
+            seeds = sample_seeds(len(prompts), group_size, seeds)
         requests = [sample_prompt(prompts[p], seeds[p * group_size + k], p * group_size + k, p)
                     for p in range(len(prompts)) for k in range(group_size)]
-        sampling = OmniDiffusionSamplingParams(
-            height=params.height, width=params.width, num_inference_steps=params.num_steps,
-            extra_args={EXTRA_KEY: sampling_extra(params)},
-        )
+        extra = sampling_extra(params)
+        if self.peers is None:
+            records = self._run(requests, params, extra,
+                                None if on_sample is None else (lambda record: on_sample(_finished(record))))
+        else:
+            records = self._run_with_peers(requests, params, extra, on_sample)
+        if len(records) != len(requests):
+            raise RuntimeError(f"vLLM-Omni returned {len(records)} samples for {len(requests)} requests")
+        return record_to_trajectory(records, params) if records else None
+
+    def _run(self, requests: list[dict[str, Any]], params: SamplingParams, extra: dict[str, Any],
+             on_record: Callable[[dict[str, Any]], None] | None) -> list[dict[str, Any]]:
+        """Run `requests` through the engine; `on_record` sees each finished record."""
+        from vllm_omni.inputs.data import OmniDiffusionSamplingParams
+
+        sampling = OmniDiffusionSamplingParams(height=params.height, width=params.width,
+                                               num_inference_steps=params.num_steps, extra_args={EXTRA_KEY: extra})
         records = []
         for out in self.omni.generate(requests, sampling, py_generator=True, use_tqdm=False):
             record = record_of(out, PIPELINE_CLASS)
             records.append(record)
-            if on_sample is not None:
-                on_sample(FinishedSample(record["index"], record["prompt"], record["group_id"], record["seed"],
-                                         record["image"]))
-        if len(records) != n:
-            raise RuntimeError(f"vLLM-Omni returned {len(records)} samples for {n} requests")
-        return record_to_trajectory(records, params)
+            if on_record is not None:
+                on_record(record)
+        return records
+
+    def _run_with_peers(self, requests: list[dict[str, Any]], params: SamplingParams, extra: dict[str, Any],
+                        on_sample: Callable[[FinishedSample], None] | None) -> list[dict[str, Any]]:
+        """The union of every peer's requests, run once (by every peer in process, else by the owner); returns
+        this rank's records with its own row indices."""
+        peers = self.peers
+        shares: list[Any] = [None] * len(peers.ranks)
+        dist.all_gather_object(shares, (requests, extra), group=peers.group)
+        asked = [e for reqs, e in shares if reqs]  # a rank with no requests only serves the others
+        if any(e != asked[0] for e in asked):
+            raise ValueError("the ranks sharing a vLLM-Omni engine asked for different sampling params in one call")
+        extra = asked[0] if asked else extra
+        me = peers.ranks.index(dist.get_rank())
+        union, owner_of = [], {}
+        for member, (reqs, _) in enumerate(shares):
+            for r in reqs:
+                info = dict(r["additional_information"][EXTRA_KEY])
+                owner_of[len(union)] = (member, info["index"])
+                info["index"] = len(union)
+                union.append({**r, "additional_information": {EXTRA_KEY: info}})
+
+        def mine(record: dict[str, Any]) -> dict[str, Any] | None:
+            member, local = owner_of[record["index"]]
+            return {**record, "index": local} if member == me else None
+
+        def stream(record: dict[str, Any]) -> None:
+            own = mine(record)
+            if own is not None and on_sample is not None:
+                on_sample(_finished(own))
+
+        records = None
+        params = SamplingParams(**{**extra["params"], "window_range": _tuple(extra["params"]["window_range"])})
+        if union and (peers.spmd or me == 0):
+            records = self._run(union, params, extra, stream if peers.spmd or me == 0 else None)
+        if not peers.spmd:
+            box = [records]
+            dist.broadcast_object_list(box, src=peers.ranks[0], group=peers.group)
+            records = box[0]
+            if me != 0 and on_sample is not None:
+                for r in records or []:
+                    stream(r)
+        return [own for own in map(mine, records or []) if own is not None]
 
     # ------------------------------------------------------------------ weights
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> list[str]:
@@ -110,19 +202,101 @@ class VllmOmniRolloutEngine:
     def _rpc(self, method: str, *args: Any) -> list[Any]:
         return self.omni.engine.collective_rpc(method, args=args)
 
+    def transformer_config(self) -> dict[str, Any]:
+        """The diffusers config of the folder's transformer (`transformer/config.json`)."""
+        return json.loads((self.model_path / "transformer" / "config.json").read_text())
+
+    def initial_state_dict(self) -> dict[str, torch.Tensor]:
+        """The folder's transformer tensors (what vLLM-Omni loaded), in the engine's dtype."""
+        from safetensors.torch import load_file
+
+        files = sorted((self.model_path / "transformer").glob("*.safetensors"))
+        if not files:
+            raise FileNotFoundError(f"no safetensors files in {self.model_path / 'transformer'}")
+        return {k: v.to(self.dtype) for f in files for k, v in load_file(str(f)).items()}
+
+    def weight_sink(self) -> WeightSink:
+        """In process: this rank's live vLLM-Omni transformer shard (direct mode possible). Multi-process: on
+        the owner, the workers behind bucket RPCs (full mode; rollout rank 0's shapes for the coverage check,
+        every worker checks its own update); on the other ranks nothing."""
+        if self.in_process:
+            return WeightSink(kind="vllm_omni", tp=self.tp, target=self.omni.worker.weight_target(), in_place=True)
+        target = RpcTarget(self._rpc, self.tp) if self.omni is not None else None
+        return WeightSink(kind="vllm_omni", tp=self.tp, target=target, in_place=False)
+
+    @contextlib.contextmanager
+    def weight_update(self) -> Iterator[None]:
+        """Multi-process: begin / finish the workers' bucketed update around the sync (each worker raises on a
+        partial one). In process the bridge writes the module and its coverage check covers it."""
+        if self.in_process or self.omni is None:
+            yield
+            return
+        self._rpc("begin_weight_update")
+        yield
+        self._rpc("finish_weight_update")
+
+    def probe(self, traj: Trajectory) -> torch.Tensor:
+        """Transition means [N, W, S, C] of `traj` under vLLM-Omni's transformer (collective over the peers)."""
+        from megatron_omni.rollout.logprob import recompute_log_probs
+
+        if self.in_process:
+            with torch.no_grad():
+                return recompute_log_probs(traj, self.omni.pipeline.stepper.velocity_model, dtype=self.dtype,
+                                           return_means=True).means
+        means = self._rpc("probe_means", traj)[0] if self.omni is not None else None
+        if self.peers is not None:
+            box = [means]
+            dist.broadcast_object_list(box, src=self.peers.ranks[0], group=self.peers.group)
+            means = box[0]
+        return means
+
     # ------------------------------------------------------------------ memory
     def sleep(self) -> None:
         """Release device memory (vLLM-Omni's worker sleep: weights offloaded, level 1)."""
-        self._rpc("sleep", 1)
+        if self.omni is not None:
+            self._rpc("sleep", 1)
         self._asleep = True
 
     def wake_up(self) -> None:
-        self._rpc("wake_up", None)
+        if self.omni is not None:
+            self._rpc("wake_up", None)
         self._asleep = False
 
     def close(self) -> None:
         """Shut the vLLM-Omni engine down."""
-        self.omni.close()
+        if self.omni is not None:
+            self.omni.close()
+            self.omni = None
+
+
+class RpcTarget:
+    """The bridge's view of a multi-process engine's workers from the rank that owns it: loads go to every
+    worker as one bucket RPC (vLLM-Omni's loader takes each worker's slice and raises on anything it did not
+    take); `parameters()` are rollout rank 0's shapes on the meta device, for the coverage check."""
+
+    kind = "vllm_omni"
+    tp_rank = 0
+
+    def __init__(self, rpc: Callable[..., list[Any]], tp_size: int) -> None:
+        self.rpc = rpc
+        self.tp_size = tp_size
+        shapes = rpc("parameter_shapes")[0]
+        self._params = {n: torch.empty(s, device="meta") for n, s in shapes.items()}
+
+    def parameters(self) -> dict[str, torch.Tensor]:
+        return self._params
+
+    def load_full(self, items: Sequence[tuple[str, torch.Tensor]]) -> set[str]:
+        self.rpc("load_weight_bucket", [(n, t.detach().cpu().contiguous()) for n, t in items])
+        return {n for n, _ in items}
+
+
+def _tuple(value: Any) -> Any:
+    return None if value is None else tuple(value)
+
+
+def _finished(record: dict[str, Any]) -> FinishedSample:
+    return FinishedSample(record["index"], record["prompt"], record["group_id"], record["seed"], record["image"])
 
 
 def send_weight_update(rpc: Callable[..., list[Any]], named_tensors: Iterable[tuple[str, torch.Tensor]],
@@ -158,3 +332,37 @@ def record_of(out: Any, pipeline_class: str) -> dict[str, Any]:
         raise RuntimeError("vLLM-Omni output carries no FlowGRPO trajectory record: is the engine running "
                            f"{pipeline_class}?")
     return record
+
+
+def build_vllm_omni_engine(pipeline_dir: str | os.PathLike, settings: Any) -> VllmOmniRolloutEngine:
+    """The registry's builder (`rollout.engine=vllm_omni`), collective over the job: rollout groups of
+    `settings.tp` consecutive ranks (vLLM-Omni's own tensor-parallel grouping). In process on a platform
+    without GPUs (`platform.rollout_in_process`), else one `Omni` engine per group, owned by its first rank,
+    whose workers use the group's GPUs, with sleep mode on (the trainer sleeps it while it trains)."""
+    tp, world, rank = settings.tp, dist.get_world_size(), dist.get_rank()
+    if world % tp:
+        raise ValueError(f"rollout tp={tp} does not divide the world size {world}")
+    if platform.rollout_in_process():
+        from vllm.distributed import get_tp_group
+
+        from megatron_omni.rollout.vllm_omni_cpu import open_in_process_omni
+
+        omni = open_in_process_omni(pipeline_dir, tp, settings.dtype, settings.max_batch_size, PIPELINE_CLASS)
+        group = get_tp_group()
+        peers = RolloutPeers(group.cpu_group, tuple(group.ranks), spmd=True)
+        return VllmOmniRolloutEngine(pipeline_dir, tp, settings.dtype, omni=omni, peers=peers)
+    peers = None
+    for first in range(0, world, tp):  # every rank creates every group, in the same order
+        ranks = tuple(range(first, first + tp))
+        group = dist.new_group(list(ranks))
+        if rank in ranks:
+            peers = RolloutPeers(group, ranks, spmd=False)
+    omni = None
+    if rank == peers.ranks[0]:
+        from vllm_omni import Omni
+
+        local = int(os.environ.get("LOCAL_RANK", "0"))
+        with platform.devices_for_workers(range(local, local + tp)):
+            omni = Omni(**omni_kwargs(pipeline_dir, tp, str(settings.dtype).removeprefix("torch."),
+                                      enable_sleep_mode=True))
+    return VllmOmniRolloutEngine(pipeline_dir, tp, settings.dtype, omni=omni, peers=peers)

@@ -10,6 +10,8 @@ with `collective_rpc(method, args=...)`. `FlowGRPOWorkerExtension` adds:
   anything of it is written (unknown name, wrong full shape, a name sent twice in one update), and
   `finish_weight_update` refuses a partial update, naming what was not sent.
 - `update_weights(named_tensors)`: the three in one call (a complete update in one bucket).
+- `parameter_shapes()`, `probe_means(trajectory)`: what the trainer's bridge and its post-sync probe ask of
+  a multi-process engine (its workers' shapes; a forward on the probe batch);
 - `weight_target()`: this worker's transformer as the bridge's `VllmOmniTarget`, for a `WeightSync` that
   runs in the worker's own process (the `uni` executor, or an executor of ours on the trainer's ranks):
   `direct` mode then copies the trainer's tp shards in place, and the sync's coverage check applies.
@@ -134,3 +136,19 @@ class FlowGRPOWorkerExtension:
     def weight_target(self) -> Any:
         """The bridge target for an in-process `WeightSync` (see the module docstring)."""
         return self._flowgrpo_receiver().target()
+
+    def parameter_shapes(self) -> dict[str, tuple[int, ...]]:
+        """This worker's transformer parameters: name -> local (tp-sliced) shape."""
+        return {n: tuple(p.shape) for n, p in self.model_runner.pipeline.transformer.named_parameters()}
+
+    @torch.no_grad()
+    def probe_means(self, traj: Any) -> torch.Tensor:
+        """Transition means [N, W, S, C] (on the CPU) of the trainer's probe trajectory under this worker's
+        transformer as it is now (`megatron_omni.rollout.probe`)."""
+        from megatron_omni.rollout.base import Trajectory
+        from megatron_omni.rollout.logprob import recompute_log_probs
+
+        stepper = self.model_runner.pipeline.stepper
+        traj = Trajectory(**{k: (v.to(stepper.device) if isinstance(v, torch.Tensor) else v)
+                             for k, v in vars(traj).items()})
+        return recompute_log_probs(traj, stepper.velocity_model, dtype=stepper.dtype, return_means=True).means.cpu()

@@ -1,14 +1,16 @@
 """The FlowGRPO trainer: one readable RL step on the Megatron model.
 
-rollout (embedded engine) -> rewards -> old log-probs (recomputed by the Megatron model, or the rollout's in
-`bypass` mode) -> group advantages -> mini-batch updates through Megatron-Core's DDP and optimizer
-(gradient accumulation over the window steps) -> weight sync into the rollout engine -> metrics.
-When the model replica is one rank (`rollout.transformer` trainer, or auto), the engine samples with the
+rollout (the engine `rollout.engine` names, built by the rollout registry) -> rewards -> old log-probs
+(recomputed by the Megatron model, or the rollout's in `bypass` mode) -> group advantages -> mini-batch
+updates through Megatron-Core's DDP and optimizer (gradient accumulation over the window steps) -> weight
+sync into the rollout engine, proven by a probe forward -> metrics. The engine sleeps from the end of the
+rollout to the end of the update (vLLM-Omni on GPU frees its memory for training). When the model replica is
+one rank (`rollout.transformer` trainer, or auto, with the diffusers engine), the engine samples with the
 trainer's Megatron module itself, so there is no copy to sync.
 
 Data parallel ranks take disjoint prompts; the ranks of one model replica (tp x cp x pp) split that
 replica's samples, each rolls out and scores its share, and the shares are gathered so they all train on the
-same trajectory (each rank's embedded engine holds the full weights: the sync gathers every pipeline stage
+same trajectory (each rank's diffusers engine holds the full weights: the sync gathers every pipeline stage
 into every engine). Rewards are gathered over data parallel for the advantages (global or per-group
 std). The recompute and the update run micro-batches (samples x one window step) through Megatron-Core's
 schedules (`pipeline_step.py`; 1F1B when pp > 1). With `algorithm.beta > 0` a frozen copy of the initial
@@ -33,17 +35,19 @@ from megatron.core.distributed import finalize_model_grads
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
 from megatron_omni.algorithms.advantages import group_advantages
-from megatron_omni.bridge import DiffusersTarget, DistributedTransport, WeightSync
-from megatron_omni.bridge.qwen_image import megatron_sources, qwen_image_plan
+from megatron_omni.bridge import DistributedTransport, WeightSync
+from megatron_omni.bridge.qwen_image import megatron_sources, qwen_image_plan, sync_mode
 from megatron_omni.checkpoint.safetensors_io import SafetensorsFolder
 from megatron_omni.models.dit.config import MMDiTConfig
 from megatron_omni.models.dit.diffusers_interface import DiffusersForward
 from megatron_omni.models.dit.model import MMDiTModel
+from megatron_omni.parallel import platform
 from megatron_omni.parallel.groups import ParallelGroups
 from megatron_omni.parallel.platform import seed_everything
-from megatron_omni.rollout.base import SamplingParams, Trajectory
-from megatron_omni.rollout.diffusers_engine import DiffusersRolloutEngine
-from megatron_omni.trainer.config import JobConfig, torch_dtype
+from megatron_omni.rollout.base import SamplingParams, Trajectory, WeightSink
+from megatron_omni.rollout.probe import check_probe, probe_tolerance, probe_trajectory
+from megatron_omni.rollout.registry import EngineSettings, build_engine
+from megatron_omni.trainer.config import JobConfig, ParallelConfig, torch_dtype
 from megatron_omni.trainer.grad_guard import GradGuard
 from megatron_omni.trainer.pipeline_step import MicroBatch, PipelineStep, plan_micro_batches
 from megatron_omni.trainer.rewards import RewardFunction, gather_rewards
@@ -67,8 +71,10 @@ class FlowGRPOTrainer:
         self.groups = groups
         self.reward_fn = reward_fn
         seed_everything(cfg.seed, tp_rank=groups.tp.rank())
-        self.engine = DiffusersRolloutEngine(pipeline_dir, max_batch_size=cfg.rollout.max_batch_size,
-                                             dtype=torch_dtype(cfg.rollout.dtype))
+        r = cfg.rollout
+        self.engine = build_engine(r.engine, pipeline_dir, EngineSettings(tp=r.tp, dtype=torch_dtype(r.dtype),
+                                                                          max_batch_size=r.max_batch_size))
+        self.hf_config = self.engine.transformer_config()
         p = cfg.parallel
         overrides: dict = {"batch_p2p_comm": False}  # batched p2p on gloo gave wrong results (environment.md)
         if cfg.model.recompute == "full":
@@ -76,9 +82,9 @@ class FlowGRPOTrainer:
         elif cfg.model.recompute == "selective":
             overrides.update(recompute_granularity="selective")
         params_dtype = torch_dtype(cfg.model.params_dtype)
-        mcfg = provider.transformer_config(dict(self.engine.transformer.config), tp=p.tp, pp=p.pp,
-                                           ulysses=p.ulysses, ring=p.ring, params_dtype=params_dtype, **overrides)
-        hf_state = _initial_weights(self.engine.transformer, pipeline_dir, params_dtype)
+        mcfg = provider.transformer_config(self.hf_config, tp=p.tp, pp=p.pp, ulysses=p.ulysses, ring=p.ring,
+                                           params_dtype=params_dtype, **overrides)
+        hf_state = _initial_weights(self.engine.initial_state_dict(), pipeline_dir, params_dtype)
         self.model = provider.build_model(mcfg, groups, backend=cfg.model.backend)
         provider.load_hf_state_dict(self.model, hf_state)
         _count_stage_replicas_once(self.model, groups)
@@ -108,10 +114,12 @@ class FlowGRPOTrainer:
             wd_incr_steps=total_updates, wd_incr_style="constant",
         )
         self.pipeline = PipelineStep(mcfg, groups)
-        # Full-mode bridge into the engine's diffusers transformer (gathered over tp, coverage-checked). With
+        # The bridge into the engine's transformer (coverage-checked): direct copies into its live shards where
+        # they sit in this process at the trainer's tp, else full tensors gathered over tp into its loader. With
         # pp > 1 each stage's first rank broadcasts its stage's buckets so every engine gets all blocks.
-        plan = qwen_image_plan(dict(self.engine.transformer.config), trainer_tp=p.tp, trainer_pp=p.pp,
-                               rollout_kind="diffusers", rollout_tp=1, mode="full")
+        sink = self.engine.weight_sink()
+        plan = qwen_image_plan(self.hf_config, trainer_tp=p.tp, trainer_pp=p.pp, rollout_kind=sink.kind,
+                               rollout_tp=sink.tp, mode=_sync_mode(sink, p))
         transport = None
         if p.pp > 1:
             layout = groups.layout
@@ -120,9 +128,12 @@ class FlowGRPOTrainer:
             transport = DistributedTransport(sources=roots, rollout_ranks=range(layout.world_size),
                                              dtype=mcfg.params_dtype)
         self.weight_sync = WeightSync(plan, sources=megatron_sources(self.model),
-                                      target=DiffusersTarget(self.engine.transformer), tp_group=groups.tp,
+                                      target=sink.target, tp_group=groups.tp,
                                       tp_rank=groups.tp.rank(), stage=groups.coords["pp"], transport=transport)
         self.guard = GradGuard(cfg.optim.max_bad_steps, "optim.max_bad_steps")
+        self.probe = probe_trajectory(self.hf_config, platform.device())
+        self.probe_tolerance = probe_tolerance(mcfg.params_dtype, self.engine.dtype)
+        self.syncs = 0
         self.shares_model = _rollout_uses_trainer_model(cfg, mcfg.params_dtype, self.engine.dtype)
         if self.shares_model:
             self.engine.velocity_model = DiffusersForward(self.model)
@@ -142,11 +153,28 @@ class FlowGRPOTrainer:
         seeds = [self.cfg.seed * 1_000_003 + g * r.group_size + k for g in mine for k in range(r.group_size)]
         return [prompts[g % len(prompts)] for g in mine], mine, seeds
 
-    def sync_weights(self) -> None:
+    def sync_weights(self) -> float:
         """Push the trained weights into the rollout engine's transformer through the bridge (raises on any
-        unwritten or doubly written rollout element). A step calls it only when the engine samples with its
-        own copy; with a shared model it refreshes that (unused) copy."""
-        self.weight_sync.sync()
+        unwritten or doubly written rollout element), then prove the engine holds them (`check_engine`).
+        A step calls it only when the engine samples with its own copy; with a shared model it refreshes that
+        (unused) copy. Returns the probe's max |difference|. Collective."""
+        with self.engine.weight_update():
+            self.weight_sync.sync()
+        self.syncs += 1
+        return self.check_engine(f"after weight sync {self.syncs}")
+
+    def check_engine(self, what: str) -> float:
+        """The transition means of the fixed probe batch under the engine's transformer against the trainer
+        model's; raises `ProbeMismatch` naming the max difference and the tolerance (set by the two dtypes)
+        when they differ by more. Returns the max difference. Collective (the replica and the engine's ranks)."""
+        rows = plan_micro_batches(torch.arange(len(self.probe)), self.probe.window_size, None)
+        ours = self.pipeline.from_last_stage(self.pipeline.transitions(self.ddp, self.probe, rows,
+                                                                       return_means=True).means)
+        return check_probe(self.engine.probe(self.probe), ours, self.probe_tolerance, what)
+
+    def close(self) -> None:
+        """Release the rollout engine (its workers or its parallel state)."""
+        self.engine.close()
 
     def micro_batches(self, n: int, window: int, step: int) -> list[list[MicroBatch]]:
         """RL step `step`'s mini-batches (a fixed random split of the N samples), each as its micro-batches
@@ -211,6 +239,7 @@ class FlowGRPOTrainer:
         t0 = time.perf_counter()
         traj, local_rewards, t["reward"] = self.rollout(prompts, seeds)
         traj.group_ids = gid
+        self.engine.sleep()  # its memory is the update's until the sync
         t["rollout"] = time.perf_counter() - t0 - t["reward"]
         all_rewards, all_gids, offset = gather_rewards(self.groups.dp, local_rewards, gid)
         adv = group_advantages(all_rewards, all_gids, std_mode=cfg.algorithm.std_mode, clip=cfg.algorithm.adv_clip)
@@ -228,16 +257,18 @@ class FlowGRPOTrainer:
         t0 = time.perf_counter()
         train_metrics = self._update(traj, old, advantages, step, ref_means)
         t["train"] = time.perf_counter() - t0
+        self.engine.wake_up()
+        probe = {}
         if not self.shares_model:
             t0 = time.perf_counter()
-            self.sync_weights()
+            probe["sync_probe_max_diff"] = self.sync_weights()
             t["sync"] = time.perf_counter() - t0
 
         metrics = {
             "reward_mean": float(all_rewards.mean()), "reward_std": float(all_rewards.std(correction=0)),
             "zero_std_ratio": float(adv.zero_std_ratio), "train_rollout_dlogp": dlogp_mean,
             "train_rollout_dlogp_max": dlogp_max,
-            **train_metrics, **{f"time_{k}": v for k, v in t.items()},
+            **train_metrics, **probe, **{f"time_{k}": v for k, v in t.items()},
         }
         total = sum(t.values())
         metrics["time_step"] = total
@@ -276,8 +307,10 @@ class FlowGRPOTrainer:
         part, rewards, wait = None, torch.empty(0), 0.0
         if mine:
             self.reward_fn.begin(len(mine))
+        if mine or self.engine.collective:  # a collective engine needs every peer's call, empty shares too
             part = self.engine.generate([p for p, _ in mine], self.sampling_params(), group_size=1,
                                         seeds=[s for _, s in mine], on_sample=self.reward_fn.on_sample)
+        if mine:
             t0 = time.perf_counter()
             rewards = self.reward_fn.collect()
             wait = time.perf_counter() - t0
@@ -330,22 +363,30 @@ class LogpGapError(RuntimeError):
         self.step, self.mean, self.peak, self.bound = step, mean, peak, bound
 
 
-def _initial_weights(transformer: torch.nn.Module, pipeline_dir: str | Path,
+def _initial_weights(state: dict[str, torch.Tensor], pipeline_dir: str | Path,
                      dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """The diffusers-named weights the trainer starts from: the engine's transformer, unless it holds them
-    in a narrower dtype than the trainer's (a bf16 engine for an fp32 model), then the folder's own tensors."""
-    held = next(transformer.parameters()).dtype
-    if torch.finfo(held).bits >= torch.finfo(dtype).bits:
-        return transformer.state_dict()
+    """The diffusers-named weights the trainer starts from: the engine's (`initial_state_dict`), unless it
+    holds them in a narrower dtype than the trainer's (a bf16 engine for an fp32 model), then the folder's own
+    tensors."""
+    held = {t.dtype for t in state.values() if t.is_floating_point()}
+    if all(torch.finfo(h).bits >= torch.finfo(dtype).bits for h in held):
+        return state
     folder = SafetensorsFolder(Path(pipeline_dir) / "transformer")
     return {name: folder.read(name) for name in folder.entries}
 
 
+def _sync_mode(sink: WeightSink, p: ParallelConfig) -> str:
+    """The bridge's mode rule (`sync_mode`), where the engine's shards are live tensors in this process; `full`
+    into an engine in other processes (vLLM-Omni's workers on GPU take full tensors through their loader)."""
+    return sync_mode(p.tp, p.pp, sink.tp) if sink.in_place else "full"
+
+
 def _rollout_uses_trainer_model(cfg: JobConfig, model_dtype: torch.dtype, engine_dtype: torch.dtype) -> bool:
-    """Whether the engine samples with the trainer's module (`rollout.transformer`; auto: a one-rank replica
-    whose parameters are in the engine's dtype). Raises when `trainer` is asked for with the dtypes apart."""
+    """Whether the engine samples with the trainer's module (`rollout.transformer`; auto: the diffusers engine
+    at a one-rank replica whose parameters are in the engine's dtype; vLLM-Omni always samples with its own
+    transformer). Raises when `trainer` is asked for with the dtypes apart."""
     p = cfg.parallel
-    one_rank = p.tp * p.ulysses * p.ring * p.pp == 1
+    one_rank = p.tp * p.ulysses * p.ring * p.pp == 1 and cfg.rollout.engine == "diffusers"
     if cfg.rollout.transformer == "trainer" and model_dtype != engine_dtype:
         raise ValueError(f"rollout.transformer=trainer: the model's parameters are {model_dtype}, the engine "
                          f"samples in {engine_dtype}")

@@ -117,7 +117,7 @@ class PipelineStep:
             p2p_communicator=self.p2p, pg_collection=self.groups.mcore,
         )
 
-    def _from_last_stage(self, obj):
+    def from_last_stage(self, obj):
         """`obj` as the last pipeline stage has it, on every stage (collective over the pp group)."""
         if self.pp == 1:
             return obj
@@ -184,4 +184,4 @@ class PipelineStep:
             return out.loss, metrics
 
         store = self._run(model, traj, micro_batches, loss_fn, forward_only=False)
-        return self._from_last_stage(list(store) if self.is_last_stage else None)
+        return self.from_last_stage(list(store) if self.is_last_stage else None)

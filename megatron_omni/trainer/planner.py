@@ -14,8 +14,8 @@ Time model (stated, so a reader can redo it by hand):
   distributed optimizer once per mini-batch. Ring attention's K/V passing is assumed hidden behind
   compute. Reward scoring runs on its own GPUs and overlaps generation; VAE decode is not counted;
 - weight sync (once per step, after the update): the rollout copy's bytes per rollout GPU, at HBM bandwidth
-  when the rollout layout equals the trainer's (direct mode: a local copy of the own shard), else at link
-  bandwidth (full mode: gathered over the trainer's tp and pp);
+  when an in-process engine's layout equals the trainer's (direct mode: a local copy of the own shard), else
+  at link bandwidth (full mode: gathered over the trainer's tp and pp);
 - a colocated engine that sleeps (vLLM-Omni) frees its weights during the update, so its weights count in
   the rollout phase's memory only; the embedded diffusers engine keeps them resident.
 """
@@ -104,7 +104,9 @@ class RolloutSpec:
     replicas: engine instances that split the images between them; None = every rollout GPU group of `tp`
     (rollout GPUs / tp), which is what the trainer's embedded engine does: every rank rolls out a share.
     sleeps: a colocated engine that frees its GPU memory during the update (vLLM-Omni's sleep mode), so
-    its weights are not resident beside the training activations."""
+    its weights are not resident beside the training activations. in_process: its weights are tensors of the
+    trainer's own process (the embedded engine), so a sync at the trainer's layout is a local copy; vLLM-Omni's
+    workers are processes of their own and receive full tensors."""
 
     tp: int = 1
     colocated: bool = True
@@ -114,6 +116,7 @@ class RolloutSpec:
     extra_params: int = QWEN_IMAGE_TEXT_ENCODER_PARAMS + QWEN_IMAGE_VAE_PARAMS
     replicas: int | None = None
     sleeps: bool = False
+    in_process: bool = True
 
 
 @dataclass(frozen=True)
@@ -422,7 +425,7 @@ def plan(
 
     # Weight sync: what one rollout GPU receives. Direct mode (same tp, no pp) copies the own shard locally.
     sync_bytes = precision.rollout_param_bytes * rollout_parameter_count(cfg, rollout.tp)
-    direct = rollout.colocated and rollout.tp == tp and pp == 1 and cp == 1
+    direct = rollout.colocated and rollout.in_process and rollout.tp == tp and pp == 1
     sync_s = sync_bytes / (gpu.hbm_bytes_per_s if direct else bw(tp * pp, 1))
     step_s = rollout_s + old_s + train_s + sync_s
     total_gpus = world_size + (0 if rollout.colocated else rollout_gpus) + reward_gpus

@@ -44,6 +44,11 @@ def run_evaluation(cfg: JobConfig, trainer: FlowGRPOTrainer, run_dir: Path, done
     with trainer.evaluation_weights():
         if dist.get_rank() == 0:
             record_evaluation(cfg, trainer, run_dir, done)
+        elif trainer.engine.collective:
+            # rank 0's engine peers join each of its generate calls (ODE, then the rollout sampler) with no
+            # samples of their own; the other engines' ranks all do, so those calls run nothing
+            for _ in range(1 + int(cfg.eval.rollout_sampler)):
+                trainer.engine.generate([], trainer.sampling_params())
         dist.barrier()
 
 
@@ -127,13 +132,14 @@ def run(cfg: JobConfig) -> dict:
         if (cfg.checkpoint.every and done % cfg.checkpoint.every == 0) or done == cfg.steps:
             common = {"step": done, "data": {"next_step": done, "prompts_seen": done * cfg.rollout.prompts_per_step},
                       "metrics_history": read_history(run_dir / "metrics.jsonl") if rank == 0 else []}
-            meta = content_metadata("qwen_image", dict(trainer.engine.transformer.config),
+            meta = content_metadata("qwen_image", trainer.hf_config,
                                     model_layout(trainer.model), step=done)
             save_checkpoint(run_dir, done, trainer.model, trainer.optimizer, trainer.scheduler, common,
                             cfg.checkpoint.keep, content_metadata=meta, ema=trainer.ema)
         if cfg.eval.prompts and (done == cfg.steps or (cfg.eval.every and done % cfg.eval.every == 0)):
             run_evaluation(cfg, trainer, run_dir, done)
     reward_fn.close()
+    trainer.close()
     summary = {"run_dir": str(run_dir)}
     if rank == 0:
         writer.close()

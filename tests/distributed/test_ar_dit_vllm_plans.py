@@ -142,8 +142,8 @@ def test_vllm_engine_follows_the_megatron_decoder() -> None:
 
 
 def _vllm_omni_dit(rank: int, world_size: int) -> dict:
+    from megatron_omni.rollout import vllm_omni_cpu
     from model_providers.ar_dit import provider
-    from tests import vllm_omni_cpu
 
     groups = build_parallel_groups(ParallelLayout())
     seed_everything(0)
@@ -179,6 +179,7 @@ def test_vllm_omni_dit_in_the_hybrid_rollout() -> None:
 
 
 def _served_dit(rank: int, world_size: int, folder: str) -> dict:
+    from megatron_omni.rollout import vllm_omni_cpu
     from megatron_omni.rollout.ar_dit_engine import ARDiTRolloutEngine, denoise_window
     from megatron_omni.rollout.vllm_omni_hybrid import (
         HYBRID_KEY,
@@ -188,7 +189,6 @@ def _served_dit(rank: int, world_size: int, folder: str) -> dict:
         parse_hybrid_request,
     )
     from model_providers.ar_dit import provider
-    from tests import vllm_omni_cpu
 
     seed_everything(0)
     hybrid = provider.torch_hybrid(HYBRID, seed=5)

@@ -78,7 +78,7 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def _vllm_case(rank: int, world_size: int, rollout_tp: int, mode: str) -> dict:
-    from tests import vllm_omni_cpu
+    from megatron_omni.rollout import vllm_omni_cpu
 
     groups, model = _trainer()
     x = _inputs()
@@ -170,7 +170,7 @@ def test_sync_into_diffusers(distributed: bool) -> None:
 
 
 def _broken_case(rank: int, world_size: int, broken: str, mode: str, rollout_tp: int) -> str:
-    from tests import vllm_omni_cpu
+    from megatron_omni.rollout import vllm_omni_cpu
 
     groups, model = _trainer()
     mappings = all_mappings(2)

@@ -70,11 +70,11 @@ def _case(rank: int, world_size: int, folder: str) -> dict:
     from megatron_omni.bridge.qwen_image import megatron_sources, qwen_image_plan
     from megatron_omni.parallel import ParallelLayout, build_parallel_groups
     from megatron_omni.parallel.platform import seed_everything
+    from megatron_omni.rollout import vllm_omni_cpu
     from megatron_omni.rollout.diffusers_engine import DiffusersRolloutEngine
     from megatron_omni.rollout.vllm_omni_pipeline import PIPELINE_CLASS, record_to_trajectory
     from megatron_omni.rollout.vllm_omni_worker import WeightReceiver, WeightUpdateError
     from model_providers.qwen_image import provider
-    from tests import vllm_omni_cpu
 
     res: dict = {}
     ref = DiffusersRolloutEngine(folder, max_batch_size=3)

@@ -58,6 +58,25 @@ def _assert_same_state(a: dict, b: dict) -> None:
                 assert torch.equal(t, b["optimizer"]["state"][pid][name]), f"optimizer state {pid}.{name} differs"
 
 
+def _kill_after_checkpoint(run: Path, step: int, *args: str) -> None:
+    """Start a run and SIGKILL it as soon as its step-`step` checkpoint is complete."""
+    cmd = [sys.executable, "-m", "megatron_omni.train", "--set", f"run_dir={run}", *SHORT, *args]
+    # Its own process group, killed whole below: the trainer and its helper processes die together, as when
+    # a node is lost, and none is left behind idle.
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            start_new_session=True)
+    marker = run / "checkpoints" / f"step_{step:06d}" / "COMPLETE"
+    deadline = time.monotonic() + 600
+    try:
+        while not marker.exists() and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+    finally:  # also when the wait fails: nothing of the run may outlive the test
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    assert marker.exists(), f"the run never reached its step-{step} checkpoint"
+
+
 @pytest.mark.slow
 def test_reward_rises_tp1(tmp_path: Path) -> None:
     run = tmp_path / "tp1"
@@ -100,21 +119,7 @@ def test_sigkill_and_resume_is_bit_identical(tmp_path: Path) -> None:
     assert _train(ref, *steps).returncode == 0
 
     run = tmp_path / "killed"
-    cmd = [sys.executable, "-m", "megatron_omni.train", "--set", f"run_dir={run}", *SHORT, *steps]
-    # Its own process group, killed whole below: the trainer and its helper processes die together, as when
-    # a node is lost, and none is left behind idle.
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            start_new_session=True)
-    marker = run / "checkpoints" / "step_000002" / "COMPLETE"
-    deadline = time.monotonic() + 600
-    try:
-        while not marker.exists() and proc.poll() is None and time.monotonic() < deadline:
-            time.sleep(0.05)
-    finally:  # also when the wait fails: nothing of the run may outlive the test
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
-    assert marker.exists(), "the run never reached its step-2 checkpoint"
+    _kill_after_checkpoint(run, 2, *steps)
     resumed = _train(run, *steps, "--resume", "auto")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "resumed from" in resumed.stdout + resumed.stderr

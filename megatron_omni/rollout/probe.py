@@ -1,0 +1,89 @@
+"""The proof after every weight sync that the rollout engine samples with the trainer's weights.
+
+The bridge's coverage check proves that every element of every rollout parameter was written once; it cannot
+see a loader that reports a tensor loaded but wrote it elsewhere, a parameter the forward does not read (an
+unbound copy), or a stale engine that was never asked to load (VeRL-Omni's users lost weeks to both:
+verl-omni #552, verl #7495). So the engine also runs a forward on a fixed tiny trajectory (`probe_trajectory`:
+one sample, one SDE transition, 2 x 2 image tokens, 3 text tokens) and its transition means must equal the
+trainer model's on the same trajectory within a tolerance set by the compute dtype (`check_probe`).
+
+Transition means rather than raw velocities: they are what both sides already compute through the same
+guided-velocity and SDE code (the engine with its transformer, the trainer through its pipeline schedule, so
+any tp / cp / pp layout works), and they are linear in the velocity.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from megatron_omni.rollout.base import Trajectory
+
+PROBE_GRID = (1, 2, 2)  # (frames, h, w) patches: 4 image tokens
+PROBE_TEXT = 3  # text tokens
+PROBE_SEED = 20_240_552  # fixed: every rank and every sync probes the same batch
+# Largest max |engine mean - trainer mean| accepted, by the lower of the two compute dtypes. fp32: both sides
+# run the same math with other kernels (measured ~1e-7 on the tiny model); bf16: a few bf16 roundings of
+# the velocity times |dt|, far below what a stale tensor of a trained model moves.
+TOLERANCES = {torch.float32: 1e-4, torch.bfloat16: 3e-2}
+
+
+class ProbeMismatch(RuntimeError):
+    """The engine's probe forward disagrees with the trainer's: it does not hold the synced weights."""
+
+
+def probe_trajectory(hf_config: Mapping[str, Any], device: torch.device | None = None) -> Trajectory:
+    """The fixed probe batch for a transformer with diffusers config `hf_config`: one sample whose one window
+    step goes from sigma 0.8 to 0.5 (latents [1, 1, 4, C], text [1, 3, D], seeded), no CFG."""
+    g = torch.Generator().manual_seed(PROBE_SEED)
+    s = PROBE_GRID[0] * PROBE_GRID[1] * PROBE_GRID[2]
+    c, d = int(hf_config["in_channels"]), int(hf_config["joint_attention_dim"])
+    latents = torch.randn(1, 1, s, c, generator=g)
+    traj = Trajectory(
+        prompts=["probe"],
+        group_ids=torch.zeros(1, dtype=torch.long),
+        seeds=torch.tensor([PROBE_SEED]),
+        prompt_embeds=torch.randn(1, PROBE_TEXT, d, generator=g),
+        prompt_embeds_mask=torch.ones(1, PROBE_TEXT, dtype=torch.long),
+        negative_prompt_embeds=None,
+        negative_prompt_embeds_mask=None,
+        guidance_scale=torch.ones(1),
+        latents=latents,
+        next_latents=latents + 0.1 * torch.randn(latents.shape, generator=g),
+        log_probs=torch.zeros(1, 1),
+        sigmas=torch.tensor([[0.8, 0.5, 0.0]]),
+        window_start=torch.zeros(1, dtype=torch.long),
+        images=torch.zeros(1, 3, 16 * PROBE_GRID[1], 16 * PROBE_GRID[2]),
+        img_shape=PROBE_GRID,
+        noise_level=1.0,
+        sde_type="sde",
+    )
+    if device is None:
+        return traj
+    return Trajectory(**{k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in vars(traj).items()})
+
+
+def probe_tolerance(*dtypes: torch.dtype) -> float:
+    """The tolerance for a probe between sides computing in `dtypes` (the loosest of them); raises on a dtype
+    without one."""
+    missing = [d for d in dtypes if d not in TOLERANCES]
+    if missing:
+        raise ValueError(f"no probe tolerance for {missing}; known: {list(TOLERANCES)}")
+    return max(TOLERANCES[d] for d in dtypes)
+
+
+def check_probe(engine_means: torch.Tensor, trainer_means: torch.Tensor, tolerance: float, what: str) -> float:
+    """Compare the engine's probe means [N, W, S, C] with the trainer's; returns max |difference| and raises
+    `ProbeMismatch` naming it, the tolerance and `what` (e.g. "after the sync of step 3") when it is larger
+    or not finite."""
+    if engine_means.shape != trainer_means.shape:
+        raise ProbeMismatch(f"probe {what}: the engine returned means of shape {tuple(engine_means.shape)}, the "
+                            f"trainer {tuple(trainer_means.shape)}")
+    diff = float((engine_means.float().cpu() - trainer_means.float().cpu()).abs().max())
+    if not diff <= tolerance:
+        raise ProbeMismatch(f"probe {what}: the rollout engine's transformer disagrees with the trainer's model on "
+                            f"the fixed probe batch (max |difference| {diff:.3g} > tolerance {tolerance:.3g}): it "
+                            "does not sample with the synced weights (a tensor skipped, unbound or stale)")
+    return diff
