@@ -20,8 +20,8 @@ rollout are bf16; a vLLM-Omni engine at rollout tp=1 sits on every rank (each ra
 images; it sleeps during the update, and the bridge gathers the trainer's tp shards into it in full mode), and
 by default the optimizer state is not sharded, so the layout is the fastest one the planner finds that leaves
 10% of the GPU free: TP inside the node x DP, no recompute.
-- 1 node x 8 with 2 GPUs for the reward: 6 trainer ranks, tp=6 (dp=1): 117 GiB, 0.871 images/s/GPU predicted
-  (tp=3 would need 174 GiB);
+- 1 node x 8 with 2 GPUs for the reward: 6 trainer ranks, tp=6 (dp=1): 117 GiB, 0.653 images/s/GPU predicted
+  over all 8 GPUs (tp=3 would need 174 GiB);
 - 2 nodes x 8: 16 ranks, tp=8 x dp=2: 102 GiB, 0.818 (tp=4: 145 GiB; rollout tp=8, direct sync: 0.611);
 - 4 nodes x 8: 32 ranks, tp=8 x dp=4: 102 GiB, 0.815.
 """
