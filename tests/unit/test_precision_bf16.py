@@ -16,10 +16,9 @@ from megatron_omni.algorithms.schedule import model_timesteps
 from megatron_omni.models.dit.diffusers_interface import DiffusersForward
 from megatron_omni.parallel import ParallelLayout, build_parallel_groups, platform
 from megatron_omni.parallel.platform import seed_everything
-from megatron_omni.trainer.config import JobConfig, apply_overrides
-from megatron_omni.trainer.flowgrpo import FlowGRPOTrainer, LogpGapError
-from megatron_omni.trainer.rewards import RewardFunction
+from megatron_omni.trainer.flowgrpo import LogpGapError
 from model_providers.qwen_image import provider
+from tests.unit.tiny_trainer import tiny_trainer
 
 GRID = (1, 4, 6)
 
@@ -71,19 +70,6 @@ def test_bf16_model_equals_diffusers_bit_for_bit(pipeline) -> None:
         assert not torch.equal(DiffusersForward(model)(**inputs)[0], want)
 
 
-def _trainer(pipeline, *overrides: str) -> FlowGRPOTrainer:
-    cfg = JobConfig(prompts=["a red cube", "a photo of a cat on a mat"], seed=5)
-    r = cfg.rollout
-    r.height = r.width = 32
-    r.num_steps, r.window_size, r.prompts_per_step, r.group_size = 4, 2, 2, 2
-    cfg.optim.mini_batches = 1
-    cfg.algorithm.clip_range = 0.2
-    cfg = apply_overrides(cfg, list(overrides))
-    cfg.validate(1)
-    return FlowGRPOTrainer(cfg, build_parallel_groups(ParallelLayout()), pipeline,
-                           RewardFunction("jpeg_compressibility"))
-
-
 BF16 = ("model.params_dtype=bf16", "rollout.dtype=bf16", "rollout.transformer=engine")
 
 
@@ -92,7 +78,7 @@ BF16 = ("model.params_dtype=bf16", "rollout.dtype=bf16", "rollout.transformer=en
 def test_bf16_recompute_equals_the_bf16_rollout(pipeline, cfg: tuple[str, ...], bound: float) -> None:
     # rollout.transformer=engine: the engine samples with its diffusers transformer, the trainer recomputes
     # with the Megatron model, two implementations in bf16.
-    trainer = _trainer(pipeline, *BF16, *cfg)
+    trainer = tiny_trainer(pipeline, *BF16, *cfg)
     assert not trainer.shares_model and trainer.engine.transformer.dtype == torch.bfloat16
     assert {p.dtype for p in trainer.model.parameters()} == {torch.bfloat16}
     # Megatron-Core's mixed precision: the optimizer steps fp32 copies of the bf16 parameters.
@@ -114,7 +100,7 @@ def test_bf16_recompute_equals_the_bf16_rollout(pipeline, cfg: tuple[str, ...], 
 
 def test_a_gap_above_max_logp_gap_stops_the_step(pipeline) -> None:
     # A bf16 engine against an fp32 trainer: a gap of ~1e-4, far above the bound.
-    trainer = _trainer(pipeline, "rollout.dtype=bf16", "algorithm.max_logp_gap=1e-7")
+    trainer = tiny_trainer(pipeline, "rollout.dtype=bf16", "algorithm.max_logp_gap=1e-7")
     with pytest.raises(LogpGapError, match=r"step 0: mean \|logp_trainer - logp_rollout\| = .* exceeds "
                                            r"algorithm.max_logp_gap = 1.000e-07") as info:
         trainer.train_step(0)
