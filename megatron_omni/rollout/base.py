@@ -246,6 +246,12 @@ class RolloutEngine(Protocol):
         on an unknown name or a shape mismatch."""
         ...
 
+    def text_lengths(self, prompts: Sequence[str]) -> list[int]:
+        """Text tokens each prompt gives the transformer (before padding); the trainer pads every share of a
+        step to one length with them (`SamplingParams.text_length`), since the padding length moves bf16
+        attention's rounding."""
+        ...
+
     def transformer_config(self) -> dict[str, Any]:
         """The diffusers config of the engine's transformer (what `model_providers.qwen_image` builds from)."""
         ...

@@ -65,6 +65,18 @@ class _Sample:
         return (self.img_shape, self.params.sde_type)
 
 
+def templated_token_ids(pipe, text: str) -> tuple[int, ...]:
+    """The token ids `QwenImagePipeline` feeds its text encoder for `text` (its prompt template, truncated as it
+    truncates); the first `pipe.prompt_template_encode_start_idx` of them are dropped from the embeddings."""
+    drop = pipe.prompt_template_encode_start_idx
+    ids = pipe.tokenizer(
+        pipe.prompt_template_encode.format(text), max_length=pipe.tokenizer_max_length + drop, truncation=True
+    ).input_ids
+    if len(ids) <= drop:
+        raise ValueError(f"templated prompt has {len(ids)} tokens, not more than the {drop} dropped")
+    return tuple(ids)
+
+
 class DiffusersRolloutEngine:
     """Rollout with diffusers' Qwen-Image components and step-wise continuous batching.
 
@@ -113,14 +125,11 @@ class DiffusersRolloutEngine:
     # ------------------------------------------------------------------ prompts
     def token_ids(self, text: str) -> tuple[int, ...]:
         """The templated prompt's token ids (the text encoder's input, the embedding cache's key)."""
-        pipe = self.pipe
-        drop = pipe.prompt_template_encode_start_idx
-        ids = self.pipe.tokenizer(
-            pipe.prompt_template_encode.format(text), max_length=pipe.tokenizer_max_length + drop, truncation=True
-        ).input_ids
-        if len(ids) <= drop:
-            raise ValueError(f"templated prompt has {len(ids)} tokens, not more than the {drop} dropped")
-        return tuple(ids)
+        return templated_token_ids(self.pipe, text)
+
+    def text_lengths(self, prompts: Sequence[str]) -> list[int]:
+        """Text tokens each prompt gives the transformer (see `RolloutEngine.text_lengths`)."""
+        return [len(self.token_ids(p)) - self.pipe.prompt_template_encode_start_idx for p in prompts]
 
     def encode_token_ids(self, keys: Sequence[tuple[int, ...]]) -> list[torch.Tensor]:
         """Text embeddings of templated token ids (from `token_ids`), uncached and differentiable (a

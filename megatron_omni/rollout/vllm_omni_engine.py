@@ -36,6 +36,7 @@ import torch.distributed as dist
 
 from megatron_omni.parallel import platform
 from megatron_omni.rollout.base import FinishedSample, SamplingParams, Trajectory, WeightSink, sample_seeds
+from megatron_omni.rollout.diffusers_engine import templated_token_ids
 from megatron_omni.rollout.vllm_omni_pipeline import (
     EXTRA_KEY,
     PIPELINE_CLASS,
@@ -104,6 +105,21 @@ class VllmOmniRolloutEngine:
         self.collective = self.peers is not None
         self.bucket_bytes = bucket_bytes
         self._asleep = False
+        self._tokenizer_pipe = None  # diffusers' template + the folder's tokenizer, for text_lengths
+
+    def text_lengths(self, prompts: Sequence[str]) -> list[int]:
+        """Text tokens each prompt gives the transformer (see `RolloutEngine.text_lengths`): counted with the
+        folder's tokenizer and diffusers' own prompt template (our pipeline class encodes as diffusers does),
+        on every rank, whether or not it owns the engine."""
+        if self._tokenizer_pipe is None:
+            from diffusers import QwenImagePipeline
+            from transformers import AutoTokenizer
+
+            tokenizer = AutoTokenizer.from_pretrained(self.model_path / "tokenizer", local_files_only=True)
+            self._tokenizer_pipe = QwenImagePipeline(scheduler=None, vae=None, text_encoder=None,
+                                                     tokenizer=tokenizer, transformer=None)
+        drop = self._tokenizer_pipe.prompt_template_encode_start_idx
+        return [len(templated_token_ids(self._tokenizer_pipe, p)) - drop for p in prompts]
 
     @property
     def in_process(self) -> bool:

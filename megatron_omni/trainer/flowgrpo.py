@@ -25,7 +25,7 @@ import math
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -305,10 +305,13 @@ class FlowGRPOTrainer:
         size, rank = self.groups.replica.size(), self.groups.replica.rank()
         mine = rows[rank * len(rows) // size: (rank + 1) * len(rows) // size]
         part, rewards, wait = None, torch.empty(0), 0.0
+        params = self.sampling_params()
+        if size > 1 and params.text_length is None:
+            params = replace(params, text_length=self.common_text_length(prompts, params))
         if mine:
             self.reward_fn.begin(len(mine))
         if mine or self.engine.collective:  # a collective engine needs every peer's call, empty shares too
-            part = self.engine.generate([p for p, _ in mine], self.sampling_params(), group_size=1,
+            part = self.engine.generate([p for p, _ in mine], params, group_size=1,
                                         seeds=[s for _, s in mine], on_sample=self.reward_fn.on_sample)
         if mine:
             t0 = time.perf_counter()
@@ -320,6 +323,13 @@ class FlowGRPOTrainer:
         dist.all_gather_object(shares, (part, rewards, wait), group=self.groups.replica)
         traj = Trajectory.concat([tr for tr, _, _ in shares if tr is not None])
         return traj, torch.cat([r for _, r, _ in shares]), max(w for _, _, w in shares)
+
+    def common_text_length(self, prompts: list[str], params: SamplingParams) -> int:
+        """The text length every share of this replica's rollout pads to: the longest of its prompts (and the
+        negative prompt under CFG), as one engine call over all of them would pad. The recompute runs the
+        gathered trajectory at one length, and a share padded shorter would round bf16 attention differently."""
+        texts = list(prompts) + ([params.negative_prompt] if params.do_cfg else [])
+        return min(params.max_sequence_length, max(self.engine.text_lengths(texts)))
 
     def _update(self, traj: Trajectory, old: torch.Tensor, advantages: torch.Tensor, step: int,
                 ref_means: torch.Tensor | None = None) -> dict[str, float]:

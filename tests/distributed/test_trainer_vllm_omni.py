@@ -37,6 +37,9 @@ def _trainer(folder: str, root: str, engine: str, rollout_tp: int, trainer_tp: i
     return FlowGRPOTrainer(cfg, groups, folder, RewardFunction("jpeg_compressibility"))
 
 
+TEXTS = ["a red cat", 'a sign that says "OPEN 24 HOURS"']  # two text lengths
+
+
 def _by_seed(traj) -> dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
     return {int(s): (traj.latents[i], traj.next_latents[i], traj.log_probs[i]) for i, s in enumerate(traj.seeds)}
 
@@ -67,7 +70,10 @@ def _steps(rank: int, world_size: int, folder: str, root: str) -> dict:
                          "second": _by_seed(second.trajectory), "probe": [first.metrics["sync_probe_max_diff"],
                                                                          second.metrics["sync_probe_max_diff"]],
                          "kind": type(trainer.engine).__name__,
+                         "text_lengths": trainer.engine.text_lengths(TEXTS),
                          "dlogp": [first.metrics["train_rollout_dlogp"], second.metrics["train_rollout_dlogp"]]}
+            if name == "diffusers":
+                out["encoded_lengths"] = [t.shape[0] for t in trainer.engine.encode_prompts(TEXTS)]
             if name in ("vllm_tp2_trainer_tp2", "diffusers"):
                 # Direct mode, a tensor the engine no longer reads: the sync writes the old storage (coverage is
                 # complete), the forward reads a stale copy; the trainer's weights move first so it is stale.
@@ -143,3 +149,12 @@ def test_unbound_and_skipped_tensors_raise(results: list[dict]) -> None:
             message = r[f"unbound_{engine}"]
             assert "max |difference|" in message and "tolerance 0.0001" in message, message
         assert "skipped diffusers tensor 'proj_out.bias'" in r["skipped"], r["skipped"]
+
+
+def test_every_engine_counts_text_tokens_as_the_encoder_embeds_them(results: list[dict]) -> None:
+    """`text_lengths` (the trainer pads every share of a replica to the longest) equals the lengths the text
+    encoder's embeddings have, for both engines (vLLM-Omni's counts with the folder's tokenizer)."""
+    encoded = results[0]["encoded_lengths"]
+    assert len(set(encoded)) == 2
+    for name in ("diffusers", "vllm_tp1", "vllm_tp2", "vllm_tp2_trainer_tp2"):
+        assert results[0][name]["text_lengths"] == encoded, name
