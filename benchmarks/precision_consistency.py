@@ -11,6 +11,20 @@ per-step metric `train_rollout_dlogp`, through the trainer's own code (one rollo
 update). The reference figures are VeRL-Omni's measured bf16 gaps: 2.2e-5 without CFG, 4.7e-4 with CFG.
 
 Last line: our worst bf16 no-CFG mean |dlogp| / 2.2e-5 (target <= 0.1).
+
+Measured on CPU (2 prompts x 4, 2026-12-02; mean |dlogp| no CFG / CFG): fp32 <= 4.1e-8 everywhere; bf16
+diffusers engine 0 / 0 at trainer tp 1 (bit-identical), 9.1e-6 / 4.0e-6 at trainer tp 2; bf16 vLLM-Omni
+9.1e-5 / 9.5e-5 (rollout tp 1), 7.9e-5 / 1.1e-4 (rollout tp 2). Ratio 4.21 (vLLM-Omni), 0.41 (diffusers).
+What is left, named:
+- trainer tp 2: the row-parallel layers sum two fp32 half products where the engine runs one unsplit GEMM
+  (rare rounding ties; `megatron_omni/parallel/linear.py` already rounds once after the reduction).
+- vLLM-Omni's Qwen-Image transformer rounds differently from diffusers' (and from ours, which equals
+  diffusers bit for bit) in four places, all device-neutral: its QK / text RMSNorm (`torch.nn.RMSNorm`:
+  one rounding, diffusers rounds before the weight), its RoPE (cos/sin in bf16, real rotation, against
+  diffusers' fp32 complex product), `to_out` / `to_add_out` fed a non-contiguous slice (torch's linear then
+  rounds the GEMM before the bias), and the adaLN LayerNorm computed in fp32 then cast. Aligning all four to
+  diffusers (an experiment, not shipped) made the rollout tp 1 gap exactly 0 / 0; any three leave most of it.
+  On GPU vLLM-Omni also fuses QK-norm + RoPE into one kernel, so matching it is a per-device question.
 """
 
 from __future__ import annotations
@@ -19,6 +33,7 @@ import argparse
 import itertools
 import json
 import os
+import socket
 import subprocess
 import sys
 import tempfile
@@ -110,7 +125,10 @@ def main() -> int:
         out = Path(args.out or Path(tmp) / "precision.json").resolve()
         env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1",
                    PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", "29517",
+        with socket.socket() as sock:  # a free port: two runs side by side must not collide
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(port),
                str(Path(__file__).resolve()), "--worker", "--prompts", str(args.prompts), "--group",
                str(args.group), "--out", str(out)]
         proc = subprocess.run(cmd, cwd=ROOT, env=env)
