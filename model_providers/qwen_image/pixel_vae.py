@@ -6,7 +6,7 @@ on [N, 3, 1, H, W] images in [-1, 1], `decode` of [N, z, 1, h, w] latents, `conf
 weights: encoding averages the RGB channels and moves each `scale` x `scale` block of pixels into
 `scale ** 2` channels (space-to-depth), decoding is the exact inverse with the gray value repeated over RGB.
 With scale 4 a 64 px image is a 16 x 16 x 16 latent, which the transformer packs 2 x 2 into 64 tokens of 64
-values: an 8 x 8 pixel patch per token, the pixel-space set-up ../shared/docs/environment.md measured
+values: an 8 x 8 pixel patch per token, the pixel-space set-up that was measured
 learning legible words. A learned VAE's decoder cannot be this map (its nearest-neighbour upsampling
 followed by convolutions cannot route each latent channel to one pixel parity), hence this class.
 

@@ -1,7 +1,7 @@
 """The OCR miniature's pipeline architecture: a tiny Qwen-Image pipeline sized to learn to write on a CPU.
 
 - Transformer: 6 MMDiT blocks of width 128 (4 heads x 32), about 3.7M parameters: the size
-  ../shared/docs/environment.md measured learning legible words in about half an hour on 2 cores.
+  that was measured learning legible words in about half an hour on 2 cores (pixel space, 64 tokens).
 - VAE: `AutoencoderKLQwenImage` with two downsampling stages (scale 4, not Qwen-Image's 8) and 16 latent
   channels, trained by `tools/pretrain_tiny_text.py`. A 64 px image becomes a 16 x 16 x 16 latent, packed
   2 x 2 into 64 tokens of 64 channels: 3 RGB values per latent value, a compression a small VAE learns in
