@@ -24,7 +24,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--recipe", default="examples.tiny.recipe:jpeg_demo", help="MODULE:FUNCTION returning a JobConfig")
     ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="A.B=VALUE",
                     help="override a config field (repeatable)")
-    ap.add_argument("--resume", default=None, help="'auto' (latest complete checkpoint) or a checkpoint folder")
+    ap.add_argument("--resume", default=None,
+                    help="'auto' (the newest intact checkpoint of run_dir; refused when there is none), "
+                         "'auto-or-new' (the same, or a new run when run_dir has no checkpoint) or a checkpoint folder")
+    ap.add_argument("--overwrite", action="store_true",
+                    help="clear run_dir's run files (config, metrics, checkpoints, samples, ...) and start anew; "
+                         "without it a run_dir holding a run is refused")
     ap.add_argument("--dry-run", action="store_true",
                     help="resolve and validate the config, then print the predicted per-GPU memory and step time")
     ap.add_argument("--gpu", default="H200", help="GPU kind for --dry-run (H200, H800)")
@@ -153,17 +158,27 @@ def main(argv: list[str] | None = None) -> int:
                 return 3
             print("dry run OK: the layout is valid for this world size and fits")
             return 0
+        from megatron_omni.trainer.run_folder import check_run_dir
+
+        check_run_dir(cfg, args.overwrite)
     except ConfigError as exc:
         print(f"config error: {exc}", file=sys.stderr)
         return 2
 
     from megatron_omni.parallel import platform
     from megatron_omni.trainer.flowgrpo import LogpGapError
+    from megatron_omni.trainer.preemption import STOPPED_EXIT, TrainingStopped
     from megatron_omni.trainer.run import run
 
     platform.init_distributed()
     try:
-        summary = run(cfg)
+        summary = run(cfg, overwrite=args.overwrite)
+    except TrainingStopped as exc:  # every rank stops after the same step (the stop flag is all-reduced)
+        print(str(exc), file=sys.stderr)
+        return STOPPED_EXIT
+    except ConfigError as exc:  # found once the run is set up: no intact checkpoint, a checkpoint not written
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     except LogpGapError as exc:  # every rank raises it at the same step (the gap is reduced over data parallel)
         print(f"train/rollout mismatch: {exc}", file=sys.stderr)
         return 4

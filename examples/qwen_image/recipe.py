@@ -114,7 +114,7 @@ def ocr_20b() -> JobConfig:
     o.clip_grad = 1.0
     o.mini_batches = 2
     o.micro_batch_size = 1  # (image, window step) samples per forward: activations stay small
-    cfg.checkpoint.every = 20
+    cfg.checkpoint.every = 20  # preemption-safe by default; SIGTERM also checkpoints (exit 5)
     cfg.checkpoint.keep = 2
     cfg.logging.image_every = 10
     return cfg

@@ -20,6 +20,8 @@ def jpeg_demo() -> JobConfig:
     cfg.optim.mini_batches = 2
     cfg.algorithm.clip_range = 0.2
     cfg.reward.scorer = "jpeg_compressibility"
+    # Preemption-safe by default: a tiny checkpoint costs well under a second, so a lost job loses <= 4 steps.
+    cfg.checkpoint.every = 4
     return cfg
 
 
@@ -46,6 +48,7 @@ def ocr_miniature() -> JobConfig:
     from model_providers.qwen_image.text_dataset import HELD_OUT_WORDS, RL_WORDS, prompt_for
 
     cfg = JobConfig(run_dir="runs/tiny-ocr-miniature", steps=24, seed=0)
+    cfg.checkpoint.every = 8  # preemption-safe by default (a lost job loses <= 8 steps)
     cfg.model.pipeline = str(TEXT_PIPELINE)
     cfg.prompts = [prompt_for(w) for w in RL_WORDS]
     r = cfg.rollout

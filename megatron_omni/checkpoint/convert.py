@@ -29,6 +29,7 @@ from megatron_omni.checkpoint.errors import CheckpointError
 from megatron_omni.checkpoint.families import ModelFamily, family_of_config, resolve_diffusers_folder
 from megatron_omni.checkpoint.safetensors_io import PlannedTensor, SafetensorsFolder, ShardedSafetensorsWriter
 from megatron_omni.checkpoint.sharded_state import content_metadata, read_content_metadata, require_dist_checkpoint
+from megatron_omni.checkpoint import manifest
 from megatron_omni.checkpoint.staging import check_output, staged_output
 from megatron_omni.checkpoint.streaming import (
     DEFAULT_BUCKET_BYTES,
@@ -156,6 +157,7 @@ def hf_to_mcore(
         meta = content_metadata(fam.name, cfg, {"tp": 1, "pp": 1, "cp": 1, "dp": 1},
                                 source=str(src.transformer_dir))
         save_streaming(tmp, specs, produce, meta, max_file_bytes=max_file_bytes)
+        manifest.write_manifest(tmp)
         if produced != set(specs):
             raise CheckpointError(f"the writer skipped tensors {sorted(set(specs) - produced)[:8]}")
     result.seconds = time.perf_counter() - start
@@ -201,6 +203,7 @@ def mcore_to_hf(
     cast = parse_dtype(dtype)
     ckpt = str(checkpoint)
     require_dist_checkpoint(ckpt)
+    manifest.verify(Path(ckpt))  # a damaged file is named here, not as a torch error mid-export
     fam, cfg = _checkpoint_config(ckpt, config_path)
     mappings = fam.mappings(fam.num_layers(cfg))
     shapes = fam.megatron_shapes(cfg)

@@ -1,7 +1,8 @@
 """All-or-nothing output folders: build into a hidden temporary folder beside the target, rename at the end.
 
-A failed or interrupted conversion leaves nothing at the target and no temporary folder behind (the
-temporary folder is removed on any exception, KeyboardInterrupt included).
+A failed or interrupted conversion leaves nothing at the target and no temporary folder behind: the
+temporary folder is removed on any exception, KeyboardInterrupt (SIGINT) included, and on SIGTERM, which
+`sigterm_raises` turns into SystemExit(143) while the folder is being written.
 """
 
 from __future__ import annotations
@@ -9,7 +10,9 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
+import signal
 import tempfile
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -34,10 +37,34 @@ def check_output(path: str | Path) -> Path:
     return out
 
 
+def _exit_on_sigterm(signum: int, frame: object) -> None:
+    raise SystemExit(128 + signum)
+
+
+@contextlib.contextmanager
+def sigterm_raises() -> Iterator[None]:
+    """While the block runs, SIGTERM raises SystemExit(143) (so `finally`/`except BaseException` cleanups
+    run) instead of killing the process on the spot. A handler someone else installed (the trainer's
+    preemption handler) is left alone, as is everything off the main thread (where handlers cannot be set)."""
+    if threading.current_thread() is not threading.main_thread() or signal.getsignal(signal.SIGTERM) != signal.SIG_DFL:
+        yield
+        return
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
 @contextlib.contextmanager
 def staged_output(path: str | Path) -> Iterator[Path]:
     """Yield a temporary folder; on success it becomes `path`, on failure it is removed."""
     out = check_output(path)
+    with sigterm_raises():
+        yield from _staged(out)
+
+
+def _staged(out: Path) -> Iterator[Path]:
     try:
         tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
     except OSError as exc:

@@ -9,6 +9,7 @@ from typing import Any
 
 from megatron.core import dist_checkpointing
 
+from megatron_omni.checkpoint import manifest
 from megatron_omni.checkpoint.errors import CheckpointError
 from megatron_omni.checkpoint.families import family_of_config, resolve_diffusers_folder
 from megatron_omni.checkpoint.safetensors_io import SafetensorsFolder
@@ -30,6 +31,7 @@ def inspect_checkpoint(path: str | Path) -> dict[str, Any]:
     if not p.is_dir():
         raise CheckpointError(f"{p} is not a folder")
     if dist_checkpointing.check_is_distributed_checkpoint(str(p)):
+        manifest.verify(p)
         meta = read_content_metadata(p)
         fam = family_of_config(meta["diffusers_config"], f"{p} (content metadata)")
         specs = checkpoint_tensor_specs(p)

@@ -15,9 +15,13 @@ A checkpoint is one `dist_checkpointing` folder, `checkpoints/step_XXXXXX`, hold
   `mcore-to-hf --prefix ema.` exports it as a diffusers transformer);
 - common state written once: scheduler, step, data position, metric history, world size.
 
-It is written into `step_XXXXXX.tmp` and renamed when every rank has finished; the `COMPLETE` marker
-(world size inside) is written just before the rename, so a folder without it (a crash mid-save) is never
-resumed from. The last `keep` complete checkpoints are kept.
+It is written into `step_XXXXXX.tmp` and renamed when every rank has finished. Before the rename the
+folder gets `RUN_ID` (the run that wrote it), `MANIFEST.json` (every file's size and CRC-32, see
+`checkpoint.manifest`; each rank checksums the files it wrote) and last the `COMPLETE` marker (world size
+inside), so a folder without it (a crash mid-save) is never resumed from, and a complete one whose files no
+longer match their manifest (truncated, damaged) is skipped by name for the newest intact one. The last
+`keep` complete checkpoints of the current run are kept; another run's are never touched. A save that fails
+(a full disk) removes its partial folder and raises CheckpointWriteError; the previous checkpoint is intact.
 """
 
 from __future__ import annotations
@@ -40,11 +44,14 @@ from megatron.core.dist_checkpointing.utils import add_prefix_for_sharding
 from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
 
+from megatron_omni.checkpoint import CheckpointError, manifest
 from megatron_omni.checkpoint.sharded_state import model_sharded_state_dict
+from megatron_omni.trainer.config import ConfigError
 
 ModelShardedState = Callable[[torch.nn.Module], ShardedStateDict]
 
 COMPLETE = "COMPLETE"
+RUN_ID = "RUN_ID"
 # The distributed optimizer's state in model space (one tensor per parameter and moment, like the plain
 # optimizer's), gathered over data parallel on save: it reloads at any TP/DP. (megatron-core 0.16.1 no longer
 # supports the gather-free "fully_sharded_model_space"; "dp_reshardable" cannot change TP.)
@@ -66,10 +73,74 @@ def complete_checkpoints(run_dir: Path) -> list[Path]:
     return sorted(p for p in root.glob("step_*") if not p.name.endswith(".tmp") and (p / COMPLETE).is_file())
 
 
+class CheckpointWriteError(ConfigError):
+    """A checkpoint could not be written (a full disk, no permission): like a bad input, one line and exit 2;
+    the partial folder is gone and the previous checkpoint intact."""
+
+
+def run_id_of(folder: Path) -> str | None:
+    """The run id a checkpoint records (None: written before run ids existed)."""
+    path = Path(folder) / RUN_ID
+    return path.read_text().strip() if path.is_file() else None
+
+
+def damage(folder: Path) -> str | None:
+    """Collective when torch.distributed is initialised (each rank checks its share of the files): what is
+    wrong with a complete checkpoint's files against its manifest, or None when they match."""
+    folder = Path(folder)
+    try:
+        listed = manifest.read_manifest(folder)
+        if listed is None:
+            problem = None
+        elif dist.is_initialized():
+            rank, world = dist.get_rank(), dist.get_world_size()
+            manifest.verify(folder, sorted(listed)[rank::world])
+            problem = None
+        else:
+            manifest.verify(folder)
+            problem = None
+    except CheckpointError as exc:
+        problem = str(exc)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        found: list[str | None] = [None] * dist.get_world_size()
+        dist.all_gather_object(found, problem)
+        problem = next((p for p in found if p is not None), None)
+    return problem
+
+
 def latest_checkpoint(run_dir: Path) -> Path | None:
-    """The newest complete checkpoint of a run, or None."""
+    """The newest complete and intact checkpoint of a run, or None. A damaged one (a file that no longer
+    matches the manifest) is skipped with a message naming the file. Collective when torch.distributed is
+    initialised (the ranks share the verification)."""
+    for folder in reversed(complete_checkpoints(run_dir)):
+        problem = damage(folder)
+        if problem is None:
+            return folder
+        if not dist.is_initialized() or dist.get_rank() == 0:
+            print(f"skipping {problem}", flush=True)
+    return None
+
+
+def latest_complete(run_dir: Path) -> Path | None:
+    """The newest complete checkpoint (not verified; no collectives)."""
     done = complete_checkpoints(run_dir)
     return done[-1] if done else None
+
+
+def _reason(exc: BaseException) -> str:
+    """The root OSError's text when there is one (Megatron and torch DCP wrap the writer's error)."""
+    seen = exc
+    while seen is not None:
+        if isinstance(seen, OSError):
+            return f"{seen.strerror or seen} ({seen.filename})" if seen.filename else str(seen.strerror or seen)
+        failures = getattr(seen, "failures", None)  # torch DCP's CheckpointException: {rank: the rank's error}
+        if isinstance(failures, dict) and failures:
+            first = next(iter(failures.values()))
+            seen = first[0] if isinstance(first, tuple) else first
+            continue
+        seen = seen.__cause__ or seen.__context__
+    text = str(exc).strip().splitlines()
+    return text[-1] if text else type(exc).__name__
 
 
 def rng_state() -> dict[str, Any]:
@@ -131,12 +202,13 @@ def _rng_object(state: Any, world: int, rank: int) -> ShardedObject:
 def save_checkpoint(run_dir: Path, step: int, model: torch.nn.Module, optimizer: Any, scheduler: Any,
                     common: dict[str, Any], keep: int, content_metadata: dict[str, Any] | None = None,
                     sharded_state: ModelShardedState = model_sharded_state_dict,
-                    ema: torch.nn.Module | None = None) -> Path:
+                    ema: torch.nn.Module | None = None, run_id: str | None = None) -> Path:
     """Collective: save model, optimizer, scheduler, RNG states, `common` (step, data position, metric
     history: rank 0's copy is written) and the `ema` copy of the model if given, as the checkpoint after
     `step` steps; prune to the last `keep`.
     `sharded_state` gives the model's ShardedStateDict (default: the MMDiT's; the AR-DiT hybrid passes
-    `ar_dit_sharded_state_dict`).
+    `ar_dit_sharded_state_dict`). `run_id`: recorded in the checkpoint; pruning then removes only
+    checkpoints of that run (None: those without a run id).
 
     Returns the final folder (complete when this returns on any rank).
     """
@@ -160,16 +232,36 @@ def save_checkpoint(run_dir: Path, step: int, model: torch.nn.Module, optimizer:
     shared = [common]
     dist.broadcast_object_list(shared, src=0)
     state["common"] = shared[0]
-    dist_checkpointing.save(state, str(tmp), content_metadata=content_metadata)
+    try:
+        dist_checkpointing.save(state, str(tmp), content_metadata=content_metadata)
+        # Each rank checksums the data files it wrote (torch DCP names them __<rank>_<n>.distcp), in parallel.
+        mine = manifest.entries(tmp, [n for n in manifest.content_files(tmp) if n.startswith(f"__{rank}_")])
+        gathered: list[Any] = [None] * world
+        dist.all_gather_object(gathered, mine)
+        if rank == 0:
+            if run_id is not None:
+                (tmp / RUN_ID).write_text(run_id + "\n")
+            manifest.write_manifest(tmp, {k: v for part in gathered for k, v in part.items()})
+            marker = tmp / (COMPLETE + ".partial")
+            marker.write_text(f"{world}\n")
+            os.replace(marker, tmp / COMPLETE)
+            shutil.rmtree(final, ignore_errors=True)
+            os.replace(tmp, final)
+    except BaseException as exc:  # SIGTERM's SystemExit and KeyboardInterrupt too: no partial folder is left
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        if not isinstance(exc, (KeyboardInterrupt, SystemExit)):  # torch DCP's CheckpointException is a BaseException
+            previous = latest_complete(run_dir)
+            raise CheckpointWriteError(
+                f"could not write checkpoint {final}: {_reason(exc)}; the partial checkpoint was removed, "
+                f"{'the previous one ' + str(previous) + ' is intact' if previous else 'no earlier checkpoint'}"
+            ) from exc
+        raise
     dist.barrier()
     if rank == 0:
-        marker = tmp / (COMPLETE + ".partial")
-        marker.write_text(f"{world}\n")
-        os.replace(marker, tmp / COMPLETE)
-        shutil.rmtree(final, ignore_errors=True)
-        os.replace(tmp, final)
         for old in complete_checkpoints(run_dir)[:-keep]:
-            shutil.rmtree(old, ignore_errors=True)
+            if old != final and run_id_of(old) == run_id:
+                shutil.rmtree(old, ignore_errors=True)
     dist.barrier()
     return final
 
@@ -185,6 +277,9 @@ def load_checkpoint(folder: Path, model: torch.nn.Module, optimizer: Any, schedu
     folder = Path(folder)
     if not (folder / COMPLETE).is_file():
         raise FileNotFoundError(f"{folder} is not a complete checkpoint (no {COMPLETE} marker)")
+    problem = damage(folder)
+    if problem is not None:
+        raise CheckpointError(problem)
     rank, world = dist.get_rank(), dist.get_world_size()
     saved = dist_checkpointing.load_common_state_dict(str(folder))
     state = _sharded_training_state(model, optimizer, is_loading=True, sharded_state=sharded_state)

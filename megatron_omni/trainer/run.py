@@ -12,12 +12,14 @@ from tqdm import tqdm
 from megatron_omni.checkpoint.sharded_state import content_metadata, model_layout
 from megatron_omni.parallel import ParallelLayout, build_parallel_groups
 from megatron_omni.trainer import atomic_files
-from megatron_omni.trainer.checkpointing import latest_checkpoint, load_checkpoint, save_checkpoint
-from megatron_omni.trainer.config import JobConfig, to_dict
+from megatron_omni.trainer.checkpointing import latest_checkpoint, load_checkpoint, run_id_of, save_checkpoint
+from megatron_omni.trainer.config import ConfigError, JobConfig, to_dict
 from megatron_omni.trainer.evaluation import EvalResult, eval_samples, evaluate, save_before_after_grid
 from megatron_omni.trainer.flowgrpo import FlowGRPOTrainer
 from megatron_omni.trainer.metrics import MetricsWriter, read_history, save_image_grid, save_reward_curve
+from megatron_omni.trainer.preemption import StopRequests, TrainingStopped
 from megatron_omni.trainer.rewards import RewardFunction
+from megatron_omni.trainer.run_folder import RESUME_AUTO, clear_run_dir, new_run_id
 
 SHOWN = ("reward_mean", "clipfrac", "approx_kl", "grad_norm", "images_per_s_per_rank")
 
@@ -81,14 +83,35 @@ def record_evaluation(cfg: JobConfig, trainer: FlowGRPOTrainer, run_dir: Path, d
     tqdm.write(f"eval after {done} steps: " + ", ".join(f"{k} {v:.4f}" for k, v in summary.items() if k != "step"))
 
 
-def run(cfg: JobConfig) -> dict:
-    """Train for `cfg.steps` RL steps (resuming if asked); returns a summary. Collective over all ranks."""
+def run(cfg: JobConfig, overwrite: bool = False) -> dict:
+    """Train for `cfg.steps` RL steps (resuming if asked); returns a summary. Collective over all ranks.
+    `overwrite`: clear the run folder's run artefacts first (`run_folder.check_run_dir` has checked the
+    folder before any work). SIGTERM/SIGINT: the step finishes, a checkpoint is written and TrainingStopped
+    is raised (on every rank)."""
+    with StopRequests() as stops:
+        return _run(cfg, overwrite, stops)
+
+
+def _resume_folder(cfg: JobConfig, run_dir: Path) -> Path | None:
+    """The checkpoint to resume from (collective: the ranks verify it together), or None to start anew."""
+    resume = cfg.checkpoint.resume
+    if resume in RESUME_AUTO:
+        folder = latest_checkpoint(run_dir)
+        if folder is None and resume == "auto":
+            raise ConfigError(f"--resume auto: run_dir={run_dir} holds no intact checkpoint (see above); start "
+                              f"it anew with --resume auto-or-new, or choose another run_dir")
+        return folder
+    return Path(resume) if resume else None
+
+
+def _run(cfg: JobConfig, overwrite: bool, stops: StopRequests) -> dict:
     rank = dist.get_rank()
     run_dir = Path(cfg.run_dir)
     if rank == 0:
+        if overwrite and (removed := clear_run_dir(run_dir)):
+            print(f"--overwrite: removed {', '.join(removed)} from {run_dir}")
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "samples").mkdir(exist_ok=True)
-        atomic_files.write_text(run_dir / "config.json", json.dumps(to_dict(cfg), indent=2))
     dist.barrier()
     p = cfg.parallel
     groups = build_parallel_groups(ParallelLayout(tp=p.tp, ulysses=p.ulysses, ring=p.ring, pp=p.pp))
@@ -97,8 +120,15 @@ def run(cfg: JobConfig) -> dict:
     trainer = FlowGRPOTrainer(cfg, groups, pipeline, reward_fn)
 
     start = 0
-    resume = cfg.checkpoint.resume
-    folder = latest_checkpoint(run_dir) if resume == "auto" else (Path(resume) if resume else None)
+    folder = _resume_folder(cfg, run_dir)
+    # The run id: the resumed checkpoint's (one run continues), else a new one (rank 0's, shared).
+    shared = [run_id_of(folder) if folder is not None else None]
+    if shared[0] is None:
+        shared = [new_run_id()]
+        dist.broadcast_object_list(shared, src=0)
+    run_id = shared[0]
+    if rank == 0:
+        atomic_files.write_text(run_dir / "config.json", json.dumps({"run_id": run_id, **to_dict(cfg)}, indent=2))
     if folder is not None:
         common = load_checkpoint(folder, trainer.model, trainer.optimizer, trainer.scheduler, ema=trainer.ema)
         start = common["step"]
@@ -110,6 +140,10 @@ def run(cfg: JobConfig) -> dict:
             if evals:
                 atomic_files.write_jsonl(run_dir / "eval.jsonl", [e for e in evals if e["step"] <= start])
             print(f"resumed from {folder} at step {start}")
+    elif rank == 0:
+        # A new run (--resume auto-or-new found no checkpoint): an earlier attempt's records are not this run's.
+        for name in ("metrics.jsonl", "eval.jsonl"):
+            (run_dir / name).unlink(missing_ok=True)
 
     writer = None
     if rank == 0:
@@ -129,13 +163,22 @@ def run(cfg: JobConfig) -> dict:
                 caps = [f"{pr[:24]}\nr={r:.3g}" for pr, r in zip(result.trajectory.prompts, result.rewards.tolist())]
                 save_image_grid(result.trajectory.images, caps, run_dir / "samples" / f"step_{step:04d}.png")
         done = step + 1
-        if (cfg.checkpoint.every and done % cfg.checkpoint.every == 0) or done == cfg.steps:
+        # The step boundary: every rank learns whether any rank was signalled, so all stop after this step.
+        stop = stops.requested()
+        if stop or (cfg.checkpoint.every and done % cfg.checkpoint.every == 0) or done == cfg.steps:
             common = {"step": done, "data": {"next_step": done, "prompts_seen": done * cfg.rollout.prompts_per_step},
                       "metrics_history": read_history(run_dir / "metrics.jsonl") if rank == 0 else []}
             meta = content_metadata("qwen_image", trainer.hf_config,
                                     model_layout(trainer.model), step=done)
-            save_checkpoint(run_dir, done, trainer.model, trainer.optimizer, trainer.scheduler, common,
-                            cfg.checkpoint.keep, content_metadata=meta, ema=trainer.ema)
+            saved = save_checkpoint(run_dir, done, trainer.model, trainer.optimizer, trainer.scheduler, common,
+                                    cfg.checkpoint.keep, content_metadata=meta, ema=trainer.ema, run_id=run_id)
+        if stop:
+            bar.close()
+            if writer is not None:
+                writer.close()
+            reward_fn.close()
+            trainer.close()
+            raise TrainingStopped(stops.signame, done, str(saved))
         if cfg.eval.prompts and (done == cfg.steps or (cfg.eval.every and done % cfg.eval.every == 0)):
             run_evaluation(cfg, trainer, run_dir, done)
     reward_fn.close()
