@@ -37,21 +37,29 @@ def check_output(path: str | Path) -> Path:
     return out
 
 
-def _exit_on_sigterm(signum: int, frame: object) -> None:
-    raise SystemExit(128 + signum)
-
-
 @contextlib.contextmanager
 def sigterm_raises() -> Iterator[None]:
     """While the block runs, SIGTERM raises SystemExit(143) (so `finally`/`except BaseException` cleanups
-    run) instead of killing the process on the spot. A handler someone else installed (the trainer's
-    preemption handler) is left alone, as is everything off the main thread (where handlers cannot be set)."""
+    run) instead of killing the process on the spot; the block then ends in SystemExit(143) even when a
+    library wrapped it in an error of its own (torch DCP turns it into a CheckpointException). A handler
+    someone else installed (the trainer's preemption handler) is left alone, as is everything off the main
+    thread (where handlers cannot be set)."""
     if threading.current_thread() is not threading.main_thread() or signal.getsignal(signal.SIGTERM) != signal.SIG_DFL:
         yield
         return
+    received = []
+
+    def _exit_on_sigterm(signum: int, frame: object) -> None:
+        received.append(signum)
+        raise SystemExit(128 + signum)
+
     signal.signal(signal.SIGTERM, _exit_on_sigterm)
     try:
         yield
+    except BaseException:
+        if received:
+            raise SystemExit(128 + received[0]) from None
+        raise
     finally:
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
