@@ -151,3 +151,35 @@ def test_a_second_signal_aborts_at_once_and_leaves_no_partial_checkpoint(tmp_pat
     assert time.monotonic() - sent < 30
     left = sorted(p.name for p in (run / "checkpoints").iterdir())
     assert left == [], f"an aborted save left {left}"
+
+
+@pytest.mark.slow
+def test_sigterm_to_one_torchrun_rank_stops_every_rank_after_the_same_step(tmp_path: Path) -> None:
+    """The stop flag is all-reduced at the step boundary: a signal to rank 1 alone stops rank 0 too, after the
+    same step, with one complete checkpoint of it (torchrun itself then reports the workers' exit 5 as a
+    failure, rc 1)."""
+    import psutil
+
+    from megatron_omni.checkpoint import manifest
+    from tests.distributed.harness import free_port
+
+    run = tmp_path / "tp2"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()),
+           "-m", "megatron_omni.train", "--set", f"run_dir={run}", *SHORT, "--set", "steps=16",
+           "--set", "parallel.tp=2", "--set", "checkpoint.every=0"]
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    _wait_for(run / "metrics.jsonl", proc)
+    workers = sorted(psutil.Process(proc.pid).children(), key=lambda p: p.pid)
+    assert len(workers) == 2
+    rank1 = next(w for w in workers if w.environ().get("RANK") == "1")
+    rank1.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=300)
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    done = sorted(p.name for p in (run / "checkpoints").iterdir())
+    assert len(done) == 1, done
+    k = int(done[0].removeprefix("step_"))
+    assert 1 <= k < 16 and _steps(run) == list(range(k))
+    assert f"stopped by SIGTERM after step {k}" in err and "exitcode  : 5" in err, err[-3000:]
+    manifest.verify(run / "checkpoints" / done[0])
