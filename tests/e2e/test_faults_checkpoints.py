@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from megatron_omni.checkpoint import manifest
-from tests.e2e.test_faults_runs import STEPS, _steps
+from tests.e2e.test_faults_runs import STEPS, _steps, first_run  # noqa: F401 - the fixture: a 4-step run
 from tests.e2e.test_flowgrpo_train import ROOT, SHORT, _assert_same_state, _env, _final_state, _rewards, _train
 
 CONVERT = [sys.executable, str(ROOT / "tools" / "checkpoint" / "convert.py")]
@@ -37,19 +37,10 @@ def _convert(*args: str, env: dict[str, str] | None = None) -> tuple[subprocess.
     return proc, time.monotonic() - start
 
 
-@pytest.fixture(scope="module")
-def trained(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A 4-step run with checkpoints after steps 2 and 4."""
-    run = tmp_path_factory.mktemp("ckpt") / "trained"
-    proc = _train(run, *STEPS)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return run
-
-
 @pytest.mark.slow
-def test_a_damaged_latest_checkpoint_is_named_and_skipped(trained: Path, tmp_path: Path) -> None:
+def test_a_damaged_latest_checkpoint_is_named_and_skipped(first_run: Path, tmp_path: Path) -> None:
     run = tmp_path / "damaged"
-    shutil.copytree(trained, run)
+    shutil.copytree(first_run, run)
     bad = run / "checkpoints" / "step_000004"
     data = bad / "__0_0.distcp"
     size = data.stat().st_size
@@ -73,11 +64,11 @@ def test_a_damaged_latest_checkpoint_is_named_and_skipped(trained: Path, tmp_pat
     assert f"skipping damaged checkpoint {bad}: __0_0.distcp" in said
     assert f"resumed from {run / 'checkpoints' / 'step_000002'} at step 2" in said
     # Nothing lost: the redone steps give the uninterrupted run's weights, optimizer state and metrics.
-    _assert_same_state(_final_state(trained, 4), _final_state(run, 4))
-    assert _rewards(run) == _rewards(trained) and _steps(run) == [0, 1, 2, 3]
+    _assert_same_state(_final_state(first_run, 4), _final_state(run, 4))
+    assert _rewards(run) == _rewards(first_run) and _steps(run) == [0, 1, 2, 3]
     # A checkpoint folder given by path is verified the same way before it is loaded.
     again = tmp_path / "again"
-    shutil.copytree(trained / "checkpoints" / "step_000004", tmp_path / "given")
+    shutil.copytree(first_run / "checkpoints" / "step_000004", tmp_path / "given")
     with open(tmp_path / "given" / "common.pt", "r+b") as f:
         f.seek(0)
         f.write(b"XXXX")
@@ -129,11 +120,11 @@ def _sigterm_mid_write(cmd: list[str], folder: Path, name: str) -> tuple[int, st
 
 
 @pytest.mark.slow
-def test_sigterm_during_conversion_leaves_nothing(trained: Path, tmp_path: Path) -> None:
-    rc, err = _sigterm_mid_write(["hf-to-mcore", str(trained / "pipeline"), str(tmp_path / "mcore"), "--no-progress"],
+def test_sigterm_during_conversion_leaves_nothing(first_run: Path, tmp_path: Path) -> None:
+    rc, err = _sigterm_mid_write(["hf-to-mcore", str(first_run / "pipeline"), str(tmp_path / "mcore"), "--no-progress"],
                                  tmp_path, "mcore")
     assert rc == 143, err[-2000:]
-    rc2, err2 = _sigterm_mid_write(["mcore-to-hf", str(trained / "checkpoints" / "step_000002"), str(tmp_path / "hf"),
+    rc2, err2 = _sigterm_mid_write(["mcore-to-hf", str(first_run / "checkpoints" / "step_000002"), str(tmp_path / "hf"),
                                     "--no-progress"], tmp_path, "hf")
     assert rc2 == 143, err2[-2000:]
     assert sorted(p.name for p in tmp_path.iterdir()) == [], "an interrupted conversion left files behind"

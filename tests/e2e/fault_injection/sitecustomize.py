@@ -15,7 +15,8 @@ _open = builtins.open
 
 
 def _faulty_open(file, mode="r", *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202 - open's signature
-    if _MATCH and any(c in mode for c in "wax+") and _MATCH in os.fspath(file) if isinstance(file, (str, os.PathLike)) else False:
+    writing = any(c in mode for c in "wax+")
+    if writing and isinstance(file, (str, os.PathLike)) and _MATCH in os.fspath(file):
         if _KIND == "enospc":
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), os.fspath(file))
         if _KIND == "slow":
