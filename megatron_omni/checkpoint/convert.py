@@ -24,12 +24,11 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from megatron_omni.checkpoint import families
+from megatron_omni.checkpoint import families, manifest
 from megatron_omni.checkpoint.errors import CheckpointError
 from megatron_omni.checkpoint.families import ModelFamily, family_of_config, resolve_diffusers_folder
 from megatron_omni.checkpoint.safetensors_io import PlannedTensor, SafetensorsFolder, ShardedSafetensorsWriter
 from megatron_omni.checkpoint.sharded_state import content_metadata, read_content_metadata, require_dist_checkpoint
-from megatron_omni.checkpoint import manifest
 from megatron_omni.checkpoint.staging import check_output, staged_output
 from megatron_omni.checkpoint.streaming import (
     DEFAULT_BUCKET_BYTES,

@@ -18,7 +18,8 @@ from pathlib import Path
 import pytest
 
 from megatron_omni.checkpoint import manifest
-from tests.e2e.test_faults_runs import STEPS, _steps, first_run  # noqa: F401 - the fixture: a 4-step run
+from tests.e2e.conftest import FAULT_STEPS as STEPS
+from tests.e2e.test_faults_runs import _steps
 from tests.e2e.test_flowgrpo_train import ROOT, SHORT, _assert_same_state, _env, _final_state, _rewards, _train
 
 CONVERT = [sys.executable, str(ROOT / "tools" / "checkpoint" / "convert.py")]

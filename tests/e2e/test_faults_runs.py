@@ -18,9 +18,9 @@ from pathlib import Path
 
 import pytest
 
+from tests.e2e.conftest import FAULT_STEPS as STEPS
 from tests.e2e.test_flowgrpo_train import ROOT, SHORT, _assert_same_state, _env, _final_state, _rewards, _train
 
-STEPS = ["--set", "steps=4", "--set", "checkpoint.every=2", "--set", "checkpoint.keep=5"]
 # A refusal happens before any work: seconds, however slow the machine (imports dominate).
 REFUSAL_S = 60
 
@@ -33,15 +33,6 @@ def _snapshot(run: Path) -> dict[str, str]:
 
 def _steps(run: Path) -> list[int]:
     return [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()]
-
-
-@pytest.fixture(scope="module")
-def first_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """An uninterrupted 4-step run with checkpoints after steps 2 and 4 (the reference of every test here)."""
-    run = tmp_path_factory.mktemp("runs") / "first"
-    proc = _train(run, *STEPS)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return run
 
 
 def _timed(run: Path, *args: str) -> tuple[subprocess.CompletedProcess, float]:
