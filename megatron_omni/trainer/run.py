@@ -172,7 +172,7 @@ def _run(cfg: JobConfig, overwrite: bool, stops: StopRequests) -> dict:
                                     model_layout(trainer.model), step=done)
             saved = save_checkpoint(run_dir, done, trainer.model, trainer.optimizer, trainer.scheduler, common,
                                     cfg.checkpoint.keep, content_metadata=meta, ema=trainer.ema, run_id=run_id)
-        if stop:
+        if stop and done < cfg.steps:  # a signal during the last step: the run is complete anyway
             bar.close()
             if writer is not None:
                 writer.close()
