@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from megatron_omni.parallel.layout import LayoutError, ParallelLayout
-from megatron_omni.trainer.planner import (
+from megatron_omni.planner import (
     GPUS,
     REFERENCE_IMAGES_PER_S_PER_GPU,
     Precision,
@@ -18,8 +18,8 @@ from megatron_omni.trainer.planner import (
     Workload,
     plan,
 )
-from megatron_omni.trainer.planner_flops import forward_flops, image_tokens
-from megatron_omni.trainer.planner_memory import (
+from megatron_omni.planner.flops import forward_flops, image_tokens
+from megatron_omni.planner.memory import (
     block_activation_bytes,
     rank_parameter_counts,
     rollout_parameter_count,
@@ -224,7 +224,7 @@ def test_weight_sync_time_direct_vs_full() -> None:
 
 
 def test_measured_mfu_file(tmp_path) -> None:
-    from megatron_omni.trainer.planner import measured_mfu
+    from megatron_omni.planner import measured_mfu
 
     good = tmp_path / "gpu_check.json"
     good.write_text('{"mfu": 0.41, "gpu": "H200"}')
