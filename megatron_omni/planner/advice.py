@@ -4,7 +4,8 @@ its own plan is valid and its peak memory fits.
 
 The search is small and stated: one change at a time of recompute (to a mode that keeps less), parallel.tp
 (a larger divisor of the heads), parallel.ulysses, parallel.pp, optim.distributed_optimizer, a smaller
-optim.micro_batch_size, or 2x / 4x the trainer GPUs; when no single change fits, every pair of them.
+optim.micro_batch_size, or 2x / 4x the trainer GPUs; when no single change fits, every pair of them, then
+every three.
 """
 
 from __future__ import annotations
@@ -67,11 +68,12 @@ def _field(override: str) -> str:
     return override.split("=", 1)[0]
 
 
-def suggest(job: JobPlan, replan: Callable[[tuple[str, ...], int], JobPlan], limit: int = 6) -> list[Suggestion]:
+def suggest(job: JobPlan, replan: Callable[[tuple[str, ...], int], JobPlan], limit: int = 6,
+            max_changes: int = 3) -> list[Suggestion]:
     """Changes that make `job` fit, fastest first (at most `limit`). `replan(overrides, world_size)` builds the
     job those `--set` overrides and that world size give, exactly as a dry run with them would (it raises
-    ValueError, LayoutError included, for a config that is invalid). Single changes first; pairs only when no
-    single change fits. Empty when nothing the search tries fits."""
+    ValueError, LayoutError included, for a config that is invalid). The fewest changes first: single ones,
+    then pairs when no single change fits, up to `max_changes` together. Empty when nothing tried fits."""
     singles = list(_single_changes(job, job.workload.micro_batch_size))
 
     def check(changes: tuple[Change, ...]) -> Suggestion | None:
@@ -80,7 +82,7 @@ def suggest(job: JobPlan, replan: Callable[[tuple[str, ...], int], JobPlan], lim
         for c in changes:
             factor *= c[1]
         if len({_field(o) for o in overrides}) < len(overrides) or sum(c[1] > 1 for c in changes) > 1:
-            return None  # two values for one field, or two GPU factors: not a pair
+            return None  # two values for one field, or two GPU factors: not one change each
         try:
             candidate = replan(overrides, job.world_size * factor)
             report = plan_job(candidate)
@@ -91,8 +93,10 @@ def suggest(job: JobPlan, replan: Callable[[tuple[str, ...], int], JobPlan], lim
         return Suggestion(overrides, candidate.world_size, total_bytes(candidate, report), report.memory.capacity,
                           report.time.step_s, report.time.images_per_s_per_gpu)
 
-    found = [s for c in singles if (s := check((c,))) is not None]
-    if not found:
-        found = [s for pair in combinations(singles, 2) if (s := check(pair)) is not None]
+    found: list[Suggestion] = []
+    for size in range(1, max_changes + 1):  # the fewest changes that fit
+        found = [s for group in combinations(singles, size) if (s := check(group)) is not None]
+        if found:
+            break
     found.sort(key=lambda s: (s.world_size, s.step_s))
     return found[:limit]

@@ -53,7 +53,7 @@ def dry_run(job: JobPlan, replan: Callable[[tuple[str, ...], int], JobPlan]) -> 
         hint = "try one of the changes listed above"
     else:
         hint = ("no change the planner tried fits (recompute, parallel.tp/ulysses/pp, the distributed optimizer, "
-                "a smaller micro-batch, 2x or 4x the GPUs, and their pairs): use a GPU with more memory or a "
-                "smaller model")
+                "a smaller micro-batch, 2x or 4x the GPUs, up to three of them together): use a GPU with more "
+                "memory or a smaller model")
     print(f"plan error: the layout does not fit in {job.gpu} memory (see 'total' above): {hint}", file=sys.stderr)
     return DOES_NOT_FIT
