@@ -5,18 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from megatron_omni.parallel.layout import ParallelLayout
+from megatron_omni.planner import specs
 from megatron_omni.planner.flops import ForwardFlops
 from megatron_omni.planner.memory import GIB, MemoryReport
-from megatron_omni.planner.specs import (
-    GPUS,
-    REFERENCE_GPUS,
-    REFERENCE_IMAGES_PER_S_PER_GPU,
-    REFERENCE_STEP_S,
-    GPUSpec,
-    Precision,
-    RolloutSpec,
-    Workload,
-)
+from megatron_omni.planner.specs import GPUS, GPUSpec, Precision, RolloutSpec, Workload
 
 
 @dataclass(frozen=True)
@@ -58,7 +50,7 @@ class PlanReport:
     @property
     def ratio_to_reference(self) -> float:
         """Predicted images/s/GPU over VeRL-Omni's 0.510."""
-        return self.time.images_per_s_per_gpu / REFERENCE_IMAGES_PER_S_PER_GPU
+        return self.time.images_per_s_per_gpu / specs.REFERENCE_IMAGES_PER_S_PER_GPU
 
     def table(self) -> str:
         """A printable breakdown, next to the reference figure."""
@@ -94,8 +86,9 @@ class PlanReport:
             f"non-overlapped communication {t.communication_s:.1f} s in all)",
             f"  weight sync         {t.sync_s:8.1f} s",
             f"  step                {t.step_s:8.1f} s  -> {t.images_per_s_per_gpu:.3f} images/s/GPU",
-            f"reference (VeRL-Omni, {REFERENCE_GPUS}xH200): {REFERENCE_IMAGES_PER_S_PER_GPU:.3f} images/s/GPU, "
-            f"~{REFERENCE_STEP_S:.0f} s/step; predicted/reference = {self.ratio_to_reference:.2f}",
+            f"reference (VeRL-Omni, {specs.REFERENCE_GPUS}xH200): "
+            f"{specs.REFERENCE_IMAGES_PER_S_PER_GPU:.3f} images/s/GPU, "
+            f"~{specs.REFERENCE_STEP_S:.0f} s/step; predicted/reference = {self.ratio_to_reference:.2f}",
         ]
         lines += [f"warning: {x}" for x in self.warnings]
         return "\n".join(lines)
@@ -123,4 +116,4 @@ def measured_mfu(path: str) -> float:
 def reference_implied_mfu(report: PlanReport) -> float:
     """The MFU VeRL-Omni's 0.510 images/s/GPU would mean under this report's FLOPs per image (a sanity check
     on the assumed MFU: it is what the reference achieved, communication and overheads included)."""
-    return REFERENCE_IMAGES_PER_S_PER_GPU * report.flops_per_image / GPUS["H200"].peak_bf16_flops
+    return specs.REFERENCE_IMAGES_PER_S_PER_GPU * report.flops_per_image / GPUS["H200"].peak_bf16_flops
