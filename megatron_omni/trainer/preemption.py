@@ -1,7 +1,8 @@
 """Stopping a run cleanly on SIGTERM/SIGINT: finish the step, write a checkpoint, exit 5 (resume with
 `--resume auto`). A scheduler (Slurm's `--signal`, Kubernetes) sends SIGTERM before it kills; Ctrl-C sends
 SIGINT. A second signal aborts at once (SystemExit 130 for SIGINT, 143 for SIGTERM; cleanups still run, so a
-checkpoint being written is removed rather than left half-written).
+checkpoint being written is removed rather than left half-written). A repeat within `REPEAT_WINDOW_S` of the
+first is the same request (Ctrl-C under torchrun arrives both from the terminal and forwarded by torchrun).
 
 Every rank must stop after the same step (a checkpoint is collective): the ranks all-reduce their flag at the
 step boundary through the process group they are given, so a signal seen by one rank stops them all.
@@ -12,6 +13,7 @@ from __future__ import annotations
 import signal
 import sys
 import threading
+import time
 from types import FrameType
 
 import torch
@@ -20,6 +22,9 @@ import torch.distributed as dist
 from megatron_omni.parallel import platform
 
 STOPPED_EXIT = 5
+# Ctrl-C under torchrun reaches a worker twice within milliseconds: from the terminal (the whole foreground
+# process group) and forwarded by torchrun. A repeat inside this window is the same request, not a second one.
+REPEAT_WINDOW_S = 2.0
 
 
 class TrainingStopped(Exception):
@@ -38,6 +43,7 @@ class StopRequests:
 
     def __init__(self) -> None:
         self.signum: int | None = None
+        self._first_at = 0.0
         self._previous: dict[int, object] = {}
 
     def __enter__(self) -> StopRequests:
@@ -53,8 +59,10 @@ class StopRequests:
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
         if self.signum is not None:
+            if time.monotonic() - self._first_at < REPEAT_WINDOW_S:
+                return
             raise SystemExit(128 + signum)
-        self.signum = signum
+        self.signum, self._first_at = signum, time.monotonic()
         print(f"\n{signal.Signals(signum).name}: finishing this step and writing a checkpoint "
               f"(a second signal aborts at once)", file=sys.stderr, flush=True)
 

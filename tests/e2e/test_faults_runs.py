@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+from megatron_omni.trainer.preemption import REPEAT_WINDOW_S
 from tests.e2e.conftest import FAULT_STEPS as STEPS
 from tests.e2e.test_flowgrpo_train import ROOT, SHORT, _assert_same_state, _env, _final_state, _rewards, _train
 
@@ -127,12 +128,12 @@ def test_a_second_signal_aborts_at_once_and_leaves_no_partial_checkpoint(tmp_pat
     """The signals land while the step-1 checkpoint is being written (a slow disk: each file open sleeps)."""
     run = tmp_path / "aborted"
     env = {**_env(), "PYTHONPATH": f"{Path(__file__).parent / 'fault_injection'}{os.pathsep}{ROOT}",
-           "FAULT": "slow", "FAULT_MATCH": "step_000001.tmp", "FAULT_SLOW_S": "3"}
+           "FAULT": "slow", "FAULT_MATCH": "step_000001.tmp", "FAULT_SLOW_S": "5"}
     proc = _start(run, "--set", "steps=3", "--set", "checkpoint.every=1", env=env)
     _wait_for(run / "checkpoints" / "step_000001.tmp", proc)
     time.sleep(0.5)
     os.kill(proc.pid, signal.SIGINT)  # the first: finish and checkpoint ...
-    time.sleep(0.5)
+    time.sleep(REPEAT_WINDOW_S + 0.5)  # a repeat inside the window would be the same request
     os.kill(proc.pid, signal.SIGINT)  # ... the second: abort now
     sent = time.monotonic()
     _, err = proc.communicate(timeout=120)
