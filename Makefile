@@ -25,6 +25,9 @@ install: $(STAMP)
 # Environment check, then the OCR miniature: FlowGRPO teaches the shipped tiny text-rendering pipeline to
 # write (CPU, about 4 minutes on 2 cores). The entry point's own default is the JPEG demo (examples.tiny.recipe).
 DEMO_RECIPE ?= examples.tiny.recipe:ocr_miniature
+# The demo's run folder is the demo's own: a second `make demo` starts it afresh (the entry point itself refuses
+# to start into a folder that holds a run unless --overwrite or --resume is given).
+DEMO_ARGS ?= --overwrite
 demo: install
 	HF_HUB_OFFLINE=1 $(PY) tools/env_check.py
 	HF_HUB_OFFLINE=1 $(PY) -m megatron_omni.train --recipe $(DEMO_RECIPE) $(DEMO_ARGS)
