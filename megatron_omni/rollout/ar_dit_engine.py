@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from megatron_omni.algorithms.schedule import qwen_image_sigmas
-from megatron_omni.algorithms.sde import SdeCoefficients, sde_log_prob, sde_step
+from megatron_omni.algorithms.sde import windowed_sde_step
 from megatron_omni.algorithms.window import sample_window_start
 from megatron_omni.rollout.base import Trajectory, sample_seeds
 from megatron_omni.rollout.velocity import guided_velocity
@@ -306,26 +306,20 @@ def denoise_window(dit: Callable[..., Any], cond: torch.Tensor, text_mask: torch
     mask = text_mask.long().to(device)
     for i in range(p.num_steps):
         in_window = (starts <= i) & (i < starts + w)
-        noise = torch.zeros(n, s_img, channels)
-        for r in torch.nonzero(in_window).flatten().tolist():
-            noise[r] = torch.randn(s_img, channels, generator=gens[r])
         sigma = on_device[i].expand(n)
         bs = max_batch_size
         v = torch.cat([guided_velocity(dit, latents[lo: lo + bs], sigma[lo: lo + bs], cond[lo: lo + bs],
                                        mask[lo: lo + bs], grid, dtype=dtype) for lo in range(0, n, bs)])
-        out = sde_step(latents, v, sigma, on_device[i + 1].expand(n), (in_window.float() * p.noise_level).to(device),
-                       p.sde_type, sigma_after_one=on_device[1].expand(n), noise=noise.to(device),
-                       compute_log_prob=False)
-        rows = torch.nonzero(in_window).flatten()
-        if rows.numel():
-            c = out.coeffs
-            on = rows.to(device)
-            lp = sde_log_prob(out.next_latents[on], SdeCoefficients(c.mean[on], c.std[on], c.scale[on]), p.sde_type)
+        levels = (in_window.float() * p.noise_level).to(device)
+        latents_next, on, lp = windowed_sde_step(latents, v, sigma, on_device[i + 1].expand(n), on_device[1].expand(n),
+                                                 levels, p.sde_type, gens)
+        if on.numel():
+            rows = on.cpu()
             j = i - starts[rows]
             rec_x[rows, j] = latents[on].float().cpu()
-            rec_next[rows, j] = out.next_latents[on].float().cpu()
+            rec_next[rows, j] = latents_next[on].float().cpu()
             rec_lp[rows, j] = lp.float().cpu()
-        latents = out.next_latents
+        latents = latents_next
     return Trajectory(
         prompts=[""] * n, group_ids=torch.zeros(n, dtype=torch.long), seeds=torch.zeros(n, dtype=torch.long),
         prompt_embeds=cond.float().cpu(), prompt_embeds_mask=mask.cpu(), negative_prompt_embeds=None,

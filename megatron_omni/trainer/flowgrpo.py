@@ -31,8 +31,6 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from megatron.core import tensor_parallel
-from megatron.core.distributed import finalize_model_grads
-from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
 from megatron_omni.algorithms.advantages import group_advantages
 from megatron_omni.bridge import DistributedTransport, WeightSync
@@ -51,7 +49,8 @@ from megatron_omni.trainer.config import JobConfig, ParallelConfig, torch_dtype
 from megatron_omni.trainer.grad_guard import GradGuard
 from megatron_omni.trainer.pipeline_step import MicroBatch, PipelineStep, plan_micro_batches
 from megatron_omni.trainer.rewards import RewardFunction, gather_rewards
-from megatron_omni.trainer.training_state import OptimizerSettings, build_ddp_and_optimizer
+from megatron_omni.trainer.skeleton import mini_batch_rows, step_prompts, update
+from megatron_omni.trainer.training_state import OptimizerSettings, build_ddp_and_optimizer, build_scheduler
 from model_providers.qwen_image import provider
 
 
@@ -107,12 +106,7 @@ class FlowGRPOTrainer:
                               distributed_optimizer=o.distributed_optimizer),
         )
         total_updates = cfg.steps * o.mini_batches
-        self.scheduler = OptimizerParamScheduler(
-            self.optimizer, init_lr=0.0 if o.warmup_steps else o.lr, max_lr=o.lr, min_lr=o.lr,
-            lr_warmup_steps=o.warmup_steps, lr_decay_steps=max(total_updates, o.warmup_steps + 1),
-            lr_decay_style="constant", start_wd=o.weight_decay, end_wd=o.weight_decay,
-            wd_incr_steps=total_updates, wd_incr_style="constant",
-        )
+        self.scheduler = build_scheduler(self.optimizer, o.lr, o.weight_decay, o.warmup_steps, total_updates)
         self.pipeline = PipelineStep(mcfg, groups)
         # The bridge into the engine's transformer (coverage-checked): direct copies into its live shards where
         # they sit in this process at the trainer's tp, else full tensors gathered over tp into its loader. With
@@ -146,12 +140,8 @@ class FlowGRPOTrainer:
     def step_prompts(self, step: int) -> tuple[list[str], list[int], list[int]]:
         """This data-parallel rank's prompts, global group ids and per-sample seeds for RL step `step`."""
         r = self.cfg.rollout
-        prompts = self.cfg.prompts
-        dp, d = self.groups.dp.size(), self.groups.dp.rank()
-        global_groups = [(step * r.prompts_per_step + i) for i in range(r.prompts_per_step)]
-        mine = global_groups[d::dp]
-        seeds = [self.cfg.seed * 1_000_003 + g * r.group_size + k for g in mine for k in range(r.group_size)]
-        return [prompts[g % len(prompts)] for g in mine], mine, seeds
+        return step_prompts(self.cfg.prompts, self.cfg.seed, step, r.prompts_per_step, r.group_size,
+                            self.groups.dp.rank(), self.groups.dp.size())
 
     def sync_weights(self) -> float:
         """Push the trained weights into the rollout engine's transformer through the bridge (raises on any
@@ -179,9 +169,8 @@ class FlowGRPOTrainer:
     def micro_batches(self, n: int, window: int, step: int) -> list[list[MicroBatch]]:
         """RL step `step`'s mini-batches (a fixed random split of the N samples), each as its micro-batches
         (chunks of optim.micro_batch_size transitions: sample x window step)."""
-        order = torch.randperm(n, generator=torch.Generator().manual_seed(self.cfg.seed * 7919 + step))
         return [plan_micro_batches(rows, window, self.cfg.optim.micro_batch_size)
-                for rows in order.chunk(self.cfg.optim.mini_batches)]
+                for rows in mini_batch_rows(n, self.cfg.seed, step, self.cfg.optim.mini_batches)]
 
     def old_log_probs(self, traj: Trajectory, step: int) -> torch.Tensor:
         """[N, W] log-probs of the trajectory under the current model (forward only, the same micro-batches
@@ -342,19 +331,17 @@ class FlowGRPOTrainer:
         grad_norms = []
         skipped = 0
         for micro_batches in minis:
-            self.ddp.zero_grad_buffer()
-            self.optimizer.zero_grad()
-            per_micro += self.pipeline.forward_backward(self.ddp, traj, micro_batches, old, advantages,
-                                                        cfg.algorithm.clip_range, cfg.algorithm.beta, ref_means)
-            finalize_model_grads([self.ddp], pg_collection=self.groups.mcore)
-            if not self.guard.allow_update(self.ddp):
+            res, metrics = update(self.ddp, self.optimizer, self.scheduler, self.guard, self.groups.mcore,
+                                  lambda mbs=micro_batches: self.pipeline.forward_backward(
+                                      self.ddp, traj, mbs, old, advantages, cfg.algorithm.clip_range,
+                                      cfg.algorithm.beta, ref_means))
+            per_micro += metrics
+            if not res.stepped:
                 skipped += 1
                 continue
-            ok, grad_norm, _ = self.optimizer.step()
-            self.scheduler.step(increment=1)
-            if ok:
+            if res.ok:
                 self.update_ema()
-            grad_norms.append(float(grad_norm) if grad_norm is not None else math.nan)
+            grad_norms.append(res.grad_norm)
         sums = {k: sum(m[k] for m in per_micro) / len(per_micro) for k in per_micro[0]}
         sums["grad_norm"] = sum(grad_norms) / len(grad_norms) if grad_norms else math.nan
         sums["skipped_updates"] = float(skipped)
