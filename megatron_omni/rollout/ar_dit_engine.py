@@ -28,9 +28,9 @@ import torch
 
 from megatron_omni.algorithms.schedule import qwen_image_sigmas
 from megatron_omni.algorithms.sde import windowed_sde_step
+from megatron_omni.algorithms.velocity import guided_velocity
 from megatron_omni.algorithms.window import sample_window_start
 from megatron_omni.rollout.base import Trajectory, sample_seeds
-from megatron_omni.rollout.velocity import guided_velocity
 from megatron_omni.rollout.vllm_omni_pipeline import VllmOmniVelocity, diffusers_shapes, load_transformer_weights
 from megatron_omni.rollout.vllm_plan_writer import VLLMPlanWriter
 from model_providers.ar_dit.provider import TorchHybrid
@@ -281,7 +281,7 @@ def denoise_window(dit: Callable[..., Any], cond: torch.Tensor, text_mask: torch
     (`vllm_omni_hybrid`), so both produce the same trajectory for the same generator states.
 
     Args:
-        dit: a velocity model with diffusers' Qwen-Image forward keywords (see `rollout.velocity`).
+        dit: a velocity model with diffusers' Qwen-Image forward keywords (see `algorithms.velocity`).
         cond: [N, L, D] connector output (on the DiT's device); text_mask: [N, L] bool or long.
         gens: N CPU generators, one per sample, each drawing its initial noise, window start and window noise.
         channels: the DiT's `in_channels` (packed 2x2 pixel patches).

@@ -27,12 +27,12 @@ from tqdm import tqdm
 
 from megatron_omni.algorithms.schedule import ShiftConfig, qwen_image_sigmas
 from megatron_omni.algorithms.sde import windowed_sde_step
+from megatron_omni.algorithms.transition import recompute_log_probs
+from megatron_omni.algorithms.velocity import VelocityModel, guided_velocity, pad_text
 from megatron_omni.algorithms.window import sample_window_start
 from megatron_omni.bridge.targets import DiffusersTarget
 from megatron_omni.parallel import platform
 from megatron_omni.rollout.base import FinishedSample, SamplingParams, Trajectory, WeightSink, sample_seeds
-from megatron_omni.rollout.logprob import recompute_log_probs
-from megatron_omni.rollout.velocity import VelocityModel, guided_velocity, pad_text
 
 
 @dataclass

@@ -28,6 +28,7 @@ from megatron.core.optimizer.optimizer_config import ParamKey, ParamPredicate
 from megatron_omni.algorithms.advantages import group_advantages
 from megatron_omni.algorithms.loss import flowgrpo_loss
 from megatron_omni.algorithms.token_loss import grpo_token_loss, joint_loss
+from megatron_omni.algorithms.transition import transition_step
 from megatron_omni.checkpoint.sharded_state import ar_dit_content_metadata, ar_dit_sharded_state_dict
 from megatron_omni.models.ar.context_parallel import gather_sequence, split_sequence
 from megatron_omni.models.ar.decoder import token_log_probs
@@ -35,7 +36,6 @@ from megatron_omni.models.ar.hybrid import ARDiTModel
 from megatron_omni.parallel.groups import ParallelGroups
 from megatron_omni.parallel.platform import seed_everything
 from megatron_omni.rollout.ar_dit_engine import ARDiTRolloutEngine, ARDiTSamplingParams, ARDiTTrajectory, plan_positions
-from megatron_omni.rollout.logprob import transition_step
 from megatron_omni.rollout.vllm_omni_hybrid import VllmOmniHybridDiT
 from megatron_omni.rollout.vllm_plan_writer import VLLMPlanWriter
 from megatron_omni.trainer.checkpointing import latest_checkpoint, load_checkpoint, save_checkpoint
