@@ -20,7 +20,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from megatron.core.optimizer.optimizer_config import ParamKey, ParamPredicate
@@ -43,7 +43,10 @@ from megatron_omni.trainer.grad_guard import GradGuard
 from megatron_omni.trainer.rewards import gather_rewards
 from megatron_omni.trainer.skeleton import mini_batch_rows, step_prompts, update
 from megatron_omni.trainer.training_state import OptimizerSettings, build_ddp_and_optimizer, build_scheduler
-from model_providers.ar_dit import provider
+from model_providers import get_family
+
+if TYPE_CHECKING:
+    from model_providers.ar_dit.provider import TorchHybrid
 
 RewardFn = Callable[[ARDiTTrajectory], torch.Tensor]
 FREEZE = (None, "decoder", "dit")
@@ -98,7 +101,7 @@ class ARDiTTrainer:
     computing the whole loss from the gathered log-probs)."""
 
     def __init__(self, cfg: ARDiTTrainConfig, groups: ParallelGroups, reward_fn: RewardFn,
-                 hybrid: provider.TorchHybrid | None = None, plan_writer: VLLMPlanWriter | None = None,
+                 hybrid: TorchHybrid | None = None, plan_writer: VLLMPlanWriter | None = None,
                  vllm_omni_dit: torch.nn.Module | None = None, dit_server: VllmOmniHybridDiT | None = None) -> None:
         """`hybrid`: the rollout's torch hybrid (default: the config's preset, seeded); `plan_writer` (a
         `VLLMPlanWriter`) and `vllm_omni_dit` (vLLM-Omni's transformer) or `dit_server` (a served vLLM-Omni
@@ -107,11 +110,12 @@ class ARDiTTrainer:
             raise ValueError(f"the AR-DiT trainer runs pp=1; got {groups.layout}")
         self.cfg, self.groups, self.reward_fn = cfg, groups, reward_fn
         seed_everything(cfg.seed, tp_rank=groups.tp.rank())
-        ref = hybrid if hybrid is not None else provider.torch_hybrid(cfg.hybrid, seed=cfg.seed)
+        self.family = get_family("ar_dit")
+        ref = hybrid if hybrid is not None else self.family.reference_model(cfg.hybrid, seed=cfg.seed)
         self.engine = ARDiTRolloutEngine(ref, plan_writer=plan_writer, vllm_omni_dit=vllm_omni_dit,
                                          dit_server=dit_server)
-        self.model: ARDiTModel = provider.build_model(ref.config, groups)
-        provider.load_hf_state(self.model, *ref.state())
+        self.model: ARDiTModel = self.family.build_model(ref.config, groups)
+        self.family.load_state(self.model, ref.state())
         frozen = {"decoder": [self.model.decoder], "dit": [self.model.connector, self.model.dit]}.get(cfg.freeze, [])
         for module in frozen:
             module.requires_grad_(False)
@@ -151,7 +155,7 @@ class ARDiTTrainer:
         common = load_checkpoint(folder, self.model, self.optimizer, self.scheduler,
                                  sharded_state=ar_dit_sharded_state_dict)
         self.guard.bad_steps = int(common.get("bad_steps", 0))
-        self.engine.load_weights(*provider.hf_state(self.model))
+        self.engine.load_weights(*self.family.export_state(self.model))
         return common
 
     # ------------------------------------------------------------------------------------- log-probs
@@ -224,7 +228,7 @@ class ARDiTTrainer:
         metrics, phases = self._update(traj, old_tok, old_win, advantages, step)
         t["train"] = phases["decoder"] + phases["dit"]
         t0 = time.perf_counter()
-        self.engine.load_weights(*provider.hf_state(self.model))
+        self.engine.load_weights(*self.family.export_state(self.model))
         t["sync"] = time.perf_counter() - t0
         metrics.update({
             "reward_mean": float(all_r.mean()), "zero_std_ratio": adv.zero_std_ratio,

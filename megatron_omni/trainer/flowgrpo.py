@@ -51,7 +51,11 @@ from megatron_omni.trainer.pipeline_step import MicroBatch, PipelineStep, plan_m
 from megatron_omni.trainer.rewards import RewardFunction, gather_rewards
 from megatron_omni.trainer.skeleton import mini_batch_rows, step_prompts, update
 from megatron_omni.trainer.training_state import OptimizerSettings, build_ddp_and_optimizer, build_scheduler
-from model_providers.qwen_image import provider
+from model_providers import ModelFamily, get_family
+
+# The model family this trainer trains (its bundle: `model_providers.get_family`); a `model.family` setting
+# will choose it.
+FAMILY = "qwen_image"
 
 
 @dataclass
@@ -81,14 +85,16 @@ class FlowGRPOTrainer:
         elif cfg.model.recompute == "selective":
             overrides.update(recompute_granularity="selective")
         params_dtype = torch_dtype(cfg.model.params_dtype)
-        mcfg = provider.transformer_config(self.hf_config, tp=p.tp, pp=p.pp, ulysses=p.ulysses, ring=p.ring,
+        self.family = get_family(FAMILY)
+        mcfg = self.family.megatron_config(self.hf_config, tp=p.tp, pp=p.pp, ulysses=p.ulysses, ring=p.ring,
                                            params_dtype=params_dtype, **overrides)
         hf_state = _initial_weights(self.engine.initial_state_dict(), pipeline_dir, params_dtype)
-        self.model = provider.build_model(mcfg, groups, backend=cfg.model.backend)
-        provider.load_hf_state_dict(self.model, hf_state)
+        self.model = self.family.build_model(mcfg, groups, backend=cfg.model.backend)
+        self.family.load_state(self.model, hf_state)
         _count_stage_replicas_once(self.model, groups)
         # Built before DDP wraps the policy, from the same weights, never trained (no grads, no optimizer).
-        self.reference = _frozen_copy(mcfg, groups, cfg.model.backend, hf_state) if cfg.algorithm.beta > 0 else None
+        self.reference = (_frozen_copy(self.family, mcfg, groups, cfg.model.backend, hf_state)
+                          if cfg.algorithm.beta > 0 else None)
         # fp32 whatever the parameters' dtype: in bf16, (1 - decay) x a small update would round away.
         self.ema = (_frozen_copy(mcfg, groups, cfg.model.backend, hf_state).float() if cfg.optim.ema_decay > 0
                     else None)
@@ -399,15 +405,15 @@ def _count_stage_replicas_once(model: MMDiTModel, groups: ParallelGroups) -> Non
             p.shared = True
 
 
-def _frozen_copy(mcfg: MMDiTConfig, groups: ParallelGroups, backend: str,
+def _frozen_copy(family: ModelFamily, mcfg: MMDiTConfig, groups: ParallelGroups, backend: str,
                  hf_state: dict[str, torch.Tensor]) -> MMDiTModel:
     """A frozen model of the same layout and weights (the KL reference); building it leaves the torch and
     Megatron RNG streams where they were, so a beta > 0 run samples what a beta = 0 run samples."""
     tracker = tensor_parallel.get_cuda_rng_tracker()
     states = tracker.get_states()
     with torch.random.fork_rng():
-        ref = provider.build_model(mcfg, groups, backend=backend)
+        ref = family.build_model(mcfg, groups, backend=backend)
     tracker.set_states(states)
-    provider.load_hf_state_dict(ref, hf_state)
+    family.load_state(ref, hf_state)
     ref.requires_grad_(False)
     return ref.eval()
