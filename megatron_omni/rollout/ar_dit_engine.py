@@ -30,7 +30,7 @@ from megatron_omni.algorithms.schedule import qwen_image_sigmas
 from megatron_omni.algorithms.sde import windowed_sde_step
 from megatron_omni.algorithms.velocity import guided_velocity
 from megatron_omni.algorithms.window import sample_window_start
-from megatron_omni.rollout.base import Trajectory, sample_seeds
+from megatron_omni.rollout.base import SdeWindowParams, Trajectory, sample_seeds
 from megatron_omni.rollout.vllm_omni_pipeline import VllmOmniVelocity, diffusers_shapes, load_transformer_weights
 from megatron_omni.rollout.vllm_plan_writer import VLLMPlanWriter
 from model_providers.ar_dit.provider import TorchHybrid
@@ -40,20 +40,16 @@ if TYPE_CHECKING:
 
 
 @dataclass(frozen=True)
-class ARDiTSamplingParams:
-    """max_plan_tokens: plan budget; temperature > 0; grid: the latent grid (1, h, w) in patches;
-    num_steps, noise_level, sde_type, window_size, window_range: the DiT's SDE window (design notes 4)."""
+class ARDiTSamplingParams(SdeWindowParams):
+    """max_plan_tokens: plan budget; temperature > 0; grid: the latent grid (1, h, w) in patches; the DiT's
+    SDE window from `SdeWindowParams` (its defaults; the tiny recipe passes num_steps=4, noise_level=0.7)."""
 
     max_plan_tokens: int = 8
     temperature: float = 1.0
     grid: tuple[int, int, int] = (1, 2, 4)
-    num_steps: int = 4
-    noise_level: float = 0.7
-    sde_type: str = "sde"
-    window_size: int = 2
-    window_range: tuple[int, int] | None = None
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         if self.max_plan_tokens < 1:
             raise ValueError(f"max_plan_tokens must be >= 1, got {self.max_plan_tokens}")
         if not self.temperature > 0:
@@ -62,10 +58,6 @@ class ARDiTSamplingParams:
             raise ValueError("the AR-DiT rollout trains a window: noise_level > 0 and window_size >= 1 needed")
         if len(self.grid) != 3 or self.grid[0] != 1:
             raise ValueError(f"grid must be (1, h, w), got {self.grid}")
-
-    @property
-    def resolved_window_range(self) -> tuple[int, int]:
-        return self.window_range if self.window_range is not None else (0, max(self.window_size, self.num_steps // 2))
 
 
 @dataclass

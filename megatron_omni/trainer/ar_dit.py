@@ -61,7 +61,8 @@ class ARDiTTrainConfig:
     prompts: list[list[int]] = field(default_factory=lambda: [[5, 6, 7], [9, 10], [20, 21, 22, 23]])
     prompts_per_step: int = 2
     group_size: int = 4
-    sampling: ARDiTSamplingParams = field(default_factory=ARDiTSamplingParams)
+    # The tiny hybrid's window: 4 steps, noise 0.7 (the shared defaults are the Qwen-Image ones).
+    sampling: ARDiTSamplingParams = field(default_factory=lambda: ARDiTSamplingParams(num_steps=4, noise_level=0.7))
     lr: float = 1e-3
     decoder_lr_scale: float = 1.0  # the decoder's lr is lr * this (its updates move the DiT's conditioning too)
     weight_decay: float = 0.0
