@@ -17,7 +17,7 @@ import itertools
 from tqdm import tqdm
 
 from megatron_omni.parallel.layout import LayoutError, ParallelLayout
-from megatron_omni.trainer.planner import (
+from megatron_omni.planner import (
     DEFAULT_MFU,
     GPUS,
     REFERENCE_GPUS,
@@ -29,7 +29,7 @@ from megatron_omni.trainer.planner import (
     plan,
     reference_implied_mfu,
 )
-from megatron_omni.trainer.planner_memory import GIB, RECOMPUTE_MODES
+from megatron_omni.planner.memory import GIB, RECOMPUTE_MODES
 
 TPS = (1, 2, 4, 8)
 CPS = ((1, 1), (2, 1), (4, 1), (2, 2))

@@ -37,99 +37,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return ap.parse_args(argv)
 
 
-def _model_config(cfg) -> tuple[dict, str]:
-    """The transformer's diffusers config for planning and where it came from: the pipeline folder's
-    transformer/config.json when it is at hand, else `model.preset` (so a job can be planned on a laptop)."""
-    import json
-    from pathlib import Path
-
-    from model_providers.qwen_image.provider import hf_config
-
-    if cfg.model.pipeline == "tiny":
-        from model_providers.qwen_image.tiny_pipeline import TinyPipelineConfig
-
-        tiny = TinyPipelineConfig()
-        return dict(vars(tiny.transformer), joint_attention_dim=tiny.text_hidden_size), "tiny pipeline"
-    path = Path(cfg.model.pipeline) / "transformer" / "config.json"
-    if path.exists():
-        model = json.loads(path.read_text())
-        if cfg.model.preset is not None and hf_config(model) != hf_config(cfg.model.preset):
-            raise ConfigError(f"model.preset={cfg.model.preset!r} does not match {path}: "
-                              f"{hf_config(cfg.model.preset)} != {hf_config(model)}")
-        return model, str(path)
-    if cfg.model.preset is None:
-        raise ConfigError(f"model.pipeline={cfg.model.pipeline!r}: no {path} to plan with; point it at a diffusers "
-                          "Qwen-Image folder or set model.preset (e.g. --set model.preset=20b)")
-    try:
-        hf_config(cfg.model.preset)
-    except KeyError as exc:
-        raise ConfigError(f"model.preset: {exc.args[0]}") from None
-    return cfg.model.preset, f"preset {cfg.model.preset!r} ({path} not found here)"
-
-
-def dry_run(cfg, world_size: int, gpu: str, gpus_per_node: int = 8, reward_gpus: int = 0,
-            mfu_from: str | None = None) -> bool:
-    """Print the planner's report and the bridge plan for this job; needs no GPU and loads no weights.
-    `mfu_from`: a JSON written by tools/gpu_check.sh whose measured MFU replaces the assumed one.
-    Returns whether the plan fits in GPU memory."""
-    from megatron_omni.bridge.qwen_image import qwen_image_plan, sync_mode
-    from megatron_omni.parallel.layout import ParallelLayout
-    from megatron_omni.trainer.planner import DEFAULT_MFU, Precision, RolloutSpec, Workload, measured_mfu, plan
-
-    mfu, mfu_source = DEFAULT_MFU, None
-    if mfu_from is not None:
-        try:
-            mfu = measured_mfu(mfu_from)
-        except ValueError as exc:
-            raise ConfigError(f"--mfu-from: {exc}") from None
-        mfu_source = mfu_from
-
-    model, source = _model_config(cfg)
-    r, p = cfg.rollout, cfg.parallel
-    # What the trainer does (trainer/flowgrpo.py): the engine is colocated with the trainer and every rollout
-    # group of rollout.tp ranks rolls out its share of the images. The embedded diffusers engine (tp=1) keeps
-    # its full weights resident; vLLM-Omni sleeps during the update. The tiny pipeline's text encoder and VAE
-    # are negligible.
-    dp = world_size // (p.tp * p.ulysses * p.ring * p.pp)
-    vllm = r.engine == "vllm_omni"
-    rollout = RolloutSpec(tp=r.tp, sleeps=vllm, in_process=not vllm,
-                          extra_params=0 if cfg.model.pipeline == "tiny" else RolloutSpec.extra_params)
-    precision = Precision.of(cfg.model.params_dtype, r.dtype, cfg.optim.distributed_optimizer)
-    per_replica = r.prompts_per_step * r.group_size // cfg.optim.mini_batches // dp
-    workload = Workload(height=r.height, width=r.width, sampling_steps=r.num_steps, window=r.window_size,
-                        prompts=r.prompts_per_step, group_size=r.group_size, mini_batches=cfg.optim.mini_batches,
-                        micro_batch_size=cfg.optim.micro_batch_size or max(per_replica, 1),
-                        cfg=r.guidance_scale > 1, recompute_old_logprob=cfg.algorithm.old_logprob == "recompute")
-    report = plan(model, ParallelLayout(tp=p.tp, ulysses=p.ulysses, ring=p.ring, pp=p.pp), world_size, gpu,
-                  workload, rollout=rollout, precision=precision, recompute=cfg.model.recompute or "none",
-                  gpus_per_node=gpus_per_node, reward_gpus=reward_gpus, mfu=mfu)
-    # On the cluster vLLM-Omni's workers are processes of their own: its sync is full mode (bucketed RPCs).
-    mode = "full" if vllm else sync_mode(p.tp, p.pp, r.tp)
-    sync = qwen_image_plan(model, trainer_tp=p.tp, trainer_pp=p.pp, rollout_kind=r.engine, rollout_tp=r.tp, mode=mode)
-    elements = sync.numel_per_rollout_rank()[0]
-    print(f"dry run: world size {world_size} trainer ranks + {reward_gpus} reward GPUs, model from {source}")
-    print(f"precision: model {cfg.model.params_dtype} ({cfg.model.backend} layer spec), rollout {r.engine} engine "
-          f"in {r.dtype} at tp={r.tp}" + (f"; MFU {mfu:.3f} from {mfu_source}" if mfu_source else ""))
-    print(report.table())
-    print(f"bridge: {len(sync.sources)} Megatron tensors -> {len(sync.params)} rollout parameters ({mode} mode, "
-          f"{r.engine} engine tp={r.tp}), {elements:,} elements = "
-          f"{elements * precision.rollout_param_bytes / 2**30:.2f} GiB {r.dtype} per rollout rank per sync")
-    m = report.memory
-    total = m.total
-    # The frozen reference of the KL term (in the parameters' dtype) and the EMA of the weights (fp32): each one
-    # more copy of this rank's shard (not in the planner's total).
-    copies = [(f"KL reference (algorithm.beta={cfg.algorithm.beta:g})", cfg.algorithm.beta > 0,
-               report.precision.param_bytes),
-              (f"EMA of the weights (optim.ema_decay={cfg.optim.ema_decay:g}, fp32)", cfg.optim.ema_decay > 0, 4)]
-    for label, kept, bytes_per_param in copies:
-        if kept:
-            copy = bytes_per_param * max(report.stage_parameters)
-            total += copy
-            print(f"{label}: + {copy / 2**30:.1f} GiB per GPU -> {total / 2**30:.1f} GiB of "
-                  f"{m.capacity / 2**30:.1f} GiB")
-    return m.fits and total <= m.capacity
-
-
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
@@ -141,18 +48,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.mfu_from is not None and not args.dry_run:
             raise ConfigError("--mfu-from is read by --dry-run only")
         if args.dry_run:
-            from megatron_omni.parallel.layout import LayoutError
+            from megatron_omni.trainer.dry_run import dry_run
 
-            try:
-                fits = dry_run(cfg, world_size, args.gpu, args.gpus_per_node, args.reward_gpus, args.mfu_from)
-            except LayoutError as exc:
-                raise ConfigError(f"layout: {exc}") from exc
-            if not fits:
-                print(f"plan error: the layout does not fit in {args.gpu} memory (see 'total' above): raise "
-                      "parallel.tp / parallel.ulysses, set model.recompute=full, or use more GPUs", file=sys.stderr)
-                return 3
-            print("dry run OK: the layout is valid for this world size and fits")
-            return 0
+            return dry_run(cfg, world_size, args.gpu, args.gpus_per_node, args.reward_gpus, args.mfu_from)
     except ConfigError as exc:
         print(f"config error: {exc}", file=sys.stderr)
         return 2

@@ -16,6 +16,16 @@
 #                      transformer_engine is not importable (a laptop, a CPU login node) plans with local and
 #                      says so: the planner's memory and time do not depend on the layer spec.
 #   MFU_FROM           a dry run's measured MFU: the JSON tools/gpu_check.sh wrote (default: the assumed 0.35)
+#   REWARD_SERVER_TOKEN the reward server's bearer token, exported to the server and to the trainer (which sends
+#                      it). Unset: generated per job on one node; a multi-node run needs the same token on every
+#                      node, so it must be set there (slurm_20b.sbatch generates one per job and exports it).
+#   LAUNCH_ECHO        1 = print each command this script would start (with the fingerprint of the token that
+#                      command sees) instead of starting it; nothing is started or waited for.
+#   STOP_GRACE_S       seconds the trainer has after a SIGTERM/SIGINT to finish its step and write a checkpoint
+#                      before torchrun kills it (default 110: Slurm's --signal=...@120 leaves 120)
+# Exit status: the entry point's (0 ok, 2 config/layout, 3 dry run does not fit, 4 log-prob gap) and 5 when a
+# SIGTERM or SIGINT stopped the run and a complete checkpoint was written after it (resume with --resume auto);
+# 130 / 143 when a signal stopped it without a new checkpoint.
 # Extra arguments of the script ("$@") go to the entry point (e.g. --set steps=100, --resume auto).
 
 count_list() {  # number of comma-separated entries in $1 ("" -> 0)
@@ -29,8 +39,27 @@ count_list() {  # number of comma-separated entries in $1 ("" -> 0)
 
 die() { echo "launch: $*" >&2; exit 2; }
 
+echo_cmd() {  # print a command and the fingerprint of the REWARD_SERVER_TOKEN its environment holds
+    "$PYTHON" - "$@" <<'PY'
+import hashlib, os, shlex, sys
+token = os.environ.get("REWARD_SERVER_TOKEN", "")
+seen = f"sha256:{hashlib.sha256(token.encode()).hexdigest()[:12]}" if token else "unset"
+print(f"launch: would run [REWARD_SERVER_TOKEN {seen}]: {shlex.join(sys.argv[1:])}")
+PY
+}
+
+last_child() { if (( ${#CHILD_PIDS[@]} )); then echo "${CHILD_PIDS[-1]}"; fi; }
+
+start_bg() {  # LOG CMD...: start CMD in the background, output to LOG (LAUNCH_ECHO=1: print it instead)
+    local log="$1"; shift
+    if [[ "$LAUNCH_ECHO" == 1 ]]; then echo_cmd "$@"; return; fi
+    "$@" >"$log" 2>&1 &
+    CHILD_PIDS+=($!)
+}
+
 wait_healthy() {  # URL TIMEOUT_S [PID]: poll URL until it answers 200; fail if PID dies or time runs out
     local url="$1" timeout="$2" pid="${3:-}" start=$SECONDS
+    if [[ "$LAUNCH_ECHO" == 1 ]]; then echo "launch: would wait for $url"; return; fi
     until "$PYTHON" - "$url" <<'PY' 2>/dev/null
 import sys, urllib.request
 with urllib.request.urlopen(sys.argv[1], timeout=2) as r:
@@ -72,23 +101,23 @@ start_reward() {  # node 0: start the reward side on REWARD_GPUS; every node: wa
         local server=("$PYTHON" -m megatron_omni.reward.server --host "$REWARD_HOST" --port "$REWARD_PORT"
                       --max-queue "$REWARD_MAX_QUEUE" --timeout "$REWARD_TIMEOUT_S")
         if [[ "$REWARD_KIND" == vlm ]]; then
-            CUDA_VISIBLE_DEVICES="$REWARD_GPUS" vllm serve "$JUDGE_MODEL" --host 127.0.0.1 --port "$JUDGE_PORT" \
-                --tensor-parallel-size "$n_gpu" >"$LOG_DIR/vllm_judge.log" 2>&1 &
-            CHILD_PIDS+=($!)
-            wait_healthy "http://127.0.0.1:${JUDGE_PORT}/health" "$HEALTH_TIMEOUT_S" "$!"
+            CUDA_VISIBLE_DEVICES="$REWARD_GPUS" start_bg "$LOG_DIR/vllm_judge.log" vllm serve "$JUDGE_MODEL" \
+                --host 127.0.0.1 --port "$JUDGE_PORT" --tensor-parallel-size "$n_gpu"
+            wait_healthy "http://127.0.0.1:${JUDGE_PORT}/health" "$HEALTH_TIMEOUT_S" "$(last_child)"
             server+=(--scorer vlm_ocr --workers "$REWARD_WORKERS" --scorer-kwargs
                      "{\"base_url\": \"http://127.0.0.1:${JUDGE_PORT}/v1\", \"model\": \"${JUDGE_MODEL}\"}")
-            CUDA_VISIBLE_DEVICES="" "${server[@]}" >"$LOG_DIR/reward_server.log" 2>&1 &
+            CUDA_VISIBLE_DEVICES="" start_bg "$LOG_DIR/reward_server.log" "${server[@]}"
         elif (( n_gpu > 0 )); then
             server+=(--scorer "$REWARD_SCORER" --devices "$(IFS=,; echo "${devices[*]}")")
-            CUDA_VISIBLE_DEVICES="$REWARD_GPUS" "${server[@]}" >"$LOG_DIR/reward_server.log" 2>&1 &
+            CUDA_VISIBLE_DEVICES="$REWARD_GPUS" start_bg "$LOG_DIR/reward_server.log" "${server[@]}"
         else
             server+=(--scorer "${REWARD_SCORER}" --workers "$REWARD_WORKERS")
-            CUDA_VISIBLE_DEVICES="" "${server[@]}" >"$LOG_DIR/reward_server.log" 2>&1 &
+            CUDA_VISIBLE_DEVICES="" start_bg "$LOG_DIR/reward_server.log" "${server[@]}"
         fi
-        CHILD_PIDS+=($!)
-        echo "launch: reward server (pid $!) -> $LOG_DIR/reward_server.log"
-        wait_healthy "${REWARD_URL}/health" "$HEALTH_TIMEOUT_S" "$!"
+        if [[ "$LAUNCH_ECHO" != 1 ]]; then
+            echo "launch: reward server (pid $(last_child)) -> $LOG_DIR/reward_server.log"
+        fi
+        wait_healthy "${REWARD_URL}/health" "$HEALTH_TIMEOUT_S" "$(last_child)"
     else
         wait_healthy "${REWARD_URL}/health" "$HEALTH_TIMEOUT_S"
     fi
@@ -116,6 +145,8 @@ launch() {  # the one call of the entry point: a dry run (DRY_RUN=1) or torchrun
     GPU_KIND="${GPU_KIND:-H200}"
     DRY_RUN="${DRY_RUN:-0}"
     LOG_DIR="${LOG_DIR:-${RUN_DIR}/logs}"
+    LAUNCH_ECHO="${LAUNCH_ECHO:-0}"
+    STOP_GRACE_S="${STOP_GRACE_S:-110}"
     export PYTHONPATH="${REPO_ROOT}${PYTHONPATH:+:${PYTHONPATH}}"
 
     local n_reward
@@ -130,6 +161,20 @@ launch() {  # the one call of the entry point: a dry run (DRY_RUN=1) or torchrun
         *) die "REWARD_KIND=$REWARD_KIND: expected server, vlm, url or none" ;;
     esac
     if [[ "$REWARD_KIND" == url && -z "$REWARD_URL" ]]; then die "REWARD_KIND=url needs REWARD_URL"; fi
+    # The reward server binds beyond loopback only with a token; the trainer sends the same one. One per job:
+    # generated here on one node, given on every node of a multi-node run (they must agree).
+    if [[ "$REWARD_KIND" == server || "$REWARD_KIND" == vlm ]] && [[ -z "${REWARD_SERVER_TOKEN:-}" ]] \
+            && [[ "$DRY_RUN" != 1 ]]; then
+        if (( NNODES > 1 )); then
+            die "REWARD_SERVER_TOKEN is not set: a $NNODES-node run needs the same token on every node (e.g." \
+                "export REWARD_SERVER_TOKEN=\$(python -c 'import secrets; print(secrets.token_hex(16))') on each;" \
+                "slurm_20b.sbatch does this per job)"
+        fi
+        REWARD_SERVER_TOKEN="$("$PYTHON" -c 'import secrets; print(secrets.token_hex(16))')"
+        echo "launch: generated a reward server token for this job (REWARD_SERVER_TOKEN, exported to the reward" \
+             "server and the trainer)"
+    fi
+    if [[ -n "${REWARD_SERVER_TOKEN:-}" ]]; then export REWARD_SERVER_TOKEN; fi
     ENTRY_ARGS=(--recipe "$RECIPE" --set "run_dir=${RUN_DIR}")
     if [[ -n "${PIPELINE_DIR:-}" ]]; then ENTRY_ARGS+=(--set "model.pipeline=${PIPELINE_DIR}"); fi
     echo "launch: $NNODES node(s) x $NPROC_PER_NODE trainer ranks = world size $world" \
@@ -159,7 +204,40 @@ launch() {  # the one call of the entry point: a dry run (DRY_RUN=1) or torchrun
                 "$GPUS_PER_NODE" "$REWARD_GPUS")"
         export CUDA_VISIBLE_DEVICES
     fi
-    "$PYTHON" -m torch.distributed.run --nnodes "$NNODES" --nproc-per-node "$NPROC_PER_NODE" \
-        --node-rank "$NODE_RANK" --master-addr "$MASTER_ADDR" --master-port "$MASTER_PORT" \
-        -m megatron_omni.train "${ENTRY_ARGS[@]}" "$@"
+    local trainer=("$PYTHON" -m torch.distributed.run --nnodes "$NNODES" --nproc-per-node "$NPROC_PER_NODE"
+                   --node-rank "$NODE_RANK" --master-addr "$MASTER_ADDR" --master-port "$MASTER_PORT"
+                   -m megatron_omni.train "${ENTRY_ARGS[@]}" "$@")
+    # torchrun passes one SIGTERM/SIGINT on to its workers and kills them STOP_GRACE_S later (not its 30 s).
+    export TORCH_ELASTIC_SHUTDOWN_TIMEOUT="${TORCH_ELASTIC_SHUTDOWN_TIMEOUT:-$STOP_GRACE_S}"
+    if [[ "$LAUNCH_ECHO" == 1 ]]; then echo_cmd "${trainer[@]}"; return 0; fi
+    run_trainer "${trainer[@]}"
+}
+
+run_trainer() {  # CMD...: run torchrun in the background so that a signal to this script reaches it at once
+    local stamp="${LOG_DIR}/.stop_signal" rc=0
+    mkdir -p "$LOG_DIR"
+    STOP_SIGNAL=""
+    "$@" &
+    local pid=$!
+    CHILD_PIDS+=("$pid")
+    # One signal: pass it on once (the trainer finishes its step and checkpoints) and wait; a second aborts.
+    trap 'STOP_SIGNAL=TERM; touch "$stamp"; kill -TERM "$pid" 2>/dev/null || true; trap "exit 143" TERM INT' TERM
+    trap 'STOP_SIGNAL=INT; touch "$stamp"; kill -INT "$pid" 2>/dev/null || true; trap "exit 130" TERM INT' INT
+    while true; do
+        rc=0
+        wait "$pid" || rc=$?
+        kill -0 "$pid" 2>/dev/null || break  # `wait` also returns when a trapped signal arrives
+    done
+    if [[ -n "$STOP_SIGNAL" ]]; then
+        # torchrun reports its workers' exit 5 as a failure: the checkpoint written after the signal decides.
+        if [[ -n "$(find "${RUN_DIR}/checkpoints" -mindepth 2 -maxdepth 2 -name COMPLETE -newer "$stamp" \
+                    2>/dev/null | head -n 1)" ]]; then
+            echo "launch: stopped by SIG${STOP_SIGNAL} after writing a checkpoint: resume with --resume auto" >&2
+            exit 5
+        fi
+        echo "launch: stopped by SIG${STOP_SIGNAL} without a new checkpoint (torchrun rc $rc)" >&2
+        if [[ "$STOP_SIGNAL" == INT ]]; then exit 130; fi
+        exit 143
+    fi
+    exit "$rc"
 }

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from megatron_omni.parallel.layout import ParallelLayout
-from megatron_omni.trainer.planner import Precision, RolloutSpec, Workload, plan
+from megatron_omni.planner import Precision, RolloutSpec, Workload, plan
 from model_providers.qwen_image import provider
 from tests.distributed.harness import run_ranks
 

@@ -25,6 +25,7 @@ SLURM_ENV = {"SLURM_NNODES": "2", "SLURM_JOB_ID": "4242", "SLURM_JOB_NODELIST": 
              "SLURM_SUBMIT_DIR": str(ROOT)}
 # The world size each known script must plan for (a new script only has to agree with itself).
 EXPECTED_WORLD = {
+    "examples/qwen_image/train_20b.sh": 6,  # NNODES defaults to 1
     "examples/qwen_image/train_20b_1node.sh": 6,
     "examples/qwen_image/train_20b_2nodes.sh": 16,
     "examples/qwen_image/train_20b_4nodes.sh": 32,
@@ -77,7 +78,8 @@ BAD_IN_PROCESS = {
 @pytest.fixture(scope="module")
 def results() -> dict[str, subprocess.CompletedProcess]:
     """Every dry run of this module (scripts as they are, then the bad layouts), two at a time."""
-    jobs = {s: (s, [], {}) for s in SCRIPTS} | {k: v[:3] for k, v in BAD.items()}
+    jobs = ({s: (s, [], {}) for s in SCRIPTS} | {k: v[:3] for k, v in BAD.items()}
+            | {f"train_20b_nnodes_{n}": ("examples/qwen_image/train_20b.sh", [], {"NNODES": str(n)}) for n in (2, 4)})
     with ThreadPoolExecutor(max_workers=2) as pool:
         futures = {k: pool.submit(_run, s, *args, extra=env) for k, (s, args, env) in jobs.items()}
         return {k: f.result() for k, f in futures.items()}
@@ -151,3 +153,59 @@ def test_dry_run_reads_measured_mfu(tmp_path: Path, monkeypatch: pytest.MonkeyPa
     assert "--mfu-from" in capsys.readouterr().err
     assert main(["--recipe", "examples.qwen_image.recipe:ocr_20b_2nodes", "--mfu-from", str(measured)]) == 2
     assert "read by --dry-run only" in capsys.readouterr().err
+
+
+WRAPPERS = {1: "examples/qwen_image/train_20b_1node.sh", 2: "examples/qwen_image/train_20b_2nodes.sh",
+            4: "examples/qwen_image/train_20b_4nodes.sh"}
+
+
+@pytest.mark.parametrize("nnodes", sorted(WRAPPERS))
+def test_one_20b_script_equals_the_per_size_names(nnodes: int, results: dict) -> None:
+    """train_20b.sh with NNODES=n plans exactly what the per-size script of n nodes plans."""
+    one = results["examples/qwen_image/train_20b.sh" if nnodes == 1 else f"train_20b_nnodes_{nnodes}"]
+    wrapper = results[WRAPPERS[nnodes]]
+    assert one.returncode == wrapper.returncode == 0, one.stderr[-2000:]
+    assert one.stdout == wrapper.stdout
+    assert f"launch: {nnodes} node(s)" in one.stdout and f"ocr_20b_{nnodes}node" in one.stdout
+
+
+def _echo(script: str, extra: dict[str, str]) -> subprocess.CompletedProcess:
+    """LAUNCH_ECHO=1: the script prints what it would start (no torch import, nothing started)."""
+    return _run(script, extra={"DRY_RUN": "0", "LAUNCH_ECHO": "1", **extra})
+
+
+def _fingerprints(out: str) -> list[str]:
+    return re.findall(r"would run \[REWARD_SERVER_TOKEN ([^\]]+)\]", out)
+
+
+def test_reward_token_generated_per_job_and_exported_to_server_and_trainer() -> None:
+    import hashlib
+
+    first = _echo("examples/qwen_image/train_20b.sh", {"NNODES": "1"})
+    assert first.returncode == 0, first.stderr
+    assert "generated a reward server token" in first.stdout
+    prints = _fingerprints(first.stdout)
+    lines = [x for x in first.stdout.splitlines() if "would run" in x]
+    assert len(prints) == 2 and "megatron_omni.reward.server" in lines[0] and "torch.distributed.run" in lines[1]
+    assert prints[0] == prints[1] != "unset"  # the server and the trainer see one token
+    second = _echo("examples/qwen_image/train_20b.sh", {"NNODES": "1"})
+    assert _fingerprints(second.stdout)[0] != prints[0]  # a new one per job
+    assert "--token" not in first.stdout  # never on a command line (`ps` would show it)
+    given = _echo("examples/qwen_image/train_20b.sh", {"NNODES": "1", "REWARD_SERVER_TOKEN": "s3cret"})
+    want = "sha256:" + hashlib.sha256(b"s3cret").hexdigest()[:12]
+    assert _fingerprints(given.stdout) == [want, want] and "generated" not in given.stdout
+    # Several nodes cannot each make up their own: the plain script asks for one, the sbatch makes one per job.
+    multi = _echo("examples/qwen_image/train_20b.sh", {"NNODES": "2"})
+    assert multi.returncode == 2 and "REWARD_SERVER_TOKEN is not set" in multi.stderr
+    slurm = _echo("examples/qwen_image/slurm_20b.sbatch", {})
+    assert slurm.returncode == 0, slurm.stderr
+    assert len(set(_fingerprints(slurm.stdout))) == 1 and "unset" not in _fingerprints(slurm.stdout)
+    assert "world size 16" in slurm.stdout
+
+
+def test_sbatch_sends_sigterm_before_the_limit_and_documents_exit_5() -> None:
+    text = (ROOT / "examples/qwen_image/slurm_20b.sbatch").read_text()
+    assert re.search(r"^#SBATCH --signal=B:TERM@\d+$", text, re.M)
+    assert "kill -TERM \"$SRUN_PID\"" in text  # the batch shell passes it on to the srun step
+    lib = (ROOT / "examples/qwen_image/launch_lib.bash").read_text()
+    assert "kill -TERM \"$pid\"" in lib and "exit 5" in lib and "--resume auto" in lib

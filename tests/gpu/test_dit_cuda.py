@@ -20,7 +20,7 @@ import torch
 
 from megatron_omni.models.dit.model import DiTBatch
 from megatron_omni.parallel import platform
-from megatron_omni.trainer.planner_flops import forward_flops
+from megatron_omni.planner.flops import forward_flops
 from model_providers.qwen_image import provider
 from tests.gpu.cuda import one_rank_groups, require_cuda, require_module
 

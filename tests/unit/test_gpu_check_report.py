@@ -8,7 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from megatron_omni.trainer.planner import measured_mfu
+from megatron_omni.planner import measured_mfu
 
 ROOT = Path(__file__).resolve().parents[2]
 BLOCK = {f"batch_{b}": dict(block_ms=10.0 * b, tflops=400.0, mfu_790=0.506, mfu=0.404) for b in (1, 2, 4)}

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from megatron_omni.parallel.layout import LayoutError, ParallelLayout
-from megatron_omni.trainer.planner import (
+from megatron_omni.planner import (
     GPUS,
     REFERENCE_IMAGES_PER_S_PER_GPU,
     Precision,
@@ -18,8 +18,8 @@ from megatron_omni.trainer.planner import (
     Workload,
     plan,
 )
-from megatron_omni.trainer.planner_flops import forward_flops, image_tokens
-from megatron_omni.trainer.planner_memory import (
+from megatron_omni.planner.flops import forward_flops, image_tokens
+from megatron_omni.planner.memory import (
     block_activation_bytes,
     rank_parameter_counts,
     rollout_parameter_count,
@@ -224,7 +224,7 @@ def test_weight_sync_time_direct_vs_full() -> None:
 
 
 def test_measured_mfu_file(tmp_path) -> None:
-    from megatron_omni.trainer.planner import measured_mfu
+    from megatron_omni.planner import measured_mfu
 
     good = tmp_path / "gpu_check.json"
     good.write_text('{"mfu": 0.41, "gpu": "H200"}')
@@ -292,3 +292,54 @@ def test_activation_model_matches_saved_tensors(tp: int) -> None:
         # the remainder: per-token norm statistics, the [b, h] modulation vectors (~3%)
         print(f"tp={tp} {mode}: measured {measured} predicted {predicted}")
         assert predicted <= measured < 1.05 * predicted, (mode, measured, predicted)
+
+
+# Jobs that do not fit, through the entry point's dry run: (recipe, world size, GPU kind, overrides, whether
+# some change fits). The first is issue 26's reproduction (the 4-node script on H800 with full recompute).
+NOT_FITTING = {
+    "4nodes_h800_full_recompute": ("ocr_20b_4nodes", 32, "H800", ["model.recompute=full"], True),
+    "2nodes_h800_tp2": ("ocr_20b_2nodes", 16, "H800", ["parallel.tp=2"], True),
+    "1node_h800_2048px": ("ocr_20b_1node", 6, "H800", ["rollout.height=2048", "rollout.width=2048"], False),
+}
+
+
+def _dry_run(monkeypatch: pytest.MonkeyPatch, capsys, recipe: str, world: int, gpu: str,
+             overrides: list[str]) -> tuple[int, str, str]:
+    from megatron_omni.train import main
+
+    monkeypatch.setenv("WORLD_SIZE", str(world))
+    monkeypatch.setenv("MODEL_BACKEND", "local")
+    monkeypatch.delenv("QWEN_IMAGE_PIPELINE", raising=False)
+    monkeypatch.delenv("OCR_PROMPTS", raising=False)
+    args = ["--dry-run", "--gpu", gpu, "--recipe", f"examples.qwen_image.recipe:{recipe}"]
+    rc = main(args + [x for o in overrides for x in ("--set", o)])
+    captured = capsys.readouterr()
+    return rc, captured.out, captured.err
+
+
+@pytest.mark.parametrize("case", sorted(NOT_FITTING))
+def test_advice_lists_only_changes_that_fit(case: str, monkeypatch: pytest.MonkeyPatch, capsys) -> None:
+    """Every change a 'does not fit' dry run suggests, applied (its --set overrides, its WORLD_SIZE), plans as
+    fitting (rc 0); when nothing fits the message says so instead of suggesting anything."""
+    recipe, world, gpu, overrides, some_fit = NOT_FITTING[case]
+    rc, out, err = _dry_run(monkeypatch, capsys, recipe, world, gpu, overrides)
+    assert rc == 3 and "DOES NOT FIT" in out, out[-1500:]
+    lines = out.split("changes that fit", 1)[1].splitlines()[1:] if "changes that fit" in out else []
+    advice = [line.split("  -> ")[0].split() for line in lines if line.startswith("  ") and "  -> " in line]
+    assert bool(advice) == some_fit, out[-1500:]
+    if not some_fit:
+        assert "no change the planner tried fits" in err, err
+        return
+    assert "try one of the changes listed above" in err, err
+    for words in advice:
+        size = world
+        extra = []
+        for i, word in enumerate(words):
+            if word.startswith("WORLD_SIZE="):
+                size = int(word.split("=")[1])
+            elif word == "--set":
+                extra.append(words[i + 1])
+        assert extra or size != world, words
+        rc2, out2, err2 = _dry_run(monkeypatch, capsys, recipe, size, gpu, overrides + extra)
+        assert rc2 == 0, f"suggested {' '.join(words)} but it plans as rc {rc2}:\n{out2[-1500:]}\n{err2}"
+        assert "dry run OK" in out2

@@ -1,8 +1,8 @@
-"""Dry-run planner: from a model preset, a parallel layout and a FlowGRPO workload, predict per-GPU memory
-and step time before a job is queued. Pure functions; no GPU, no process group.
+"""The time and memory model of the dry-run planner: from a model preset, a parallel layout and a FlowGRPO
+workload, predict per-GPU memory and step time before a job is queued. Pure functions; no GPU, no process group.
 
 Time model (stated, so a reader can redo it by hand):
-- compute: FLOPs (`planner_flops`) / (GPUs * peak bf16 FLOP/s * MFU);
+- compute: FLOPs (`planner.flops`) / (GPUs * peak bf16 FLOP/s * MFU);
   rollout = T forward passes per image (CFG doubles them) + one text-encoder pass per prompt;
   old log-probs = one forward per trained step (W per image) in the trainer layout;
   training = forward + backward = 3 forwards per trained step, + 1 forward with full recompute, + the
@@ -22,12 +22,11 @@ Time model (stated, so a reader can redo it by hand):
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import Any
 
 from megatron_omni.parallel.layout import LayoutError, ParallelLayout
-from megatron_omni.trainer.planner_flops import ForwardFlops, forward_flops, image_tokens
-from megatron_omni.trainer.planner_memory import (
+from megatron_omni.planner.flops import forward_flops, image_tokens
+from megatron_omni.planner.memory import (
     GIB,
     RECOMPUTE_MODES,
     MemoryReport,
@@ -36,196 +35,17 @@ from megatron_omni.trainer.planner_memory import (
     rollout_parameter_count,
     training_activation_bytes,
 )
+from megatron_omni.planner.report import PlanReport, TimeReport
+from megatron_omni.planner.specs import (
+    DEFAULT_MFU,
+    GPUS,
+    QWEN_IMAGE_TEXT_ENCODER_PARAMS,
+    GPUSpec,
+    Precision,
+    RolloutSpec,
+    Workload,
+)
 from model_providers.qwen_image.provider import hf_config
-
-# VeRL-Omni, Qwen-Image full fine-tuning, the reference recipe on 4xH200 (design.md section 4).
-REFERENCE_IMAGES_PER_S_PER_GPU = 0.510
-REFERENCE_STEP_S = 250.0
-REFERENCE_GPUS = 4
-
-# Qwen-Image's rollout pipeline also holds the text encoder (Qwen2.5-VL-7B, about 8.29B parameters) and the
-# VAE (about 0.127B): replicated on every rollout GPU here, which is the conservative assumption.
-QWEN_IMAGE_TEXT_ENCODER_PARAMS = 8_290_000_000
-QWEN_IMAGE_VAE_PARAMS = 127_000_000
-
-DEFAULT_MFU = 0.35
-
-
-@dataclass(frozen=True)
-class GPUSpec:
-    """One GPU kind. memory_bytes: what the driver reports as total; peak_bf16_flops: dense bf16 tensor-core
-    peak; link_bytes_per_s: NVLink bandwidth per direction per GPU; internode_bytes_per_s: network per GPU."""
-
-    name: str
-    memory_bytes: int
-    peak_bf16_flops: float
-    link_bytes_per_s: float
-    internode_bytes_per_s: float = 50e9  # one 400 Gb/s NIC per GPU
-    hbm_bytes_per_s: float = 4.8e12
-
-
-# Sold as 141 GB and 80 GB; nvidia-smi reports 143771 MiB and 81559 MiB. NVLink: 900 and 400 GB/s
-# bidirectional. Both have the Hopper SXM dense bf16 peak of about 989 TFLOP/s.
-GPUS: dict[str, GPUSpec] = {
-    "H200": GPUSpec("H200", 143771 * 1024**2, 989e12, 450e9, hbm_bytes_per_s=4.8e12),
-    "H800": GPUSpec("H800", 81559 * 1024**2, 989e12, 200e9, hbm_bytes_per_s=3.35e12),
-}
-
-
-@dataclass(frozen=True)
-class Workload:
-    """One FlowGRPO step: `prompts x group_size` images of `height x width`, `sampling_steps` denoising
-    steps of which `window` are trained, split into `mini_batches` optimizer steps of `micro_batch_size`
-    (image, step) samples per forward. `text_tokens` counts the prompt tokens the transformer sees."""
-
-    height: int = 512
-    width: int = 512
-    text_tokens: int = 256
-    sampling_steps: int = 10
-    window: int = 2
-    prompts: int = 32
-    group_size: int = 16
-    mini_batches: int = 2
-    micro_batch_size: int = 1
-    cfg: bool = False
-    recompute_old_logprob: bool = True
-
-    @property
-    def images(self) -> int:
-        """Images generated per step."""
-        return self.prompts * self.group_size
-
-
-@dataclass(frozen=True)
-class RolloutSpec:
-    """The rollout engine. colocated: it shares the trainer's GPUs (weights resident beside the training
-    state); otherwise it runs on `gpus` GPUs of its own. batch: images in flight per engine instance.
-    mfu: defaults to the training MFU. extra_params: non-transformer weights it holds (text encoder, VAE).
-    replicas: engine instances that split the images between them; None = every rollout GPU group of `tp`
-    (rollout GPUs / tp), which is what the trainer's embedded engine does: every rank rolls out a share.
-    sleeps: a colocated engine that frees its GPU memory during the update (vLLM-Omni's sleep mode), so
-    its weights are not resident beside the training activations. in_process: its weights are tensors of the
-    trainer's own process (the embedded engine), so a sync at the trainer's layout is a local copy; vLLM-Omni's
-    workers are processes of their own and receive full tensors."""
-
-    tp: int = 1
-    colocated: bool = True
-    gpus: int | None = None
-    batch: int = 16
-    mfu: float | None = None
-    extra_params: int = QWEN_IMAGE_TEXT_ENCODER_PARAMS + QWEN_IMAGE_VAE_PARAMS
-    replicas: int | None = None
-    sleeps: bool = False
-    in_process: bool = True
-
-
-@dataclass(frozen=True)
-class Precision:
-    """Bytes per parameter: bf16 weights, fp32 main grads, fp32 master + Adam m, v (12 bytes) sharded over
-    dp x cp by Megatron's distributed optimizer; bf16 activations and rollout weights (`of` for a config)."""
-
-    param_bytes: int = 2
-    grad_bytes: int = 4
-    optimizer_bytes: int = 12
-    distributed_optimizer: bool = True
-    activation_bytes: int = 2
-    rollout_param_bytes: int = 2
-
-    @classmethod
-    def of(cls, params_dtype: str, rollout_dtype: str, distributed_optimizer: bool) -> Precision:
-        """What Megatron-Core allocates for `model.params_dtype` ('fp32' | 'bf16'): in bf16, 2-byte weights and
-        activations and fp32 main params + Adam m, v (12 bytes); in fp32 the weights are the main params, so
-        the optimizer holds m, v only (8 bytes). Grads are fp32 either way (grad_reduce_in_fp32)."""
-        width = {"fp32": 4, "bf16": 2}
-        for field_name, name in (("model.params_dtype", params_dtype), ("rollout.dtype", rollout_dtype)):
-            if name not in width:
-                raise LayoutError(f"{field_name}={name!r}: expected fp32 or bf16")
-        bf16 = params_dtype == "bf16"
-        return cls(param_bytes=width[params_dtype], grad_bytes=4, optimizer_bytes=12 if bf16 else 8,
-                   distributed_optimizer=distributed_optimizer, activation_bytes=width[params_dtype],
-                   rollout_param_bytes=width[rollout_dtype])
-
-
-@dataclass(frozen=True)
-class TimeReport:
-    """Predicted seconds per step and throughput."""
-
-    rollout_s: float
-    old_logprob_s: float
-    train_s: float
-    communication_s: float  # the non-overlapped part, already included in the three above
-    bubble_fraction: float
-    step_s: float
-    images_per_s_per_gpu: float
-    sync_s: float = 0.0  # trainer -> rollout weight sync, once per step (included in step_s)
-
-
-@dataclass(frozen=True)
-class PlanReport:
-    """What a dry run prints: the inputs resolved, the memory and time predictions, and warnings."""
-
-    model: str
-    layout: ParallelLayout
-    gpu: GPUSpec
-    workload: Workload
-    rollout: RolloutSpec
-    recompute: str
-    mfu: float
-    gpus: int  # every GPU the job holds (trainer, separate rollout, reward)
-    image_tokens: int
-    micro_batches: int  # per mini-batch per data-parallel replica
-    flops: ForwardFlops  # one forward of one sample
-    flops_per_image: float  # rollout + old log-probs + training, all ranks together
-    stage_parameters: list[int]  # per rank of each pipeline stage
-    memory: MemoryReport
-    time: TimeReport
-    warnings: list[str] = field(default_factory=list)
-    precision: Precision = field(default_factory=Precision)
-
-    @property
-    def ratio_to_reference(self) -> float:
-        """Predicted images/s/GPU over VeRL-Omni's 0.510."""
-        return self.time.images_per_s_per_gpu / REFERENCE_IMAGES_PER_S_PER_GPU
-
-    def table(self) -> str:
-        """A printable breakdown, next to the reference figure."""
-        m, t, w = self.memory, self.time, self.workload
-        gib = lambda b: f"{b / GIB:7.1f} GiB"  # noqa: E731
-        lines = [
-            f"model {self.model} on {self.gpus} x {self.gpu.name}: {self.layout.describe()}, "
-            f"recompute={self.recompute}, rollout tp={self.rollout.tp} "
-            f"({'colocated' if self.rollout.colocated else f'{self.rollout.gpus} own GPUs'}"
-            f"{'' if self.rollout.replicas is None else f', {self.rollout.replicas} replicas'}), "
-            f"{'distributed' if self.precision.distributed_optimizer else 'replicated'} optimizer",
-            f"workload: {w.prompts} prompts x {w.group_size}, {w.height}x{w.width} ({self.image_tokens} image + "
-            f"{w.text_tokens} text tokens), {w.sampling_steps} steps, window {w.window}, {w.mini_batches} "
-            f"mini-batches x {self.micro_batches} micro-batches of {w.micro_batch_size}, cfg={w.cfg}",
-            f"assumption: MFU {self.mfu:.2f} of {self.gpu.peak_bf16_flops / 1e12:.0f} TFLOP/s bf16 peak "
-            f"(rollout MFU {self.rollout.mfu or self.mfu:.2f}); one forward = {self.flops.total / 1e12:.2f} TFLOP",
-            "memory per GPU:",
-            f"  parameters          {gib(m.parameters)}",
-            f"  gradients           {gib(m.gradients)}",
-            f"  optimizer states    {gib(m.optimizer_states)}",
-            f"  activations         {gib(m.activations)}  (none: {m.activations_no_recompute / GIB:.1f}, "
-            f"full recompute: {m.activations_full_recompute / GIB:.1f})",
-            f"  rollout weights     {gib(m.rollout_weights)}"
-            f"{'  (engine asleep during the update: not resident beside training)' if m.rollout_asleep else ''}",
-            f"  rollout activations {gib(m.rollout_activations)}",
-            f"  reserve             {gib(m.reserve)}",
-            f"  total               {gib(m.total)} of {m.capacity / GIB:.1f} GiB -> "
-            f"{'fits' if m.fits else 'DOES NOT FIT'}",
-            "step time:",
-            f"  rollout             {t.rollout_s:8.1f} s",
-            f"  old log-probs       {t.old_logprob_s:8.1f} s",
-            f"  training            {t.train_s:8.1f} s  (bubble {t.bubble_fraction:.0%}, "
-            f"non-overlapped communication {t.communication_s:.1f} s in all)",
-            f"  weight sync         {t.sync_s:8.1f} s",
-            f"  step                {t.step_s:8.1f} s  -> {t.images_per_s_per_gpu:.3f} images/s/GPU",
-            f"reference (VeRL-Omni, {REFERENCE_GPUS}xH200): {REFERENCE_IMAGES_PER_S_PER_GPU:.3f} images/s/GPU, "
-            f"~{REFERENCE_STEP_S:.0f} s/step; predicted/reference = {self.ratio_to_reference:.2f}",
-        ]
-        lines += [f"warning: {x}" for x in self.warnings]
-        return "\n".join(lines)
 
 
 def _positive(**values: Any) -> None:
@@ -448,28 +268,3 @@ def plan(
         flops_per_image=flops_per_image, stage_parameters=stage_params, memory=memory, time=time,
         warnings=warnings, precision=precision,
     )
-
-
-def measured_mfu(path: str) -> float:
-    """The MFU measured by tools/gpu_check.sh (its JSON's `mfu`: one 20B-shaped MMDiT block's forward +
-    backward at batch 1, against the GPU's bf16 peak). Raises ValueError naming the file and the problem."""
-    import json
-    from pathlib import Path
-
-    p = Path(path)
-    try:
-        data = json.loads(p.read_text())
-    except FileNotFoundError:
-        raise ValueError(f"{path}: no such file (tools/gpu_check.sh writes it)") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise ValueError(f"{path}: not a JSON file ({exc})") from None
-    mfu = data.get("mfu") if isinstance(data, dict) else None
-    if isinstance(mfu, bool) or not isinstance(mfu, (int, float)) or not 0 < mfu <= 1:
-        raise ValueError(f"{path}: 'mfu' must be a number in (0, 1], got {mfu!r}")
-    return float(mfu)
-
-
-def reference_implied_mfu(report: PlanReport) -> float:
-    """The MFU VeRL-Omni's 0.510 images/s/GPU would mean under this report's FLOPs per image (a sanity check
-    on the assumed MFU: it is what the reference achieved, communication and overheads included)."""
-    return REFERENCE_IMAGES_PER_S_PER_GPU * report.flops_per_image / GPUS["H200"].peak_bf16_flops

@@ -1,0 +1,105 @@
+"""`--dry-run`: the thin adapter from a JobConfig to the planner's plain values (`megatron_omni.planner`).
+
+The planner sits below the trainer and never reads a JobConfig; this file maps one onto a `JobPlan`, turns
+the planner's layout errors into config errors (exit 2) and gives the planner's advice a way to plan a changed
+config exactly as a dry run with those `--set` overrides would.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+from typing import Any
+
+from megatron_omni.parallel.layout import LayoutError, ParallelLayout
+from megatron_omni.planner import DEFAULT_MFU, JobPlan, Precision, RolloutSpec, StateCopy, Workload, measured_mfu
+from megatron_omni.planner.dry_run import dry_run as planner_dry_run
+from megatron_omni.trainer.config import ConfigError, JobConfig, apply_overrides
+from model_providers.qwen_image.provider import hf_config
+
+
+def _model_config(cfg: JobConfig) -> tuple[dict[str, Any] | str, str]:
+    """The transformer's diffusers config for planning and where it came from: the pipeline folder's
+    transformer/config.json when it is at hand, else `model.preset` (so a job can be planned on a laptop)."""
+    if cfg.model.pipeline == "tiny":
+        from model_providers.qwen_image.tiny_pipeline import TinyPipelineConfig
+
+        tiny = TinyPipelineConfig()
+        return dict(vars(tiny.transformer), joint_attention_dim=tiny.text_hidden_size), "tiny pipeline"
+    path = Path(cfg.model.pipeline) / "transformer" / "config.json"
+    if path.exists():
+        model = json.loads(path.read_text())
+        if cfg.model.preset is not None and hf_config(model) != hf_config(cfg.model.preset):
+            raise ConfigError(f"model.preset={cfg.model.preset!r} does not match {path}: "
+                              f"{hf_config(cfg.model.preset)} != {hf_config(model)}")
+        return model, str(path)
+    if cfg.model.preset is None:
+        raise ConfigError(f"model.pipeline={cfg.model.pipeline!r}: no {path} to plan with; point it at a diffusers "
+                          "Qwen-Image folder or set model.preset (e.g. --set model.preset=20b)")
+    try:
+        hf_config(cfg.model.preset)
+    except KeyError as exc:
+        raise ConfigError(f"model.preset: {exc.args[0]}") from None
+    return cfg.model.preset, f"preset {cfg.model.preset!r} ({path} not found here)"
+
+
+def job_plan(cfg: JobConfig, world_size: int, gpu: str, gpus_per_node: int = 8, reward_gpus: int = 0,
+             mfu: float = DEFAULT_MFU, mfu_source: str | None = None) -> JobPlan:
+    """What the trainer does (trainer/flowgrpo.py), as the planner's plain values: the engine is colocated with
+    the trainer and every rollout group of rollout.tp ranks rolls out its share of the images. The embedded
+    diffusers engine keeps its full weights resident; vLLM-Omni sleeps during the update. The tiny pipeline's
+    text encoder and VAE are negligible."""
+    model, source = _model_config(cfg)
+    r, p = cfg.rollout, cfg.parallel
+    dp = world_size // (p.tp * p.ulysses * p.ring * p.pp)
+    vllm = r.engine == "vllm_omni"
+    rollout = RolloutSpec(tp=r.tp, sleeps=vllm, in_process=not vllm,
+                          extra_params=0 if cfg.model.pipeline == "tiny" else RolloutSpec.extra_params)
+    precision = Precision.of(cfg.model.params_dtype, r.dtype, cfg.optim.distributed_optimizer)
+    per_replica = r.prompts_per_step * r.group_size // cfg.optim.mini_batches // dp
+    workload = Workload(height=r.height, width=r.width, sampling_steps=r.num_steps, window=r.window_size,
+                        prompts=r.prompts_per_step, group_size=r.group_size, mini_batches=cfg.optim.mini_batches,
+                        micro_batch_size=cfg.optim.micro_batch_size or max(per_replica, 1),
+                        cfg=r.guidance_scale > 1, recompute_old_logprob=cfg.algorithm.old_logprob == "recompute")
+    # The frozen reference of the KL term (in the parameters' dtype) and the EMA of the weights (fp32): each one
+    # more copy of this rank's shard (not in the memory model's total).
+    copies = []
+    if cfg.algorithm.beta > 0:
+        copies.append(StateCopy(f"KL reference (algorithm.beta={cfg.algorithm.beta:g})", precision.param_bytes))
+    if cfg.optim.ema_decay > 0:
+        copies.append(StateCopy(f"EMA of the weights (optim.ema_decay={cfg.optim.ema_decay:g}, fp32)", 4))
+    return JobPlan(model=model, model_source=source,
+                   layout=ParallelLayout(tp=p.tp, ulysses=p.ulysses, ring=p.ring, pp=p.pp),
+                   world_size=world_size, gpu=gpu, workload=workload, rollout=rollout, precision=precision,
+                   recompute=cfg.model.recompute or "none", mfu=mfu, mfu_source=mfu_source,
+                   gpus_per_node=gpus_per_node, reward_gpus=reward_gpus, state_copies=tuple(copies),
+                   rollout_engine=r.engine, params_dtype=cfg.model.params_dtype, rollout_dtype=r.dtype,
+                   backend=cfg.model.backend)
+
+
+def dry_run(cfg: JobConfig, world_size: int, gpu: str, gpus_per_node: int = 8, reward_gpus: int = 0,
+            mfu_from: str | None = None) -> int:
+    """Print the planner's report and the bridge plan for this (validated) job; needs no GPU and loads no
+    weights. `mfu_from`: a JSON written by tools/gpu_check.sh whose measured MFU replaces the assumed one.
+    Returns 0 when it fits, 3 when it does not (with the changes the planner checked fit); raises ConfigError
+    for an invalid config or layout."""
+    mfu = DEFAULT_MFU
+    if mfu_from is not None:
+        try:
+            mfu = measured_mfu(mfu_from)
+        except ValueError as exc:
+            raise ConfigError(f"--mfu-from: {exc}") from None
+
+    def build(c: JobConfig, world: int) -> JobPlan:
+        return job_plan(c, world, gpu, gpus_per_node, reward_gpus, mfu, mfu_from)
+
+    def replan(overrides: tuple[str, ...], world: int) -> JobPlan:
+        changed = apply_overrides(copy.deepcopy(cfg), list(overrides))
+        changed.validate(world)
+        return build(changed, world)
+
+    try:
+        return planner_dry_run(build(cfg, world_size), replan)
+    except LayoutError as exc:
+        raise ConfigError(f"layout: {exc}") from exc
