@@ -271,7 +271,7 @@ def build_vae_and_latents(args: argparse.Namespace, work: Path) -> dict:
 def conditioning(engine, keys: list[tuple[int, ...]]) -> tuple[torch.Tensor, torch.Tensor]:
     """Text embeddings of templated prompts (`engine.token_ids`) as the pipeline computes them, padded and
     differentiable under autograd: ([P, L, D] fp32, [P, L] long mask)."""
-    from megatron_omni.rollout.velocity import pad_text
+    from megatron_omni.algorithms.velocity import pad_text
 
     return pad_text([e.float() for e in engine.encode_token_ids(keys)])
 

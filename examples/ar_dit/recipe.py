@@ -1,22 +1,20 @@
 """The tiny AR-DiT recipe: joint RL of the tiny hybrid on CPU against a reward that needs both halves.
 
 Reward = image brightness (mean pixel of the DiT's image, in [0, 1]) + a weight (0.1) times the share of plan
-tokens drawn from the lower half of the vocabulary (a rule on what the decoder writes). `run` trains for
-`steps` RL steps on the caller's process groups and appends one JSON line of metrics per step to `out_dir/metrics.jsonl`
-(rank 0). Launch: `torchrun --nproc-per-node N -m examples.ar_dit.train --out runs/ar_dit --tp 2`.
+tokens drawn from the lower half of the vocabulary (a rule on what the decoder writes). `run` trains it
+with the trainer's loop (`trainer.ar_dit_loop.run_ar_dit`: metrics.jsonl, checkpoints, resume).
+Launch: `torchrun --nproc-per-node N -m examples.ar_dit.train --out runs/ar_dit --tp 2`.
 """
 
 from __future__ import annotations
 
-import json
 import os
-from pathlib import Path
 
 import torch
 
 from megatron_omni.rollout.ar_dit_engine import ARDiTSamplingParams, ARDiTTrajectory
-from megatron_omni.trainer import atomic_files
 from megatron_omni.trainer.ar_dit import ARDiTTrainConfig, ARDiTTrainer
+from megatron_omni.trainer.ar_dit_loop import run_ar_dit
 
 
 def brightness(traj: ARDiTTrajectory) -> torch.Tensor:
@@ -47,8 +45,6 @@ def run(cfg: ARDiTTrainConfig, groups, steps: int, out_dir: str | os.PathLike | 
     is `brightness + token_reward_weight * low_token_share`. `save_every` > 0 checkpoints into
     `out_dir/checkpoints` every that many steps and after the last; `resume` continues from the newest
     complete checkpoint there (its metric history included), if any."""
-    if (save_every or resume) and out_dir is None:
-        raise ValueError("save_every and resume need out_dir (the checkpoints live in out_dir/checkpoints)")
     trainer: ARDiTTrainer | None = None
 
     def reward(traj: ARDiTTrajectory) -> torch.Tensor:
@@ -57,25 +53,9 @@ def run(cfg: ARDiTTrainConfig, groups, steps: int, out_dir: str | os.PathLike | 
 
     trainer = ARDiTTrainer(cfg, groups, reward)
     vocab = trainer.engine.hybrid.config.decoder["vocab_size"]
-    history: list[dict] = []
-    start = 0
-    if resume:
-        common = trainer.resume(out_dir)
-        if common is not None:
-            start, history = int(common["step"]), list(common["history"])
-            if groups.rank == 0:  # the metrics of steps after that checkpoint are about to be redone
-                atomic_files.write_jsonl(Path(out_dir) / "metrics.jsonl", history)
-    for step in range(start, steps):
-        metrics, traj, _ = trainer.train_step(step)
-        metrics["reward_image"] = float(brightness(traj).mean())
-        metrics["reward_tokens"] = float(low_token_share(traj, vocab).mean())
-        metrics["step"] = step
-        history.append(metrics)
-        if out_dir is not None and groups.rank == 0:
-            path = Path(out_dir) / "metrics.jsonl"
-            path.parent.mkdir(parents=True, exist_ok=True)
-            with path.open("a") as f:
-                f.write(json.dumps(metrics) + "\n")
-        if save_every and ((step + 1) % save_every == 0 or step + 1 == steps):
-            trainer.save_checkpoint(out_dir, step + 1, {"history": history})
-    return history
+
+    def parts(traj: ARDiTTrajectory) -> dict[str, float]:
+        return {"reward_image": float(brightness(traj).mean()),
+                "reward_tokens": float(low_token_share(traj, vocab).mean())}
+
+    return run_ar_dit(trainer, steps, out_dir, save_every=save_every, resume=resume, step_metrics=parts)

@@ -1,4 +1,6 @@
-"""FlowGRPO math: the sampling grid, SDE steps and log-probs, windows, advantages, losses, CFG.
+"""FlowGRPO math: the sampling grid, SDE steps and log-probs, windows, advantages, losses, CFG, the guided
+velocity of a batch and the log-prob of a recorded transition (`velocity`, `transition`: they call a velocity
+model passed in, any callable with diffusers' transformer keywords).
 
 Pure torch tensor math in float32 (float64 where noted): no I/O, no torch.distributed.
 """

@@ -22,6 +22,7 @@ The per-element mean (not a sum) is what makes clip ranges of 1e-4..1e-5 meaning
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -202,3 +203,37 @@ def sde_step(
         next_latents = next_latents.float()
     log_prob = sde_log_prob(next_latents, coeffs, sde_type) if compute_log_prob else None
     return SdeStepOutput(next_latents=next_latents, log_prob=log_prob, coeffs=coeffs)
+
+
+def windowed_sde_step(
+    latents: torch.Tensor,
+    velocity: torch.Tensor,
+    sigma: torch.Tensor,
+    sigma_next: torch.Tensor,
+    sigma_after_one: torch.Tensor,
+    levels: torch.Tensor,
+    sde_type: str,
+    generators: Sequence[torch.Generator],
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One sampling step of a batch whose rows are inside or outside their SDE window: rows with
+    `levels > 0` draw their noise (latents.shape[1:]) from their own CPU generator, in row order, so a sample
+    does not depend on its batch; the others take the ODE step.
+
+    Args:
+        latents, velocity: [B, S, C]; sigma, sigma_next, sigma_after_one, levels: [B] (noise level 0 = ODE).
+        generators: B CPU generators (only the stochastic rows' are drawn from).
+
+    Returns:
+        (next latents [B, S, C] fp32, the stochastic rows [R] (long, on latents' device), their log-probs [R]).
+    """
+    rows = torch.nonzero(levels > 0).flatten()
+    noise = torch.zeros(latents.shape, dtype=torch.float32)
+    for r in rows.tolist():
+        noise[r] = torch.randn(latents.shape[1:], generator=generators[r])
+    out = sde_step(latents, velocity, sigma, sigma_next, levels, sde_type, sigma_after_one=sigma_after_one,
+                   noise=noise.to(latents.device), compute_log_prob=False)
+    if not rows.numel():
+        return out.next_latents, rows, torch.zeros(0, device=latents.device)
+    c = out.coeffs
+    lp = sde_log_prob(out.next_latents[rows], SdeCoefficients(c.mean[rows], c.std[rows], c.scale[rows]), sde_type)
+    return out.next_latents, rows, lp

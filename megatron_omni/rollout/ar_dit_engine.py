@@ -27,10 +27,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from megatron_omni.algorithms.schedule import qwen_image_sigmas
-from megatron_omni.algorithms.sde import SdeCoefficients, sde_log_prob, sde_step
+from megatron_omni.algorithms.sde import windowed_sde_step
+from megatron_omni.algorithms.velocity import guided_velocity
 from megatron_omni.algorithms.window import sample_window_start
-from megatron_omni.rollout.base import Trajectory, sample_seeds
-from megatron_omni.rollout.velocity import guided_velocity
+from megatron_omni.rollout.base import SdeWindowParams, Trajectory, sample_seeds
 from megatron_omni.rollout.vllm_omni_pipeline import VllmOmniVelocity, diffusers_shapes, load_transformer_weights
 from megatron_omni.rollout.vllm_plan_writer import VLLMPlanWriter
 from model_providers.ar_dit.provider import TorchHybrid
@@ -40,20 +40,16 @@ if TYPE_CHECKING:
 
 
 @dataclass(frozen=True)
-class ARDiTSamplingParams:
-    """max_plan_tokens: plan budget; temperature > 0; grid: the latent grid (1, h, w) in patches;
-    num_steps, noise_level, sde_type, window_size, window_range: the DiT's SDE window (design notes 4)."""
+class ARDiTSamplingParams(SdeWindowParams):
+    """max_plan_tokens: plan budget; temperature > 0; grid: the latent grid (1, h, w) in patches; the DiT's
+    SDE window from `SdeWindowParams` (its defaults; the tiny recipe passes num_steps=4, noise_level=0.7)."""
 
     max_plan_tokens: int = 8
     temperature: float = 1.0
     grid: tuple[int, int, int] = (1, 2, 4)
-    num_steps: int = 4
-    noise_level: float = 0.7
-    sde_type: str = "sde"
-    window_size: int = 2
-    window_range: tuple[int, int] | None = None
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         if self.max_plan_tokens < 1:
             raise ValueError(f"max_plan_tokens must be >= 1, got {self.max_plan_tokens}")
         if not self.temperature > 0:
@@ -62,10 +58,6 @@ class ARDiTSamplingParams:
             raise ValueError("the AR-DiT rollout trains a window: noise_level > 0 and window_size >= 1 needed")
         if len(self.grid) != 3 or self.grid[0] != 1:
             raise ValueError(f"grid must be (1, h, w), got {self.grid}")
-
-    @property
-    def resolved_window_range(self) -> tuple[int, int]:
-        return self.window_range if self.window_range is not None else (0, max(self.window_size, self.num_steps // 2))
 
 
 @dataclass
@@ -281,7 +273,7 @@ def denoise_window(dit: Callable[..., Any], cond: torch.Tensor, text_mask: torch
     (`vllm_omni_hybrid`), so both produce the same trajectory for the same generator states.
 
     Args:
-        dit: a velocity model with diffusers' Qwen-Image forward keywords (see `rollout.velocity`).
+        dit: a velocity model with diffusers' Qwen-Image forward keywords (see `algorithms.velocity`).
         cond: [N, L, D] connector output (on the DiT's device); text_mask: [N, L] bool or long.
         gens: N CPU generators, one per sample, each drawing its initial noise, window start and window noise.
         channels: the DiT's `in_channels` (packed 2x2 pixel patches).
@@ -306,26 +298,20 @@ def denoise_window(dit: Callable[..., Any], cond: torch.Tensor, text_mask: torch
     mask = text_mask.long().to(device)
     for i in range(p.num_steps):
         in_window = (starts <= i) & (i < starts + w)
-        noise = torch.zeros(n, s_img, channels)
-        for r in torch.nonzero(in_window).flatten().tolist():
-            noise[r] = torch.randn(s_img, channels, generator=gens[r])
         sigma = on_device[i].expand(n)
         bs = max_batch_size
         v = torch.cat([guided_velocity(dit, latents[lo: lo + bs], sigma[lo: lo + bs], cond[lo: lo + bs],
                                        mask[lo: lo + bs], grid, dtype=dtype) for lo in range(0, n, bs)])
-        out = sde_step(latents, v, sigma, on_device[i + 1].expand(n), (in_window.float() * p.noise_level).to(device),
-                       p.sde_type, sigma_after_one=on_device[1].expand(n), noise=noise.to(device),
-                       compute_log_prob=False)
-        rows = torch.nonzero(in_window).flatten()
-        if rows.numel():
-            c = out.coeffs
-            on = rows.to(device)
-            lp = sde_log_prob(out.next_latents[on], SdeCoefficients(c.mean[on], c.std[on], c.scale[on]), p.sde_type)
+        levels = (in_window.float() * p.noise_level).to(device)
+        latents_next, on, lp = windowed_sde_step(latents, v, sigma, on_device[i + 1].expand(n), on_device[1].expand(n),
+                                                 levels, p.sde_type, gens)
+        if on.numel():
+            rows = on.cpu()
             j = i - starts[rows]
             rec_x[rows, j] = latents[on].float().cpu()
-            rec_next[rows, j] = out.next_latents[on].float().cpu()
+            rec_next[rows, j] = latents_next[on].float().cpu()
             rec_lp[rows, j] = lp.float().cpu()
-        latents = out.next_latents
+        latents = latents_next
     return Trajectory(
         prompts=[""] * n, group_ids=torch.zeros(n, dtype=torch.long), seeds=torch.zeros(n, dtype=torch.long),
         prompt_embeds=cond.float().cpu(), prompt_embeds_mask=mask.cpu(), negative_prompt_embeds=None,

@@ -22,17 +22,59 @@ from megatron_omni.bridge.targets import RolloutTarget
 
 
 @dataclass(frozen=True)
-class SamplingParams:
-    """How to sample one group. `window_start=None` draws it per sample from the sample's seed;
-    `noise_level=0` (or window_size 0) samples the pure ODE and records no transitions."""
+class SdeWindowParams:
+    """The SDE window every sampler shares (one set of defaults for every engine): `num_steps` grid steps,
+    of which `window_size` consecutive ones, starting inside `window_range` ([lo, hi); default
+    [0, max(window_size, num_steps // 2))), are SDE steps (`sde_type`, `noise_level`) and the rest ODE."""
 
-    height: int = 64
-    width: int = 64
     num_steps: int = 10
     noise_level: float = 1.2
     sde_type: str = "sde"
     window_size: int = 2
-    window_range: tuple[int, int] | None = None  # default: [0, num_steps // 2)
+    window_range: tuple[int, int] | None = None
+
+    def __post_init__(self) -> None:
+        if self.sde_type not in SDE_TYPES:
+            raise ValueError(f"unknown sde_type {self.sde_type!r}; expected one of {SDE_TYPES}")
+        if self.num_steps < 1:
+            raise ValueError(f"num_steps must be >= 1, got {self.num_steps}")
+        if self.noise_level < 0:
+            raise ValueError(f"noise_level must be >= 0, got {self.noise_level}")
+        if self.stochastic:
+            check_window(self.num_steps, self.window_size, self.resolved_window_range)
+
+    @property
+    def stochastic(self) -> bool:
+        """True when the rollout records SDE transitions (a window with noise)."""
+        return self.noise_level > 0 and self.window_size > 0
+
+    @property
+    def resolved_window_range(self) -> tuple[int, int]:
+        """[lo, hi) of the window's first step (every range a valid window fits in keeps its old bounds)."""
+        if self.window_range is not None:
+            return self.window_range
+        return (0, max(1, self.window_size, self.num_steps // 2))
+
+    @classmethod
+    def from_config(cls, config: Any, **overrides: Any):
+        """This record from any object (a config section) with attributes of the same names: the fields it
+        has are taken (lists as tuples), the others keep their defaults; `overrides` win."""
+        values = {}
+        for f in fields(cls):
+            if hasattr(config, f.name):
+                v = getattr(config, f.name)
+                values[f.name] = tuple(v) if isinstance(v, list) else v
+        return cls(**{**values, **overrides})
+
+
+@dataclass(frozen=True)
+class SamplingParams(SdeWindowParams):
+    """How to sample one group (the SDE window's fields from `SdeWindowParams`). `window_start=None` draws it
+    per sample from the sample's seed; `noise_level=0` (or window_size 0) samples the pure ODE and records no
+    transitions."""
+
+    height: int = 64
+    width: int = 64
     window_start: int | None = None
     guidance_scale: float = 1.0
     negative_prompt: str | None = None
@@ -43,14 +85,9 @@ class SamplingParams:
     text_length: int | None = None
 
     def __post_init__(self) -> None:
-        if self.sde_type not in SDE_TYPES:
-            raise ValueError(f"unknown sde_type {self.sde_type!r}; expected one of {SDE_TYPES}")
+        super().__post_init__()
         if self.height <= 0 or self.width <= 0:
             raise ValueError(f"height/width must be positive, got {self.height}x{self.width}")
-        if self.num_steps < 1:
-            raise ValueError(f"num_steps must be >= 1, got {self.num_steps}")
-        if self.noise_level < 0:
-            raise ValueError(f"noise_level must be >= 0, got {self.noise_level}")
         if self.guidance_scale < 1:
             raise ValueError(f"guidance_scale must be >= 1 (1 = no CFG), got {self.guidance_scale}")
         if self.guidance_scale > 1 and self.negative_prompt is None:
@@ -60,21 +97,10 @@ class SamplingParams:
         if self.text_length is not None and not 1 <= self.text_length <= self.max_sequence_length:
             raise ValueError(f"text_length must be in [1, max_sequence_length={self.max_sequence_length}], got "
                              f"{self.text_length}")
-        if self.stochastic:
-            check_window(self.num_steps, self.window_size, self.resolved_window_range)
-            if self.window_start is not None:
-                lo, hi = self.resolved_window_range
-                if not lo <= self.window_start <= hi - self.window_size:
-                    raise ValueError(f"window_start {self.window_start} outside window_range {(lo, hi)}")
-
-    @property
-    def stochastic(self) -> bool:
-        """True when the rollout records SDE transitions (a window with noise)."""
-        return self.noise_level > 0 and self.window_size > 0
-
-    @property
-    def resolved_window_range(self) -> tuple[int, int]:
-        return self.window_range if self.window_range is not None else (0, max(1, self.num_steps // 2))
+        if self.stochastic and self.window_start is not None:
+            lo, hi = self.resolved_window_range
+            if not lo <= self.window_start <= hi - self.window_size:
+                raise ValueError(f"window_start {self.window_start} outside window_range {(lo, hi)}")
 
     @property
     def do_cfg(self) -> bool:

@@ -26,13 +26,13 @@ import torch
 from tqdm import tqdm
 
 from megatron_omni.algorithms.schedule import ShiftConfig, qwen_image_sigmas
-from megatron_omni.algorithms.sde import SdeCoefficients, sde_log_prob, sde_step
+from megatron_omni.algorithms.sde import windowed_sde_step
+from megatron_omni.algorithms.transition import recompute_log_probs
+from megatron_omni.algorithms.velocity import VelocityModel, guided_velocity, pad_text
 from megatron_omni.algorithms.window import sample_window_start
 from megatron_omni.bridge.targets import DiffusersTarget
 from megatron_omni.parallel import platform
 from megatron_omni.rollout.base import FinishedSample, SamplingParams, Trajectory, WeightSink, sample_seeds
-from megatron_omni.rollout.logprob import recompute_log_probs
-from megatron_omni.rollout.velocity import VelocityModel, guided_velocity, pad_text
 
 
 @dataclass
@@ -252,33 +252,15 @@ class DiffusersRolloutEngine:
         )
         self.stats["forwards"] += 1
         self.stats["forward_rows"] += len(batch) + int((guidance > 1).sum())
-        noise = torch.zeros_like(latents)
-        for i, s in enumerate(batch):
-            if levels[i] > 0:
-                noise[i] = torch.randn(latents.shape[1:], generator=s.generator).to(dev)
-        sde_type = batch[0].params.sde_type
-        out = sde_step(
-            latents,
-            v,
-            sigma,
-            sigma_next,
-            levels,
-            sde_type,
-            sigma_after_one=sigma_one,
-            noise=noise,
-            compute_log_prob=False,
-        )
-        rows = torch.nonzero(levels > 0).flatten()
+        next_latents, rows, lp = windowed_sde_step(latents, v, sigma, sigma_next, sigma_one, levels,
+                                                   batch[0].params.sde_type, [s.generator for s in batch])
         if rows.numel():
-            c = out.coeffs
-            sub = SdeCoefficients(mean=c.mean[rows], std=c.std[rows], scale=c.scale[rows])
-            lp = sde_log_prob(out.next_latents[rows], sub, sde_type)
             for j, r in enumerate(rows.tolist()):
                 batch[r].rec_latents.append(latents[r])
-                batch[r].rec_next.append(out.next_latents[r])
+                batch[r].rec_next.append(next_latents[r])
                 batch[r].rec_log_probs.append(lp[j])
         for i, s in enumerate(batch):
-            s.latents = out.next_latents[i]
+            s.latents = next_latents[i]
             s.step += 1
 
     @torch.no_grad()

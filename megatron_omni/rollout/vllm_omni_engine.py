@@ -253,7 +253,7 @@ class VllmOmniRolloutEngine:
 
     def probe(self, traj: Trajectory) -> torch.Tensor:
         """Transition means [N, W, S, C] of `traj` under vLLM-Omni's transformer (collective over the peers)."""
-        from megatron_omni.rollout.logprob import recompute_log_probs
+        from megatron_omni.algorithms.transition import recompute_log_probs
 
         if self.in_process:
             with torch.no_grad():

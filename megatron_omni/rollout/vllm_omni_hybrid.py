@@ -31,9 +31,9 @@ from typing import Any
 import torch
 
 from megatron_omni.algorithms.schedule import qwen_image_sigmas
+from megatron_omni.algorithms.velocity import pad_text
 from megatron_omni.rollout.ar_dit_engine import ARDiTSamplingParams, denoise_window
 from megatron_omni.rollout.base import Trajectory
-from megatron_omni.rollout.velocity import pad_text
 from megatron_omni.rollout.vllm_omni_engine import DEFAULT_BUCKET_BYTES, omni_kwargs, record_of, send_weight_update
 from megatron_omni.rollout.vllm_omni_pipeline import (
     VllmOmniVelocity,

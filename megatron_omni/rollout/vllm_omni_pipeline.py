@@ -32,9 +32,9 @@ from typing import Any
 import torch
 
 from megatron_omni.algorithms.schedule import ShiftConfig
+from megatron_omni.algorithms.velocity import pad_text
 from megatron_omni.rollout.base import SamplingParams, Trajectory
 from megatron_omni.rollout.diffusers_engine import DiffusersRolloutEngine, _Sample
-from megatron_omni.rollout.velocity import pad_text
 
 PIPELINE_CLASS = "megatron_omni.rollout.vllm_omni_pipeline.FlowGRPOQwenImagePipeline"
 EXTRA_KEY = "flowgrpo"

@@ -145,8 +145,8 @@ class FlowGRPOWorkerExtension:
     def probe_means(self, traj: Any) -> torch.Tensor:
         """Transition means [N, W, S, C] (on the CPU) of the trainer's probe trajectory under this worker's
         transformer as it is now (`megatron_omni.rollout.probe`)."""
+        from megatron_omni.algorithms.transition import recompute_log_probs
         from megatron_omni.rollout.base import Trajectory
-        from megatron_omni.rollout.logprob import recompute_log_probs
 
         stepper = self.model_runner.pipeline.stepper
         traj = Trajectory(**{k: (v.to(stepper.device) if isinstance(v, torch.Tensor) else v)

@@ -20,17 +20,15 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
-from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
-from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.optimizer.optimizer_config import ParamKey, ParamPredicate
-from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
 from megatron_omni.algorithms.advantages import group_advantages
 from megatron_omni.algorithms.loss import flowgrpo_loss
 from megatron_omni.algorithms.token_loss import grpo_token_loss, joint_loss
+from megatron_omni.algorithms.transition import transition_step
 from megatron_omni.checkpoint.sharded_state import ar_dit_content_metadata, ar_dit_sharded_state_dict
 from megatron_omni.models.ar.context_parallel import gather_sequence, split_sequence
 from megatron_omni.models.ar.decoder import token_log_probs
@@ -38,13 +36,17 @@ from megatron_omni.models.ar.hybrid import ARDiTModel
 from megatron_omni.parallel.groups import ParallelGroups
 from megatron_omni.parallel.platform import seed_everything
 from megatron_omni.rollout.ar_dit_engine import ARDiTRolloutEngine, ARDiTSamplingParams, ARDiTTrajectory, plan_positions
-from megatron_omni.rollout.logprob import transition_step
 from megatron_omni.rollout.vllm_omni_hybrid import VllmOmniHybridDiT
 from megatron_omni.rollout.vllm_plan_writer import VLLMPlanWriter
 from megatron_omni.trainer.checkpointing import latest_checkpoint, load_checkpoint, save_checkpoint
 from megatron_omni.trainer.grad_guard import GradGuard
 from megatron_omni.trainer.rewards import gather_rewards
-from model_providers.ar_dit import provider
+from megatron_omni.trainer.skeleton import mini_batch_rows, step_prompts, update
+from megatron_omni.trainer.training_state import OptimizerSettings, build_ddp_and_optimizer, build_scheduler
+from model_providers import get_family
+
+if TYPE_CHECKING:
+    from model_providers.ar_dit.provider import TorchHybrid
 
 RewardFn = Callable[[ARDiTTrajectory], torch.Tensor]
 FREEZE = (None, "decoder", "dit")
@@ -59,7 +61,8 @@ class ARDiTTrainConfig:
     prompts: list[list[int]] = field(default_factory=lambda: [[5, 6, 7], [9, 10], [20, 21, 22, 23]])
     prompts_per_step: int = 2
     group_size: int = 4
-    sampling: ARDiTSamplingParams = field(default_factory=ARDiTSamplingParams)
+    # The tiny hybrid's window: 4 steps, noise 0.7 (the shared defaults are the Qwen-Image ones).
+    sampling: ARDiTSamplingParams = field(default_factory=lambda: ARDiTSamplingParams(num_steps=4, noise_level=0.7))
     lr: float = 1e-3
     decoder_lr_scale: float = 1.0  # the decoder's lr is lr * this (its updates move the DiT's conditioning too)
     weight_decay: float = 0.0
@@ -99,7 +102,7 @@ class ARDiTTrainer:
     computing the whole loss from the gathered log-probs)."""
 
     def __init__(self, cfg: ARDiTTrainConfig, groups: ParallelGroups, reward_fn: RewardFn,
-                 hybrid: provider.TorchHybrid | None = None, plan_writer: VLLMPlanWriter | None = None,
+                 hybrid: TorchHybrid | None = None, plan_writer: VLLMPlanWriter | None = None,
                  vllm_omni_dit: torch.nn.Module | None = None, dit_server: VllmOmniHybridDiT | None = None) -> None:
         """`hybrid`: the rollout's torch hybrid (default: the config's preset, seeded); `plan_writer` (a
         `VLLMPlanWriter`) and `vllm_omni_dit` (vLLM-Omni's transformer) or `dit_server` (a served vLLM-Omni
@@ -108,20 +111,15 @@ class ARDiTTrainer:
             raise ValueError(f"the AR-DiT trainer runs pp=1; got {groups.layout}")
         self.cfg, self.groups, self.reward_fn = cfg, groups, reward_fn
         seed_everything(cfg.seed, tp_rank=groups.tp.rank())
-        ref = hybrid if hybrid is not None else provider.torch_hybrid(cfg.hybrid, seed=cfg.seed)
+        self.family = get_family("ar_dit")
+        ref = hybrid if hybrid is not None else self.family.reference_model(cfg.hybrid, seed=cfg.seed)
         self.engine = ARDiTRolloutEngine(ref, plan_writer=plan_writer, vllm_omni_dit=vllm_omni_dit,
                                          dit_server=dit_server)
-        self.model: ARDiTModel = provider.build_model(ref.config, groups)
-        provider.load_hf_state(self.model, *ref.state())
+        self.model: ARDiTModel = self.family.build_model(ref.config, groups)
+        self.family.load_state(self.model, ref.state())
         frozen = {"decoder": [self.model.decoder], "dit": [self.model.connector, self.model.dit]}.get(cfg.freeze, [])
         for module in frozen:
             module.requires_grad_(False)
-        self.ddp = DistributedDataParallel(
-            config=self.model.config,
-            ddp_config=DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
-                                                     use_distributed_optimizer=False),
-            module=self.model, pg_collection=groups.mcore,
-        )
         self.guard = GradGuard(cfg.max_bad_steps)
         decoder_ids = {id(p) for p in self.model.decoder.parameters()}
         dec_lr = cfg.lr * cfg.decoder_lr_scale
@@ -130,18 +128,12 @@ class ARDiTTrainer:
         overrides = {ParamKey(predicate=ParamPredicate(name="ar_decoder", fn=lambda p: id(p) in decoder_ids)):
                      {"max_lr": dec_lr, "min_lr": dec_lr, "lr_mult": cfg.decoder_lr_scale}
                      } if cfg.decoder_lr_scale != 1.0 else None
-        self.optimizer = get_megatron_optimizer(
-            OptimizerConfig(optimizer="adam", lr=cfg.lr, min_lr=cfg.lr, weight_decay=cfg.weight_decay,
-                            adam_beta1=cfg.adam_betas[0], adam_beta2=cfg.adam_betas[1], clip_grad=cfg.clip_grad,
-                            params_dtype=self.model.config.params_dtype),
-            [self.ddp], config_overrides=overrides, use_gloo_process_groups=False, pg_collection=groups.mcore,
-        )
+        self.ddp, self.optimizer = build_ddp_and_optimizer(
+            self.model, self.model.config, groups.mcore,
+            OptimizerSettings(lr=cfg.lr, weight_decay=cfg.weight_decay, adam_beta1=cfg.adam_betas[0],
+                              adam_beta2=cfg.adam_betas[1], clip_grad=cfg.clip_grad), config_overrides=overrides)
         # Constant schedule; it applies each parameter group's own max_lr (the decoder's scale).
-        self.scheduler = OptimizerParamScheduler(
-            self.optimizer, init_lr=cfg.lr, max_lr=cfg.lr, min_lr=cfg.lr, lr_warmup_steps=0, lr_decay_steps=1,
-            lr_decay_style="constant", start_wd=cfg.weight_decay, end_wd=cfg.weight_decay, wd_incr_steps=1,
-            wd_incr_style="constant",
-        )
+        self.scheduler = build_scheduler(self.optimizer, cfg.lr, cfg.weight_decay)
 
     # ----------------------------------------------------------------------------------- checkpoints
     def save_checkpoint(self, run_dir: str | Path, step: int, common: dict[str, Any] | None = None,
@@ -164,7 +156,7 @@ class ARDiTTrainer:
         common = load_checkpoint(folder, self.model, self.optimizer, self.scheduler,
                                  sharded_state=ar_dit_sharded_state_dict)
         self.guard.bad_steps = int(common.get("bad_steps", 0))
-        self.engine.load_weights(*provider.hf_state(self.model))
+        self.engine.load_weights(*self.family.export_state(self.model))
         return common
 
     # ------------------------------------------------------------------------------------- log-probs
@@ -208,10 +200,8 @@ class ARDiTTrainer:
     def step_prompts(self, step: int) -> tuple[list[list[int]], list[int], list[int]]:
         """This dp rank's prompts, global group ids and per-sample seeds for RL step `step`."""
         c = self.cfg
-        dp, d = self.groups.dp.size(), self.groups.dp.rank()
-        mine = [step * c.prompts_per_step + i for i in range(c.prompts_per_step)][d::dp]
-        seeds = [c.seed * 1_000_003 + g * c.group_size + k for g in mine for k in range(c.group_size)]
-        return [c.prompts[g % len(c.prompts)] for g in mine], mine, seeds
+        return step_prompts(c.prompts, c.seed, step, c.prompts_per_step, c.group_size,
+                            self.groups.dp.rank(), self.groups.dp.size())
 
     def train_step(self, step: int) -> tuple[dict[str, float], ARDiTTrajectory, torch.Tensor]:
         """One RL step; returns (metrics, this rank's trajectory, its rewards [N])."""
@@ -239,7 +229,7 @@ class ARDiTTrainer:
         metrics, phases = self._update(traj, old_tok, old_win, advantages, step)
         t["train"] = phases["decoder"] + phases["dit"]
         t0 = time.perf_counter()
-        self.engine.load_weights(*provider.hf_state(self.model))
+        self.engine.load_weights(*self.family.export_state(self.model))
         t["sync"] = time.perf_counter() - t0
         metrics.update({
             "reward_mean": float(all_r.mean()), "zero_std_ratio": adv.zero_std_ratio,
@@ -255,54 +245,58 @@ class ARDiTTrainer:
     def _update(self, traj: ARDiTTrajectory, old_tok: torch.Tensor, old_win: torch.Tensor, adv: torch.Tensor,
                 step: int) -> tuple[dict[str, float], dict[str, float]]:
         c = self.cfg
-        order = torch.randperm(len(traj), generator=torch.Generator().manual_seed(c.seed * 7919 + step))
         sums: dict[str, float] = {}
         phases = {"decoder": 0.0, "dit": 0.0}
         norms = []
         skipped = 0
-        chunks = order.chunk(c.mini_batches)
+        chunks = mini_batch_rows(len(traj), c.seed, step, c.mini_batches)
         for rows in chunks:
-            sub = traj.select(rows)
-            self.ddp.zero_grad_buffer()
-            self.optimizer.zero_grad()
-            t0 = time.perf_counter()
-            cond, logits, tokens = self.encode(sub.tokens)
-            tok = grpo_token_loss(self.token_log_probs(sub, logits, tokens), old_tok[rows], adv[rows], sub.plan_mask,
-                                  c.token_clip, c.aggregation) if c.token_weight > 0 else None
-            phases["decoder"] += time.perf_counter() - t0
-            t0 = time.perf_counter()
-            leaf = cond.detach().requires_grad_(cond.requires_grad)
-            win = flowgrpo_loss(self.window_log_probs(sub, leaf), old_win[rows], adv[rows],
-                                c.window_clip) if c.window_weight > 0 else None
-            _, metrics = joint_loss(tok, win, c.token_weight, c.window_weight)
-            # Every cp rank computes the whole loss; Megatron's convention (its schedules do the same) scales it
-            # by cp, since the gathers' backward keeps each rank's own slice and DDP averages over dp x cp.
-            cp_scale = float(self.groups.cp.size())
-            if win is not None and win.loss.requires_grad:
-                (cp_scale * c.window_weight * win.loss).backward()
-            phases["dit"] += time.perf_counter() - t0
-            t0 = time.perf_counter()
-            outs, grads = [], []
-            if tok is not None and tok.loss.requires_grad:
-                outs.append(cp_scale * c.token_weight * tok.loss)
-                grads.append(None)
-            if leaf.grad is not None:
-                outs.append(cond)
-                grads.append(leaf.grad)
-            if outs:
-                torch.autograd.backward(outs, grads)
-            phases["decoder"] += time.perf_counter() - t0
-            t0 = time.perf_counter()
-            finalize_model_grads([self.ddp], pg_collection=self.groups.mcore)
-            if self.guard.allow_update(self.ddp):
-                _, grad_norm, _ = self.optimizer.step()
-                self.scheduler.step(increment=1)
-                norms.append(float(grad_norm) if grad_norm is not None else math.nan)
+            t_update = time.perf_counter()
+            res, (metrics, spent) = update(self.ddp, self.optimizer, self.scheduler, self.guard, self.groups.mcore,
+                                           lambda rows=rows: self._backward(traj.select(rows), old_tok[rows],
+                                                                            old_win[rows], adv[rows], phases))
+            # the grads' reduction, the guard and the optimizer step: shared work, counted once (small)
+            phases["dit"] += time.perf_counter() - t_update - spent
+            if res.stepped:
+                norms.append(res.grad_norm)
             else:
                 skipped += 1
-            phases["dit"] += time.perf_counter() - t0  # shared work, counted once (small)
             for k, v in metrics.items():
                 sums[k] = sums.get(k, 0.0) + float(v) / len(chunks)
         sums["grad_norm"] = sum(norms) / len(norms) if norms else math.nan
         sums["skipped_updates"] = float(skipped)
         return sums, phases
+
+    def _backward(self, sub: ARDiTTrajectory, old_tok: torch.Tensor, old_win: torch.Tensor, adv: torch.Tensor,
+                  phases: dict[str, float]) -> tuple[dict[str, Any], float]:
+        """Forward and backward of the joint loss on the mini-batch `sub` (old log-probs [B, P] / [B, W],
+        advantages [B]), adding each half's seconds to `phases`. Returns (the loss metrics, seconds spent)."""
+        c = self.cfg
+        t0 = start = time.perf_counter()
+        cond, logits, tokens = self.encode(sub.tokens)
+        tok = grpo_token_loss(self.token_log_probs(sub, logits, tokens), old_tok, adv, sub.plan_mask,
+                              c.token_clip, c.aggregation) if c.token_weight > 0 else None
+        phases["decoder"] += time.perf_counter() - t0
+        t0 = time.perf_counter()
+        leaf = cond.detach().requires_grad_(cond.requires_grad)
+        win = flowgrpo_loss(self.window_log_probs(sub, leaf), old_win, adv,
+                            c.window_clip) if c.window_weight > 0 else None
+        _, metrics = joint_loss(tok, win, c.token_weight, c.window_weight)
+        # Every cp rank computes the whole loss; Megatron's convention (its schedules do the same) scales it
+        # by cp, since the gathers' backward keeps each rank's own slice and DDP averages over dp x cp.
+        cp_scale = float(self.groups.cp.size())
+        if win is not None and win.loss.requires_grad:
+            (cp_scale * c.window_weight * win.loss).backward()
+        phases["dit"] += time.perf_counter() - t0
+        t0 = time.perf_counter()
+        outs, grads = [], []
+        if tok is not None and tok.loss.requires_grad:
+            outs.append(cp_scale * c.token_weight * tok.loss)
+            grads.append(None)
+        if leaf.grad is not None:
+            outs.append(cond)
+            grads.append(leaf.grad)
+        if outs:
+            torch.autograd.backward(outs, grads)
+        phases["decoder"] += time.perf_counter() - t0
+        return metrics, time.perf_counter() - start

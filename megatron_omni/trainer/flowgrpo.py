@@ -31,8 +31,6 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from megatron.core import tensor_parallel
-from megatron.core.distributed import finalize_model_grads
-from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
 from megatron_omni.algorithms.advantages import group_advantages
 from megatron_omni.bridge import DistributedTransport, WeightSync
@@ -51,8 +49,13 @@ from megatron_omni.trainer.config import JobConfig, ParallelConfig, torch_dtype
 from megatron_omni.trainer.grad_guard import GradGuard
 from megatron_omni.trainer.pipeline_step import MicroBatch, PipelineStep, plan_micro_batches
 from megatron_omni.trainer.rewards import RewardFunction, gather_rewards
-from megatron_omni.trainer.training_state import OptimizerSettings, build_ddp_and_optimizer
-from model_providers.qwen_image import provider
+from megatron_omni.trainer.skeleton import mini_batch_rows, step_prompts, update
+from megatron_omni.trainer.training_state import OptimizerSettings, build_ddp_and_optimizer, build_scheduler
+from model_providers import ModelFamily, get_family
+
+# The model family this trainer trains (its bundle: `model_providers.get_family`); a `model.family` setting
+# will choose it.
+FAMILY = "qwen_image"
 
 
 @dataclass
@@ -82,14 +85,16 @@ class FlowGRPOTrainer:
         elif cfg.model.recompute == "selective":
             overrides.update(recompute_granularity="selective")
         params_dtype = torch_dtype(cfg.model.params_dtype)
-        mcfg = provider.transformer_config(self.hf_config, tp=p.tp, pp=p.pp, ulysses=p.ulysses, ring=p.ring,
+        self.family = get_family(FAMILY)
+        mcfg = self.family.megatron_config(self.hf_config, tp=p.tp, pp=p.pp, ulysses=p.ulysses, ring=p.ring,
                                            params_dtype=params_dtype, **overrides)
         hf_state = _initial_weights(self.engine.initial_state_dict(), pipeline_dir, params_dtype)
-        self.model = provider.build_model(mcfg, groups, backend=cfg.model.backend)
-        provider.load_hf_state_dict(self.model, hf_state)
+        self.model = self.family.build_model(mcfg, groups, backend=cfg.model.backend)
+        self.family.load_state(self.model, hf_state)
         _count_stage_replicas_once(self.model, groups)
         # Built before DDP wraps the policy, from the same weights, never trained (no grads, no optimizer).
-        self.reference = _frozen_copy(mcfg, groups, cfg.model.backend, hf_state) if cfg.algorithm.beta > 0 else None
+        self.reference = (_frozen_copy(self.family, mcfg, groups, cfg.model.backend, hf_state)
+                          if cfg.algorithm.beta > 0 else None)
         # fp32 whatever the parameters' dtype: in bf16, (1 - decay) x a small update would round away.
         self.ema = (_frozen_copy(mcfg, groups, cfg.model.backend, hf_state).float() if cfg.optim.ema_decay > 0
                     else None)
@@ -107,12 +112,7 @@ class FlowGRPOTrainer:
                               distributed_optimizer=o.distributed_optimizer),
         )
         total_updates = cfg.steps * o.mini_batches
-        self.scheduler = OptimizerParamScheduler(
-            self.optimizer, init_lr=0.0 if o.warmup_steps else o.lr, max_lr=o.lr, min_lr=o.lr,
-            lr_warmup_steps=o.warmup_steps, lr_decay_steps=max(total_updates, o.warmup_steps + 1),
-            lr_decay_style="constant", start_wd=o.weight_decay, end_wd=o.weight_decay,
-            wd_incr_steps=total_updates, wd_incr_style="constant",
-        )
+        self.scheduler = build_scheduler(self.optimizer, o.lr, o.weight_decay, o.warmup_steps, total_updates)
         self.pipeline = PipelineStep(mcfg, groups)
         # The bridge into the engine's transformer (coverage-checked): direct copies into its live shards where
         # they sit in this process at the trainer's tp, else full tensors gathered over tp into its loader. With
@@ -146,12 +146,8 @@ class FlowGRPOTrainer:
     def step_prompts(self, step: int) -> tuple[list[str], list[int], list[int]]:
         """This data-parallel rank's prompts, global group ids and per-sample seeds for RL step `step`."""
         r = self.cfg.rollout
-        prompts = self.cfg.prompts
-        dp, d = self.groups.dp.size(), self.groups.dp.rank()
-        global_groups = [(step * r.prompts_per_step + i) for i in range(r.prompts_per_step)]
-        mine = global_groups[d::dp]
-        seeds = [self.cfg.seed * 1_000_003 + g * r.group_size + k for g in mine for k in range(r.group_size)]
-        return [prompts[g % len(prompts)] for g in mine], mine, seeds
+        return step_prompts(self.cfg.prompts, self.cfg.seed, step, r.prompts_per_step, r.group_size,
+                            self.groups.dp.rank(), self.groups.dp.size())
 
     def sync_weights(self) -> float:
         """Push the trained weights into the rollout engine's transformer through the bridge (raises on any
@@ -179,9 +175,8 @@ class FlowGRPOTrainer:
     def micro_batches(self, n: int, window: int, step: int) -> list[list[MicroBatch]]:
         """RL step `step`'s mini-batches (a fixed random split of the N samples), each as its micro-batches
         (chunks of optim.micro_batch_size transitions: sample x window step)."""
-        order = torch.randperm(n, generator=torch.Generator().manual_seed(self.cfg.seed * 7919 + step))
         return [plan_micro_batches(rows, window, self.cfg.optim.micro_batch_size)
-                for rows in order.chunk(self.cfg.optim.mini_batches)]
+                for rows in mini_batch_rows(n, self.cfg.seed, step, self.cfg.optim.mini_batches)]
 
     def old_log_probs(self, traj: Trajectory, step: int) -> torch.Tensor:
         """[N, W] log-probs of the trajectory under the current model (forward only, the same micro-batches
@@ -342,19 +337,17 @@ class FlowGRPOTrainer:
         grad_norms = []
         skipped = 0
         for micro_batches in minis:
-            self.ddp.zero_grad_buffer()
-            self.optimizer.zero_grad()
-            per_micro += self.pipeline.forward_backward(self.ddp, traj, micro_batches, old, advantages,
-                                                        cfg.algorithm.clip_range, cfg.algorithm.beta, ref_means)
-            finalize_model_grads([self.ddp], pg_collection=self.groups.mcore)
-            if not self.guard.allow_update(self.ddp):
+            res, metrics = update(self.ddp, self.optimizer, self.scheduler, self.guard, self.groups.mcore,
+                                  lambda mbs=micro_batches: self.pipeline.forward_backward(
+                                      self.ddp, traj, mbs, old, advantages, cfg.algorithm.clip_range,
+                                      cfg.algorithm.beta, ref_means))
+            per_micro += metrics
+            if not res.stepped:
                 skipped += 1
                 continue
-            ok, grad_norm, _ = self.optimizer.step()
-            self.scheduler.step(increment=1)
-            if ok:
+            if res.ok:
                 self.update_ema()
-            grad_norms.append(float(grad_norm) if grad_norm is not None else math.nan)
+            grad_norms.append(res.grad_norm)
         sums = {k: sum(m[k] for m in per_micro) / len(per_micro) for k in per_micro[0]}
         sums["grad_norm"] = sum(grad_norms) / len(grad_norms) if grad_norms else math.nan
         sums["skipped_updates"] = float(skipped)
@@ -412,15 +405,15 @@ def _count_stage_replicas_once(model: MMDiTModel, groups: ParallelGroups) -> Non
             p.shared = True
 
 
-def _frozen_copy(mcfg: MMDiTConfig, groups: ParallelGroups, backend: str,
+def _frozen_copy(family: ModelFamily, mcfg: MMDiTConfig, groups: ParallelGroups, backend: str,
                  hf_state: dict[str, torch.Tensor]) -> MMDiTModel:
     """A frozen model of the same layout and weights (the KL reference); building it leaves the torch and
     Megatron RNG streams where they were, so a beta > 0 run samples what a beta = 0 run samples."""
     tracker = tensor_parallel.get_cuda_rng_tracker()
     states = tracker.get_states()
     with torch.random.fork_rng():
-        ref = provider.build_model(mcfg, groups, backend=backend)
+        ref = family.build_model(mcfg, groups, backend=backend)
     tracker.set_states(states)
-    provider.load_hf_state_dict(ref, hf_state)
+    family.load_state(ref, hf_state)
     ref.requires_grad_(False)
     return ref.eval()

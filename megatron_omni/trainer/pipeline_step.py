@@ -3,7 +3,7 @@
 A micro-batch is a chunk of transitions (sample, window step); each row of a forward carries its own
 latents and timestep, so one forward may hold several window steps (`optim.micro_batch_size` counts
 transitions, as the planner does). Every stage pulls the same `MicroBatch` and builds
-the same velocity batch from the trajectory (`rollout.logprob.transition_inputs`: conditional rows, then
+the same velocity batch from the trajectory (`algorithms.transition.transition_inputs`: conditional rows, then
 the negative rows of the CFG samples, text padded to one length); the first stage feeds its tensors to the
 model, later stages the hidden states the schedule received. The last stage gathers its image tokens over
 context parallelism and runs the transition math the rollout and the pp=1 recompute share
@@ -30,12 +30,12 @@ from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
 from torch import nn
 
 from megatron_omni.algorithms.loss import flowgrpo_loss, kl_penalty
+from megatron_omni.algorithms.transition import TransitionInputs, transition_inputs, transition_output
 from megatron_omni.models.dit.config import MMDiTConfig
 from megatron_omni.models.dit.diffusers_interface import gather_image_shards
 from megatron_omni.models.dit.model import DiTBatch, pipeline_seq_length
 from megatron_omni.parallel.groups import ParallelGroups
 from megatron_omni.rollout.base import Trajectory
-from megatron_omni.rollout.logprob import TransitionInputs, transition_inputs, transition_output
 
 
 @dataclass(frozen=True)

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
 
 @dataclass(frozen=True)
@@ -30,10 +31,12 @@ class OptimizerSettings:
     distributed_optimizer: bool = False
 
 
-def build_ddp_and_optimizer(model: torch.nn.Module, config: Any, pg_collection: Any,
-                            settings: OptimizerSettings) -> tuple[DistributedDataParallel, Any]:
+def build_ddp_and_optimizer(model: torch.nn.Module, config: Any, pg_collection: Any, settings: OptimizerSettings,
+                            config_overrides: dict | None = None) -> tuple[DistributedDataParallel, Any]:
     """(DDP-wrapped model, Megatron optimizer) for `model` built from the TransformerConfig `config` (its
-    `params_dtype` decides mixed precision: bf16 parameters get fp32 main parameters and Adam state)."""
+    `params_dtype` decides mixed precision: bf16 parameters get fp32 main parameters and Adam state).
+    `config_overrides`: Megatron-Core's per-parameter-group overrides ({ParamKey: {"max_lr": ...}}), e.g. a
+    parameter group with its own learning rate."""
     bf16 = config.params_dtype == torch.bfloat16
     ddp = DistributedDataParallel(
         config=config,
@@ -49,7 +52,7 @@ def build_ddp_and_optimizer(model: torch.nn.Module, config: Any, pg_collection: 
                         clip_grad=s.clip_grad, bf16=bf16, params_dtype=config.params_dtype,
                         main_params_dtype=torch.float32, main_grads_dtype=torch.float32,
                         use_distributed_optimizer=s.distributed_optimizer),
-        [ddp], use_gloo_process_groups=False, pg_collection=pg_collection,
+        [ddp], config_overrides=config_overrides, use_gloo_process_groups=False, pg_collection=pg_collection,
     )
     return ddp, optimizer
 
@@ -84,3 +87,15 @@ def allocated_bytes(ddp: DistributedDataParallel, optimizer: Any) -> dict[str, i
     states = {k: v for k, v in _storages(optim_tensors).items() if k not in seen}
     return {"parameters": sum(params.values()), "gradients": sum(grads.values()),
             "optimizer_states": sum(states.values())}
+
+
+def build_scheduler(optimizer: Any, lr: float, weight_decay: float, warmup_steps: int = 0,
+                    total_updates: int = 1) -> OptimizerParamScheduler:
+    """Megatron-Core's scheduler: linear warmup from 0 over `warmup_steps` updates (none: start at `lr`), then
+    a constant lr and weight decay. It applies each parameter group's own max_lr, so an override's lr stays."""
+    return OptimizerParamScheduler(
+        optimizer, init_lr=0.0 if warmup_steps else lr, max_lr=lr, min_lr=lr,
+        lr_warmup_steps=warmup_steps, lr_decay_steps=max(total_updates, warmup_steps + 1),
+        lr_decay_style="constant", start_wd=weight_decay, end_wd=weight_decay,
+        wd_incr_steps=total_updates, wd_incr_style="constant",
+    )

@@ -27,7 +27,8 @@ def _consistency(rank: int, world_size: int, layout: ParallelLayout) -> dict:
     with torch.no_grad():
         hybrid.decoder.lm_head.weight[hybrid.config.eos_token_id] *= 6.0
     cfg = ARDiTTrainConfig(prompts=[[5, 6, 7], [9, 10, 11, 12, 13]], group_size=3,
-                           sampling=ARDiTSamplingParams(max_plan_tokens=6, temperature=0.8))
+                           sampling=ARDiTSamplingParams(max_plan_tokens=6, temperature=0.8, num_steps=4,
+                                                                noise_level=0.7))
     trainer = ARDiTTrainer(cfg, groups, _reward, hybrid=hybrid)
     traj = trainer.engine.generate(cfg.prompts, cfg.sampling, group_size=3, seeds=[11, 12, 13, 14, 15, 16])
     tok, win = trainer.recompute(traj)

@@ -48,7 +48,8 @@ def _trainer_round_trip(groups, hybrid, ids: list[int], seeds: list[int], **engi
     from megatron_omni.trainer.ar_dit import ARDiTTrainConfig, ARDiTTrainer
 
     cfg = ARDiTTrainConfig(prompts=[ids[:5], ids[:7]], group_size=3,
-                           sampling=ARDiTSamplingParams(max_plan_tokens=6, temperature=0.8))
+                           sampling=ARDiTSamplingParams(max_plan_tokens=6, temperature=0.8, num_steps=4,
+                                                                noise_level=0.7))
     trainer = ARDiTTrainer(cfg, groups, lambda t: t.image.images.mean(dim=(1, 2, 3)) + t.plan_lens.float() / 8,
                            hybrid=hybrid, **engines)
     out: dict = {}
@@ -194,7 +195,7 @@ def _served_dit(rank: int, world_size: int, folder: str) -> dict:
     hybrid = provider.torch_hybrid(HYBRID, seed=5)
     ids = torch.randint(2, 128, (12,), generator=torch.Generator().manual_seed(0)).tolist()
     seeds = [11, 12, 13, 14, 15, 16]
-    params = ARDiTSamplingParams(max_plan_tokens=6, temperature=0.8)
+    params = ARDiTSamplingParams(max_plan_tokens=6, temperature=0.8, num_steps=4, noise_level=0.7)
     out: dict = {}
     with vllm_omni_cpu.vllm_omni_model(folder, world_size, HYBRID_PIPELINE_CLASS) as pipe:
         out["class"] = type(pipe).__name__

@@ -207,3 +207,26 @@ def test_window_sampling() -> None:
         check_window(10, 3, (0, 2))
     with pytest.raises(ValueError, match="num_steps"):
         check_window(10, 2, (0, 11))
+
+
+def test_windowed_sde_step_draws_only_stochastic_rows_from_their_own_generators():
+    from megatron_omni.algorithms.sde import windowed_sde_step
+
+    torch.manual_seed(0)
+    x, v = torch.randn(3, 4, 2), torch.randn(3, 4, 2)
+    sigma, sigma_next, one = torch.full((3,), 0.8), torch.full((3,), 0.6), torch.full((3,), 0.9)
+    levels = torch.tensor([0.7, 0.0, 0.7])
+    gens = [torch.Generator().manual_seed(s) for s in (1, 2, 3)]
+    nxt, rows, lp = windowed_sde_step(x, v, sigma, sigma_next, one, levels, "sde", gens)
+    assert rows.tolist() == [0, 2]
+    for r, seed in ((0, 1), (2, 3)):
+        noise = torch.randn(4, 2, generator=torch.Generator().manual_seed(seed))
+        one_row = sde_step(x[r:r + 1], v[r:r + 1], sigma[r:r + 1], sigma_next[r:r + 1], levels[r:r + 1], "sde",
+                           sigma_after_one=one[r:r + 1], noise=noise[None], compute_log_prob=False)
+        torch.testing.assert_close(nxt[r], one_row.next_latents[0])
+        want = sde_log_prob(one_row.next_latents, one_row.coeffs, "sde")
+        torch.testing.assert_close(lp[rows.tolist().index(r)], want[0])
+    ode = sde_step(x[1:2], v[1:2], sigma[1:2], sigma_next[1:2], 0.0, "sde", sigma_after_one=one[1:2],
+                   compute_log_prob=False)
+    torch.testing.assert_close(nxt[1], ode.next_latents[0])
+    assert torch.equal(gens[1].get_state(), torch.Generator().manual_seed(2).get_state())  # never drawn from

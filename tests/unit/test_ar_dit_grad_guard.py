@@ -20,7 +20,8 @@ from megatron_omni.trainer.grad_guard import GradGuard
 def trainer():
     platform.init_distributed(rank=0, world_size=1)
     cfg = ARDiTTrainConfig(prompts=[[5, 6, 7], [9, 10, 11]], group_size=2, max_bad_steps=2,
-                           sampling=ARDiTSamplingParams(max_plan_tokens=4, temperature=1.0))
+                           sampling=ARDiTSamplingParams(max_plan_tokens=4, temperature=1.0, num_steps=4,
+                                                                noise_level=0.7))
     yield ARDiTTrainer(cfg, build_parallel_groups(ParallelLayout()), lambda t: t.plan_lens.float())
     platform.destroy_distributed()
 

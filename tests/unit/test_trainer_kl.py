@@ -22,8 +22,8 @@ BETA = 0.5
 def _algorithm_level(trainer, traj, old, advantages, step: int) -> dict[str, float]:
     """The step's loss and kl from the algorithm-level functions, on the pp=1 diffusers-interface path."""
     from megatron_omni.algorithms.loss import flowgrpo_loss, kl_penalty
+    from megatron_omni.algorithms.transition import transition_step
     from megatron_omni.models.dit.diffusers_interface import DiffusersForward
-    from megatron_omni.rollout.logprob import transition_step
 
     policy, reference = DiffusersForward(trainer.model), DiffusersForward(trainer.reference)
     losses, kls = [], []

@@ -2,7 +2,7 @@
 
 The batch is written by hand (random latents, a fixed SDE window, old log-probs set to give chosen
 ratios inside and outside the clip range, advantages of both signs). The reference computes the log-probs
-independently: `rollout.logprob.transition_step` on the diffusers transformer that the trainer's Megatron
+independently: `algorithms.transition.transition_step` on the diffusers transformer that the trainer's Megatron
 model was loaded from, then `algorithms.loss.flowgrpo_loss` over all samples and window steps, and its
 gradient by autograd through diffusers. The trainer's first update (one mini-batch, no clipping) must
 report the same loss and leave the same gradient in Megatron's grad buffers (mapped to Megatron's layout
@@ -20,9 +20,9 @@ import pytest
 import torch
 
 from megatron_omni.algorithms.loss import flowgrpo_loss
+from megatron_omni.algorithms.transition import transition_step
 from megatron_omni.parallel import ParallelLayout, build_parallel_groups, platform
 from megatron_omni.rollout.base import Trajectory
-from megatron_omni.rollout.logprob import transition_step
 from megatron_omni.trainer.config import JobConfig
 from megatron_omni.trainer.flowgrpo import FlowGRPOTrainer
 from megatron_omni.trainer.rewards import RewardFunction

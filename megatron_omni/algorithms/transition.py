@@ -1,5 +1,6 @@
-"""Recompute a trajectory's log-probs with any velocity model (the trainer's side of the consistency
-check): same guided-velocity code and same SDE step as the rollout, on the stored latents.
+"""The loss side of a recorded transition: a trajectory's log-probs under any velocity model (the trainer's
+loss, and its side of the consistency check), with the same guided-velocity code and the same SDE step as
+the rollout, on the stored latents.
 
 A transition splits in two halves around the velocity forward: `transition_inputs` (sigmas, the guided
 batch) and `transition_output` (true CFG, SDE step, log-prob). `transition_step` joins them around one
@@ -9,12 +10,33 @@ last stage's output, so both paths run the same math."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
 from megatron_omni.algorithms.sde import SdeStepOutput, sde_step
-from megatron_omni.rollout.base import Trajectory
-from megatron_omni.rollout.velocity import GuidedBatch, VelocityModel, forward_rows, guided_batch
+from megatron_omni.algorithms.velocity import GuidedBatch, VelocityModel, forward_rows, guided_batch
+
+
+class Trajectory(Protocol):
+    """What the transition math reads of a rollout record (`rollout.base.Trajectory` is one): N samples,
+    W window steps, S image tokens, C packed channels, L text tokens, T + 1 grid points."""
+
+    latents: torch.Tensor  # [N, W, S, C] x_t of each window step
+    next_latents: torch.Tensor  # [N, W, S, C] the recorded x_{t+1}
+    log_probs: torch.Tensor  # [N, W]
+    sigmas: torch.Tensor  # [N, T + 1] each sample's grid
+    prompt_embeds: torch.Tensor  # [N, L, D]
+    prompt_embeds_mask: torch.Tensor  # [N, L]
+    negative_prompt_embeds: torch.Tensor | None
+    negative_prompt_embeds_mask: torch.Tensor | None
+    guidance_scale: torch.Tensor  # [N]
+    img_shape: tuple[int, int, int]
+    noise_level: float
+    sde_type: str
+
+    @property
+    def step_indices(self) -> torch.Tensor: ...  # [N, W] grid index of each window step
 
 
 @dataclass

@@ -1,0 +1,17 @@
+"""The Qwen-Image MMDiT family's bundle (see `model_providers.registry`)."""
+
+from __future__ import annotations
+
+from model_providers.qwen_image import presets, provider
+from model_providers.registry import ModelFamily
+
+FAMILY = ModelFamily(
+    name="qwen_image",
+    presets=tuple(sorted(presets.PRESETS)),
+    config=provider.hf_config,
+    build_model=provider.build_model,
+    load_state=provider.load_hf_state_dict,
+    export_state=provider.stage_hf_tensors,
+    megatron_shapes=provider.megatron_shapes,
+    megatron_config=provider.transformer_config,
+)

@@ -1,0 +1,69 @@
+"""Model families as data: a family is a `ModelFamily` bundle in `model_providers/<name>/family.py` (its
+module-level `FAMILY`), looked up by name with `get_family`, so a trainer builds, loads and exports a model
+without importing the family's modules and a new family is a new folder, not a trainer edit.
+
+The bundle holds what this room (model_providers) owns: presets, the config from a preset, build, load and
+export of the weights in their Hugging Face / diffusers layout, and the Megatron weight shapes. The sync plan
+into a rollout engine lives in the bridge room (above this one in the import order) and is keyed by the
+same family name there.
+"""
+
+from __future__ import annotations
+
+import importlib
+import pkgutil
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+
+@dataclass(frozen=True)
+class ModelFamily:
+    """One model family's entry points (each a function of the family's provider module).
+
+    name: the family's folder name under model_providers/ (and the value of a `model.family` setting).
+    presets: the preset names `config` accepts.
+    config: a preset name or config dict -> the family's model config (a diffusers dict for Qwen-Image,
+        a `HybridConfig` for AR-DiT).
+    build_model: (model config, ParallelGroups, backend) -> this rank's Megatron-Core model shards.
+    load_state: (model, state) -> None: copy full Hugging Face-layout tensors into this rank's shards; `state`
+        is what `export_state` returns (a dict, or a tuple of per-part dicts).
+    export_state: model -> its full Hugging Face-layout tensors gathered over tp (collective).
+    megatron_shapes: a preset name or config -> the Megatron parameter shapes (the planner's and layout
+        checks' view of the model).
+    megatron_config: (model config, tp=, pp=, ulysses=, ring=, params_dtype=, **overrides) -> the
+        TransformerConfig `build_model` takes, for a family whose build takes one (None: `build_model` takes
+        the model config itself).
+    reference_model: (preset or config, seed=) -> a plain-torch model of the family (the rollout's own
+        copy where the family has one; None otherwise).
+    """
+
+    name: str
+    presets: tuple[str, ...]
+    config: Callable[[Any], Any]
+    build_model: Callable[..., Any]
+    load_state: Callable[[Any, Any], None]
+    export_state: Callable[[Any], Any]
+    megatron_shapes: Callable[[Any], dict[str, Any]]
+    megatron_config: Callable[..., Any] | None = None
+    reference_model: Callable[..., Any] | None = None
+
+
+def family_names() -> list[str]:
+    """The families present: every model_providers/<name>/ folder with a family.py."""
+    root = Path(__file__).resolve().parent
+    return sorted(m.name for m in pkgutil.iter_modules([str(root)])
+                  if m.ispkg and (root / m.name / "family.py").exists())
+
+
+def get_family(name: str) -> ModelFamily:
+    """The bundle of family `name` (`model_providers/<name>/family.py`'s `FAMILY`). Raises ValueError naming
+    the known families when there is none."""
+    known = family_names()
+    if name not in known:
+        raise ValueError(f"unknown model family {name!r}; known: {known}")
+    family = importlib.import_module(f"model_providers.{name}.family").FAMILY
+    if not isinstance(family, ModelFamily) or family.name != name:
+        raise ValueError(f"model_providers/{name}/family.py must define FAMILY = ModelFamily(name={name!r}, ...)")
+    return family

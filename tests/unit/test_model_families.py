@@ -1,0 +1,23 @@
+"""Model families are looked up by name: each bundle names its own provider's functions, and an unknown name
+fails with the known ones listed."""
+
+import pytest
+
+from model_providers import family_names, get_family
+from model_providers.ar_dit import provider as ar_dit_provider
+from model_providers.qwen_image import provider as qwen_image_provider
+
+
+def test_both_families_are_found_by_name():
+    assert {"ar_dit", "qwen_image"} <= set(family_names())
+    q, a = get_family("qwen_image"), get_family("ar_dit")
+    assert q.name == "qwen_image" and q.build_model is qwen_image_provider.build_model
+    assert q.megatron_config is qwen_image_provider.transformer_config
+    assert a.export_state is ar_dit_provider.hf_state and a.reference_model is ar_dit_provider.torch_hybrid
+    assert "tiny" in q.presets and "tiny" in a.presets
+    assert q.config("tiny") == qwen_image_provider.hf_config("tiny")
+
+
+def test_unknown_family_names_the_known_ones():
+    with pytest.raises(ValueError, match=r"unknown model family 'sd3'.*ar_dit.*qwen_image"):
+        get_family("sd3")
