@@ -130,6 +130,19 @@ def dry_run(cfg, world_size: int, gpu: str, gpus_per_node: int = 8, reward_gpus:
     return m.fits and total <= m.capacity
 
 
+def _is_rank0() -> bool:
+    """Whether this process prints job-wide messages: torchrun's global rank 0 (RANK), or a lone process."""
+    return int(os.environ.get("RANK", os.environ.get("LOCAL_RANK", "0"))) == 0
+
+
+def _config_error(exc: Exception) -> int:
+    """One line on rank 0 only (every rank validates the same config and exits 2 at once, before the process
+    group exists, so no rank waits on another)."""
+    if _is_rank0():
+        print(f"config error: {exc}", file=sys.stderr, flush=True)
+    return 2
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
@@ -153,10 +166,18 @@ def main(argv: list[str] | None = None) -> int:
                 return 3
             print("dry run OK: the layout is valid for this world size and fits")
             return 0
-    except ConfigError as exc:
-        print(f"config error: {exc}", file=sys.stderr)
-        return 2
+        from megatron_omni.trainer.config_checks import check_files
+        from megatron_omni.trainer.rewards import RewardPreflightError, preflight
 
+        check_files(cfg)
+        try:
+            preflight(cfg.reward.url)
+        except RewardPreflightError as exc:
+            raise ConfigError(str(exc)) from None
+    except ConfigError as exc:
+        return _config_error(exc)
+
+    from megatron_omni.reward.errors import RewardServiceError
     from megatron_omni.parallel import platform
     from megatron_omni.trainer.flowgrpo import LogpGapError
     from megatron_omni.trainer.run import run
@@ -167,6 +188,9 @@ def main(argv: list[str] | None = None) -> int:
     except LogpGapError as exc:  # every rank raises it at the same step (the gap is reduced over data parallel)
         print(f"train/rollout mismatch: {exc}", file=sys.stderr)
         return 4
+    except RewardServiceError as exc:  # the server stopped answering: named, never a traceback or a reward of 0
+        print(f"reward server error: {exc}", file=sys.stderr, flush=True)
+        return 1
     finally:
         platform.destroy_distributed()
     if "last_reward" in summary:

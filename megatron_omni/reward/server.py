@@ -192,8 +192,12 @@ class RewardServer:
         return hmac.compare_digest(got.encode(), f"Bearer {self.cfg.token}".encode())
 
     async def handle_health(self, request: web.Request) -> web.Response:
-        """Liveness/readiness: 200 once the scorers are built."""
+        """Liveness/readiness: 200 once the scorers are built. Open to all (launch scripts poll it), but a
+        request that carries a wrong bearer token gets 401, so a client can check its token before scoring."""
+        if "Authorization" in request.headers and not self._authorized(request):
+            return self._error(401, "missing or wrong bearer token")
         body = {
+            "token_required": self.cfg.token is not None,
             "status": "ok" if self.ready else "starting",
             "scorer": self.scorer_name,
             "workers": len(self.workers),
