@@ -240,7 +240,10 @@ def check_writable(folder: Path, name: str) -> None:
     except OSError as exc:
         raise ConfigError(f"{name}={str(folder)!r} is not writable: {exc.strerror or exc}") from None
     finally:
-        probe.unlink(missing_ok=True)
+        try:
+            probe.unlink(missing_ok=True)
+        except OSError:
+            pass  # the folder could not be made: there is no probe to remove
 
 
 def read_prompts_file(path: str | os.PathLike, name: str) -> list[str]:
