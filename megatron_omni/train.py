@@ -177,8 +177,8 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         return _config_error(exc)
 
-    from megatron_omni.reward.errors import RewardServiceError
     from megatron_omni.parallel import platform
+    from megatron_omni.reward.errors import RewardServiceError
     from megatron_omni.trainer.flowgrpo import LogpGapError
     from megatron_omni.trainer.run import run
 

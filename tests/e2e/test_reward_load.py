@@ -9,8 +9,8 @@ Every request must end exactly once: 200 with its own id and the reward the scor
 429/503 with a Retry-After header. Refusals are not success: at the stated rate at least ANSWERED_SHARE of the
 requests must be answered (measured on a loaded 2-core CPU machine: 108 of 108 answered, p99 177 ms; 0.95
 leaves room for a slower CI machine), and the burst must be answered for at least the queue's capacity (the
-16 items the queue admits before it pushes back; measured: 16 of 64). The server's counters must agree with what the clients saw (no request
-scored twice, none dropped). Latency percentiles are printed (run with -s to see them).
+16 items the queue admits before it pushes back; measured: 16 of 64). The server's counters must agree with
+what the clients saw (no request scored twice, none dropped). Latency percentiles are printed (run with -s to see them).
 """
 
 from __future__ import annotations
