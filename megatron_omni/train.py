@@ -169,11 +169,11 @@ def main(argv: list[str] | None = None) -> int:
         from megatron_omni.trainer.config_checks import check_files
         from megatron_omni.trainer.rewards import RewardPreflightError, preflight
 
-        check_files(cfg)
         try:
             preflight(cfg.reward.url)
         except RewardPreflightError as exc:
             raise ConfigError(str(exc)) from None
+        check_files(cfg)  # last: it creates the run folder
     except ConfigError as exc:
         return _config_error(exc)
 
