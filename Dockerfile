@@ -42,6 +42,13 @@ COPY docker ./docker
 # refuses anything that would move torch.
 RUN pip install -e ".[gpu]"
 
+# The OCR reward on a GPU: onnxruntime-gpu and the CPU onnxruntime (a core dependency) install the same
+# `onnxruntime` module, so the CPU one is removed and the GPU wheel reinstalled alone (its dependencies came
+# with the extra above). The reward server refuses `--devices cuda:i` for OCR without this provider.
+RUN pip uninstall -y onnxruntime onnxruntime-gpu \
+ && pip install --no-deps "onnxruntime-gpu==1.31.1" \
+ && python -c "import onnxruntime as o; p = o.get_available_providers(); assert 'CUDAExecutionProvider' in p, p"
+
 # TransformerEngine's PyTorch extension and NVIDIA apex (the PyPI package named "apex" is unrelated), compiled
 # against the installed torch (no build isolation: an isolated build would fetch another torch).
 RUN NVTE_FRAMEWORK=pytorch MAX_JOBS=8 pip install --no-build-isolation "transformer-engine[pytorch]==2.9.0"

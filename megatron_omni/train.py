@@ -42,6 +42,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return ap.parse_args(argv)
 
 
+def _is_rank0() -> bool:
+    """Whether this process prints job-wide messages: torchrun's global rank 0 (RANK), or a lone process."""
+    return int(os.environ.get("RANK", os.environ.get("LOCAL_RANK", "0"))) == 0
+
+
+def _config_error(exc: Exception) -> int:
+    """One line on rank 0 only (every rank validates the same config and exits 2 at once, before the process
+    group exists, so no rank waits on another)."""
+    if _is_rank0():
+        print(f"config error: {exc}", file=sys.stderr, flush=True)
+    return 2
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
@@ -56,14 +69,21 @@ def main(argv: list[str] | None = None) -> int:
             from megatron_omni.trainer.dry_run import dry_run
 
             return dry_run(cfg, world_size, args.gpu, args.gpus_per_node, args.reward_gpus, args.mfu_from)
+        from megatron_omni.trainer.config_checks import check_files
+        from megatron_omni.trainer.rewards import RewardPreflightError, preflight
         from megatron_omni.trainer.run_folder import check_run_dir
 
-        check_run_dir(cfg, args.overwrite)
+        try:
+            preflight(cfg.reward.url)
+        except RewardPreflightError as exc:
+            raise ConfigError(str(exc)) from None
+        check_run_dir(cfg, args.overwrite)  # reads only
+        check_files(cfg)  # last: it creates the run folder
     except ConfigError as exc:
-        print(f"config error: {exc}", file=sys.stderr)
-        return 2
+        return _config_error(exc)
 
     from megatron_omni.parallel import platform
+    from megatron_omni.reward.errors import RewardServiceError
     from megatron_omni.trainer.flowgrpo import LogpGapError
     from megatron_omni.trainer.preemption import STOPPED_EXIT, TrainingStopped
     from megatron_omni.trainer.run import run
@@ -80,6 +100,9 @@ def main(argv: list[str] | None = None) -> int:
     except LogpGapError as exc:  # every rank raises it at the same step (the gap is reduced over data parallel)
         print(f"train/rollout mismatch: {exc}", file=sys.stderr)
         return 4
+    except RewardServiceError as exc:  # the server stopped answering: named, never a traceback or a reward of 0
+        print(f"reward server error: {exc}", file=sys.stderr, flush=True)
+        return 1
     finally:
         platform.destroy_distributed()
     if "last_reward" in summary:

@@ -29,9 +29,9 @@ by default the optimizer state is not sharded, so the layout is the fastest one 
 from __future__ import annotations
 
 import os
-from pathlib import Path
 
 from megatron_omni.trainer.config import ConfigError, JobConfig
+from megatron_omni.trainer.config_checks import read_prompts_file
 
 DEFAULT_PIPELINE = "/models/Qwen-Image"
 
@@ -67,13 +67,7 @@ def load_prompts(path: str | None) -> list[str]:
     """Prompts from a file (one per line, blank lines skipped), or the built-in list when `path` is None."""
     if path is None:
         return list(OCR_PROMPTS)
-    p = Path(path)
-    if not p.is_file():
-        raise ConfigError(f"OCR_PROMPTS={path!r} is not a file")
-    prompts = [line.strip() for line in p.read_text().splitlines() if line.strip()]
-    if not prompts:
-        raise ConfigError(f"OCR_PROMPTS={path!r} has no prompts")
-    return prompts
+    return read_prompts_file(path, "OCR_PROMPTS")
 
 
 def ocr_20b() -> JobConfig:

@@ -17,11 +17,12 @@ on forever, and never turned into a reward of 0.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import random
 import threading
 import time
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import aiohttp
@@ -56,6 +57,7 @@ class AsyncRewardClient:
         self.max_connections = int(max_connections)
         self._session: aiohttp.ClientSession | None = None
         self._tasks: dict[int, asyncio.Task] = {}
+        self._gathering: list[asyncio.Task] = []
         self._prefix = uuid.uuid4().hex[:12]
         self._seq = 0
         self.retries = 0  # attempts that were retried (for metrics)
@@ -193,13 +195,29 @@ class AsyncRewardClient:
             missing = sorted(set(range(max(tasks, default=-1) + 1)) - set(tasks))
             raise ValueError(f"submitted sample indices are not 0..{n - 1}; missing {missing[:10]}")
         order = [tasks[i] for i in range(n)]
+        self._gathering = order
         try:
             return list(await asyncio.gather(*order))
+        except RewardServiceError as exc:
+            left = self.outstanding
+            await self._cancel(order)
+            raise RewardServiceError(f"{exc} [{left} of {n} requests outstanding]") from exc
         except BaseException:
-            for t in order:
-                t.cancel()
-            await asyncio.gather(*order, return_exceptions=True)
+            await self._cancel(order)
             raise
+        finally:
+            self._gathering = []
+
+    @staticmethod
+    async def _cancel(tasks: list[asyncio.Task]) -> None:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+    @property
+    def outstanding(self) -> int:
+        """Requests submitted and not yet answered (those being gathered and those not gathered yet)."""
+        return sum(not t.done() for t in [*self._gathering, *self._tasks.values()])
 
     async def score(
         self,
@@ -261,9 +279,26 @@ class RewardClient:
 
         asyncio.run_coroutine_threadsafe(_submit(), self._loop).result()
 
-    def gather(self) -> list[float]:
-        """Rewards of the submitted samples in index order; RewardServiceError on failure."""
-        return self._call(self._client.gather())
+    def gather(self, on_wait: Callable[[int], None] | None = None, poll_s: float = 0.5) -> list[float]:
+        """Rewards of the submitted samples in index order; RewardServiceError on failure (naming the URL, the
+        sample and how many requests were outstanding). While it waits, `on_wait(outstanding)` is called every
+        `poll_s` seconds from this thread (a progress bar's postfix), and `on_wait(0)` once at the end."""
+        future = asyncio.run_coroutine_threadsafe(self._client.gather(), self._loop)
+        try:
+            while True:
+                try:
+                    return future.result(timeout=poll_s)
+                except concurrent.futures.TimeoutError:
+                    if on_wait is not None:
+                        on_wait(self._client.outstanding)
+        finally:
+            if on_wait is not None:
+                on_wait(0)
+
+    @property
+    def outstanding(self) -> int:
+        """Requests submitted and not yet answered."""
+        return self._client.outstanding
 
     def score(
         self,

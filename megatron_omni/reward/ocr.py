@@ -47,6 +47,27 @@ def _split_device(device: str | None) -> tuple[str, int]:
         raise RewardInputError(f"device {device!r} is not of the form 'type' or 'type:index'") from exc
 
 
+# The onnxruntime execution provider rapidocr's accelerator path (EngineConfig.onnxruntime.use_cuda) needs.
+ACCELERATOR_PROVIDER = "CUDAExecutionProvider"
+
+
+def missing_accelerator(device: str | None) -> str | None:
+    """Why OCR cannot run on `device` ('type:index'): onnxruntime lacks the accelerator provider (the message
+    names the provider list); None when it can (or `device` is the CPU). Without this check onnxruntime falls
+    back to the CPU with a warning rapidocr hides."""
+    kind, _ = _split_device(device)
+    if kind == "cpu":
+        return None
+    import onnxruntime
+
+    providers = onnxruntime.get_available_providers()
+    if ACCELERATOR_PROVIDER in providers:
+        return None
+    return (f"OCR on {device!r} needs onnxruntime's {ACCELERATOR_PROVIDER}, but onnxruntime "
+            f"{onnxruntime.__version__} has only {providers} (install onnxruntime-gpu, as the GPU image does, or "
+            "give the reward server --allow-cpu-fallback to score on the CPU)")
+
+
 class RapidOcrReader:
     """rapidocr's PP-OCR pipeline (detection + recognition), on CPU or an accelerator given by `device`."""
 
@@ -63,6 +84,9 @@ class RapidOcrReader:
         from rapidocr import RapidOCR  # heavy import (onnxruntime, cv2): only where a reader is built
 
         kind, index = _split_device(device)
+        missing = missing_accelerator(device)
+        if missing is not None:
+            raise RewardInputError(missing)
         params: dict[str, Any] = {
             "Det.limit_type": "min",
             "Det.limit_side_len": int(limit_side_len),

@@ -88,6 +88,39 @@ def _parse_weighted(spec: str) -> list[tuple[str, float]]:
     return terms
 
 
+def scorer_names(spec: str | Mapping[str, Any]) -> list[str]:
+    """The scorer names a spec uses, checked without building anything: each must be registered or a
+    'module:function' whose module can be found. RewardInputError naming the first one that is neither."""
+    import importlib.util
+
+    if isinstance(spec, Mapping):
+        if "weighted" in spec:
+            return [n for t in spec["weighted"] for n in scorer_names(t["scorer"] if isinstance(t, Mapping)
+                                                                      and "scorer" in t else "")]
+        if "name" not in spec:
+            raise RewardInputError(f"scorer spec {dict(spec)!r} needs 'name' or 'weighted'")
+        return scorer_names(spec["name"])
+    if not isinstance(spec, str) or not spec.strip():
+        raise RewardInputError(f"scorer spec must be a non-empty string or dict, got {spec!r}")
+    spec = spec.strip()
+    if "+" in spec or "*" in spec:
+        return [n for name, _ in _parse_weighted(spec) for n in scorer_names(name)]
+    if ":" in spec:
+        module = spec.split(":", 1)[0]
+        try:
+            found = importlib.util.find_spec(module) is not None
+        except (ImportError, ValueError):
+            found = False
+        if not found:
+            raise RewardInputError(f"scorer {spec!r}: module {module!r} is not importable")
+        return [spec]
+    if spec not in _REGISTRY:
+        raise RewardInputError(
+            f"unknown scorer {spec!r}; registered: {', '.join(available_scorers())}, or 'module:function'"
+        )
+    return [spec]
+
+
 def build_scorer(spec: str | Mapping[str, Any], *, device: str | None = None, **kwargs: Any) -> Scorer:
     """A Scorer from a spec (see the module docstring); `kwargs` are constructor options."""
     if isinstance(spec, Mapping):

@@ -192,8 +192,12 @@ class RewardServer:
         return hmac.compare_digest(got.encode(), f"Bearer {self.cfg.token}".encode())
 
     async def handle_health(self, request: web.Request) -> web.Response:
-        """Liveness/readiness: 200 once the scorers are built."""
+        """Liveness/readiness: 200 once the scorers are built. Open to all (launch scripts poll it), but a
+        request that carries a wrong bearer token gets 401, so a client can check its token before scoring."""
+        if "Authorization" in request.headers and not self._authorized(request):
+            return self._error(401, "missing or wrong bearer token")
         body = {
+            "token_required": self.cfg.token is not None,
             "status": "ok" if self.ready else "starting",
             "scorer": self.scorer_name,
             "workers": len(self.workers),
@@ -329,7 +333,11 @@ def parse_args(argv: list[str] | None = None) -> tuple[ServerConfig, str | None]
     p.add_argument("--max-batch", type=int, default=16, help="items per scorer call")
     p.add_argument("--batch-wait-ms", type=float, default=0.0, help="linger to grow a batch when idle")
     p.add_argument("--timeout", type=float, default=60.0, help="per-request seconds before a 504")
-    p.add_argument("--token", default=os.environ.get("REWARD_SERVER_TOKEN"), help="require this bearer token")
+    p.add_argument("--token", default=os.environ.get("REWARD_SERVER_TOKEN"),
+                   help="require this bearer token (default: env REWARD_SERVER_TOKEN); needed beyond loopback")
+    p.add_argument("--allow-cpu-fallback", action="store_true",
+                   help="OCR on --devices whose onnxruntime provider is missing scores on the CPU (printed) "
+                        "instead of refusing to start")
     a = p.parse_args(argv)
     try:
         kwargs = json.loads(a.scorer_kwargs)
@@ -348,11 +356,10 @@ def parse_args(argv: list[str] | None = None) -> tuple[ServerConfig, str | None]
         except ValueError as exc:
             p.error(str(exc))
     if a.host not in (LOOPBACK, "localhost", "::1") and not a.token:
-        print(
-            f"reward server: WARNING binding {a.host} without --token: anyone who can reach it can use it",
-            file=sys.stderr,
-            flush=True,
-        )
+        _fail(f"--host {a.host} is beyond loopback: anyone who can reach it could use it; give --token or set "
+                "REWARD_SERVER_TOKEN (the trainer sends the same variable), or bind 127.0.0.1")
+    if devices:
+        devices = _ocr_devices(scorer, devices, a.allow_cpu_fallback)
     cfg = ServerConfig(
         scorer=scorer,
         scorer_kwargs=kwargs,
@@ -369,6 +376,40 @@ def parse_args(argv: list[str] | None = None) -> tuple[ServerConfig, str | None]
         cpus=cpus,
     )
     return cfg, a.port_file
+
+
+def _fail(message: str) -> None:
+    """One line and exit 2 (a server that cannot start as asked; no usage text to hide the line)."""
+    print(f"reward server: error: {message}", file=sys.stderr, flush=True)
+    raise SystemExit(2)
+
+
+def _ocr_devices(scorer: Any, devices: list[str], allow_cpu_fallback: bool) -> list[str]:
+    """The devices an OCR scorer's workers get: each accelerator must have onnxruntime's provider, else the
+    server refuses to start (exit 2, naming the providers) or, with --allow-cpu-fallback, says so and uses
+    the CPU. Scorers without OCR get `devices` as they are."""
+    from megatron_omni.reward.registry import scorer_names
+
+    try:
+        names = scorer_names(scorer)
+    except RewardInputError as exc:
+        _fail(str(exc))
+    if "ocr" not in names:
+        return devices  # only rapidocr runs on onnxruntime (vlm_ocr reads through an HTTP endpoint)
+    from megatron_omni.reward.ocr import missing_accelerator
+
+    out = []
+    for device in devices:
+        missing = missing_accelerator(device)
+        if missing is None:
+            out.append(device)
+        elif allow_cpu_fallback:
+            print(f"reward server: CPU FALLBACK for {device}: {missing.split(' (install')[0]}; scoring on the CPU "
+                  "(--allow-cpu-fallback)", file=sys.stderr, flush=True)
+            out.append("cpu")
+        else:
+            _fail(missing)
+    return out
 
 
 def parse_cpu_list(spec: str) -> set[int]:

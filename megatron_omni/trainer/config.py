@@ -192,56 +192,33 @@ class JobConfig:
     def validate(self, world_size: int) -> None:
         """Check values and the layout against the world size; raises ConfigError naming the field."""
         from megatron_omni.parallel.layout import LayoutError, ParallelLayout
+        from megatron_omni.trainer.config_checks import check_fields, check_reward
 
+        # Types, value sets, signs and bounds of every field (one line naming the field), then the reward's
+        # scorer and URL, then what depends on several fields at once.
+        check_fields(self)
+        check_reward(self)
         try:
             rollout_params = self.rollout.sampling_params()
         except ValueError as exc:
             raise ConfigError(f"rollout: {exc}") from None
         m, r = self.model, self.rollout
         checks = [
-            (m.backend in MODEL_BACKENDS, "model.backend", f"must be {'|'.join(MODEL_BACKENDS)}"),
             (m.backend != "te" or module_importable("transformer_engine"), "model.backend",
              "needs the transformer_engine package (TransformerEngine, GPU image only), which is not importable "
              "here; use model.backend=local"),
-            (m.params_dtype in DTYPES, "model.params_dtype", f"must be {'|'.join(DTYPES)}"),
-            (r.dtype in DTYPES, "rollout.dtype", f"must be {'|'.join(DTYPES)}"),
-            (r.engine in ROLLOUT_ENGINES, "rollout.engine", f"must be {'|'.join(ROLLOUT_ENGINES)}"),
             (r.engine != "vllm_omni" or module_importable("vllm_omni"), "rollout.engine",
              "= vllm_omni needs the vllm_omni package, which is not importable here; use rollout.engine=diffusers"),
-            (r.tp >= 1, "rollout.tp", "must be >= 1"),
             (r.tp == 1 or r.engine == "vllm_omni", "rollout.tp", "> 1 needs rollout.engine=vllm_omni (the diffusers "
              "engine is one process per rank)"),
-            (r.max_batch_size >= 1, "rollout.max_batch_size", "must be >= 1"),
-            (self.algorithm.clip_range > 0, "algorithm.clip_range", "must be > 0"),
-            (self.algorithm.max_logp_gap is None or self.algorithm.max_logp_gap > 0, "algorithm.max_logp_gap",
-             "must be > 0 (or none: logged only)"),
-            (self.optim.lr > 0, "optim.lr", "must be > 0"),
-            (self.steps >= 1, "steps", "must be >= 1"),
-            (self.rollout.group_size >= 2, "rollout.group_size", "must be >= 2 (group-relative advantages)"),
-            (self.rollout.prompts_per_step >= 1, "rollout.prompts_per_step", "must be >= 1"),
-            (self.optim.mini_batches >= 1, "optim.mini_batches", "must be >= 1"),
-            (self.optim.max_bad_steps >= 1, "optim.max_bad_steps", "must be >= 1"),
-            (self.model.recompute in (None, "full", "selective"), "model.recompute", "must be full|selective"),
-            (self.rollout.transformer in ("auto", "engine", "trainer"), "rollout.transformer",
-             "must be auto|engine|trainer"),
             (self.rollout.transformer != "trainer" or self.parallel.tp * self.parallel.ulysses * self.parallel.ring
              * self.parallel.pp == 1, "rollout.transformer",
              "= trainer needs a one-rank model replica (parallel.tp = ulysses = ring = pp = 1); use engine or auto"),
             (r.transformer != "trainer" or r.engine == "diffusers", "rollout.transformer",
              "= trainer needs rollout.engine=diffusers (vLLM-Omni samples with its own copy)"),
-            (self.algorithm.old_logprob in ("recompute", "bypass"), "algorithm.old_logprob",
-             "must be recompute|bypass"),
-            (self.algorithm.std_mode in ("global", "group"), "algorithm.std_mode", "must be global|group"),
-            (self.algorithm.beta >= 0.0, "algorithm.beta", "must be >= 0 (KL weight to the frozen reference)"),
-            (0.0 <= self.optim.ema_decay < 1.0, "optim.ema_decay", "must be in [0, 1) (0: no EMA of the weights)"),
-            (self.optim.micro_batch_size is None or self.optim.micro_batch_size >= 1, "optim.micro_batch_size",
-             "must be >= 1 (or none: the whole mini-batch)"),
+            (not self.logging.wandb or module_importable("wandb"), "logging.wandb",
+             "= true needs the wandb package, which is not importable here"),
             (len(self.prompts) >= 1, "prompts", "needs at least one prompt"),
-            (self.eval.seeds_per_prompt >= 1, "eval.seeds_per_prompt", "must be >= 1"),
-            (self.eval.num_steps >= 1, "eval.num_steps", "must be >= 1"),
-            (self.eval.every >= 0, "eval.every", "must be >= 0 (0: before and after training only)"),
-            (self.eval.guidance_scale is None or self.eval.guidance_scale >= 1, "eval.guidance_scale",
-             "must be >= 1 (or none: the rollout's)"),
             (not self.eval.rollout_sampler or rollout_params.stochastic,
              "eval.rollout_sampler", "needs a stochastic rollout (rollout.noise_level > 0, rollout.window_size > 0)"),
         ]

@@ -7,7 +7,13 @@ never replaced by a default.
 
 from __future__ import annotations
 
+import errno
+import json
 import os
+import socket
+import urllib.error
+import urllib.request
+from typing import Any
 
 import numpy as np
 import torch
@@ -16,6 +22,55 @@ import torch.distributed as dist
 from megatron_omni.reward.client import RewardClient
 from megatron_omni.reward.registry import build_scorer
 from megatron_omni.rollout.base import FinishedSample
+
+TOKEN_ENV = "REWARD_SERVER_TOKEN"
+
+
+class RewardPreflightError(RuntimeError):
+    """The reward server cannot be used at start: the message names the URL and what failed."""
+
+
+def _why(exc: BaseException) -> str:
+    """What a failed connection was, in words: refused, DNS, timeout, or the error itself."""
+    reason = exc.reason if isinstance(exc, urllib.error.URLError) else exc
+    if isinstance(reason, socket.gaierror):
+        return f"DNS lookup failed ({reason.strerror or reason})"
+    if isinstance(reason, (TimeoutError, socket.timeout)):
+        return "timed out"
+    if isinstance(reason, ConnectionRefusedError) or getattr(reason, "errno", None) == errno.ECONNREFUSED:
+        return "connection refused (is the server running on that port?)"
+    return f"{type(reason).__name__}: {reason}"
+
+
+def preflight(url: str | None, timeout_s: float = 5.0, token: str | None = None) -> dict[str, Any] | None:
+    """GET `url`/health within `timeout_s` seconds, with the bearer token of REWARD_SERVER_TOKEN (or `token`):
+    the server's health body, or RewardPreflightError naming the URL and what failed (refused, DNS, timeout,
+    a bad status, a missing or wrong token). None when `url` is None (scoring in process)."""
+    if url is None:
+        return None
+    token = token if token is not None else os.environ.get(TOKEN_ENV)
+    health = url.rstrip("/") + "/health"
+    request = urllib.request.Request(health, headers={"Authorization": f"Bearer {token}"} if token else {})
+    try:
+        with urllib.request.urlopen(request, timeout=timeout_s) as resp:
+            body = json.loads(resp.read() or b"{}")
+    except urllib.error.HTTPError as exc:
+        if exc.code == 401:
+            raise RewardPreflightError(f"reward.url={url!r}: the server refused the bearer token in {TOKEN_ENV} "
+                                       "(wrong token)") from None
+        raise RewardPreflightError(f"reward.url={url!r}: {health} answered {exc.code} {exc.reason} "
+                                   "(not a ready reward server)") from None
+    except (urllib.error.URLError, OSError) as exc:
+        raise RewardPreflightError(f"reward.url={url!r}: {health} unreachable: {_why(exc)}") from None
+    except ValueError:
+        raise RewardPreflightError(f"reward.url={url!r}: {health} did not answer JSON (not a reward "
+                                   "server)") from None
+    if not isinstance(body, dict) or body.get("status") != "ok":
+        raise RewardPreflightError(f"reward.url={url!r}: {health} answered {body!r}, not a ready reward server")
+    if body.get("token_required") and not token:
+        raise RewardPreflightError(f"reward.url={url!r}: the server requires a bearer token; set {TOKEN_ENV} "
+                                   "to the server's token")
+    return body
 
 
 def to_uint8_hwc(image: torch.Tensor) -> np.ndarray:
@@ -42,11 +97,14 @@ class RewardFunction:
         self.name = scorer
         # The server's bearer token (required when it binds beyond loopback) comes from the environment, as
         # the server's own --token default does, so it never lands in a saved config.
-        token = os.environ.get("REWARD_SERVER_TOKEN")
+        token = os.environ.get(TOKEN_ENV)
         self.client = RewardClient(url, timeout_s=timeout_s, token=token) if url else None
         self.scorer = None if url else build_scorer(scorer)
         self._pending: list[tuple[int, np.ndarray, str]] = []
         self._n = 0
+        # The trainer's progress bar (a tqdm): while collect() waits on the server its postfix reads
+        # "waiting for rewards: N outstanding". None: nothing shown.
+        self.progress: Any = None
 
     def begin(self, n: int) -> None:
         self._pending, self._n = [], n
@@ -60,7 +118,7 @@ class RewardFunction:
 
     def collect(self) -> torch.Tensor:
         if self.client is not None:
-            rewards = self.client.gather()
+            rewards = self.client.gather(on_wait=self._show_wait)
         else:
             items = sorted(self._pending, key=lambda it: it[0])
             if [i for i, _, _ in items] != list(range(self._n)):
@@ -69,6 +127,10 @@ class RewardFunction:
         if len(rewards) != self._n:
             raise RuntimeError(f"reward for {len(rewards)} of {self._n} samples")
         return torch.tensor(rewards, dtype=torch.float32)
+
+    def _show_wait(self, outstanding: int) -> None:
+        if self.progress is not None:
+            self.progress.set_postfix_str(f"waiting for rewards: {outstanding} outstanding" if outstanding else "")
 
     def close(self) -> None:
         if self.client is not None:

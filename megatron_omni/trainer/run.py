@@ -153,6 +153,7 @@ def _run(cfg: JobConfig, overwrite: bool, stops: StopRequests) -> dict:
         run_evaluation(cfg, trainer, run_dir, 0)
     bar = tqdm(range(start, cfg.steps), initial=start, total=cfg.steps, desc="FlowGRPO", unit="step",
                disable=rank != 0, dynamic_ncols=True)
+    reward_fn.progress = bar  # its postfix shows "waiting for rewards: N outstanding" while the server scores
     for step in bar:
         result = trainer.train_step(step)
         if rank == 0:

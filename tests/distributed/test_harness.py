@@ -18,6 +18,14 @@ def _all_reduce_rank(rank: int, world_size: int) -> float:
     return float(t)
 
 
+def _rank_then_sum(rank: int, world_size: int) -> tuple[int, float]:
+    t = torch.tensor([float(rank)])
+    dist.all_reduce(t)
+    if rank == 0:
+        time.sleep(0.5)  # rank 0 answers last: arrival order is the reverse of rank order
+    return rank, float(t)
+
+
 def _fail_on_rank_one(rank: int, world_size: int) -> None:
     if rank == 1:
         raise ValueError("deliberate failure on rank one")
@@ -29,7 +37,9 @@ def _hang_on_rank_zero(rank: int, world_size: int) -> None:
 
 
 def test_results_in_rank_order() -> None:
-    assert run_ranks(_all_reduce_rank, 2) == [1.0, 1.0]
+    # Each rank returns its own rank (the reduced sum is the same everywhere and cannot show the order), and
+    # rank 0 answers last, so a harness that returned results as they arrive gives [(1, ..), (0, ..)].
+    assert run_ranks(_rank_then_sum, 2) == [(0, 1.0), (1, 1.0)]
 
 
 def test_failing_rank_shows_traceback() -> None:

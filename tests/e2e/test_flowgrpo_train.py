@@ -178,7 +178,7 @@ def test_bypass_and_recompute_give_the_same_first_update(tmp_path: Path) -> None
         (["--set", "eval.rollout_sampler=true", "--set", "rollout.noise_level=0"], "eval.rollout_sampler=True"),
         (["--set", "optim.ema_decay=1"], "optim.ema_decay=1.0"),
         (["--set", "rollout.window_size=4", "--set", "rollout.window_range=[0,2]"],
-         "rollout: window_range (0, 2) is shorter than window_size 4"),
+         "rollout.window_range=[0, 2] is shorter than rollout.window_size=4"),
         (["--set", "rollout.guidance_scale=3"], "rollout: guidance_scale > 1 (true CFG) needs a negative_prompt"),
         (["--set", "parallel.tp=2", "--set", "rollout.transformer=trainer"], "rollout.transformer='trainer'"),
         (["--recipe", "examples.tiny.recipe:missing"], "--recipe"),

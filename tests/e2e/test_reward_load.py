@@ -6,14 +6,18 @@ split over 4 client processes, bounded in time. A second, burst phase sends ever
 at once into a small queue, so the push-back path runs under concurrency too.
 
 Every request must end exactly once: 200 with its own id and the reward the scorer gives in-process, or
-429/503 with a Retry-After header. The server's counters must agree with what the clients saw (no request
-scored twice, none dropped). Latency percentiles are printed (run with -s to see them).
+429/503 with a Retry-After header. Refusals are not success: at the stated rate at least ANSWERED_SHARE of the
+requests must be answered (measured on a loaded 2-core CPU machine: 108 of 108 answered, p99 177 ms; 0.95
+leaves room for a slower CI machine), and the burst must be answered for at least the queue's capacity (the
+16 items the queue admits before it pushes back; measured: 16 of 64). The server's counters must agree with
+what the clients saw (no request scored twice, none dropped). Latency percentiles are printed (run with -s to see them).
 """
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import math
 import multiprocessing
 import random
 import time
@@ -32,6 +36,8 @@ STEP_SECONDS = 250.0
 RATE_PER_S = 4 * STEP_IMAGES / STEP_SECONDS
 N_PROCS = 4
 DURATION_S = 12.0
+ANSWERED_SHARE = 0.95
+MAX_QUEUE = 16
 WORDS = ["HELLO", "HELP", "WORLD", "OCR"]
 PROMPT = 'a sign that says "HELLO"'
 
@@ -84,7 +90,7 @@ def _percentiles(lat: list[float]) -> str:
 
 
 def _run_phase(
-    srv: RewardServerProcess, schedules: list[list[float]], expected: list[float], label: str
+    srv: RewardServerProcess, schedules: list[list[float]], expected: list[float], label: str, min_answered: int
 ) -> None:
     before = srv.health()["stats"]
     ctx = multiprocessing.get_context("spawn")
@@ -110,7 +116,7 @@ def _run_phase(
     assert after["items_scored"] - before["items_scored"] == len(ok)
     assert (after["refused"] + after["not_ready"]) - (before["refused"] + before["not_ready"]) == len(refused)
     assert after["timed_out"] == before["timed_out"] and after["errors"] == before["errors"]
-    assert ok, "nothing was answered"
+    assert len(ok) >= min_answered, f"{label}: {len(ok)} of {len(sent)} answered, need {min_answered}"
     span = max(max(s) for s in schedules if s) if any(schedules) else 0.0
     print(
         f"\n[reward load/{label}] {len(sent)} requests from {len(schedules)} processes over {span:.1f} s: "
@@ -121,7 +127,7 @@ def _run_phase(
 
 @pytest.fixture(scope="module")
 def reward_load_server():
-    with RewardServerProcess("ocr", workers=1, max_queue=16, max_batch=8, timeout_s=60) as srv:
+    with RewardServerProcess("ocr", workers=1, max_queue=MAX_QUEUE, max_batch=8, timeout_s=60) as srv:
         yield srv
 
 
@@ -139,7 +145,8 @@ def test_load_four_times_step_rate(reward_load_server: RewardServerProcess) -> N
                 break
             arrivals.append(t)
         schedules.append(arrivals)
-    _run_phase(reward_load_server, schedules, expected, f"poisson {RATE_PER_S:.1f}/s")
+    n = sum(len(a) for a in schedules)
+    _run_phase(reward_load_server, schedules, expected, f"poisson {RATE_PER_S:.1f}/s", math.ceil(ANSWERED_SHARE * n))
 
 
 @pytest.mark.slow
@@ -147,4 +154,4 @@ def test_load_four_times_step_rate(reward_load_server: RewardServerProcess) -> N
 def test_load_burst_pushes_back_without_loss(reward_load_server: RewardServerProcess) -> None:
     expected = build_scorer("ocr")(_images(), [PROMPT] * len(WORDS))
     # 4 processes x 16 requests at the same instant into a queue of 16: most must be refused, cleanly.
-    _run_phase(reward_load_server, [[0.0] * 16 for _ in range(N_PROCS)], expected, "burst 64")
+    _run_phase(reward_load_server, [[0.0] * 16 for _ in range(N_PROCS)], expected, "burst 64", MAX_QUEUE)

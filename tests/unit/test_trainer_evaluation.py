@@ -28,15 +28,18 @@ def test_samples_are_fixed_per_prompt_and_seed() -> None:
 
 
 def test_summary_splits_seen_and_unseen() -> None:
-    r = _result([1.0, 0.0, 0.5, 0.5, 0.25, 0.75])
+    # Each prompt has its own mean (A 0.75, B 0.1, C 0.4; all 2.5 / 6), so a mean that ignored its subset, or a
+    # split that swapped seen and unseen, gives other numbers.
+    r = _result([1.0, 0.5, 0.0, 0.2, 0.3, 0.5])
     s = r.summary(seen={'"A"', '"Z"'})
-    assert s["reward_mean"] == pytest.approx(0.5)
-    assert s["seen_reward_mean"] == pytest.approx(0.5)
-    assert s["unseen_reward_mean"] == pytest.approx(0.5)
+    assert s["reward_mean"] == pytest.approx(2.5 / 6)
+    assert s["seen_reward_mean"] == pytest.approx(0.75)
+    assert s["unseen_reward_mean"] == pytest.approx((0.0 + 0.2 + 0.3 + 0.5) / 4)
     s = r.summary(seen={'"C"'})
-    assert s["seen_reward_mean"] == pytest.approx(0.5) and s["unseen_reward_mean"] == pytest.approx(0.5)
+    assert s["seen_reward_mean"] == pytest.approx(0.4) and s["unseen_reward_mean"] == pytest.approx(1.7 / 4)
     assert math.isnan(r.summary(seen={'"A"', '"B"', '"C"'})["unseen_reward_mean"])
-    assert r.mean({'"A"'}) == pytest.approx(0.5) and r.mean({'"B"'}) == pytest.approx(0.5)
+    assert r.mean({'"A"'}) == pytest.approx(0.75) and r.mean({'"B"'}) == pytest.approx(0.1)
+    assert r.mean({'"B"', '"C"'}) == pytest.approx(0.25) and math.isnan(r.mean({'"Z"'}))
 
 
 def test_saved_result_round_trips(tmp_path: Path) -> None:

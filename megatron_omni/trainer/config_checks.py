@@ -1,0 +1,270 @@
+"""The field-by-field checks of a JobConfig: types, fixed value sets, signs and bounds, reward URL syntax and
+scorer names, and the files a run reads (prompt files as UTF-8, the pipeline folder). Every check raises
+ConfigError with one line naming the field; `JobConfig.validate` runs them before any work starts.
+
+The bounds are one table (`BOUNDS`): a field without an entry there is a string or a list checked by name
+below. `test_config_validation.py` walks the table, so a new numeric field needs a row here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import types
+import typing
+import urllib.parse
+from pathlib import Path
+from typing import Any
+
+# (dotted field, lower bound, lower inclusive, upper bound, upper inclusive); None: unbounded on that side.
+# Optional fields (None allowed) are checked only when set.
+BOUNDS: list[tuple[str, float | None, bool, float | None, bool]] = [
+    ("steps", 1, True, None, False),
+    ("seed", 0, True, None, False),
+    ("model.tiny_seed", 0, True, None, False),
+    ("parallel.tp", 1, True, None, False),
+    ("parallel.ulysses", 1, True, None, False),
+    ("parallel.ring", 1, True, None, False),
+    ("parallel.pp", 1, True, None, False),
+    ("rollout.height", 1, True, None, False),
+    ("rollout.width", 1, True, None, False),
+    ("rollout.num_steps", 1, True, None, False),
+    ("rollout.noise_level", 0, True, None, False),
+    ("rollout.window_size", 0, True, None, False),
+    ("rollout.guidance_scale", 1, True, None, False),
+    ("rollout.prompts_per_step", 1, True, None, False),
+    ("rollout.group_size", 2, True, None, False),  # group-relative advantages need two samples per prompt
+    ("rollout.max_batch_size", 1, True, None, False),
+    ("rollout.tp", 1, True, None, False),
+    ("rollout.text_length", 1, True, 1024, True),
+    ("reward.timeout_s", 0, False, None, False),
+    ("algorithm.clip_range", 0, False, None, False),
+    ("algorithm.adv_clip", 0, False, None, False),
+    ("algorithm.beta", 0, True, None, False),
+    ("algorithm.max_logp_gap", 0, False, None, False),
+    ("optim.lr", 0, False, None, False),
+    ("optim.weight_decay", 0, True, None, False),
+    ("optim.adam_beta1", 0, True, 1, False),
+    ("optim.adam_beta2", 0, True, 1, False),
+    ("optim.adam_eps", 0, False, None, False),
+    ("optim.clip_grad", 0, True, None, False),  # 0: no clipping (Megatron's convention)
+    ("optim.mini_batches", 1, True, None, False),
+    ("optim.warmup_steps", 0, True, None, False),
+    ("optim.max_bad_steps", 1, True, None, False),
+    ("optim.micro_batch_size", 1, True, None, False),
+    ("optim.ema_decay", 0, True, 1, False),
+    ("checkpoint.every", 0, True, None, False),
+    ("checkpoint.keep", 1, True, None, False),
+    ("logging.image_every", 0, True, None, False),
+    ("eval.seeds_per_prompt", 1, True, None, False),
+    ("eval.num_steps", 1, True, None, False),
+    ("eval.guidance_scale", 1, True, None, False),
+    ("eval.every", 0, True, None, False),
+]
+
+# Fields with a fixed set of values (None listed where the field may be unset).
+CHOICES: dict[str, tuple[Any, ...]] = {
+    "model.backend": ("local", "te"),
+    "model.params_dtype": ("fp32", "bf16"),
+    "model.recompute": (None, "full", "selective"),
+    "rollout.sde_type": ("sde", "cps", "dance_sde"),
+    "rollout.transformer": ("auto", "engine", "trainer"),
+    "rollout.engine": ("diffusers", "vllm_omni"),
+    "rollout.dtype": ("fp32", "bf16"),
+    "algorithm.std_mode": ("global", "group"),
+    "algorithm.old_logprob": ("recompute", "bypass"),
+}
+
+# Scorers whose reward is the text the prompt quotes: every prompt must quote one.
+OCR_SCORERS = ("ocr", "vlm_ocr")
+
+
+def get_field(cfg: Any, dotted: str) -> Any:
+    """The value of `a.b.c` in a nested dataclass."""
+    for part in dotted.split("."):
+        cfg = getattr(cfg, part)
+    return cfg
+
+
+def _fields(cfg: Any, prefix: str = "") -> list[tuple[str, Any, Any]]:
+    """(dotted name, type hint, value) of every leaf field of a nested dataclass."""
+    out = []
+    hints = typing.get_type_hints(type(cfg))
+    for f in dataclasses.fields(cfg):
+        value = getattr(cfg, f.name)
+        if dataclasses.is_dataclass(value):
+            out += _fields(value, f"{prefix}{f.name}.")
+        else:
+            out.append((f"{prefix}{f.name}", hints[f.name], value))
+    return out
+
+
+def _type_ok(value: Any, hint: Any) -> bool:
+    origin = typing.get_origin(hint)
+    if origin in (typing.Union, types.UnionType):
+        return any(_type_ok(value, a) for a in typing.get_args(hint))
+    if hint is type(None):
+        return value is None
+    if hint is bool:
+        return isinstance(value, bool)
+    if hint is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if hint is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if origin is list:
+        (item,) = typing.get_args(hint)
+        return isinstance(value, list) and all(_type_ok(x, item) for x in value)
+    return isinstance(value, hint)
+
+
+def _bound_text(lo: float | None, lo_in: bool, hi: float | None, hi_in: bool) -> str:
+    if hi is None:
+        return f"must be {'>=' if lo_in else '>'} {lo:g}"
+    return f"must be in {'[' if lo_in else '('}{lo:g}, {hi:g}{']' if hi_in else ')'}"
+
+
+def check_fields(cfg: Any) -> None:
+    """Types of every field, then the value sets and the bounds; raises ConfigError naming the field."""
+    from megatron_omni.trainer.config import ConfigError
+
+    for name, hint, value in _fields(cfg):
+        if not _type_ok(value, hint):
+            raise ConfigError(f"{name}={value!r} is not a {getattr(hint, '__name__', hint)}")
+    for name, allowed in CHOICES.items():
+        value = get_field(cfg, name)
+        if value not in allowed:
+            shown = "|".join("none" if a is None else str(a) for a in allowed)
+            raise ConfigError(f"{name}={value!r} must be {shown}")
+    for name, lo, lo_in, hi, hi_in in BOUNDS:
+        value = get_field(cfg, name)
+        if value is None:
+            continue
+        low_ok = lo is None or (value >= lo if lo_in else value > lo)
+        high_ok = hi is None or (value <= hi if hi_in else value < hi)
+        if not (low_ok and high_ok):
+            raise ConfigError(f"{name}={value!r} {_bound_text(lo, lo_in, hi, hi_in)}")
+    r = cfg.rollout
+    if r.window_size > r.num_steps:
+        raise ConfigError(f"rollout.window_size={r.window_size} must be <= rollout.num_steps={r.num_steps}")
+    if r.window_range is not None:
+        wr = r.window_range
+        if len(wr) != 2 or not 0 <= wr[0] < wr[1] <= r.num_steps:
+            raise ConfigError(f"rollout.window_range={wr!r} must be [lo, hi) with 0 <= lo < hi <= "
+                              f"rollout.num_steps={r.num_steps}")
+        if wr[1] - wr[0] < r.window_size:
+            raise ConfigError(f"rollout.window_range={wr!r} is shorter than rollout.window_size={r.window_size}")
+    if not cfg.run_dir.strip():
+        raise ConfigError("run_dir='' must name a folder")
+    if not cfg.model.pipeline.strip():
+        raise ConfigError("model.pipeline='' must be 'tiny' or a diffusers pipeline folder")
+    if not cfg.logging.wandb_project.strip():
+        raise ConfigError("logging.wandb_project='' must name a project")
+    if cfg.checkpoint.resume is not None and not cfg.checkpoint.resume.strip():
+        raise ConfigError("checkpoint.resume='' must be auto or a checkpoint folder (or none)")
+    for field_name in ("prompts", "eval.prompts"):
+        for i, prompt in enumerate(get_field(cfg, field_name)):
+            if not prompt.strip():
+                raise ConfigError(f"{field_name}[{i}]={prompt!r} is blank")
+
+
+def check_reward(cfg: Any) -> None:
+    """reward.scorer against the registry and reward.url's syntax (scheme http|https, a host, a valid port);
+    with an OCR scorer every prompt must quote the text to render."""
+    from megatron_omni.reward.errors import RewardInputError
+    from megatron_omni.reward.registry import scorer_names
+    from megatron_omni.reward.text import target_from_prompt
+    from megatron_omni.trainer.config import ConfigError
+
+    try:
+        names = scorer_names(cfg.reward.scorer)
+    except RewardInputError as exc:
+        raise ConfigError(f"reward.scorer={cfg.reward.scorer!r}: {exc}") from None
+    if cfg.reward.url is not None:
+        check_url(cfg.reward.url, "reward.url")
+    if any(n in OCR_SCORERS for n in names):
+        for field_name in ("prompts", "eval.prompts"):
+            for i, prompt in enumerate(get_field(cfg, field_name)):
+                try:
+                    target_from_prompt(prompt)
+                except RewardInputError as exc:
+                    raise ConfigError(f"{field_name}[{i}] (reward.scorer={cfg.reward.scorer!r} rewards the quoted "
+                                      f"text): {exc}") from None
+
+
+def check_url(url: str, name: str) -> None:
+    """An http(s) URL with a host and, when given, a port in 1..65535; ConfigError naming `name` otherwise."""
+    from megatron_omni.trainer.config import ConfigError
+
+    parts = urllib.parse.urlsplit(url)
+    if parts.scheme not in ("http", "https"):
+        raise ConfigError(f"{name}={url!r} is not an http:// or https:// URL (e.g. http://127.0.0.1:8000)")
+    if not parts.hostname:
+        raise ConfigError(f"{name}={url!r} names no host (e.g. http://127.0.0.1:8000)")
+    try:
+        port = parts.port
+    except ValueError:
+        raise ConfigError(f"{name}={url!r} has an invalid port (expected 1..65535)") from None
+    if port is not None and not 1 <= port <= 65535:
+        raise ConfigError(f"{name}={url!r} has port {port} outside 1..65535")
+
+
+def check_files(cfg: Any) -> None:
+    """What a real run reads and writes, before any work: the pipeline folder (unless 'tiny') and the run
+    folder (created and written once, so a read-only or full disk is one line here, not a late traceback)."""
+    from megatron_omni.trainer.config import ConfigError
+
+    if cfg.model.pipeline != "tiny":
+        path = Path(cfg.model.pipeline)
+        if not path.is_dir():
+            raise ConfigError(f"model.pipeline={cfg.model.pipeline!r} is not a folder (a diffusers Qwen-Image "
+                              "pipeline, or 'tiny')")
+        index = path / "model_index.json"
+        if not index.is_file() or not os.access(index, os.R_OK):
+            raise ConfigError(f"model.pipeline={cfg.model.pipeline!r} has no readable model_index.json (not a "
+                              "diffusers pipeline folder)")
+    check_writable(Path(cfg.run_dir), "run_dir")
+
+
+def check_writable(folder: Path, name: str) -> None:
+    """Create `folder` and write, flush and remove a small probe file in it; ConfigError on any OSError
+    (read-only, permission, ENOSPC)."""
+    from megatron_omni.trainer.config import ConfigError
+
+    probe = folder / f".write-probe-{os.getpid()}"
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        with open(probe, "wb") as fh:
+            fh.write(b"\0" * 4096)
+            fh.flush()
+            os.fsync(fh.fileno())
+    except OSError as exc:
+        raise ConfigError(f"{name}={str(folder)!r} is not writable: {exc.strerror or exc}") from None
+    finally:
+        try:
+            probe.unlink(missing_ok=True)
+        except OSError:
+            pass  # the folder could not be made: there is no probe to remove
+
+
+def read_prompts_file(path: str | os.PathLike, name: str) -> list[str]:
+    """Prompts from a UTF-8 file (one per line, blank lines skipped); ConfigError naming `name`, the file and,
+    for text that is not UTF-8, the byte offset."""
+    from megatron_omni.trainer.config import ConfigError
+
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"{name}={str(path)!r} is not a file")
+    try:
+        data = p.read_bytes()
+    except OSError as exc:
+        raise ConfigError(f"{name}={str(path)!r} cannot be read: {exc.strerror or exc}") from None
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = data.count(b"\n", 0, exc.start) + 1
+        raise ConfigError(f"{name}={str(path)!r} is not UTF-8: byte 0x{data[exc.start]:02x} at offset "
+                          f"{exc.start} (line {line})") from None
+    prompts = [line.strip() for line in text.splitlines() if line.strip()]
+    if not prompts:
+        raise ConfigError(f"{name}={str(path)!r} has no prompts")
+    return prompts

@@ -1,0 +1,194 @@
+"""Config validation is complete: every field's bad value is refused before any work, with one line naming the
+field (JobConfig.validate and `python -m megatron_omni.train`'s exit 2).
+
+The table cases are generated from megatron_omni/trainer/config_checks.py's BOUNDS and CHOICES, and a test
+checks those tables cover every numeric and every fixed-set field of the config dataclasses."""
+
+from __future__ import annotations
+
+import typing
+from pathlib import Path
+
+import pytest
+
+from megatron_omni import train
+from megatron_omni.trainer.config import ConfigError, JobConfig, apply_overrides
+from megatron_omni.trainer.config_checks import BOUNDS, CHOICES, _fields, read_prompts_file
+
+
+def _numeric(hint: typing.Any) -> type | None:
+    args = typing.get_args(hint) or (hint,)
+    for t in (int, float):
+        if t in args:
+            return t
+    return None
+
+
+def _bad_values(name: str) -> list[typing.Any]:
+    """Values just outside the field's bounds."""
+    hint = {n: h for n, h, _ in _fields(JobConfig())}[name]
+    typ = _numeric(hint)
+    (_, lo, lo_in, hi, hi_in) = next(row for row in BOUNDS if row[0] == name)
+    out = []
+    if lo is not None:
+        out.append(typ(lo - 1) if lo_in else typ(lo))
+    if hi is not None:
+        out.append(typ(hi) if not hi_in else typ(hi + 1))
+    return out
+
+
+BOUND_CASES = [(name, v) for name, *_ in BOUNDS for v in _bad_values(name)]
+
+
+def _set(cfg: JobConfig, dotted: str, value: typing.Any) -> None:
+    *parents, leaf = dotted.split(".")
+    target = cfg
+    for p in parents:
+        target = getattr(target, p)
+    setattr(target, leaf, value)
+
+
+def _refused(cfg: JobConfig, field_name: str, world_size: int = 1) -> str:
+    with pytest.raises(ConfigError) as info:
+        cfg.validate(world_size)
+    message = str(info.value)
+    assert "\n" not in message, message
+    assert message.startswith(field_name), f"{field_name}: {message}"
+    return message
+
+
+def test_the_defaults_are_valid() -> None:
+    JobConfig().validate(1)
+
+
+def test_tables_cover_every_numeric_and_fixed_set_field() -> None:
+    bounded = {row[0] for row in BOUNDS}
+    # Fields that are numbers without a bound of their own: checked together with other fields.
+    exempt = {"rollout.window_range"}
+    numeric = {n for n, h, _ in _fields(JobConfig()) if _numeric(h) is not None and typing.get_origin(h) is not list}
+    assert numeric - bounded - exempt == set(), "numeric fields without a BOUNDS row"
+    assert set(CHOICES) <= {n for n, _, _ in _fields(JobConfig())}
+    for name, allowed in CHOICES.items():
+        default = {n: v for n, _, v in _fields(JobConfig())}[name]
+        assert default in allowed, name
+
+
+@pytest.mark.parametrize(("field_name", "value"), BOUND_CASES, ids=[f"{n}={v}" for n, v in BOUND_CASES])
+def test_out_of_bounds_is_refused(field_name: str, value: typing.Any) -> None:
+    cfg = JobConfig()
+    _set(cfg, field_name, value)
+    message = _refused(cfg, field_name)
+    assert "must be" in message
+
+
+@pytest.mark.parametrize("field_name", sorted(CHOICES))
+def test_value_outside_the_set_is_refused(field_name: str) -> None:
+    cfg = JobConfig()
+    _set(cfg, field_name, "nosuch")
+    message = _refused(cfg, field_name)
+    for allowed in CHOICES[field_name]:
+        if allowed is not None:
+            assert str(allowed) in message
+
+
+@pytest.mark.parametrize(("field_name", "value"), [
+    ("steps", "3"), ("optim.lr", "big"), ("logging.tensorboard", 1), ("prompts", "a cat"), ("seed", 1.5),
+])
+def test_wrong_type_is_refused(field_name: str, value: typing.Any) -> None:
+    cfg = JobConfig()
+    _set(cfg, field_name, value)
+    assert "is not a" in _refused(cfg, field_name)
+
+
+@pytest.mark.parametrize(("overrides", "field_name"), [
+    (["rollout.window_size=7"], "rollout.window_size"),  # num_steps is 6
+    (["rollout.window_range=[0, 9]"], "rollout.window_range"),
+    (["rollout.window_range=[3, 3]"], "rollout.window_range"),
+    (["rollout.window_range=[0, 1]"], "rollout.window_range"),  # shorter than window_size 2
+    (["rollout.window_range=[1]"], "rollout.window_range"),
+    (["run_dir= "], "run_dir"),
+    (["model.pipeline="], "model.pipeline"),
+    (["checkpoint.resume="], "checkpoint.resume"),
+    (["prompts=[\"a cat\", \"  \"]"], "prompts[1]"),
+    (["eval.prompts=[\"\"]"], "eval.prompts[0]"),
+    (["reward.scorer=nosuch"], "reward.scorer"),
+    (["reward.scorer=0.5*ocr+nosuch"], "reward.scorer"),
+    (["reward.scorer=no_such_module_xyz:fn"], "reward.scorer"),
+    (["reward.url=notaurl"], "reward.url"),
+    (["reward.url=ftp://127.0.0.1:8000"], "reward.url"),
+    (["reward.url=http://:8000"], "reward.url"),
+    (["reward.url=http://127.0.0.1:99999"], "reward.url"),
+    (["reward.url=http://127.0.0.1:port"], "reward.url"),
+    (["reward.scorer=ocr"], "prompts[0]"),  # the default prompts quote no text
+    (["reward.scorer=0.8*ocr+0.2*jpeg_compressibility", "prompts=[\"a sign \\\"HI\\\"\", \"a cat\"]"], "prompts[1]"),
+    (["reward.scorer=ocr", "prompts=[\"a sign \\\"HI\\\"\"]", "eval.prompts=[\"a dog\"]"], "eval.prompts[0]"),
+])
+def test_cross_field_and_reward_checks(overrides: list[str], field_name: str) -> None:
+    cfg = apply_overrides(JobConfig(), overrides)
+    message = _refused(cfg, field_name)
+    if field_name.startswith("prompts[") or field_name.startswith("eval.prompts["):
+        assert "quote" in message or "blank" in message
+
+
+def test_valid_reward_specs_pass() -> None:
+    cfg = apply_overrides(JobConfig(), ["reward.url=https://reward-node:8443/", "prompts=[\"a sign \\\"OPEN\\\"\"]",
+                                        "reward.scorer=0.8*ocr+0.2*jpeg_compressibility"])
+    cfg.validate(1)
+
+
+def test_prompts_file_not_utf8_names_file_and_offset(tmp_path: Path) -> None:
+    path = tmp_path / "prompts.txt"
+    path.write_bytes('a sign "OK"\nna\u00efve\n'.encode() + b"bad \xff byte\n")
+    with pytest.raises(ConfigError) as info:
+        read_prompts_file(path, "OCR_PROMPTS")
+    offset = len('a sign "OK"\nna\u00efve\n'.encode()) + len(b"bad ")
+    assert str(info.value) == (f"OCR_PROMPTS={str(path)!r} is not UTF-8: byte 0xff at offset {offset} (line 3)")
+    good = tmp_path / "good.txt"
+    good.write_text('a sign "OK"\n\n  na\u00efve "CAF\u00c9"  \n', encoding="utf-8")
+    assert read_prompts_file(good, "OCR_PROMPTS") == ['a sign "OK"', 'na\u00efve "CAF\u00c9"']
+    with pytest.raises(ConfigError, match="is not a file"):
+        read_prompts_file(tmp_path / "missing.txt", "OCR_PROMPTS")
+
+
+def _main(capsys: pytest.CaptureFixture, *argv: str) -> tuple[int, str]:
+    rc = train.main(list(argv))
+    err = capsys.readouterr().err.strip().splitlines()
+    return rc, "\n".join(line for line in err if "Warning" not in line and "warnings.warn" not in line)
+
+
+@pytest.mark.parametrize("argv", [
+    ["--dry-run", "--set", "reward.scorer=nosuch"],
+    ["--dry-run", "--set", "reward.url=notaurl"],
+    ["--set", "reward.url=notaurl"],
+    ["--set", "checkpoint.keep=0"],
+    ["--set", "algorithm.clip_range=0"],
+    ["--set", "rollout.max_batch_size=0"],
+])
+def test_cli_exits_2_with_one_line(capsys: pytest.CaptureFixture, argv: list[str]) -> None:
+    rc, err = _main(capsys, *argv)
+    field_name = argv[-1].split("=")[0]
+    assert rc == 2 and err.count("\n") == 0 and err.startswith(f"config error: {field_name}"), err
+
+
+def test_cli_files_are_checked_before_work(capsys: pytest.CaptureFixture, tmp_path: Path) -> None:
+    rc, err = _main(capsys, "--set", f"model.pipeline={tmp_path / 'nope'}", "--set", f"run_dir={tmp_path / 'run'}")
+    assert rc == 2 and "model.pipeline=" in err and "is not a folder" in err, err
+    (tmp_path / "pipe").mkdir()
+    rc, err = _main(capsys, "--set", f"model.pipeline={tmp_path / 'pipe'}", "--set", f"run_dir={tmp_path / 'run'}")
+    assert rc == 2 and "model_index.json" in err, err
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    rc, err = _main(capsys, "--set", f"run_dir={blocker / 'run'}")
+    assert rc == 2 and err.startswith("config error: run_dir=") and "not writable" in err, err
+    assert not (tmp_path / "run").exists()  # nothing was started
+
+
+def test_cli_config_error_prints_on_rank0_only(capsys: pytest.CaptureFixture,
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("RANK", "1")
+    rc, err = _main(capsys, "--set", "checkpoint.keep=0")
+    assert rc == 2 and err == ""
+    monkeypatch.setenv("RANK", "0")
+    rc, err = _main(capsys, "--set", "checkpoint.keep=0")
+    assert rc == 2 and err == "config error: checkpoint.keep=0 must be >= 1"
+
