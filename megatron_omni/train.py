@@ -32,6 +32,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                          "without it a run_dir holding a run is refused")
     ap.add_argument("--dry-run", action="store_true",
                     help="resolve and validate the config, then print the predicted per-GPU memory and step time")
+    ap.add_argument("--check", action="store_true",
+                    help="validate the config, run folder and input files for WORLD_SIZE, then exit (0 valid, 2 not); "
+                         "the launch scripts run it before torchrun, which reports a failed worker as rc 1")
     ap.add_argument("--gpu", default="H200", help="GPU kind for --dry-run (H200, H800)")
     ap.add_argument("--gpus-per-node", type=int, default=8,
                     help="--dry-run: GPUs per node (collectives inside a node use NVLink, across nodes the network)")
@@ -63,6 +66,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.resume is not None:
             cfg.checkpoint.resume = args.resume
         cfg.validate(world_size)
+        if args.check and args.dry_run:
+            raise ConfigError("--check and --dry-run are two different stops: give one")
         if args.mfu_from is not None and not args.dry_run:
             raise ConfigError("--mfu-from is read by --dry-run only")
         if args.dry_run:
@@ -73,12 +78,17 @@ def main(argv: list[str] | None = None) -> int:
         from megatron_omni.trainer.rewards import RewardPreflightError, preflight
         from megatron_omni.trainer.run_folder import check_run_dir
 
-        try:
-            preflight(cfg.reward.url)
-        except RewardPreflightError as exc:
-            raise ConfigError(str(exc)) from None
+        if not args.check:  # a launch script checks before it starts the reward server
+            try:
+                preflight(cfg.reward.url)
+            except RewardPreflightError as exc:
+                raise ConfigError(str(exc)) from None
         check_run_dir(cfg, args.overwrite)  # reads only
         check_files(cfg)  # last: it creates the run folder
+        if args.check:
+            if _is_rank0():
+                print(f"config OK for world size {world_size}: {cfg.run_dir}")
+            return 0
     except ConfigError as exc:
         return _config_error(exc)
 

@@ -193,6 +193,11 @@ launch() {  # the one call of the entry point: a dry run (DRY_RUN=1) or torchrun
         WORLD_SIZE="$world" exec "$PYTHON" -m megatron_omni.train "${dry[@]}" "${ENTRY_ARGS[@]}" "$@"
     fi
 
+    if [[ "$LAUNCH_ECHO" != 1 ]]; then
+        # The whole config, run folder and input files, before a reward server or torchrun starts: a bad one is
+        # rc 2 here in seconds (torchrun itself reports any failed worker as rc 1).
+        WORLD_SIZE="$world" "$PYTHON" -m megatron_omni.train --check "${ENTRY_ARGS[@]}" "$@" || exit $?
+    fi
     trap cleanup EXIT
     trap 'exit 130' INT
     trap 'exit 143' TERM

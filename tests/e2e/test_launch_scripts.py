@@ -209,3 +209,24 @@ def test_sbatch_sends_sigterm_before_the_limit_and_documents_exit_5() -> None:
     assert "kill -TERM \"$SRUN_PID\"" in text  # the batch shell passes it on to the srun step
     lib = (ROOT / "examples/qwen_image/launch_lib.bash").read_text()
     assert "kill -TERM \"$pid\"" in lib and "exit 5" in lib and "--resume auto" in lib
+
+
+def test_a_bad_config_stops_the_launch_with_rc_2_before_anything_starts(tmp_path: Path) -> None:
+    """A real (not dry) launch: the script checks the config before it starts the reward server or torchrun
+    (torchrun itself reports any failed worker as rc 1), so the caller sees the entry point's rc 2 and one
+    line naming the field, in seconds."""
+    import time
+
+    run_dir = tmp_path / "run"
+    start = time.monotonic()
+    done = subprocess.run(["bash", "examples/tiny/train_tiny.sh", "--set", "optim.lr=-1"], cwd=ROOT,
+                          env=_env({"DRY_RUN": "0", "REWARD_SERVER": "1", "RUN_DIR": str(run_dir),
+                                    "LOG_DIR": str(tmp_path / "logs")}),
+                          capture_output=True, text=True, timeout=TIMEOUT_S)
+    assert done.returncode == 2, done.stdout[-2000:] + done.stderr[-2000:]
+    errors = [line for line in done.stderr.splitlines() if "optim.lr" in line]
+    assert len(errors) == 1 and errors[0].startswith("config error:"), done.stderr[-2000:]
+    assert "launch: reward server (pid" not in done.stdout, "nothing is started before the check"
+    assert not (tmp_path / "logs" / "reward_server.log").exists()
+    assert time.monotonic() - start < 60
+    assert not (run_dir / "config.json").exists()
