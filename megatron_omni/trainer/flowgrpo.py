@@ -96,8 +96,8 @@ class FlowGRPOTrainer:
         self.reference = (_frozen_copy(self.family, mcfg, groups, cfg.model.backend, hf_state)
                           if cfg.algorithm.beta > 0 else None)
         # fp32 whatever the parameters' dtype: in bf16, (1 - decay) x a small update would round away.
-        self.ema = (_frozen_copy(mcfg, groups, cfg.model.backend, hf_state).float() if cfg.optim.ema_decay > 0
-                    else None)
+        self.ema = (_frozen_copy(self.family, mcfg, groups, cfg.model.backend, hf_state).float()
+                    if cfg.optim.ema_decay > 0 else None)
         if self.ema is not None:
             names = [n for n, _ in self.model.named_parameters()]
             if names != [n for n, _ in self.ema.named_parameters()]:
