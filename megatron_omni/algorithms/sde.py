@@ -1,6 +1,6 @@
 """One stochastic sampling step of a rectified flow and its Gaussian log-probability (FlowGRPO).
 
-Conventions (design notes, section 4): `x_s = (1 - s) x0 + s eps`, sigma s in [0, 1] with 1 = noise, the
+Conventions (docs/design.md section 3): `x_s = (1 - s) x0 + s eps`, sigma s in [0, 1] with 1 = noise, the
 network predicts the velocity `v ~ eps - x0`, `dt = s_next - s < 0`. All math runs in float32 whatever
 the input dtype (bf16 velocities overflow in the mean otherwise), in the same order of operations as the
 reference implementations so that rollout and trainer agree bit for bit on the same inputs.

@@ -74,7 +74,7 @@ def rollout_parameter_count(model: str | dict[str, Any], rollout_tp: int) -> int
     """Transformer parameters on one GPU of a vLLM-Omni rollout engine at tensor-parallel size `rollout_tp`.
 
     vLLM-Omni splits the attention projections and the MLPs; adaLN, the QK norms, the row-parallel
-    biases and all non-block layers are replicated (design.md section 5), so adaLN's third of the model
+    biases and all non-block layers are replicated (docs/design.md section 4), so adaLN's third of the model
     is on every rollout GPU.
     """
     cfg = hf_config(model)

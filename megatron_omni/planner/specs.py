@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from megatron_omni.parallel.layout import LayoutError
 
-# VeRL-Omni, Qwen-Image full fine-tuning, the reference recipe on 4xH200 (design.md section 4).
+# VeRL-Omni, Qwen-Image full fine-tuning, the reference recipe on 4xH200 (docs/design.md section 3).
 REFERENCE_IMAGES_PER_S_PER_GPU = 0.510
 REFERENCE_STEP_S = 250.0
 REFERENCE_GPUS = 4

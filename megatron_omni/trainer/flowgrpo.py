@@ -14,7 +14,7 @@ same trajectory (each rank's diffusers engine holds the full weights: the sync g
 into every engine). Rewards are gathered over data parallel for the advantages (global or per-group
 std). The recompute and the update run micro-batches (samples x one window step) through Megatron-Core's
 schedules (`pipeline_step.py`; 1F1B when pp > 1). With `algorithm.beta > 0` a frozen copy of the initial
-model gives the reference transition means of the KL term (design notes, section 4). With
+model gives the reference transition means of the KL term (docs/design.md section 3). With
 `optim.ema_decay > 0` another copy holds the exponential moving average of the weights, which evaluation
 samples with (`evaluation_weights`).
 """
@@ -79,7 +79,8 @@ class FlowGRPOTrainer:
                                                                           max_batch_size=r.max_batch_size))
         self.hf_config = self.engine.transformer_config()
         p = cfg.parallel
-        overrides: dict = {"batch_p2p_comm": False}  # batched p2p on gloo gave wrong results (environment.md)
+        # batched p2p on gloo gave wrong results (docs/design.md section 5)
+        overrides: dict = {"batch_p2p_comm": False}
         if cfg.model.recompute == "full":
             overrides.update(recompute_granularity="full", recompute_method="block", recompute_num_layers=None)
         elif cfg.model.recompute == "selective":

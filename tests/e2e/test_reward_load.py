@@ -1,7 +1,7 @@
 """Load on a real OCR reward server from several client processes: nothing lost, nothing duplicated.
 
 Rate: four times what one trainer step of the reference recipe produces (32 prompts x 16 samples = 512
-images per ~250 s step on 4xH200, design.md section 4), i.e. about 8.2 requests/s, as Poisson arrivals
+images per ~250 s step on 4xH200, docs/design.md section 3), i.e. about 8.2 requests/s, as Poisson arrivals
 split over 4 client processes, bounded in time. A second, burst phase sends every request of every process
 at once into a small queue, so the push-back path runs under concurrency too.
 

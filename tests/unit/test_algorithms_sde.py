@@ -1,4 +1,4 @@
-"""SDE steps and log-probs against an independent float64 reference of design.md section 4."""
+"""SDE steps and log-probs against an independent float64 reference of docs/design.md section 3."""
 
 from __future__ import annotations
 
