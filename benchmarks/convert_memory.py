@@ -81,10 +81,9 @@ def _child(kind: str, src: str, dst: str, result: mp.Queue) -> None:
     elif kind == "ours:mcore-to-hf":
         convert.mcore_to_hf(src, dst, progress=False)
     elif kind == "reference:hf-to-mcore":
-        from megatron_omni.parallel import platform
+        from megatron_omni.parallel.megatron_cpu_shims import apply_cpu_shims
 
-        if not platform.has_gpu():
-            platform.apply_cpu_shims()  # Megatron's default save strategy synchronises CUDA
+        apply_cpu_shims()  # Megatron's default save strategy synchronises CUDA
         with single_process_group():
             _reference_hf_to_mcore(src, dst)
     else:

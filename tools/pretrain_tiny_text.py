@@ -3,7 +3,7 @@
     python tools/pretrain_tiny_text.py --out examples/tiny/text_pipeline --seed 0
     torchrun --nproc-per-node 2 tools/pretrain_tiny_text.py --out /tmp/text_pipeline --tp 2
 
-1. Renders the synthetic dataset (`model_providers/qwen_image/text_dataset.py`: words of a fixed vocabulary
+1. Renders the synthetic dataset (`model_providers/ocr_miniature/text_dataset.py`: words of a fixed vocabulary
    in DejaVu Sans Bold, random position, size and colours; --max-offset, --offset-step, --font-sizes and
    --colours narrow them: words moved by whole 8 px image tokens learn about 10x faster than words placed
    anywhere, docs/recipes.md). `--space latent` trains the pipeline's VAE on
@@ -58,7 +58,7 @@ import torch.distributed as dist  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
 from model_providers.qwen_image import provider  # noqa: E402
-from model_providers.qwen_image.text_dataset import (  # noqa: E402
+from model_providers.ocr_miniature.text_dataset import (  # noqa: E402
     FONT_SIZES,
     VARIED,
     VOCABULARY,
@@ -67,7 +67,7 @@ from model_providers.qwen_image.text_dataset import (  # noqa: E402
     prompt_for,
     render_dataset,
 )
-from model_providers.qwen_image.text_miniature import MINIATURE  # noqa: E402
+from model_providers.ocr_miniature.text_miniature import MINIATURE  # noqa: E402
 from model_providers.qwen_image.tiny_pipeline import build_components, save_pipeline_atomically  # noqa: E402
 
 NEGATIVE_PROMPT = " "
@@ -197,7 +197,7 @@ def pack(latents: torch.Tensor) -> torch.Tensor:
 
 
 def _space_of(vae: torch.nn.Module) -> str:
-    from model_providers.qwen_image.pixel_vae import PixelShuffleVAE
+    from model_providers.ocr_miniature.pixel_vae import PixelShuffleVAE
 
     return "pixel" if isinstance(vae, PixelShuffleVAE) else "latent"
 
@@ -231,7 +231,7 @@ def build_vae_and_latents(args: argparse.Namespace, work: Path) -> dict:
         # The VAE's provenance: the record of the run that trained it (and the runs that one continued).
         start = {"init_from": None, "vae_from": str(args.vae_from), "vae_source": source_record}
     elif args.space == "pixel":
-        from model_providers.qwen_image.pixel_vae import PixelShuffleVAE
+        from model_providers.ocr_miniature.pixel_vae import PixelShuffleVAE
 
         components = build_components(MINIATURE, args.seed)
         vae = components["vae"] = PixelShuffleVAE(scale=4, z_dim=components["vae"].config.z_dim)

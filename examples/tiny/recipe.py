@@ -45,7 +45,7 @@ def ocr_miniature() -> JobConfig:
     words RL never sees with the ODE (more steps, same guidance) before and after. Run it with the reward
     server as its own process: `bash examples/tiny/ocr_miniature.sh` (TP=2: NPROC_PER_NODE=2 and
     --set parallel.tp=2)."""
-    from model_providers.qwen_image.text_dataset import HELD_OUT_WORDS, RL_WORDS, prompt_for
+    from model_providers.ocr_miniature.text_dataset import HELD_OUT_WORDS, RL_WORDS, prompt_for
 
     cfg = JobConfig(run_dir="runs/tiny-ocr-miniature", steps=24, seed=0)
     cfg.checkpoint.every = 8  # preemption-safe by default (a lost job loses <= 8 steps)

@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_omni.parallel import platform
+from megatron_omni.rollout import vllm_cpu_weights
 
 _PATCHED = False
 
@@ -116,8 +117,8 @@ def forward(module: torch.nn.Module, latents: torch.Tensor, prompt_embeds: torch
 
 def keep_linear_weights_in_place() -> None:
     """vLLM-Omni's pipeline loader runs the linear layers' post-load hook itself, so the unpacked-path flag
-    (`finish_loading`) must be set inside it: `platform.keep_vllm_linear_weights_in_place`."""
-    platform.keep_vllm_linear_weights_in_place()
+    (`finish_loading`) must be set inside it: `vllm_cpu_weights.keep_vllm_linear_weights_in_place`."""
+    vllm_cpu_weights.keep_vllm_linear_weights_in_place()
 
 
 @contextlib.contextmanager

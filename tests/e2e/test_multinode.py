@@ -81,8 +81,9 @@ def test_two_nodes_match_one_node(tmp_path: Path) -> None:
     multi.mkdir()
     single.mkdir()
     master, reward = free_port(), free_port()
+    # A multi-node run needs one reward-server token shared by every node (the launch refuses without one).
     common = dict(NNODES="2", NPROC_PER_NODE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(master),
-                  REWARD_SERVER="1", REWARD_PORT=str(reward))
+                  REWARD_SERVER="1", REWARD_PORT=str(reward), REWARD_SERVER_TOKEN="multinode-test-token")
     procs = [_start(multi, NODE_RANK=str(i), **common) for i in (0, 1)]
     # The reference, same global layout (dp=2) on one node, scoring in the trainer (no server): runs meanwhile.
     procs.append(_start(single, NNODES="1", NPROC_PER_NODE="2", NODE_RANK="0", MASTER_PORT=str(free_port()),

@@ -48,7 +48,7 @@ def built(tmp_path_factory) -> Path:
 def test_folder_is_a_complete_offline_pipeline(built: Path) -> None:
     from megatron_omni.rollout.base import SamplingParams
     from megatron_omni.rollout.diffusers_engine import DiffusersRolloutEngine
-    from model_providers.qwen_image.text_miniature import MINIATURE
+    from model_providers.ocr_miniature.text_miniature import MINIATURE
 
     record = json.loads((built / "pretrain.json").read_text())
     assert record["seed"] == 0 and record["transformer_steps"] == 4
@@ -102,7 +102,7 @@ def test_text_encoder_training_and_vae_from(built: Path, tmp_path: Path) -> None
     _pretrain(frozen, "--vae-from", str(built))
     trained_dir = tmp_path / "trained"
     _pretrain(trained_dir, "--text-encoder", "train", "--vae-from", str(built))
-    from model_providers.qwen_image.text_miniature import MINIATURE
+    from model_providers.ocr_miniature.text_miniature import MINIATURE
     from model_providers.qwen_image.tiny_pipeline import build_components
 
     build_components(MINIATURE, 0)["text_encoder"].save_pretrained(tmp_path / "seeded")
@@ -141,12 +141,12 @@ def test_pixel_space_folder_continues_and_lends_its_vae(tmp_path: Path) -> None:
     either of those is refused, and so are a bad --max-offset and --offset-step 0."""
     from megatron_omni.rollout.base import SamplingParams
     from megatron_omni.rollout.diffusers_engine import DiffusersRolloutEngine
-    from model_providers.qwen_image.pixel_vae import PixelShuffleVAE
+    from model_providers.ocr_miniature.pixel_vae import PixelShuffleVAE
 
     pixel = tmp_path / "pixel"
     _pretrain(pixel, "--space", "pixel", "--max-offset", "8", "--offset-step", "8", "--font-sizes", "14", "15")
     index = json.loads((pixel / "model_index.json").read_text())
-    assert index["vae"] == ["model_providers.qwen_image.pixel_vae", "PixelShuffleVAE"]
+    assert index["vae"] == ["model_providers.ocr_miniature.pixel_vae", "PixelShuffleVAE"]
     record = json.loads((pixel / "pretrain.json").read_text())
     assert record["args"]["space"] == "pixel" and 0.0 < record["vae_mse"] < 0.1  # colour -> gray, nothing else
     layout = {"max_offset": 8, "font_sizes": [14, 15], "colours": "random", "offset_step": 8}

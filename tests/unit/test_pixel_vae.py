@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from model_providers.qwen_image.pixel_vae import PixelShuffleVAE
+from model_providers.ocr_miniature.pixel_vae import PixelShuffleVAE
 
 
 def _gray_images(n: int, size: int = 64) -> torch.Tensor:
@@ -63,14 +63,14 @@ def test_bad_shapes_are_refused() -> None:
 def test_a_pipeline_folder_with_it_loads_and_decodes_through_the_vae(tmp_path: Path) -> None:
     from diffusers import QwenImagePipeline
 
-    from model_providers.qwen_image.text_miniature import MINIATURE
+    from model_providers.ocr_miniature.text_miniature import MINIATURE
     from model_providers.qwen_image.tiny_pipeline import build_components, save_pipeline_atomically
 
     components = build_components(MINIATURE, seed=0)
     components["vae"] = PixelShuffleVAE(latents_mean=[0.25] * 16, latents_std=[0.5] * 16)
     save_pipeline_atomically(QwenImagePipeline(**components), tmp_path / "p")
     index = json.loads((tmp_path / "p" / "model_index.json").read_text())
-    assert index["vae"] == ["model_providers.qwen_image.pixel_vae", "PixelShuffleVAE"]
+    assert index["vae"] == ["model_providers.ocr_miniature.pixel_vae", "PixelShuffleVAE"]
 
     pipe = QwenImagePipeline.from_pretrained(tmp_path / "p", local_files_only=True)
     assert isinstance(pipe.vae, PixelShuffleVAE) and pipe.vae_scale_factor == 4
@@ -91,7 +91,7 @@ def test_the_vllm_omni_pipeline_refuses_a_folder_whose_vae_it_cannot_load(tmp_pa
     index = {"_class_name": "QwenImagePipeline", "vae": ["diffusers", "AutoencoderKLQwenImage"]}
     (tmp_path / "model_index.json").write_text(json.dumps(index))
     require_qwen_image_vae(str(tmp_path))
-    index["vae"] = ["model_providers.qwen_image.pixel_vae", "PixelShuffleVAE"]
+    index["vae"] = ["model_providers.ocr_miniature.pixel_vae", "PixelShuffleVAE"]
     (tmp_path / "model_index.json").write_text(json.dumps(index))
     with pytest.raises(ValueError, match="PixelShuffleVAE, but vLLM-Omni's Qwen-Image pipeline loads only"):
         require_qwen_image_vae(str(tmp_path))

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from model_providers.qwen_image.text_dataset import (
+from model_providers.ocr_miniature.text_dataset import (
     HELD_OUT_WORDS,
     RL_WORDS,
     VOCABULARY,
@@ -116,7 +116,7 @@ def test_miniature_tokenizer_drops_exactly_the_system_prompt() -> None:
     the system part, so the conditioning starts at the user prompt (one token per character)."""
     from diffusers import QwenImagePipeline
 
-    from model_providers.qwen_image.text_miniature import MINIATURE
+    from model_providers.ocr_miniature.text_miniature import MINIATURE
     from model_providers.qwen_image.tiny_pipeline import build_components
 
     pipe = QwenImagePipeline(**build_components(MINIATURE, seed=0))

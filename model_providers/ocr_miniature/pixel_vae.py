@@ -10,7 +10,7 @@ values: an 8 x 8 pixel patch per token, the pixel-space set-up that was measured
 learning legible words. A learned VAE's decoder cannot be this map (its nearest-neighbour upsampling
 followed by convolutions cannot route each latent channel to one pixel parity), hence this class.
 
-A pipeline folder names it in `model_index.json` as `["model_providers.qwen_image.pixel_vae",
+A pipeline folder names it in `model_index.json` as `["model_providers.ocr_miniature.pixel_vae",
 "PixelShuffleVAE"]`; diffusers imports that module when it loads the folder.
 """
 
