@@ -18,11 +18,17 @@ from pathlib import Path
 from typing import Any
 
 
+FAMILY_KINDS = ("dit", "ar_dit")
+
+
 @dataclass(frozen=True)
 class ModelFamily:
     """One model family's entry points (each a function of the family's provider module).
 
     name: the family's folder name under model_providers/ (and the value of a `model.family` setting).
+    kind: what the model is, which is what the trainer room picks its trainer by: "dit" (a diffusion
+        transformer over text embeddings, trained by FlowGRPO) | "ar_dit" (an autoregressive decoder whose
+        states condition a DiT, trained jointly over plan tokens and the SDE window).
     presets: the preset names `config` accepts.
     config: a preset name or config dict -> the family's model config (a diffusers dict for Qwen-Image,
         a `HybridConfig` for AR-DiT).
@@ -40,6 +46,7 @@ class ModelFamily:
     """
 
     name: str
+    kind: str
     presets: tuple[str, ...]
     config: Callable[[Any], Any]
     build_model: Callable[..., Any]
@@ -66,4 +73,6 @@ def get_family(name: str) -> ModelFamily:
     family = importlib.import_module(f"model_providers.{name}.family").FAMILY
     if not isinstance(family, ModelFamily) or family.name != name:
         raise ValueError(f"model_providers/{name}/family.py must define FAMILY = ModelFamily(name={name!r}, ...)")
+    if family.kind not in FAMILY_KINDS:
+        raise ValueError(f"model_providers/{name}/family.py: kind {family.kind!r} is not one of {FAMILY_KINDS}")
     return family

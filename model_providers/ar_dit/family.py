@@ -15,6 +15,7 @@ def _load(model: Any, state: tuple[dict, dict, dict]) -> None:
 
 FAMILY = ModelFamily(
     name="ar_dit",
+    kind="ar_dit",
     presets=tuple(sorted(presets.HYBRID_PRESETS)),
     config=provider.hybrid_config,
     build_model=provider.build_model,

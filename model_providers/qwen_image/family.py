@@ -7,6 +7,7 @@ from model_providers.registry import ModelFamily
 
 FAMILY = ModelFamily(
     name="qwen_image",
+    kind="dit",
     presets=tuple(sorted(presets.PRESETS)),
     config=provider.hf_config,
     build_model=provider.build_model,
