@@ -17,7 +17,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-
 FAMILY_KINDS = ("dit", "ar_dit")
 
 
