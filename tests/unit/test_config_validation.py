@@ -192,3 +192,56 @@ def test_cli_config_error_prints_on_rank0_only(capsys: pytest.CaptureFixture,
     rc, err = _main(capsys, "--set", "checkpoint.keep=0")
     assert rc == 2 and err == "config error: checkpoint.keep=0 must be >= 1"
 
+
+
+# ------------------------------------------------------------------------------------------ model families
+def _ar_dit() -> JobConfig:
+    from examples.ar_dit.recipe import tiny
+
+    return tiny()
+
+
+def test_unknown_family_names_the_known_ones() -> None:
+    cfg = JobConfig()
+    cfg.model.family = "nosuch"
+    message = _refused(cfg, "model.family")
+    assert "qwen_image" in message and "ar_dit" in message
+
+
+def test_the_ar_dit_recipe_is_valid_and_maps_onto_the_trainer_settings() -> None:
+    from megatron_omni.trainer.ar_dit import ARDiTTrainConfig
+
+    cfg = _ar_dit()
+    cfg.validate(2)
+    t = ARDiTTrainConfig.from_job(cfg)
+    assert t.prompts == [[5, 6, 7], [9, 10], [20, 21, 22, 23]] and t.window_clip == cfg.algorithm.clip_range
+    assert (t.sampling.num_steps, t.sampling.noise_level, t.sampling.grid) == (4, 0.7, (1, 2, 4))
+    cfg.algorithm.old_logprob = "bypass"
+    assert ARDiTTrainConfig.from_job(cfg).old_logprob == "rollout"
+
+
+@pytest.mark.parametrize(("overrides", "field_name"), [
+    (["parallel.pp=2"], "parallel.pp"),
+    (["optim.ema_decay=0.9"], "optim.ema_decay"),
+    (["reward.url=http://127.0.0.1:9"], "reward.url"),
+    (["reward.scorer=ocr"], "reward.scorer"),
+    (['eval.prompts=["5 6"]'], "eval.prompts"),
+    (["model.preset=20b"], "model.preset"),
+    (['prompts=["5 x"]'], "prompts[0]"),
+    (['prompts=["5 999"]'], "prompts[0]"),
+    (["ar_dit.grid=[2,2,4]"], "ar_dit.grid"),
+    (["ar_dit.reward=nocolon"], "ar_dit.reward"),
+    (["ar_dit.token_weight=0", "ar_dit.window_weight=0"], "ar_dit.token_weight"),
+    (["ar_dit.freeze=both"], "ar_dit.freeze"),
+])
+def test_ar_dit_refuses_what_it_does_not_implement(overrides: list[str], field_name: str) -> None:
+    """A setting the hybrid's trainer would not honour is an error naming it, never silently ignored."""
+    cfg = apply_overrides(_ar_dit(), overrides)
+    _refused(cfg, field_name)
+
+
+def test_dry_run_of_a_family_without_a_cost_model_is_a_config_error() -> None:
+    from megatron_omni.trainer.dry_run import dry_run
+
+    with pytest.raises(ConfigError, match="model.family=ar_dit has no cost model"):
+        dry_run(_ar_dit(), 1, "H200")
