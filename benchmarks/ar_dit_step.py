@@ -23,15 +23,15 @@ from tests.distributed import harness  # noqa: E402
 def _steps(rank: int, world_size: int, layout: dict[str, int], steps: int) -> list[dict]:
     from tqdm import tqdm
 
-    from examples.ar_dit.recipe import brightness, low_token_share, tiny_config
+    from examples.ar_dit.recipe import BrightnessAndLowTokens, tiny_config
     from megatron_omni.parallel import ParallelLayout, build_parallel_groups
     from megatron_omni.trainer.ar_dit import ARDiTTrainer
 
     groups = build_parallel_groups(ParallelLayout(**layout))
-    trainer = ARDiTTrainer(tiny_config(), groups, lambda t: brightness(t) + 0.1 * low_token_share(t, 128))
+    trainer = ARDiTTrainer(tiny_config(), groups, BrightnessAndLowTokens(vocab_size=128))
     out = []
     for step in tqdm(range(steps + 1), desc=f"{layout} rank {rank}", disable=rank != 0):
-        metrics, _, _ = trainer.train_step(step)
+        metrics = trainer.train_step(step).metrics
         if step > 0:  # step 0 warms up (first-use allocations, lazy imports)
             out.append(metrics)
     return out

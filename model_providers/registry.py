@@ -37,7 +37,8 @@ class ModelFamily:
     build_model: (model config, ParallelGroups, backend) -> this rank's Megatron-Core model shards.
     load_state: (model, state) -> None: copy full Hugging Face-layout tensors into this rank's shards; `state`
         is what `export_state` returns (a dict, or a tuple of per-part dicts).
-    export_state: model -> its full Hugging Face-layout tensors gathered over tp (collective).
+    export_state: model -> its full Hugging Face-layout tensors gathered over tp (collective; AR-DiT also takes
+        `parts=` to gather only some of its parts).
     megatron_shapes: a preset name or config -> the Megatron parameter shapes (the planner's and layout
         checks' view of the model).
     megatron_config: (model config, tp=, pp=, ulysses=, ring=, params_dtype=, **overrides) -> the

@@ -57,7 +57,6 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
-from model_providers.qwen_image import provider  # noqa: E402
 from model_providers.ocr_miniature.text_dataset import (  # noqa: E402
     FONT_SIZES,
     VARIED,
@@ -68,6 +67,7 @@ from model_providers.ocr_miniature.text_dataset import (  # noqa: E402
     render_dataset,
 )
 from model_providers.ocr_miniature.text_miniature import MINIATURE  # noqa: E402
+from model_providers.qwen_image import provider  # noqa: E402
 from model_providers.qwen_image.tiny_pipeline import build_components, save_pipeline_atomically  # noqa: E402
 
 NEGATIVE_PROMPT = " "

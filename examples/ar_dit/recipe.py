@@ -1,20 +1,26 @@
 """The tiny AR-DiT recipe: joint RL of the tiny hybrid on CPU against a reward that needs both halves.
 
 Reward = image brightness (mean pixel of the DiT's image, in [0, 1]) + a weight (0.1) times the share of plan
-tokens drawn from the lower half of the vocabulary (a rule on what the decoder writes). `run` trains it
-with the trainer's loop (`trainer.ar_dit_loop.run_ar_dit`: metrics.jsonl, checkpoints, resume).
-Launch: `torchrun --nproc-per-node N -m examples.ar_dit.train --out runs/ar_dit --tp 2`.
+tokens drawn from the lower half of the vocabulary (a rule on what the decoder writes). It trains through the
+one entry point, like every recipe:
+`python -m megatron_omni.train --recipe examples.ar_dit.recipe:tiny [--set parallel.tp=2 under torchrun]`.
 """
 
 from __future__ import annotations
 
-import os
-
 import torch
 
-from megatron_omni.rollout.ar_dit_engine import ARDiTSamplingParams, ARDiTTrajectory
-from megatron_omni.trainer.ar_dit import ARDiTTrainConfig, ARDiTTrainer
-from megatron_omni.trainer.ar_dit_loop import run_ar_dit
+from megatron_omni.rollout.ar_dit_engine import ARDiTTrajectory
+from megatron_omni.trainer.ar_dit import ARDiTTrainConfig
+from megatron_omni.trainer.config import (
+    AlgorithmConfig,
+    ARDiTConfig,
+    CheckpointConfig,
+    JobConfig,
+    ModelConfig,
+    OptimConfig,
+    RolloutConfig,
+)
 
 
 def brightness(traj: ARDiTTrajectory) -> torch.Tensor:
@@ -30,32 +36,39 @@ def low_token_share(traj: ARDiTTrajectory, vocab_size: int) -> torch.Tensor:
     return picked.sum(1) / traj.plan_lens.float()
 
 
-def tiny_config(seed: int = 0) -> ARDiTTrainConfig:
-    """The tiny recipe (8 samples per step: 2 prompts x 4, plans of up to 8 tokens, 4 steps with a 2-step window)."""
-    return ARDiTTrainConfig(
-        hybrid="tiny", seed=seed, prompts_per_step=2, group_size=4, lr=3e-3, token_clip=0.2, window_clip=1e-2,
-        sampling=ARDiTSamplingParams(max_plan_tokens=8, temperature=1.0, grid=(1, 2, 4), num_steps=4,
-                                     noise_level=0.7, window_size=2),
+class BrightnessAndLowTokens:
+    """The recipe's reward (`ar_dit.reward`): brightness + token_weight * low_token_share, [N] per trajectory;
+    `parts` gives the two terms' means as metrics (reward_image, reward_tokens)."""
+
+    def __init__(self, vocab_size: int, token_weight: float = 0.1) -> None:
+        self.vocab_size, self.token_weight = vocab_size, token_weight
+
+    def __call__(self, traj: ARDiTTrajectory) -> torch.Tensor:
+        return brightness(traj) + self.token_weight * low_token_share(traj, self.vocab_size)
+
+    def parts(self, traj: ARDiTTrajectory) -> dict[str, float]:
+        return {"reward_image": float(brightness(traj).mean()),
+                "reward_tokens": float(low_token_share(traj, self.vocab_size).mean())}
+
+
+def tiny() -> JobConfig:
+    """8 samples per step (2 prompts x 4), plans of up to 8 tokens, 4 sampling steps with a 2-step window at
+    noise 0.7; 8 RL steps, a checkpoint every 4."""
+    return JobConfig(
+        run_dir="runs/ar_dit", steps=8, seed=0,
+        prompts=["5 6 7", "9 10", "20 21 22 23"],
+        model=ModelConfig(family="ar_dit", preset="tiny"),
+        rollout=RolloutConfig(prompts_per_step=2, group_size=4, num_steps=4, noise_level=0.7, window_size=2),
+        algorithm=AlgorithmConfig(clip_range=1e-2),
+        optim=OptimConfig(lr=3e-3, weight_decay=0.0, mini_batches=1),
+        checkpoint=CheckpointConfig(every=4),
+        ar_dit=ARDiTConfig(max_plan_tokens=8, temperature=1.0, grid=[1, 2, 4], token_clip=0.2,
+                           reward="examples.ar_dit.recipe:BrightnessAndLowTokens"),
     )
 
 
-def run(cfg: ARDiTTrainConfig, groups, steps: int, out_dir: str | os.PathLike | None = None,
-        token_reward_weight: float = 0.1, save_every: int = 0, resume: bool = False) -> list[dict]:
-    """Train until `steps` RL steps are done; returns each step's metrics (reward parts included). The reward
-    is `brightness + token_reward_weight * low_token_share`. `save_every` > 0 checkpoints into
-    `out_dir/checkpoints` every that many steps and after the last; `resume` continues from the newest
-    complete checkpoint there (its metric history included), if any."""
-    trainer: ARDiTTrainer | None = None
-
-    def reward(traj: ARDiTTrajectory) -> torch.Tensor:
-        vocab = trainer.engine.hybrid.config.decoder["vocab_size"]
-        return brightness(traj) + token_reward_weight * low_token_share(traj, vocab)
-
-    trainer = ARDiTTrainer(cfg, groups, reward)
-    vocab = trainer.engine.hybrid.config.decoder["vocab_size"]
-
-    def parts(traj: ARDiTTrajectory) -> dict[str, float]:
-        return {"reward_image": float(brightness(traj).mean()),
-                "reward_tokens": float(low_token_share(traj, vocab).mean())}
-
-    return run_ar_dit(trainer, steps, out_dir, save_every=save_every, resume=resume, step_metrics=parts)
+def tiny_config(seed: int = 0) -> ARDiTTrainConfig:
+    """The tiny recipe's trainer settings (for tests and benchmarks that build an `ARDiTTrainer` directly)."""
+    cfg = tiny()
+    cfg.seed = seed
+    return ARDiTTrainConfig.from_job(cfg)

@@ -21,6 +21,7 @@ import torch.distributed as dist
 
 from megatron_omni.parallel.megatron_cpu_shims import apply_cpu_shims
 
+
 def has_gpu() -> bool:
     """True when a CUDA device is usable."""
     return torch.cuda.is_available()

@@ -15,11 +15,11 @@ the conditioning's gradient. This keeps the two halves' time separately measurab
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -29,6 +29,9 @@ from megatron_omni.algorithms.advantages import group_advantages
 from megatron_omni.algorithms.loss import flowgrpo_loss
 from megatron_omni.algorithms.token_loss import grpo_token_loss, joint_loss
 from megatron_omni.algorithms.transition import transition_step
+from megatron_omni.bridge import WeightSync
+from megatron_omni.bridge.qwen_image import megatron_sources, qwen_image_plan
+from megatron_omni.bridge.targets import DiffusersTarget
 from megatron_omni.checkpoint.sharded_state import ar_dit_content_metadata, ar_dit_sharded_state_dict
 from megatron_omni.models.ar.context_parallel import gather_sequence, split_sequence
 from megatron_omni.models.ar.decoder import token_log_probs
@@ -38,10 +41,10 @@ from megatron_omni.parallel.platform import seed_everything
 from megatron_omni.rollout.ar_dit_engine import ARDiTRolloutEngine, ARDiTSamplingParams, ARDiTTrajectory, plan_positions
 from megatron_omni.rollout.vllm_omni_hybrid import VllmOmniHybridDiT
 from megatron_omni.rollout.vllm_plan_writer import VLLMPlanWriter
-from megatron_omni.trainer.checkpointing import latest_checkpoint, load_checkpoint, save_checkpoint
+from megatron_omni.trainer.config import JobConfig
 from megatron_omni.trainer.grad_guard import GradGuard
 from megatron_omni.trainer.rewards import gather_rewards
-from megatron_omni.trainer.skeleton import mini_batch_rows, step_prompts, update
+from megatron_omni.trainer.skeleton import StepResult, mini_batch_rows, step_prompts, update
 from megatron_omni.trainer.training_state import OptimizerSettings, build_ddp_and_optimizer, build_scheduler
 from model_providers import get_family
 
@@ -67,6 +70,7 @@ class ARDiTTrainConfig:
     decoder_lr_scale: float = 1.0  # the decoder's lr is lr * this (its updates move the DiT's conditioning too)
     weight_decay: float = 0.0
     adam_betas: tuple[float, float] = (0.9, 0.999)
+    adam_eps: float = 1e-8
     clip_grad: float = 1.0
     mini_batches: int = 1
     token_clip: float | tuple[float, float] = 0.2
@@ -95,6 +99,36 @@ class ARDiTTrainConfig:
         if self.freeze == "dit" and self.token_weight == 0 and self.window_weight == 0:
             raise ValueError("all part weights are 0")
 
+    @classmethod
+    def from_job(cls, cfg: JobConfig) -> ARDiTTrainConfig:
+        """The trainer's settings of a `JobConfig` with model.family=ar_dit (validated by `JobConfig.validate`):
+        the hybrid preset is model.preset, the prompts' token ids are `prompts`, the window's SDE settings and
+        the group sizes come from `rollout`, the optimizer from `optim`, the window's clip range and the
+        advantages' std mode from `algorithm`, the rest from the `ar_dit` section."""
+        a, o, al, r = cfg.ar_dit, cfg.optim, cfg.algorithm, cfg.rollout
+        return cls(
+            hybrid=cfg.model.preset, seed=cfg.seed, prompts=[[int(t) for t in p.split()] for p in cfg.prompts],
+            prompts_per_step=r.prompts_per_step, group_size=r.group_size,
+            sampling=ARDiTSamplingParams.from_config(r, max_plan_tokens=a.max_plan_tokens,
+                                                     temperature=a.temperature, grid=tuple(a.grid)),
+            lr=o.lr, decoder_lr_scale=a.decoder_lr_scale, weight_decay=o.weight_decay,
+            adam_betas=(o.adam_beta1, o.adam_beta2), adam_eps=o.adam_eps, clip_grad=o.clip_grad,
+            mini_batches=o.mini_batches, token_clip=a.token_clip, window_clip=al.clip_range,
+            token_weight=a.token_weight, window_weight=a.window_weight, aggregation=a.aggregation,
+            std_mode=al.std_mode, freeze=a.freeze,
+            old_logprob="rollout" if al.old_logprob == "bypass" else "recompute", max_bad_steps=o.max_bad_steps)
+
+
+def load_trajectory_reward(spec: str, vocab_size: int) -> RewardFn:
+    """The reward `ar_dit.reward` names: MODULE:CALLABLE called with vocab_size= (a callable trajectory ->
+    [N] rewards, optionally with `parts(trajectory) -> dict[str, float]`). Raises ValueError naming the spec."""
+    module, _, attr = spec.partition(":")
+    try:
+        factory = getattr(importlib.import_module(module), attr)
+    except (ImportError, AttributeError) as exc:
+        raise ValueError(f"ar_dit.reward={spec!r}: {exc}") from exc
+    return factory(vocab_size=vocab_size)
+
 
 class ARDiTTrainer:
     """Model, optimizer, rollout engine and reward of one rank (pp = 1; tp, cp and dp as laid out: under
@@ -117,6 +151,12 @@ class ARDiTTrainer:
                                          dit_server=dit_server)
         self.model: ARDiTModel = self.family.build_model(ref.config, groups)
         self.family.load_state(self.model, ref.state())
+        # The DiT half reaches the embedded rollout's diffusers DiT through the bridge (a plan from shapes, shards
+        # gathered over tp); the decoder and connector, and the vLLM halves when there are any, as full tensors.
+        self.dit_sync = None if (vllm_omni_dit is not None or dit_server is not None) else WeightSync(
+            qwen_image_plan(ref.config.dit, trainer_tp=groups.tp.size(), rollout_kind="diffusers", mode="full"),
+            sources=megatron_sources(self.model.dit), target=DiffusersTarget(self.engine.hybrid.dit),
+            tp_group=groups.tp, tp_rank=groups.tp.rank())
         frozen = {"decoder": [self.model.decoder], "dit": [self.model.connector, self.model.dit]}.get(cfg.freeze, [])
         for module in frozen:
             module.requires_grad_(False)
@@ -131,33 +171,34 @@ class ARDiTTrainer:
         self.ddp, self.optimizer = build_ddp_and_optimizer(
             self.model, self.model.config, groups.mcore,
             OptimizerSettings(lr=cfg.lr, weight_decay=cfg.weight_decay, adam_beta1=cfg.adam_betas[0],
-                              adam_beta2=cfg.adam_betas[1], clip_grad=cfg.clip_grad), config_overrides=overrides)
+                              adam_beta2=cfg.adam_betas[1], adam_eps=cfg.adam_eps, clip_grad=cfg.clip_grad),
+            config_overrides=overrides)
         # Constant schedule; it applies each parameter group's own max_lr (the decoder's scale).
         self.scheduler = build_scheduler(self.optimizer, cfg.lr, cfg.weight_decay)
 
     # ----------------------------------------------------------------------------------- checkpoints
-    def save_checkpoint(self, run_dir: str | Path, step: int, common: dict[str, Any] | None = None,
-                        keep: int = 2) -> Path:
-        """Collective: the hybrid, its optimizer and scheduler, every rank's RNG states and `common` (plus
-        the step and the NaN guard's count) as the checkpoint after `step` RL steps, written atomically in
-        Megatron's distributed format (`trainer.checkpointing`); the last `keep` are kept."""
-        common = dict(common or {}, step=step, bad_steps=self.guard.bad_steps)
-        return save_checkpoint(Path(run_dir), step, self.model, self.optimizer, self.scheduler, common, keep,
-                               content_metadata=ar_dit_content_metadata(self.engine.hybrid.config.to_dict()),
-                               sharded_state=ar_dit_sharded_state_dict)
+    # The hybrid's sharded state for checkpoints (decoder, connector and DiT under their own prefixes).
+    sharded_state = staticmethod(ar_dit_sharded_state_dict)
+    ema = None  # no EMA of the weights
 
-    def resume(self, run_dir: str | Path) -> dict[str, Any] | None:
-        """Collective: load the newest complete checkpoint of `run_dir` (a half-written one is ignored) and
-        sync the rollout engines to it. Returns its `common` (`step`: RL steps done), or None when there is
-        none."""
-        folder = latest_checkpoint(Path(run_dir))
-        if folder is None:
-            return None
-        common = load_checkpoint(folder, self.model, self.optimizer, self.scheduler,
-                                 sharded_state=ar_dit_sharded_state_dict)
-        self.guard.bad_steps = int(common.get("bad_steps", 0))
-        self.engine.load_weights(*self.family.export_state(self.model))
-        return common
+    def content_metadata(self, step: int) -> dict[str, Any]:
+        """What a checkpoint records about the model: the hybrid config (the same after every step)."""
+        return ar_dit_content_metadata(self.engine.hybrid.config.to_dict())
+
+    def sync_weights(self) -> float:
+        """Load the trained hybrid's weights into the rollout engines (the DiT through the bridge, which raises
+        on any rollout element left unwritten or written twice); returns the seconds it took. Collective."""
+        t0 = time.perf_counter()
+        if self.dit_sync is None:
+            self.engine.load_weights(*self.family.export_state(self.model))
+        else:
+            decoder, connector, _ = self.family.export_state(self.model, parts=("decoder", "connector"))
+            self.engine.load_weights(decoder, connector, None)
+            self.dit_sync.sync()
+        return time.perf_counter() - t0
+
+    def close(self) -> None:
+        """Nothing to release: the embedded engines live in this process."""
 
     # ------------------------------------------------------------------------------------- log-probs
     def encode(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -203,8 +244,9 @@ class ARDiTTrainer:
         return step_prompts(c.prompts, c.seed, step, c.prompts_per_step, c.group_size,
                             self.groups.dp.rank(), self.groups.dp.size())
 
-    def train_step(self, step: int) -> tuple[dict[str, float], ARDiTTrajectory, torch.Tensor]:
-        """One RL step; returns (metrics, this rank's trajectory, its rewards [N])."""
+    def train_step(self, step: int) -> StepResult:
+        """One RL step: metrics (with the reward's `parts`, if it has them), this rank's trajectory, its
+        rewards [N], and its images with the prompts' token ids as text."""
         c = self.cfg
         t: dict[str, float] = {}
         prompts, gids, seeds = self.step_prompts(step)
@@ -228,11 +270,10 @@ class ARDiTTrainer:
         dlogp_win = float((old_win - traj.image.log_probs).abs().mean())
         metrics, phases = self._update(traj, old_tok, old_win, advantages, step)
         t["train"] = phases["decoder"] + phases["dit"]
-        t0 = time.perf_counter()
-        self.engine.load_weights(*self.family.export_state(self.model))
-        t["sync"] = time.perf_counter() - t0
+        t["sync"] = self.sync_weights()
         metrics.update({
-            "reward_mean": float(all_r.mean()), "zero_std_ratio": adv.zero_std_ratio,
+            "reward_mean": float(all_r.mean()), "reward_std": float(all_r.std(correction=0)),
+            "zero_std_ratio": adv.zero_std_ratio,
             "plan_len_mean": float(traj.plan_lens.float().mean()),
             "train_rollout_dlogp_token": dlogp_tok, "train_rollout_dlogp_window": dlogp_win,
             "time_decoder": self.engine.stats["decoder_s"] + phases["decoder"],
@@ -240,7 +281,11 @@ class ARDiTTrainer:
             **{f"time_{k}": v for k, v in t.items()},
         })
         metrics["time_step"] = sum(t.values())
-        return metrics, traj, rewards
+        parts = getattr(self.reward_fn, "parts", None)
+        if parts is not None:
+            metrics.update(parts(traj))
+        return StepResult(metrics, traj, rewards, traj.image.images,
+                          [" ".join(str(int(t)) for t in ids[:n]) for ids, n in zip(traj.tokens, traj.prompt_lens)])
 
     def _update(self, traj: ARDiTTrajectory, old_tok: torch.Tensor, old_win: torch.Tensor, adv: torch.Tensor,
                 step: int) -> tuple[dict[str, float], dict[str, float]]:

@@ -47,6 +47,9 @@ def module_importable(name: str) -> bool:
 
 @dataclass
 class ModelConfig:
+    # The model family (a folder of model_providers/ with a family.py); its kind picks the trainer: "dit"
+    # families train with FlowGRPO, "ar_dit" hybrids with the joint token + window objective (`ar_dit` section).
+    family: str = "qwen_image"
     pipeline: str = "tiny"  # a diffusers Qwen-Image folder, or "tiny": built offline into the run folder
     tiny_seed: int = 0
     backend: str = "local"  # layer spec: "local" | "te" (TransformerEngine linears; needs transformer_engine)
@@ -54,7 +57,9 @@ class ModelConfig:
     # bf16 weights, fp32 main weights, grads reduced in fp32 and Adam state in the optimizer; SDE math stays fp32.
     params_dtype: str = "fp32"
     recompute: str | None = None  # None | "full" | "selective"
-    preset: str | None = None  # architecture preset ("20b") a --dry-run plans with when the pipeline is not at hand
+    # Architecture preset: the one a --dry-run plans with when the pipeline is not at hand ("20b"); for a family
+    # built from presets alone (ar_dit) the model itself ("tiny").
+    preset: str | None = None
 
 
 @dataclass
@@ -169,6 +174,27 @@ class EvalConfig:
 
 
 @dataclass
+class ARDiTConfig:
+    """The settings only the AR-DiT hybrid's joint objective has (model.family=ar_dit). Its prompts are
+    `JobConfig.prompts`, each the whitespace-separated token ids of the decoder's vocabulary (the tiny hybrid has
+    no tokenizer); the window's SDE settings, group sizes, optimizer and clip range (algorithm.clip_range, the
+    window term's) are the shared sections'."""
+
+    max_plan_tokens: int = 8  # the decoder's plan budget
+    temperature: float = 1.0  # plan-token sampling temperature
+    grid: list[int] = field(default_factory=lambda: [1, 2, 4])  # the DiT's latent grid (1, h, w) in patches
+    token_clip: float = 0.2  # the token term's PPO clip range
+    token_weight: float = 1.0
+    window_weight: float = 1.0
+    aggregation: str = "token_mean"  # "token_mean" | "seq_mean_token_mean"
+    freeze: str | None = None  # None | "decoder" | "dit"
+    decoder_lr_scale: float = 1.0  # the decoder's lr is optim.lr * this
+    # MODULE:CALLABLE, called with vocab_size=V, giving the reward: a callable trajectory -> [N] rewards, with
+    # an optional `parts(trajectory) -> dict[str, float]` of metrics (the reward's terms).
+    reward: str = "examples.ar_dit.recipe:BrightnessAndLowTokens"
+
+
+@dataclass
 class JobConfig:
     run_dir: str = "runs/demo"
     steps: int = 10
@@ -184,15 +210,17 @@ class JobConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
+    ar_dit: ARDiTConfig = field(default_factory=ARDiTConfig)
 
     def validate(self, world_size: int) -> None:
         """Check values and the layout against the world size; raises ConfigError naming the field."""
-        from megatron_omni.parallel.layout import LayoutError, ParallelLayout
-        from megatron_omni.trainer.config_checks import check_fields, check_reward
+        from megatron_omni.trainer.config_checks import check_family, check_fields, check_reward
 
-        # Types, value sets, signs and bounds of every field (one line naming the field), then the reward's
-        # scorer and URL, then what depends on several fields at once.
+        # Types, value sets, signs and bounds of every field (one line naming the field), the model family and
+        # what it supports, then the reward's scorer and URL, then what depends on several fields at once.
         check_fields(self)
+        if check_family(self) == "ar_dit":
+            return _validate_layout(self, world_size)
         check_reward(self)
         try:
             rollout_params = self.rollout.sampling_params()
@@ -221,16 +249,23 @@ class JobConfig:
         for ok, name, why in checks:
             if not ok:
                 raise ConfigError(f"{name}={_get(self, name)!r} {why}")
-        n = self.rollout.prompts_per_step * self.rollout.group_size
-        if n % self.optim.mini_batches:
-            raise ConfigError(f"optim.mini_batches={self.optim.mini_batches} does not divide the {n} samples per step")
-        p = self.parallel
-        try:
-            ParallelLayout(tp=p.tp, ulysses=p.ulysses, ring=p.ring, pp=p.pp).resolve(world_size)
-        except LayoutError as exc:
-            raise ConfigError(f"parallel: {exc}") from exc
-        if world_size % self.rollout.tp:
-            raise ConfigError(f"rollout.tp={self.rollout.tp} does not divide the world size {world_size}")
+        _validate_layout(self, world_size)
+
+
+def _validate_layout(cfg: JobConfig, world_size: int) -> None:
+    """The samples per step against the mini-batches, and the layout against the world size."""
+    from megatron_omni.parallel.layout import LayoutError, ParallelLayout
+
+    n = cfg.rollout.prompts_per_step * cfg.rollout.group_size
+    if n % cfg.optim.mini_batches:
+        raise ConfigError(f"optim.mini_batches={cfg.optim.mini_batches} does not divide the {n} samples per step")
+    p = cfg.parallel
+    try:
+        ParallelLayout(tp=p.tp, ulysses=p.ulysses, ring=p.ring, pp=p.pp).resolve(world_size)
+    except LayoutError as exc:
+        raise ConfigError(f"parallel: {exc}") from exc
+    if world_size % cfg.rollout.tp:
+        raise ConfigError(f"rollout.tp={cfg.rollout.tp} does not divide the world size {world_size}")
 
 
 def _get(cfg: Any, dotted: str) -> Any:

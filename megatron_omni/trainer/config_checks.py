@@ -60,6 +60,12 @@ BOUNDS: list[tuple[str, float | None, bool, float | None, bool]] = [
     ("eval.num_steps", 1, True, None, False),
     ("eval.guidance_scale", 1, True, None, False),
     ("eval.every", 0, True, None, False),
+    ("ar_dit.max_plan_tokens", 1, True, None, False),
+    ("ar_dit.temperature", 0, False, None, False),
+    ("ar_dit.token_clip", 0, False, None, False),
+    ("ar_dit.token_weight", 0, True, None, False),
+    ("ar_dit.window_weight", 0, True, None, False),
+    ("ar_dit.decoder_lr_scale", 0, False, None, False),
 ]
 
 # Fields with a fixed set of values (None listed where the field may be unset).
@@ -73,7 +79,38 @@ CHOICES: dict[str, tuple[Any, ...]] = {
     "rollout.dtype": ("fp32", "bf16"),
     "algorithm.std_mode": ("global", "group"),
     "algorithm.old_logprob": ("recompute", "bypass"),
+    "ar_dit.aggregation": ("token_mean", "seq_mean_token_mean"),
+    "ar_dit.freeze": (None, "decoder", "dit"),
 }
+
+# What the AR-DiT trainer does not implement: each field must keep the JobConfig default (or the value given)
+# under model.family=ar_dit, so a setting is never silently ignored.
+AR_DIT_UNSUPPORTED: list[tuple[str, Any, str]] = [
+    ("parallel.pp", 1, "the hybrid trains without pipeline parallelism"),
+    ("parallel.ring", 1, "the hybrid's context parallelism is Ulysses (parallel.ulysses)"),
+    ("model.params_dtype", "fp32", "the hybrid trains in fp32"),
+    ("model.backend", "local", "the hybrid has the local layer spec only"),
+    ("model.recompute", None, "the hybrid has no activation recompute"),
+    ("rollout.engine", "diffusers", "the hybrid rolls out with its embedded engine (vLLM halves: Python API)"),
+    ("rollout.transformer", "auto", "the hybrid's rollout always samples with its own copy"),
+    ("rollout.dtype", "fp32", "the hybrid's rollout samples in fp32"),
+    ("rollout.tp", 1, "the hybrid's rollout is one process per rank"),
+    ("rollout.text_length", None, "the hybrid pads plans itself"),
+    ("rollout.guidance_scale", 1.0, "the hybrid samples without classifier-free guidance"),
+    ("rollout.negative_prompt", None, "the hybrid samples without classifier-free guidance"),
+    ("reward.url", None, "the hybrid's reward scores trajectories in process (ar_dit.reward)"),
+    ("reward.scorer", "jpeg_compressibility", "the hybrid's reward is ar_dit.reward (it reads plan tokens too)"),
+    ("rollout.height", 64, "the hybrid's image size is ar_dit.grid"),
+    ("rollout.width", 64, "the hybrid's image size is ar_dit.grid"),
+    ("rollout.max_batch_size", 16, "the hybrid's rollout samples a step in one batch"),
+    ("algorithm.beta", 0.0, "the hybrid has no KL term"),
+    ("algorithm.max_logp_gap", None, "the hybrid logs its train/rollout gaps only"),
+    ("optim.warmup_steps", 0, "the hybrid's learning rate is constant"),
+    ("optim.micro_batch_size", None, "the hybrid runs each mini-batch in one forward"),
+    ("optim.distributed_optimizer", False, "the hybrid's optimizer is not sharded"),
+    ("optim.ema_decay", 0.0, "the hybrid keeps no EMA of its weights"),
+    ("eval", None, "the hybrid has no held-out evaluation (eval.prompts must stay empty)"),
+]
 
 # Scorers whose reward is the text the prompt quotes: every prompt must quote one.
 OCR_SCORERS = ("ocr", "vlm_ocr")
@@ -121,6 +158,58 @@ def _bound_text(lo: float | None, lo_in: bool, hi: float | None, hi_in: bool) ->
     if hi is None:
         return f"must be {'>=' if lo_in else '>'} {lo:g}"
     return f"must be in {'[' if lo_in else '('}{lo:g}, {hi:g}{']' if hi_in else ')'}"
+
+
+def check_family(cfg: Any) -> str:
+    """model.family names a registered family, and a family's own settings fit it; returns the family's kind.
+    Raises ConfigError naming the field."""
+    from megatron_omni.trainer.config import ConfigError
+    from model_providers import family_names, get_family
+
+    if cfg.model.family not in family_names():
+        raise ConfigError(f"model.family={cfg.model.family!r} must be {'|'.join(family_names())}")
+    family = get_family(cfg.model.family)
+    if family.kind == "ar_dit":
+        _check_ar_dit(cfg, family)
+    return family.kind
+
+
+def _check_ar_dit(cfg: Any, family: Any) -> None:
+    from megatron_omni.trainer.config import ConfigError
+
+    if cfg.model.preset not in family.presets:
+        raise ConfigError(f"model.preset={cfg.model.preset!r} must be {'|'.join(family.presets)} for "
+                          f"model.family={family.name} (the hybrid is built from its preset)")
+    for name, default, why in AR_DIT_UNSUPPORTED:
+        if name == "eval":
+            value, default = cfg.eval.prompts, []
+            name = "eval.prompts"
+        else:
+            value = get_field(cfg, name)
+        if value != default:
+            raise ConfigError(f"{name}={value!r} is not supported with model.family={family.name}: {why}")
+    vocab = int(family.config(cfg.model.preset).decoder["vocab_size"])
+    for i, prompt in enumerate(cfg.prompts):
+        ids = prompt.split()
+        if not ids or not all(t.isdigit() and int(t) < vocab for t in ids):
+            raise ConfigError(f"prompts[{i}]={prompt!r}: an AR-DiT prompt is whitespace-separated token ids in "
+                              f"[0, {vocab}) (the tiny hybrid has no tokenizer)")
+    a = cfg.ar_dit
+    if len(a.grid) != 3 or a.grid[0] != 1 or min(a.grid) < 1:
+        raise ConfigError(f"ar_dit.grid={a.grid!r} must be [1, h, w] with h, w >= 1")
+    if a.freeze == "decoder" and a.window_weight == 0:
+        raise ConfigError("ar_dit.freeze='decoder' with ar_dit.window_weight=0 leaves nothing to train")
+    if a.token_weight == 0 and a.window_weight == 0:
+        raise ConfigError("ar_dit.token_weight and ar_dit.window_weight are both 0: nothing to train")
+    module, _, attr = a.reward.partition(":")
+    if not module or not attr or not _module_importable(module):
+        raise ConfigError(f"ar_dit.reward={a.reward!r} must be MODULE:CALLABLE with an importable module")
+
+
+def _module_importable(name: str) -> bool:
+    from megatron_omni.trainer.config import module_importable
+
+    return module_importable(name)
 
 
 def check_fields(cfg: Any) -> None:
@@ -212,8 +301,10 @@ def check_files(cfg: Any) -> None:
     """What a real run reads and writes, before any work: the pipeline folder (unless 'tiny') and the run
     folder (created and written once, so a read-only or full disk is one line here, not a late traceback)."""
     from megatron_omni.trainer.config import ConfigError
+    from model_providers import get_family
 
-    if cfg.model.pipeline != "tiny":
+    # Only a DiT family reads a pipeline folder (the AR-DiT hybrid is built from its preset).
+    if cfg.model.pipeline != "tiny" and get_family(cfg.model.family).kind == "dit":
         path = Path(cfg.model.pipeline)
         if not path.is_dir():
             raise ConfigError(f"model.pipeline={cfg.model.pipeline!r} is not a folder (a diffusers Qwen-Image "

@@ -84,6 +84,9 @@ def dry_run(cfg: JobConfig, world_size: int, gpu: str, gpus_per_node: int = 8, r
     weights. `mfu_from`: a JSON written by tools/gpu_check.sh whose measured MFU replaces the assumed one.
     Returns 0 when it fits, 3 when it does not (with the changes the planner checked fit); raises ConfigError
     for an invalid config or layout."""
+    if cfg.model.family != "qwen_image":
+        raise ConfigError(f"--dry-run: the planner models the qwen_image family; model.family={cfg.model.family} "
+                          "has no cost model yet")
     mfu = DEFAULT_MFU
     if mfu_from is not None:
         try:

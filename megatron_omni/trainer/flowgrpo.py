@@ -25,8 +25,9 @@ import math
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -36,6 +37,7 @@ from megatron_omni.algorithms.advantages import group_advantages
 from megatron_omni.bridge import DistributedTransport, WeightSync
 from megatron_omni.bridge.qwen_image import megatron_sources, qwen_image_plan, sync_mode
 from megatron_omni.checkpoint.safetensors_io import SafetensorsFolder
+from megatron_omni.checkpoint.sharded_state import content_metadata, model_layout, model_sharded_state_dict
 from megatron_omni.models.dit.config import MMDiTConfig
 from megatron_omni.models.dit.diffusers_interface import DiffusersForward
 from megatron_omni.models.dit.model import MMDiTModel
@@ -49,24 +51,16 @@ from megatron_omni.trainer.config import JobConfig, ParallelConfig, torch_dtype
 from megatron_omni.trainer.grad_guard import GradGuard
 from megatron_omni.trainer.pipeline_step import MicroBatch, PipelineStep, plan_micro_batches
 from megatron_omni.trainer.rewards import RewardFunction, gather_rewards
-from megatron_omni.trainer.skeleton import mini_batch_rows, step_prompts, update
+from megatron_omni.trainer.skeleton import StepResult, mini_batch_rows, step_prompts, update
 from megatron_omni.trainer.training_state import OptimizerSettings, build_ddp_and_optimizer, build_scheduler
 from model_providers import ModelFamily, get_family
-
-# The model family this trainer trains (its bundle: `model_providers.get_family`); a `model.family` setting
-# will choose it.
-FAMILY = "qwen_image"
-
-
-@dataclass
-class StepResult:
-    metrics: dict[str, float]
-    trajectory: Trajectory
-    rewards: torch.Tensor
 
 
 class FlowGRPOTrainer:
     """Holds the model, optimizer, rollout engine and reward function of one rank."""
+
+    # The model's sharded state for checkpoints (the MMDiT's).
+    sharded_state = staticmethod(model_sharded_state_dict)
 
     def __init__(self, cfg: JobConfig, groups: ParallelGroups, pipeline_dir: str | Path,
                  reward_fn: RewardFunction) -> None:
@@ -86,7 +80,10 @@ class FlowGRPOTrainer:
         elif cfg.model.recompute == "selective":
             overrides.update(recompute_granularity="selective")
         params_dtype = torch_dtype(cfg.model.params_dtype)
-        self.family = get_family(FAMILY)
+        self.family = get_family(cfg.model.family)
+        if self.family.kind != "dit":
+            raise ValueError(f"FlowGRPOTrainer trains DiT families; model.family={self.family.name} is "
+                             f"{self.family.kind!r} (trainer.run picks the trainer by kind)")
         mcfg = self.family.megatron_config(self.hf_config, tp=p.tp, pp=p.pp, ulysses=p.ulysses, ring=p.ring,
                                            params_dtype=params_dtype, **overrides)
         hf_state = _initial_weights(self.engine.initial_state_dict(), pipeline_dir, params_dtype)
@@ -172,6 +169,10 @@ class FlowGRPOTrainer:
     def close(self) -> None:
         """Release the rollout engine (its workers or its parallel state)."""
         self.engine.close()
+
+    def content_metadata(self, step: int) -> dict[str, Any]:
+        """What a checkpoint after `step` RL steps records about the model (family, config, layout)."""
+        return content_metadata(self.family.name, self.hf_config, model_layout(self.model), step=step)
 
     def micro_batches(self, n: int, window: int, step: int) -> list[list[MicroBatch]]:
         """RL step `step`'s mini-batches (a fixed random split of the N samples), each as its micro-batches
@@ -269,7 +270,8 @@ class FlowGRPOTrainer:
         total = sum(t.values())
         metrics["time_step"] = total
         metrics["images_per_s_per_rank"] = len(all_rewards) / total / self.groups.layout.world_size
-        return StepResult(metrics=metrics, trajectory=traj, rewards=local_rewards)
+        return StepResult(metrics=metrics, trajectory=traj, rewards=local_rewards, images=traj.images,
+                          prompts=list(traj.prompts))
 
     def logp_gap(self, old: torch.Tensor, rollout: torch.Tensor, step: int) -> tuple[float, float]:
         """Mean and max |old - rollout| over the step's samples of every data-parallel rank (old, rollout

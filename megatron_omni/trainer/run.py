@@ -1,4 +1,8 @@
-"""The training run: set-up, the step loop with a progress bar, checkpoints, metrics and pictures."""
+"""The training run of every model family: set-up, the step loop with a progress bar, checkpoints, metrics and
+pictures. The trainer is picked by the family's kind (`model_providers.get_family(model.family).kind`):
+"dit" -> `FlowGRPOTrainer`, "ar_dit" -> `ARDiTTrainer`; both return a `skeleton.StepResult` per step and carry
+what a checkpoint needs (`model`, `optimizer`, `scheduler`, `ema`, `sharded_state`, `content_metadata`,
+`guard`), so this loop, its checkpoints and its resume are the same for both."""
 
 from __future__ import annotations
 
@@ -9,7 +13,6 @@ from pathlib import Path
 import torch.distributed as dist
 from tqdm import tqdm
 
-from megatron_omni.checkpoint.sharded_state import content_metadata, model_layout
 from megatron_omni.parallel import ParallelLayout, build_parallel_groups
 from megatron_omni.trainer import atomic_files
 from megatron_omni.trainer.checkpointing import latest_checkpoint, load_checkpoint, run_id_of, save_checkpoint
@@ -20,6 +23,7 @@ from megatron_omni.trainer.metrics import MetricsWriter, read_history, save_imag
 from megatron_omni.trainer.preemption import StopRequests, TrainingStopped
 from megatron_omni.trainer.rewards import RewardFunction
 from megatron_omni.trainer.run_folder import RESUME_AUTO, clear_run_dir, new_run_id
+from model_providers import get_family
 
 SHOWN = ("reward_mean", "clipfrac", "approx_kl", "grad_norm", "images_per_s_per_rank")
 
@@ -104,6 +108,21 @@ def _resume_folder(cfg: JobConfig, run_dir: Path) -> Path | None:
     return Path(resume) if resume else None
 
 
+def build_trainer(cfg: JobConfig, groups, run_dir: Path) -> tuple[object, RewardFunction | None]:
+    """The trainer of `cfg.model.family`'s kind and the reward client it scores with (None: the trainer scores
+    in process). Collective (every rank)."""
+    family = get_family(cfg.model.family)
+    if family.kind == "ar_dit":
+        from megatron_omni.trainer.ar_dit import ARDiTTrainConfig, ARDiTTrainer, load_trajectory_reward
+
+        vocab = int(family.config(cfg.model.preset).decoder["vocab_size"])
+        return ARDiTTrainer(ARDiTTrainConfig.from_job(cfg), groups,
+                            load_trajectory_reward(cfg.ar_dit.reward, vocab)), None
+    pipeline = prepare_pipeline(cfg, run_dir)
+    reward_fn = RewardFunction(cfg.reward.scorer, cfg.reward.url, cfg.reward.timeout_s)
+    return FlowGRPOTrainer(cfg, groups, pipeline, reward_fn), reward_fn
+
+
 def _run(cfg: JobConfig, overwrite: bool, stops: StopRequests) -> dict:
     rank = dist.get_rank()
     run_dir = Path(cfg.run_dir)
@@ -115,9 +134,7 @@ def _run(cfg: JobConfig, overwrite: bool, stops: StopRequests) -> dict:
     dist.barrier()
     p = cfg.parallel
     groups = build_parallel_groups(ParallelLayout(tp=p.tp, ulysses=p.ulysses, ring=p.ring, pp=p.pp))
-    pipeline = prepare_pipeline(cfg, run_dir)
-    reward_fn = RewardFunction(cfg.reward.scorer, cfg.reward.url, cfg.reward.timeout_s)
-    trainer = FlowGRPOTrainer(cfg, groups, pipeline, reward_fn)
+    trainer, reward_fn = build_trainer(cfg, groups, run_dir)
 
     start = 0
     folder = _resume_folder(cfg, run_dir)
@@ -130,8 +147,10 @@ def _run(cfg: JobConfig, overwrite: bool, stops: StopRequests) -> dict:
     if rank == 0:
         atomic_files.write_text(run_dir / "config.json", json.dumps({"run_id": run_id, **to_dict(cfg)}, indent=2))
     if folder is not None:
-        common = load_checkpoint(folder, trainer.model, trainer.optimizer, trainer.scheduler, ema=trainer.ema)
+        common = load_checkpoint(folder, trainer.model, trainer.optimizer, trainer.scheduler,
+                                 sharded_state=trainer.sharded_state, ema=trainer.ema)
         start = common["step"]
+        trainer.guard.bad_steps = int(common.get("bad_steps", 0))
         trainer.sync_weights()
         if rank == 0:
             # Records written after the checkpoint (before a crash) are dropped: the resumed run redoes them.
@@ -151,9 +170,10 @@ def _run(cfg: JobConfig, overwrite: bool, stops: StopRequests) -> dict:
                                to_dict(cfg))
     if cfg.eval.prompts and start == 0:
         run_evaluation(cfg, trainer, run_dir, 0)
-    bar = tqdm(range(start, cfg.steps), initial=start, total=cfg.steps, desc="FlowGRPO", unit="step",
-               disable=rank != 0, dynamic_ncols=True)
-    reward_fn.progress = bar  # its postfix shows "waiting for rewards: N outstanding" while the server scores
+    bar = tqdm(range(start, cfg.steps), initial=start, total=cfg.steps, desc=type(trainer).__name__.removesuffix(
+        "Trainer"), unit="step", disable=rank != 0, dynamic_ncols=True)
+    if reward_fn is not None:
+        reward_fn.progress = bar  # its postfix shows "waiting for rewards: N outstanding" while the server scores
     for step in bar:
         result = trainer.train_step(step)
         if rank == 0:
@@ -161,28 +181,30 @@ def _run(cfg: JobConfig, overwrite: bool, stops: StopRequests) -> dict:
             bar.set_postfix({k: f"{result.metrics[k]:.3g}" for k in SHOWN if k in result.metrics})
             every = cfg.logging.image_every
             if step == cfg.steps - 1 or (every and step % every == 0):
-                caps = [f"{pr[:24]}\nr={r:.3g}" for pr, r in zip(result.trajectory.prompts, result.rewards.tolist())]
-                save_image_grid(result.trajectory.images, caps, run_dir / "samples" / f"step_{step:04d}.png")
+                caps = [f"{pr[:24]}\nr={r:.3g}" for pr, r in zip(result.prompts, result.rewards.tolist())]
+                save_image_grid(result.images, caps, run_dir / "samples" / f"step_{step:04d}.png")
         done = step + 1
         # The step boundary: every rank learns whether any rank was signalled, so all stop after this step.
         stop = stops.requested()
         if stop or (cfg.checkpoint.every and done % cfg.checkpoint.every == 0) or done == cfg.steps:
             common = {"step": done, "data": {"next_step": done, "prompts_seen": done * cfg.rollout.prompts_per_step},
+                      "bad_steps": trainer.guard.bad_steps,
                       "metrics_history": read_history(run_dir / "metrics.jsonl") if rank == 0 else []}
-            meta = content_metadata("qwen_image", trainer.hf_config,
-                                    model_layout(trainer.model), step=done)
             saved = save_checkpoint(run_dir, done, trainer.model, trainer.optimizer, trainer.scheduler, common,
-                                    cfg.checkpoint.keep, content_metadata=meta, ema=trainer.ema, run_id=run_id)
+                                    cfg.checkpoint.keep, content_metadata=trainer.content_metadata(done),
+                                    sharded_state=trainer.sharded_state, ema=trainer.ema, run_id=run_id)
         if stop and done < cfg.steps:  # a signal during the last step: the run is complete anyway
             bar.close()
             if writer is not None:
                 writer.close()
-            reward_fn.close()
+            if reward_fn is not None:
+                reward_fn.close()
             trainer.close()
             raise TrainingStopped(stops.signame, done, str(saved))
         if cfg.eval.prompts and (done == cfg.steps or (cfg.eval.every and done % cfg.eval.every == 0)):
             run_evaluation(cfg, trainer, run_dir, done)
-    reward_fn.close()
+    if reward_fn is not None:
+        reward_fn.close()
     trainer.close()
     summary = {"run_dir": str(run_dir)}
     if rank == 0:

@@ -2,6 +2,7 @@
 rank samples at a step, the order of the step's mini-batches, and one update (zero the grads, backward,
 finalize, the NaN guard, the optimizer and scheduler step).
 
+`StepResult` is what a step of either returns to the one run loop (`trainer.run`).
 FlowGRPO (`trainer.flowgrpo`) and AR-DiT (`trainer.ar_dit`) both call these, so a sample's seed, a mini-batch's
 rows and what an update does are the same for every family.
 """
@@ -19,6 +20,19 @@ from megatron.core.distributed import finalize_model_grads
 from megatron_omni.trainer.grad_guard import GradGuard
 
 P = TypeVar("P")
+
+
+@dataclass
+class StepResult:
+    """One RL step of a trainer, whatever the family. metrics: the step's scalars (metrics.jsonl); trajectory:
+    this rank's samples in the trainer's own record (`Trajectory`, `ARDiTTrajectory`); rewards [N] fp32 of
+    them; images [N, 3, H, W] fp32 in [0, 1] and prompts (N texts): what a sample grid shows."""
+
+    metrics: dict[str, float]
+    trajectory: Any
+    rewards: torch.Tensor
+    images: torch.Tensor
+    prompts: list[str]
 
 # The seed of sample k of global group g: seed * SEED_STRIDE + g * group_size + k (distinct for every run seed
 # up to a million samples per run).

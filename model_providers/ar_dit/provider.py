@@ -87,11 +87,19 @@ def load_hf_state(model: ARDiTModel, decoder_state: dict[str, torch.Tensor],
     dit_provider.load_hf_state_dict(model.dit, dit_state)
 
 
-def hf_state(model: ARDiTModel) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-    """(decoder Qwen2 names, connector, DiT diffusers names) full tensors, gathered over tp (collective)."""
-    return (decoder_provider.stage_hf_tensors(model.decoder),
-            {k: v.detach() for k, v in model.connector.state_dict().items()},
-            dit_provider.stage_hf_tensors(model.dit))
+HYBRID_PARTS = ("decoder", "connector", "dit")
+
+
+def hf_state(model: ARDiTModel, parts: tuple[str, ...] = HYBRID_PARTS
+             ) -> tuple[dict[str, torch.Tensor] | None, dict[str, torch.Tensor] | None, dict[str, torch.Tensor] | None]:
+    """(decoder Qwen2 names, connector, DiT diffusers names) full tensors, gathered over tp (collective); a part
+    not in `parts` is None (not gathered: e.g. the DiT when the bridge syncs it)."""
+    unknown = set(parts) - set(HYBRID_PARTS)
+    if unknown:
+        raise ValueError(f"unknown hybrid parts {sorted(unknown)}; expected a subset of {HYBRID_PARTS}")
+    return (decoder_provider.stage_hf_tensors(model.decoder) if "decoder" in parts else None,
+            {k: v.detach() for k, v in model.connector.state_dict().items()} if "connector" in parts else None,
+            dit_provider.stage_hf_tensors(model.dit) if "dit" in parts else None)
 
 
 @dataclass
@@ -109,9 +117,11 @@ class TorchHybrid:
 
     @torch.no_grad()
     def load(self, decoder: dict[str, torch.Tensor], connector: dict[str, torch.Tensor],
-             dit: dict[str, torch.Tensor]) -> None:
-        """Load all three parts; raises on a missing or unexpected name (nothing is skipped silently)."""
-        for module, state in ((self.decoder, decoder), (self.connector, connector), (self.dit, dit)):
+             dit: dict[str, torch.Tensor] | None) -> None:
+        """Load the parts; raises on a missing or unexpected name (nothing is skipped silently). `dit` None:
+        the DiT is loaded by the caller (the trainer's bridge writes it in place)."""
+        parts = ((self.decoder, decoder), (self.connector, connector)) + (((self.dit, dit),) if dit is not None else ())
+        for module, state in parts:
             own = module.state_dict()
             if self.config.decoder["tie_word_embeddings"] and module is self.decoder:
                 own.pop("lm_head.weight", None)

@@ -1,5 +1,6 @@
-"""AR-DiT resume: a run of the tiny recipe that crashes in the middle of step 3 (after a checkpoint at 2
-steps) and is resumed with `resume=True` ends with weights, Adam moments and metric history bit-identical
+"""AR-DiT resume through the one run loop (`trainer.run.run`, as `python -m megatron_omni.train` runs it): a run
+of the tiny recipe that crashes in the middle of step 3 (after a checkpoint at 2 steps) and is resumed with
+`checkpoint.resume=auto` ends with weights, Adam moments and metric history bit-identical
 (CPU fp32) to an uninterrupted run of the same length; the checkpoint is Megatron's distributed format,
 written atomically (`trainer.checkpointing`), here at TP=2 on two gloo ranks. The trained hybrid then leaves
 through the converter: `convert_ar_dit.py mcore-to-hf` reads the TP=2 training checkpoint into a Hugging Face
@@ -7,7 +8,6 @@ folder, and `hf-to-mcore` of that folder gives every weight back bit for bit."""
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import subprocess
 import sys
@@ -15,7 +15,6 @@ from pathlib import Path
 
 import torch
 
-from megatron_omni.parallel import ParallelLayout, build_parallel_groups
 from tests.distributed.harness import run_ranks
 
 STEPS = 4
@@ -27,10 +26,15 @@ class _Crash(RuntimeError):
 
 
 def _run(rank: int, world_size: int, out_dir: str, crash_at: int | None, resume: bool, save_every: int) -> str:
-    from examples.ar_dit.recipe import run, tiny_config
+    from examples.ar_dit.recipe import tiny
     from megatron_omni.trainer.ar_dit import ARDiTTrainer
+    from megatron_omni.trainer.run import run
 
-    groups = build_parallel_groups(ParallelLayout(tp=2))
+    cfg = tiny()
+    cfg.run_dir, cfg.steps, cfg.parallel.tp = out_dir, STEPS, 2
+    cfg.checkpoint.every, cfg.checkpoint.resume = save_every, "auto" if resume else None
+    cfg.logging.tensorboard = False
+    cfg.ar_dit.decoder_lr_scale = 0.5  # a decoder lr of its own: two optimizer groups to match on load
     original = ARDiTTrainer.train_step
 
     def train_step(self, step: int):
@@ -40,9 +44,7 @@ def _run(rank: int, world_size: int, out_dir: str, crash_at: int | None, resume:
 
     ARDiTTrainer.train_step = train_step
     try:
-        # A decoder lr of its own: two optimizer groups to match on load.
-        cfg = dataclasses.replace(tiny_config(seed=0), decoder_lr_scale=0.5)
-        run(cfg, groups, STEPS, out_dir=out_dir, save_every=save_every, resume=resume)
+        run(cfg)
         return "done"
     except _Crash as e:
         return str(e)

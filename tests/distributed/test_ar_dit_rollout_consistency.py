@@ -35,7 +35,7 @@ def _consistency(rank: int, world_size: int, layout: ParallelLayout) -> dict:
     m = traj.plan_mask
     tok_err = float(((tok - traj.token_log_probs).abs() * m).max())
     win_err = float((win - traj.image.log_probs).abs().max())
-    metrics = trainer.train_step(0)[0]
+    metrics = trainer.train_step(0).metrics
     synced = trainer.engine.hybrid.state()
     now = provider.hf_state(trainer.model)
     sync_ok = all(torch.equal(a[k], b[k]) for a, b in zip(synced, now) for k in a)
