@@ -159,6 +159,7 @@ def main() -> None:
         folder = make_tiny_pipeline(Path(tmp) / "small", seed=0, config=TinyPipelineConfig(SMALL_TRANSFORMER))
         cfg = JobConfig(prompts=PROMPTS, run_dir=str(Path(tmp) / "run"))
         cfg.rollout.height = cfg.rollout.width = args.size
+        cfg.rollout.num_steps = 6
         cfg.rollout.window_size = 2
         cfg.rollout.window_range = [0, cfg.rollout.window_size]  # the reference trains the first window
         # flow_grpo trains against the log-probs recorded while sampling: the same work is our bypass mode.

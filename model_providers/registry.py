@@ -3,7 +3,10 @@ module-level `FAMILY`), looked up by name with `get_family`, so a trainer builds
 without importing the family's modules and a new family is a new folder, not a trainer edit.
 
 The bundle holds what this room (model_providers) owns: presets, the config from a preset, build, load and
-export of the weights in their Hugging Face / diffusers layout, and the Megatron weight shapes. The sync plan
+export of the weights in their Hugging Face / diffusers layout, the Megatron weight shapes and, for a family
+stored as a diffusers transformer folder, what checkpoint conversion needs (its diffusers class, the
+architecture check and the name mapping; the checkpoint room reads them and keeps only the detection of
+which family a folder holds). The sync plan
 into a rollout engine lives in the bridge room (above this one in the import order) and is keyed by the
 same family name there.
 """
@@ -43,6 +46,15 @@ class ModelFamily:
         the model config itself).
     reference_model: (preset or config, seed=) -> a plain-torch model of the family (the rollout's own
         copy where the family has one; None otherwise).
+
+    The conversion fields (all None for a family without a diffusers transformer folder of its own):
+    diffusers_class: the `_class_name` of the family's diffusers transformer config.json (how a folder says
+        which family it holds).
+    arch_config: a full diffusers transformer config (or a preset name) -> its architecture keys (with
+        `num_layers` and `num_attention_heads`); raises KeyError/ValueError on a config the family cannot hold.
+    mappings: num_layers -> the diffusers <-> Megatron name mappings (`ParamMapping`s: megatron, hf, kind).
+    hf_to_megatron: (mapping, [diffusers tensors], num_heads) -> the full Megatron tensor.
+    megatron_to_hf: (mapping, full Megatron tensor, num_heads) -> the diffusers tensors, in `mapping.hf` order.
     """
 
     name: str
@@ -55,6 +67,35 @@ class ModelFamily:
     megatron_shapes: Callable[[Any], dict[str, Any]]
     megatron_config: Callable[..., Any] | None = None
     reference_model: Callable[..., Any] | None = None
+    diffusers_class: str | None = None
+    arch_config: Callable[[Any], dict[str, Any]] | None = None
+    mappings: Callable[[int], list[Any]] | None = None
+    hf_to_megatron: Callable[..., Any] | None = None
+    megatron_to_hf: Callable[..., Any] | None = None
+
+    @property
+    def convertible(self) -> bool:
+        """Whether the family converts between a diffusers transformer folder and Megatron checkpoints."""
+        return None not in (self.diffusers_class, self.arch_config, self.mappings, self.hf_to_megatron,
+                            self.megatron_to_hf)
+
+    def _arch(self, config: dict[str, Any]) -> dict[str, Any]:
+        if self.arch_config is None:
+            raise ValueError(f"model family {self.name!r} has no diffusers conversion (no arch_config)")
+        return self.arch_config(config)
+
+    def num_heads(self, config: dict[str, Any]) -> int:
+        """The attention heads of a diffusers config of this family."""
+        return int(self._arch(config)["num_attention_heads"])
+
+    def num_layers(self, config: dict[str, Any]) -> int:
+        """The transformer blocks of a diffusers config of this family."""
+        return int(self._arch(config)["num_layers"])
+
+    def preset_name(self, config: dict[str, Any]) -> str | None:
+        """The preset whose architecture equals `config`'s, or None for a custom shape."""
+        arch = self._arch(config)
+        return next((name for name in self.presets if self._arch(name) == arch), None)
 
 
 def family_names() -> list[str]:

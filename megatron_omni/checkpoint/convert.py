@@ -26,7 +26,7 @@ from tqdm import tqdm
 
 from megatron_omni.checkpoint import families, manifest
 from megatron_omni.checkpoint.errors import CheckpointError
-from megatron_omni.checkpoint.families import ModelFamily, family_of_config, resolve_diffusers_folder
+from megatron_omni.checkpoint.families import family_of_config, resolve_diffusers_folder
 from megatron_omni.checkpoint.safetensors_io import PlannedTensor, SafetensorsFolder, ShardedSafetensorsWriter
 from megatron_omni.checkpoint.sharded_state import content_metadata, read_content_metadata, require_dist_checkpoint
 from megatron_omni.checkpoint.staging import check_output, staged_output
@@ -39,6 +39,7 @@ from megatron_omni.checkpoint.streaming import (
     save_streaming,
     single_process_group,
 )
+from model_providers.registry import ModelFamily
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 DEFAULT_MAX_SHARD_BYTES = 10 * 10**9  # diffusers' save_pretrained default ("10GB")

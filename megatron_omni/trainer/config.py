@@ -10,10 +10,9 @@ import json
 import types
 import typing
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:
-    from megatron_omni.rollout.base import SamplingParams
+from megatron_omni.rollout.base import SamplingParams
 
 
 class ConfigError(ValueError):
@@ -73,15 +72,18 @@ class ParallelConfig:
 
 @dataclass
 class RolloutConfig:
-    height: int = 64
-    width: int = 64
-    num_steps: int = 6
-    noise_level: float = 1.2
-    sde_type: str = "sde"
-    window_size: int = 2
-    window_range: list[int] | None = None  # [lo, hi): default [0, num_steps // 2)
-    guidance_scale: float = 1.0
-    negative_prompt: str | None = None
+    # The sampler's fields and their defaults are SamplingParams' (one record: rollout/base.py), so a default is
+    # written once; `sampling_params()` takes them over by name. A recipe sets the ones it depends on.
+    height: int = SamplingParams.height
+    width: int = SamplingParams.width
+    num_steps: int = SamplingParams.num_steps
+    noise_level: float = SamplingParams.noise_level
+    sde_type: str = SamplingParams.sde_type
+    window_size: int = SamplingParams.window_size
+    # [lo, hi) of the window's first step; None: [0, max(window_size, num_steps // 2))
+    window_range: list[int] | None = SamplingParams.window_range
+    guidance_scale: float = SamplingParams.guidance_scale
+    negative_prompt: str | None = SamplingParams.negative_prompt
     prompts_per_step: int = 4
     group_size: int = 4
     max_batch_size: int = 16
@@ -99,18 +101,12 @@ class RolloutConfig:
     # each rollout call. A model replica over several ranks (tp/ulysses/ring/pp > 1) rolls out one share of the
     # step's samples per rank: set it so every share pads alike and the trainer recomputes the rollout's
     # padding (in bf16, attention over another text length rounds differently: train_rollout_dlogp grows).
-    text_length: int | None = None
+    text_length: int | None = SamplingParams.text_length
 
     def sampling_params(self) -> SamplingParams:
-        """The rollout's sampler (raises ValueError naming the problem: a window that does not fit, ...)."""
-        from megatron_omni.rollout.base import SamplingParams
-
-        return SamplingParams(
-            height=self.height, width=self.width, num_steps=self.num_steps, noise_level=self.noise_level,
-            sde_type=self.sde_type, window_size=self.window_size,
-            window_range=tuple(self.window_range) if self.window_range else None,
-            guidance_scale=self.guidance_scale, negative_prompt=self.negative_prompt, text_length=self.text_length,
-        )
+        """The rollout's sampler, its fields taken by name (raises ValueError naming the problem: a window that
+        does not fit, ...)."""
+        return SamplingParams.from_config(self)
 
 
 @dataclass

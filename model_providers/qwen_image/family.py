@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from model_providers.qwen_image import presets, provider
+from model_providers.qwen_image import mapping, presets, provider
 from model_providers.registry import ModelFamily
 
 FAMILY = ModelFamily(
@@ -15,4 +15,9 @@ FAMILY = ModelFamily(
     export_state=provider.stage_hf_tensors,
     megatron_shapes=provider.megatron_shapes,
     megatron_config=provider.transformer_config,
+    diffusers_class="QwenImageTransformer2DModel",
+    arch_config=provider.hf_config,
+    mappings=mapping.all_mappings,
+    hf_to_megatron=mapping.hf_to_megatron,
+    megatron_to_hf=mapping.megatron_to_hf,
 )

@@ -95,6 +95,7 @@ def test_trainer_drives_the_engine_by_configuration(tmp_path) -> None:
     platform.init_distributed(rank=0, world_size=1)
     cfg = JobConfig(run_dir=str(tmp_path / "run"), steps=2, seed=0)
     cfg.rollout.engine = "vllm_omni"
+    cfg.rollout.num_steps = 6
     cfg.rollout.prompts_per_step, cfg.rollout.group_size, cfg.optim.mini_batches = 2, 2, 1
     cfg.algorithm.clip_range = 0.2
     cfg.validate(1)

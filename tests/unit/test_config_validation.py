@@ -101,8 +101,8 @@ def test_wrong_type_is_refused(field_name: str, value: typing.Any) -> None:
 
 
 @pytest.mark.parametrize(("overrides", "field_name"), [
-    (["rollout.window_size=7"], "rollout.window_size"),  # num_steps is 6
-    (["rollout.window_range=[0, 9]"], "rollout.window_range"),
+    (["rollout.num_steps=6", "rollout.window_size=7"], "rollout.window_size"),
+    (["rollout.num_steps=6", "rollout.window_range=[0, 9]"], "rollout.window_range"),
     (["rollout.window_range=[3, 3]"], "rollout.window_range"),
     (["rollout.window_range=[0, 1]"], "rollout.window_range"),  # shorter than window_size 2
     (["rollout.window_range=[1]"], "rollout.window_range"),

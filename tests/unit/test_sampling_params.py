@@ -34,3 +34,19 @@ def test_window_errors_name_the_problem_for_both_records():
         ARDiTSamplingParams(sde_type="bogus")
     with pytest.raises(ValueError, match="noise_level > 0"):
         ARDiTSamplingParams(noise_level=0.0)
+
+
+def test_the_rollout_section_takes_its_sampling_defaults_and_values_from_the_record():
+    from dataclasses import fields
+
+    from megatron_omni.trainer.config import RolloutConfig
+
+    shared = {f.name for f in fields(RolloutConfig)} & {f.name for f in fields(SamplingParams)}
+    assert shared == {"height", "width", "num_steps", "noise_level", "sde_type", "window_size", "window_range",
+                      "guidance_scale", "negative_prompt", "text_length"}
+    assert RolloutConfig().sampling_params() == SamplingParams()
+    section = RolloutConfig(height=32, width=48, num_steps=6, noise_level=0.7, sde_type="cps", window_size=1,
+                            window_range=[1, 3], guidance_scale=4.0, negative_prompt=" ", text_length=9)
+    got = section.sampling_params()
+    assert got == SamplingParams(height=32, width=48, num_steps=6, noise_level=0.7, sde_type="cps", window_size=1,
+                                 window_range=(1, 3), guidance_scale=4.0, negative_prompt=" ", text_length=9)

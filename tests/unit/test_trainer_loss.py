@@ -42,6 +42,7 @@ def trainer(tmp_path_factory: pytest.TempPathFactory):
     root = tmp_path_factory.mktemp("trainer_loss")
     make_tiny_pipeline(root / "pipeline", seed=0)
     cfg = JobConfig(run_dir=str(root / "run"), steps=1, seed=0)
+    cfg.rollout.num_steps = 6
     cfg.optim.mini_batches = 1
     cfg.optim.clip_grad = 0.0  # the gradient left in the buffers is the raw one
     cfg.algorithm.clip_range = CLIP

@@ -24,6 +24,7 @@ from megatron_omni.trainer.rewards import RewardFunction
 def _trainer(root, mode: str) -> FlowGRPOTrainer:
     cfg = JobConfig(run_dir=str(root / f"run_{mode}"), steps=2, seed=0)
     cfg.rollout.transformer = mode
+    cfg.rollout.num_steps = 6
     cfg.rollout.prompts_per_step, cfg.rollout.group_size = 2, 2
     cfg.optim.mini_batches = 1
     cfg.optim.lr = 3e-3  # a visible change of the policy after one update
