@@ -157,7 +157,8 @@ class ARDiTRolloutEngine:
         """Fresh weights in Hugging Face layouts (all names must match; see `TorchHybrid.load`). `dit` None:
         the caller writes the embedded torch DiT itself (the trainer's bridge); not possible with vLLM halves."""
         if dit is None and (self.vllm_omni_dit is not None or self.dit_server is not None):
-            raise ValueError("the vLLM-Omni DiT needs the DiT's tensors: load_weights(..., dit=None) would leave it stale")
+            raise ValueError("the vLLM-Omni DiT needs the DiT's tensors: load_weights(..., dit=None) would leave "
+                             "it stale")
         self.hybrid.load(decoder, connector, dit)
         if self.plan_writer is not None:
             self.plan_writer.load_hf_weights(decoder)
