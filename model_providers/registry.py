@@ -24,6 +24,63 @@ FAMILY_KINDS = ("dit", "ar_dit")
 
 
 @dataclass(frozen=True)
+class RolloutRule:
+    """One Hugging Face-named tensor -> one rollout parameter, and how the rollout's tensor parallelism splits
+    it: "replicated" | "column" (rows) | "row" (columns) | "qkv" (a fused q/k/v parallel linear; `part` 0/1/2).
+    Names are block-relative for block rules."""
+
+    hf: str
+    param: str
+    split: str
+    part: int | None = None
+
+
+@dataclass(frozen=True)
+class SameNameLayout:
+    """The rollout layout of a plain torch module (a transformers / diffusers model, not tensor-parallel): every
+    tensor whole, as the parameter of its own name; the bridge's coverage check names any that is missing."""
+
+    kind: str = "diffusers"
+    load_prefix: str = ""
+    max_tp: int | None = 1
+
+    def rule(self, hf_name: str) -> tuple[str, RolloutRule]:
+        """(rollout parameter name, rule) of a Hugging Face tensor name: itself, replicated."""
+        return hf_name, RolloutRule(hf_name, hf_name, "replicated")
+
+
+@dataclass(frozen=True)
+class WeightPart:
+    """One part of a family's weights that the bridge syncs as a unit into one rollout module (the whole
+    transformer of a DiT; the decoder, the connector and the DiT of the AR-DiT hybrid): shapes only.
+
+    mappings: Megatron <-> Hugging Face name mappings (each with megatron, hf, kind in copy | fuse_qkv |
+        fuse_gate_up, tp_dim, layer, stage).
+    shapes: the full (unsharded) Megatron shape of every mapped tensor.
+    num_heads / num_groups: attention heads and query groups of the fused qkv tensors (None: one per head).
+    num_layers: blocks (the pipeline-stage split of `block` mappings).
+    layout: rollout engine kind ("diffusers", "vllm_omni") -> its layout (`rule(hf_name)`, `load_prefix`,
+        `max_tp`); raises KeyError for an engine that cannot hold this part.
+    """
+
+    mappings: list[Any]
+    shapes: dict[str, tuple[int, ...]]
+    num_heads: int
+    num_layers: int
+    layout: Callable[[str], Any]
+    num_groups: int | None = None
+
+
+@dataclass(frozen=True)
+class TinyPipeline:
+    """A family's offline tiny pipeline: `make(folder, seed)` writes a diffusers pipeline folder with seeded
+    weights (no download); `transformer_config()` is its transformer's config (what a dry run plans with)."""
+
+    make: Callable[[Path, int], Any]
+    transformer_config: Callable[[], dict[str, Any]]
+
+
+@dataclass(frozen=True)
 class ModelFamily:
     """One model family's entry points (each a function of the family's provider module).
 
@@ -46,6 +103,11 @@ class ModelFamily:
         the model config itself).
     reference_model: (preset or config, seed=) -> a plain-torch model of the family (the rollout's own
         copy where the family has one; None otherwise).
+    weight_parts: model config -> the `WeightPart`s the bridge syncs, by part name (one, "transformer", for a
+        DiT); None: the family has no bridge plan.
+    megatron_sources: model -> this rank's Megatron tensors (local tp shards of its stage, the parameters'
+        storage, so a sync after an optimizer step reads the new values) by global Megatron name, per part.
+    tiny_pipeline: the family's offline tiny pipeline (`model.pipeline=tiny`), or None.
 
     The conversion fields (all None for a family without a diffusers transformer folder of its own):
     diffusers_class: the `_class_name` of the family's diffusers transformer config.json (how a folder says
@@ -67,6 +129,9 @@ class ModelFamily:
     megatron_shapes: Callable[[Any], dict[str, Any]]
     megatron_config: Callable[..., Any] | None = None
     reference_model: Callable[..., Any] | None = None
+    weight_parts: Callable[[Any], dict[str, WeightPart]] | None = None
+    megatron_sources: Callable[[Any], dict[str, dict[str, Any]]] | None = None
+    tiny_pipeline: TinyPipeline | None = None
     diffusers_class: str | None = None
     arch_config: Callable[[Any], dict[str, Any]] | None = None
     mappings: Callable[[int], list[Any]] | None = None

@@ -8,6 +8,11 @@ that fill it: which trainer shard (Megatron name, pipeline stage, tp rank), whic
 of the rollout parameter it lands in. Nothing here touches torch.distributed or allocates tensors: a
 20B plan is built from shapes alone, and its coverage is checked with `coverage.check_plan`.
 
+Mapping kinds: `copy` (one tensor, same layout); `fuse_qkv` (q, k, v -> Megatron's interleave per query
+group `[q heads of the group | k | v]`: with as many groups as heads (the MMDiT) that is per head
+`[q | k | v]`; with fewer it is GQA (the AR-DiT's Qwen2 decoder)); `fuse_gate_up` (SwiGLU's gate and up
+projections -> `linear_fc1`, where each tp shard is `[gate_r; up_r]`, so the full tensor is not `[gate; up]`).
+
 Modes: `full` gathers each Megatron tensor over trainer tp and hands full diffusers-named tensors to the
 engine's loader (any rollout tp); `direct` (trainer tp == rollout tp) writes each piece straight into the
 rollout parameter; pieces whose trainer tp rank equals the rollout rank are local copies, the rest
@@ -44,8 +49,9 @@ WHOLE = Region(None)
 class Piece:
     """One copy from a trainer shard into a rollout parameter.
 
-    `qkv = (first_head, stop_head, part)` selects heads (local to the shard) and the q/k/v part of a
-    per-head interleaved shard viewed as [heads, 3, head_dim, ...]; otherwise `src` slices the shard.
+    `qkv = (first_group, stop_group, part)` selects query groups (local to the shard) and the q/k/v part of a
+    per-group interleaved shard viewed as [groups, heads_per_group + 2, head_dim, ...]; otherwise `src`
+    slices the shard.
     `dst` is the slice of the rollout parameter (on rollout rank `dst_rank`) it fills.
     """
 
@@ -66,7 +72,7 @@ class SourceTensor:
 
     megatron: str
     hf: tuple[str, ...]
-    kind: str  # "copy" | "fuse_qkv"
+    kind: str  # "copy" | "fuse_qkv" | "fuse_gate_up"
     tp_dim: int | None
     stage: int
     full_shape: tuple[int, ...]
@@ -105,6 +111,12 @@ class SyncPlan:
     load_prefix: str
     sources: list[SourceTensor]
     params: dict[tuple[str, int], RolloutParam]
+    num_groups: int = 0  # query groups of `fuse_qkv` tensors; 0 = num_heads (no GQA)
+
+    @property
+    def groups(self) -> int:
+        """Query groups of the fused qkv tensors (= num_heads without GQA)."""
+        return self.num_groups or self.num_heads
 
     def __post_init__(self) -> None:
         self._by_hf: dict[tuple[str, int], list[tuple[str, Region]]] = {}
@@ -195,11 +207,13 @@ def plan_sync(
     trainer_pp: int = 1,
     rollout_tp: int = 1,
     mode: str = "full",
+    num_groups: int | None = None,
 ) -> SyncPlan:
     """Plan a sync (see the module docstring).
 
     `mappings`: the provider's `ParamMapping`s (megatron, hf, kind, tp_dim, layer, stage); `shapes`: full
-    Megatron shape per name; `layout`: a `RolloutLayout` (kind, `rule(hf_name)`, load_prefix, max_tp).
+    Megatron shape per name; `layout`: a `RolloutLayout` (kind, `rule(hf_name)`, load_prefix, max_tp);
+    `num_groups`: query groups of the fused qkv tensors (None: one per head).
     """
     if mode not in MODES:
         raise PlanError(f"unknown sync mode {mode!r}; known: {list(MODES)}")
@@ -210,8 +224,13 @@ def plan_sync(
     if num_layers % trainer_pp:
         raise PlanError(f"{num_layers} blocks are not divisible by trainer pp={trainer_pp}")
     T, R = trainer_tp, rollout_tp
-    _div(num_heads, T, "attention heads over trainer tp")
-    _div(num_heads, R, "attention heads over rollout tp")
+    G = num_heads if num_groups is None else num_groups
+    mappings = list(mappings)
+    if any(m.kind == "fuse_qkv" for m in mappings):  # heads only constrain a part with attention
+        _div(num_heads, G, "attention heads over query groups")
+        what = "attention heads" if G == num_heads else "query groups"
+        _div(G, T, f"{what} over trainer tp")
+        _div(G, R, f"{what} over rollout tp")
 
     sources: list[SourceTensor] = []
     params: dict[tuple[str, int], RolloutParam] = {}
@@ -225,7 +244,12 @@ def plan_sync(
         if m.kind == "fuse_qkv":
             if len(m.hf) != 3:
                 raise PlanError(f"{m.megatron}: fuse_qkv needs 3 diffusers tensors, got {m.hf}")
-            hf_shapes = tuple((full[0] // 3, *full[1:]) for _ in range(3))
+            d = _div(full[0], num_heads + 2 * G, f"{m.megatron} rows over q, k and v heads")
+            hf_shapes = ((num_heads * d, *full[1:]), (G * d, *full[1:]), (G * d, *full[1:]))
+        elif m.kind == "fuse_gate_up":
+            if len(m.hf) != 2:
+                raise PlanError(f"{m.megatron}: fuse_gate_up needs 2 tensors (gate, up), got {m.hf}")
+            hf_shapes = tuple((_div(full[0], 2, f"{m.megatron} rows into gate and up"), *full[1:]) for _ in range(2))
         elif m.kind == "copy":
             if len(m.hf) != 1:
                 raise PlanError(f"{m.megatron}: copy needs 1 diffusers tensor, got {m.hf}")
@@ -247,9 +271,9 @@ def plan_sync(
                     params[key] = RolloutParam(pname, r, shape)
                 elif params[key].shape != shape:
                     raise PlanError(f"{pname}: shapes {params[key].shape} and {shape} disagree (from {hf_name})")
-                params[key].pieces.extend(
-                    _pieces(src, hf_name, hf_shape, part, need, base, r, T, num_heads // T))
-    return SyncPlan(mode, T, trainer_pp, layout.kind, R, num_heads, layout.load_prefix, sources, params)
+                params[key].pieces.extend(_pieces(src, hf_name, hf_shape, part, need, base, r, T, G // T))
+    return SyncPlan(mode, T, trainer_pp, layout.kind, R, num_heads, layout.load_prefix, sources, params,
+                    num_groups=0 if G == num_heads else G)
 
 
 def _rollout_slot(rule: Any, hf_shape: tuple[int, ...], r: int, R: int, pname: str
@@ -272,7 +296,7 @@ def _rollout_slot(rule: Any, hf_shape: tuple[int, ...], r: int, R: int, pname: s
 
 
 def _pieces(src: SourceTensor, hf_name: str, hf_shape: tuple[int, ...], part: int, need: Region, base: int,
-            r: int, T: int, heads_per_rank: int) -> list[Piece]:
+            r: int, T: int, groups_per_rank: int) -> list[Piece]:
     """Split the needed region of one diffusers tensor over the trainer tp ranks that hold it."""
     if src.tp_dim is None:
         # Replicated in Megatron: take it from the trainer rank colocated with rollout rank r when there is one.
@@ -287,17 +311,30 @@ def _pieces(src: SourceTensor, hf_name: str, hf_shape: tuple[int, ...], part: in
     inner = math.prod(s for i, s in enumerate(hf_shape) if i != dim)
     out = []
     if src.kind == "fuse_qkv":
-        head_dim = hf_shape[0] // (heads_per_rank * T)
-        if lo % head_dim or hi % head_dim:
-            raise PlanError(f"{hf_name}: rows [{lo}, {hi}) do not fall on head boundaries of {head_dim}")
-        h_lo, h_hi = lo // head_dim, hi // head_dim
+        # A q part spans heads_per_group heads per query group, a k or v part one head per group: in units of
+        # its per-group rows the trainer shard t holds groups [t * g, (t + 1) * g).
+        unit = hf_shape[0] // (groups_per_rank * T)
+        if lo % unit or hi % unit:
+            raise PlanError(f"{hf_name}: rows [{lo}, {hi}) do not fall on query-group boundaries of {unit}")
+        g_lo, g_hi = lo // unit, hi // unit
         for t in range(T):
-            a, b = max(h_lo, t * heads_per_rank), min(h_hi, (t + 1) * heads_per_rank)
+            a, b = max(g_lo, t * groups_per_rank), min(g_hi, (t + 1) * groups_per_rank)
             if a >= b:
                 continue
-            dst = Region(0, base + (a - h_lo) * head_dim, base + (b - h_lo) * head_dim)
-            qkv = (a - t * heads_per_rank, b - t * heads_per_rank, part)
-            out.append(Piece(src.megatron, hf_name, src.stage, t, r, qkv, WHOLE, dst, (b - a) * head_dim * inner))
+            dst = Region(0, base + (a - g_lo) * unit, base + (b - g_lo) * unit)
+            qkv = (a - t * groups_per_rank, b - t * groups_per_rank, part)
+            out.append(Piece(src.megatron, hf_name, src.stage, t, r, qkv, WHOLE, dst, (b - a) * unit * inner))
+        return out
+    if src.kind == "fuse_gate_up":
+        # Shard t is [gate rows t; up rows t]: part p's rows [t * per, (t + 1) * per) sit at p * per in it.
+        per = _div(hf_shape[0], T, f"{hf_name} rows over trainer tp")
+        for t in range(T):
+            a, b = max(lo, t * per), min(hi, (t + 1) * per)
+            if a >= b:
+                continue
+            s = Region(0, part * per + a - t * per, part * per + b - t * per)
+            out.append(Piece(src.megatron, hf_name, src.stage, t, r, None, s,
+                             Region(0, base + a - lo, base + b - lo), (b - a) * inner))
         return out
     per = src.local_shape[dim]
     for t in range(T):

@@ -1,15 +1,19 @@
-"""The bridge bound to the Qwen-Image provider: its plan from a preset/config, and a model's shards by name."""
+"""The Qwen-Image family's plan by preset name or config (what benchmarks, tests and the planner call); the
+trainer goes through `family_sync.family_plans` with whatever family its config names."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import torch
 
-from megatron_omni.bridge.plan import SyncPlan, plan_sync
-from model_providers.qwen_image import provider
-from model_providers.qwen_image.mapping import ParamMapping, all_mappings
-from model_providers.qwen_image.rollout_layouts import rollout_layout
+from megatron_omni.bridge.family_sync import plan_part, sync_mode
+from megatron_omni.bridge.plan import SyncPlan
+from model_providers import get_family
+from model_providers.qwen_image.mapping import ParamMapping
+
+__all__ = ["megatron_sources", "qwen_image_plan", "sync_mode"]
 
 
 def qwen_image_plan(
@@ -26,30 +30,13 @@ def qwen_image_plan(
 
     `mappings` overrides the provider's Megatron <-> diffusers mappings (tests pass broken ones).
     """
-    cfg = provider.hf_config(name_or_config)
-    return plan_sync(
-        mappings if mappings is not None else all_mappings(cfg["num_layers"]),
-        provider.megatron_shapes(cfg),
-        num_heads=cfg["num_attention_heads"],
-        num_layers=cfg["num_layers"],
-        layout=rollout_layout(rollout_kind),
-        trainer_tp=trainer_tp,
-        trainer_pp=trainer_pp,
-        rollout_tp=rollout_tp,
-        mode=mode,
-    )
-
-
-def sync_mode(trainer_tp: int, trainer_pp: int, rollout_tp: int) -> str:
-    """The bridge mode a vLLM-Omni sync uses: `direct` when each rollout rank's shard is its trainer rank's
-    (same tp, one pipeline stage), else `full` (gathered over tp and pp, then split the engine's way)."""
-    return "direct" if trainer_tp == rollout_tp and trainer_pp == 1 else "full"
+    part = get_family("qwen_image").weight_parts(name_or_config)["transformer"]
+    if mappings is not None:
+        part = replace(part, mappings=mappings)
+    return plan_part(part, trainer_tp=trainer_tp, trainer_pp=trainer_pp, rollout_kind=rollout_kind,
+                     rollout_tp=rollout_tp, mode=mode)
 
 
 def megatron_sources(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """This rank's Megatron tensors (local tp shards of its stage) by global Megatron name.
-
-    The tensors are the parameters' storage, so a sync after an optimizer step reads the new values.
-    """
-    state = model.state_dict(keep_vars=True)
-    return {m.megatron: state[name].detach() for name, m in provider.local_mappings(model).items()}
+    """This rank's Megatron tensors of a Qwen-Image model (local tp shards of its stage) by global name."""
+    return get_family("qwen_image").megatron_sources(model)["transformer"]

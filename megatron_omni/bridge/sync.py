@@ -43,28 +43,41 @@ def narrow(t: torch.Tensor, region: Region) -> torch.Tensor:
     return t if region.dim is None else t.narrow(region.dim, region.start, region.stop - region.start)
 
 
-def qkv_heads(shard: torch.Tensor, heads: int) -> torch.Tensor:
-    """A per-head interleaved q|k|v shard [heads*3*d, ...] viewed as [heads, 3, d, ...]."""
-    return shard.unflatten(0, (heads, 3, -1))
+def qkv_part(shard: torch.Tensor, groups: int, heads_per_group: int, part: int) -> torch.Tensor:
+    """Part `part` (0 q, 1 k, 2 v) of a per-group interleaved q|k|v shard [groups * (hpg + 2) * d, ...], as
+    [groups, rows of the part in one group, ...] (q: hpg * d rows, k and v: d rows each)."""
+    per = shard.unflatten(0, (groups, -1))
+    d = per.shape[1] // (heads_per_group + 2)
+    lo, hi = ((0, heads_per_group * d), (heads_per_group * d, (heads_per_group + 1) * d),
+              ((heads_per_group + 1) * d, (heads_per_group + 2) * d))[part]
+    return per[:, lo:hi]
 
 
-def copy_piece(dst_param: torch.Tensor, piece: Piece, shard: torch.Tensor, heads: int) -> int:
-    """Copy one planned piece from a Megatron shard into a rollout parameter; returns elements copied."""
+def copy_piece(dst_param: torch.Tensor, piece: Piece, shard: torch.Tensor, groups: int,
+               heads_per_group: int = 1) -> int:
+    """Copy one planned piece from a Megatron shard (holding `groups` query groups of `heads_per_group` heads
+    each when it is a fused qkv) into a rollout parameter; returns elements copied."""
     dst = narrow(dst_param, piece.dst)
     if piece.qkv is not None:
-        h0, h1, part = piece.qkv
-        # Write through a [heads, d, ...] view of the destination: one strided copy, no temporary.
-        dst.view(h1 - h0, -1, *dst.shape[1:]).copy_(qkv_heads(shard, heads)[h0:h1, part])
+        g0, g1, part = piece.qkv
+        # Write through a [groups, rows, ...] view of the destination: one strided copy, no temporary.
+        dst.view(g1 - g0, -1, *dst.shape[1:]).copy_(qkv_part(shard, groups, heads_per_group, part)[g0:g1])
     else:
         dst.copy_(narrow(shard, piece.src))
     return piece.numel
 
 
-def to_hf(src: SourceTensor, full: torch.Tensor, num_heads: int) -> Items:
-    """Full Megatron tensor -> its diffusers-named tensors (q, k, v split out of the per-head interleave)."""
+def to_hf(src: SourceTensor, full: torch.Tensor, num_heads: int, num_groups: int | None = None,
+          trainer_tp: int = 1) -> Items:
+    """A Megatron tensor (its tp shards concatenated in rank order) -> its Hugging Face-named tensors: q, k, v
+    split out of the per-group interleave, gate and up out of the per-rank `[gate_r; up_r]` blocks."""
     if src.kind == "fuse_qkv":
-        per_head = qkv_heads(full, num_heads)
-        return [(name, per_head[:, i].flatten(0, 1)) for i, name in enumerate(src.hf)]
+        groups = num_heads if num_groups is None else num_groups
+        return [(name, qkv_part(full, groups, num_heads // groups, i).flatten(0, 1))
+                for i, name in enumerate(src.hf)]
+    if src.kind == "fuse_gate_up":
+        blocks = full.unflatten(0, (trainer_tp if src.tp_dim is not None else 1, 2, -1))
+        return [(name, blocks[:, i].flatten(0, 1)) for i, name in enumerate(src.hf)]
     return [(src.hf[0], full)]
 
 
@@ -182,7 +195,7 @@ class WeightSync:
 
     def _full(self, ledger: CoverageLedger | None) -> SyncStats:
         stats = SyncStats("full", 0, 0, 0, 0, 0, 0.0)
-        heads = self.plan.num_heads
+        plan = self.plan
         for bucket in self._buckets:
             stats.buckets += 1
             items = None
@@ -196,8 +209,8 @@ class WeightSync:
                     full = parts[0] if len(parts) == 1 or s.tp_dim is None else torch.cat(parts, dim=s.tp_dim)
                     if full is not parts[0]:
                         extra += full.numel() * full.element_size()
-                    hf_items = to_hf(s, full, heads)
-                    if s.kind == "fuse_qkv":  # the q/k/v split out of the per-head interleave is a copy
+                    hf_items = to_hf(s, full, plan.num_heads, plan.groups, plan.trainer_tp)
+                    if s.kind != "copy":  # q/k/v (gate/up) split out of their interleave are copies
                         extra += sum(t.numel() * t.element_size() for _, t in hf_items)
                     items.extend(hf_items)
             items, moved = self.transport.exchange(bucket, items)
@@ -218,7 +231,8 @@ class WeightSync:
     def _direct(self, ledger: CoverageLedger) -> SyncStats:
         stats = SyncStats("direct", 0, 0, 0, 0, 0, 0.0)
         params = self.target.parameters()
-        heads = self.plan.num_heads // self.plan.trainer_tp
+        groups = self.plan.groups // self.plan.trainer_tp
+        per_group = self.plan.num_heads // self.plan.groups
         size = self.dtype.itemsize
         for name, p in self.plan.rank_params(self.target.tp_rank).items():
             dst = params.get(name)
@@ -227,7 +241,7 @@ class WeightSync:
                     continue
                 ledger.record(name, pc.dst)
                 if dst is not None:
-                    stats.bytes_loaded += copy_piece(dst, pc, self.sources[pc.megatron], heads) * size
+                    stats.bytes_loaded += copy_piece(dst, pc, self.sources[pc.megatron], groups, per_group) * size
         # Tensors Megatron shards but the rollout replicates: gather them, bounded by the bucket size.
         remote = [s for s in self.plan.remote_sources() if s.stage == self.stage]
         for bucket in bucketize(remote, self.bucket_numel, lambda s: s.full_numel):
@@ -239,5 +253,6 @@ class WeightSync:
                 for name, pc in self._remote.get(s.megatron, []):
                     ledger.record(name, pc.dst)
                     if name in params:
-                        stats.bytes_loaded += copy_piece(params[name], pc, shards[s.megatron][pc.tp_rank], heads) * size
+                        stats.bytes_loaded += copy_piece(params[name], pc, shards[s.megatron][pc.tp_rank], groups,
+                                                           per_group) * size
         return stats

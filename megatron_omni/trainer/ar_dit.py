@@ -30,7 +30,7 @@ from megatron_omni.algorithms.loss import flowgrpo_loss
 from megatron_omni.algorithms.token_loss import grpo_token_loss, joint_loss
 from megatron_omni.algorithms.transition import transition_step
 from megatron_omni.bridge import WeightSync
-from megatron_omni.bridge.qwen_image import megatron_sources, qwen_image_plan
+from megatron_omni.bridge.family_sync import family_plans
 from megatron_omni.bridge.targets import DiffusersTarget
 from megatron_omni.checkpoint.sharded_state import ar_dit_content_metadata, ar_dit_sharded_state_dict
 from megatron_omni.models.ar.context_parallel import gather_sequence, split_sequence
@@ -151,12 +151,19 @@ class ARDiTTrainer:
                                          dit_server=dit_server)
         self.model: ARDiTModel = self.family.build_model(ref.config, groups)
         self.family.load_state(self.model, ref.state())
-        # The DiT half reaches the embedded rollout's diffusers DiT through the bridge (a plan from shapes, shards
-        # gathered over tp); the decoder and connector, and the vLLM halves when there are any, as full tensors.
-        self.dit_sync = None if (vllm_omni_dit is not None or dit_server is not None) else WeightSync(
-            qwen_image_plan(ref.config.dit, trainer_tp=groups.tp.size(), rollout_kind="diffusers", mode="full"),
-            sources=megatron_sources(self.model.dit), target=DiffusersTarget(self.engine.hybrid.dit),
-            tp_group=groups.tp, tp_rank=groups.tp.rank())
+        # Without vLLM halves every part (decoder, connector, DiT) reaches the embedded torch hybrid through the
+        # bridge (a plan per part from the family's shapes, shards gathered over tp, coverage checked); vLLM
+        # engines check their own names and shapes on a full-tensor load.
+        self.weight_syncs: list[WeightSync] = []
+        if vllm_omni_dit is None and dit_server is None and plan_writer is None:
+            plans = family_plans(self.family, ref.config, trainer_tp=groups.tp.size(), rollout_kind="diffusers",
+                                 mode="full")
+            sources = self.family.megatron_sources(self.model)
+            hybrid = self.engine.hybrid
+            modules = {"decoder": hybrid.decoder, "connector": hybrid.connector, "dit": hybrid.dit}
+            self.weight_syncs = [WeightSync(plan, sources=sources[part], target=DiffusersTarget(modules[part]),
+                                            tp_group=groups.tp, tp_rank=groups.tp.rank())
+                                 for part, plan in plans.items()]
         frozen = {"decoder": [self.model.decoder], "dit": [self.model.connector, self.model.dit]}.get(cfg.freeze, [])
         for module in frozen:
             module.requires_grad_(False)
@@ -186,15 +193,14 @@ class ARDiTTrainer:
         return ar_dit_content_metadata(self.engine.hybrid.config.to_dict())
 
     def sync_weights(self) -> float:
-        """Load the trained hybrid's weights into the rollout engines (the DiT through the bridge, which raises
-        on any rollout element left unwritten or written twice); returns the seconds it took. Collective."""
+        """Load the trained hybrid's weights into the rollout engines (through the bridge, which raises on any
+        rollout element left unwritten or written twice, when the rollout is the embedded torch hybrid; as full
+        tensors into vLLM halves); returns the seconds it took. Collective."""
         t0 = time.perf_counter()
-        if self.dit_sync is None:
+        if not self.weight_syncs:
             self.engine.load_weights(*self.family.export_state(self.model))
-        else:
-            decoder, connector, _ = self.family.export_state(self.model, parts=("decoder", "connector"))
-            self.engine.load_weights(decoder, connector, None)
-            self.dit_sync.sync()
+        for sync in self.weight_syncs:
+            sync.sync()
         return time.perf_counter() - t0
 
     def close(self) -> None:

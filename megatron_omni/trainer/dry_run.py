@@ -16,6 +16,7 @@ from megatron_omni.parallel.layout import LayoutError, ParallelLayout
 from megatron_omni.planner import DEFAULT_MFU, JobPlan, Precision, RolloutSpec, StateCopy, Workload, measured_mfu
 from megatron_omni.planner.dry_run import dry_run as planner_dry_run
 from megatron_omni.trainer.config import ConfigError, JobConfig, apply_overrides
+from model_providers import get_family
 from model_providers.qwen_image.provider import hf_config
 
 
@@ -23,10 +24,7 @@ def _model_config(cfg: JobConfig) -> tuple[dict[str, Any] | str, str]:
     """The transformer's diffusers config for planning and where it came from: the pipeline folder's
     transformer/config.json when it is at hand, else `model.preset` (so a job can be planned on a laptop)."""
     if cfg.model.pipeline == "tiny":
-        from model_providers.qwen_image.tiny_pipeline import TinyPipelineConfig
-
-        tiny = TinyPipelineConfig()
-        return dict(vars(tiny.transformer), joint_attention_dim=tiny.text_hidden_size), "tiny pipeline"
+        return get_family(cfg.model.family).tiny_pipeline.transformer_config(), "tiny pipeline"
     path = Path(cfg.model.pipeline) / "transformer" / "config.json"
     if path.exists():
         model = json.loads(path.read_text())

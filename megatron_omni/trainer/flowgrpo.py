@@ -35,7 +35,7 @@ from megatron.core import tensor_parallel
 
 from megatron_omni.algorithms.advantages import group_advantages
 from megatron_omni.bridge import DistributedTransport, WeightSync
-from megatron_omni.bridge.qwen_image import megatron_sources, qwen_image_plan, sync_mode
+from megatron_omni.bridge.family_sync import family_plans, sync_mode
 from megatron_omni.checkpoint.safetensors_io import SafetensorsFolder
 from megatron_omni.checkpoint.sharded_state import content_metadata, model_layout, model_sharded_state_dict
 from megatron_omni.models.dit.config import MMDiTConfig
@@ -116,8 +116,12 @@ class FlowGRPOTrainer:
         # they sit in this process at the trainer's tp, else full tensors gathered over tp into its loader. With
         # pp > 1 each stage's first rank broadcasts its stage's buckets so every engine gets all blocks.
         sink = self.engine.weight_sink()
-        plan = qwen_image_plan(self.hf_config, trainer_tp=p.tp, trainer_pp=p.pp, rollout_kind=sink.kind,
-                               rollout_tp=sink.tp, mode=_sync_mode(sink, p))
+        plans = family_plans(self.family, self.hf_config, trainer_tp=p.tp, trainer_pp=p.pp, rollout_kind=sink.kind,
+                             rollout_tp=sink.tp, mode=_sync_mode(sink, p))
+        if len(plans) != 1:
+            raise ValueError(f"model family {self.family.name!r} has weight parts {sorted(plans)}; a DiT's engine "
+                             "takes one (its transformer)")
+        (part, plan), = plans.items()
         transport = None
         if p.pp > 1:
             layout = groups.layout
@@ -125,7 +129,7 @@ class FlowGRPOTrainer:
                           if layout.coordinates(r) == {**layout.coordinates(0), "pp": s}) for s in range(p.pp)]
             transport = DistributedTransport(sources=roots, rollout_ranks=range(layout.world_size),
                                              dtype=mcfg.params_dtype)
-        self.weight_sync = WeightSync(plan, sources=megatron_sources(self.model),
+        self.weight_sync = WeightSync(plan, sources=self.family.megatron_sources(self.model)[part],
                                       target=sink.target, tp_group=groups.tp,
                                       tp_rank=groups.tp.rank(), stage=groups.coords["pp"], transport=transport)
         self.guard = GradGuard(cfg.optim.max_bad_steps, "optim.max_bad_steps")

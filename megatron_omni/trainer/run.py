@@ -29,17 +29,19 @@ SHOWN = ("reward_mean", "clipfrac", "approx_kl", "grad_norm", "images_per_s_per_
 
 
 def prepare_pipeline(cfg: JobConfig, run_dir: Path) -> Path:
-    """The diffusers pipeline folder to train; "tiny" builds the offline tiny pipeline (rank 0, once)."""
+    """The diffusers pipeline folder to train; "tiny" builds the model family's offline tiny pipeline (rank 0,
+    once)."""
     if cfg.model.pipeline != "tiny":
         path = Path(cfg.model.pipeline)
         if not (path / "model_index.json").exists():
             raise FileNotFoundError(f"model.pipeline={cfg.model.pipeline!r} is not a diffusers pipeline folder")
         return path
+    tiny = get_family(cfg.model.family).tiny_pipeline
+    if tiny is None:
+        raise ValueError(f"model.pipeline=tiny: model family {cfg.model.family!r} has no offline tiny pipeline")
     path = run_dir / "pipeline"
     if dist.get_rank() == 0 and not path.exists():
-        from model_providers.qwen_image.tiny_pipeline import make_tiny_pipeline
-
-        make_tiny_pipeline(path, seed=cfg.model.tiny_seed)
+        tiny.make(path, cfg.model.tiny_seed)
     dist.barrier()
     return path
 

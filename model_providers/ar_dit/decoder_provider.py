@@ -108,6 +108,23 @@ def build_decoder(name_or_config: str | dict[str, Any] | Any, config: Transforme
                      c["rope_theta"], groups, share_embeddings_and_output_weights=c["tie_word_embeddings"])
 
 
+def megatron_shapes(name_or_config: str | dict[str, Any] | Any) -> dict[str, tuple[int, ...]]:
+    """Full (unsharded) shape of every Megatron decoder tensor, from the config alone."""
+    c = qwen2_config(name_or_config)
+    hid, ffn, n, g = c["hidden_size"], c["intermediate_size"], c["num_attention_heads"], c["num_key_value_heads"]
+    d = hid // n
+    layer = {"input_layernorm.weight": (hid,), "self_attention.linear_qkv.weight": ((n + 2 * g) * d, hid),
+             "self_attention.linear_qkv.bias": ((n + 2 * g) * d,), "self_attention.linear_proj.weight": (hid, n * d),
+             "pre_mlp_layernorm.weight": (hid,), "mlp.linear_fc1.weight": (2 * ffn, hid),
+             "mlp.linear_fc2.weight": (hid, ffn)}
+    out = {"embedding.word_embeddings.weight": (c["vocab_size"], hid), "decoder.final_layernorm.weight": (hid,)}
+    for i in range(c["num_hidden_layers"]):
+        out.update({f"decoder.layers.{i}.{k}": v for k, v in layer.items()})
+    if not c["tie_word_embeddings"]:
+        out["output_layer.weight"] = (c["vocab_size"], hid)
+    return out
+
+
 def local_mappings(model: ARDecoder) -> dict[str, DecoderMapping]:
     """Local parameter name -> mapping, for the tensors this pipeline stage holds."""
     cfg = model.config

@@ -23,4 +23,6 @@ FAMILY = ModelFamily(
     export_state=provider.hf_state,
     megatron_shapes=provider.megatron_shapes,
     reference_model=provider.torch_hybrid,
+    weight_parts=provider.weight_parts,
+    megatron_sources=provider.megatron_sources,
 )

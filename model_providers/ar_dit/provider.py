@@ -17,8 +17,10 @@ from torch import nn
 from megatron_omni.models.ar.connector import Connector
 from megatron_omni.models.ar.hybrid import ARDiTModel
 from model_providers.ar_dit import decoder_provider
+from model_providers.ar_dit.decoder_mapping import DecoderMapping, all_decoder_mappings
 from model_providers.ar_dit.presets import hybrid_preset
 from model_providers.qwen_image import provider as dit_provider
+from model_providers.registry import SameNameLayout, WeightPart
 
 
 @dataclass(frozen=True)
@@ -88,6 +90,41 @@ def load_hf_state(model: ARDiTModel, decoder_state: dict[str, torch.Tensor],
 
 
 HYBRID_PARTS = ("decoder", "connector", "dit")
+
+
+def _torch_layout(kind: str) -> SameNameLayout:
+    if kind != "diffusers":
+        raise KeyError(f"the AR-DiT decoder and connector have no {kind!r} rollout layout in the bridge (they reach "
+                       "vLLM engines as full tensors); known: ['diffusers']")
+    return SameNameLayout()
+
+
+def weight_parts(name_or_config: str | dict[str, Any] | HybridConfig) -> dict[str, WeightPart]:
+    """The three parts the bridge syncs into the torch hybrid (`TorchHybrid`): the decoder (Qwen2 names into
+    transformers' Qwen2ForCausalLM; GQA-fused qkv, SwiGLU gate/up), the connector (same names) and the DiT
+    (the Qwen-Image part, into diffusers' transformer or vLLM-Omni's)."""
+    h = hybrid_config(name_or_config)
+    d = h.decoder
+    conn_shapes = {"norm.weight": (h.decoder_hidden,), "proj.weight": (h.joint_attention_dim, h.decoder_hidden),
+                   "proj.bias": (h.joint_attention_dim,)}
+    connector = [DecoderMapping(n, (n,), "copy", None, None, "pre") for n in conn_shapes]
+    return {
+        "decoder": WeightPart(all_decoder_mappings(d["num_hidden_layers"], d["tie_word_embeddings"]),
+                              decoder_provider.megatron_shapes(d), d["num_attention_heads"], d["num_hidden_layers"],
+                              _torch_layout, num_groups=d["num_key_value_heads"]),
+        "connector": WeightPart(connector, conn_shapes, 1, 1, _torch_layout),
+        "dit": dit_provider.weight_parts(h.dit)["transformer"],
+    }
+
+
+def megatron_sources(model: ARDiTModel) -> dict[str, dict[str, torch.Tensor]]:
+    """This rank's Megatron tensors per part (decoder and DiT: local tp shards by global Megatron name; the
+    connector is replicated), the parameters' storage."""
+    dec = model.decoder.state_dict(keep_vars=True)
+    return {"decoder": {m.megatron: dec[name].detach()
+                        for name, m in decoder_provider.local_mappings(model.decoder).items()},
+            "connector": {n: p.detach() for n, p in model.connector.named_parameters()},
+            "dit": dit_provider.megatron_sources(model.dit)["transformer"]}
 
 
 def hf_state(model: ARDiTModel, parts: tuple[str, ...] = HYBRID_PARTS

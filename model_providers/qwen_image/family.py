@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from model_providers.qwen_image import mapping, presets, provider
-from model_providers.registry import ModelFamily
+from model_providers.registry import ModelFamily, TinyPipeline
 
 FAMILY = ModelFamily(
     name="qwen_image",
@@ -15,6 +15,9 @@ FAMILY = ModelFamily(
     export_state=provider.stage_hf_tensors,
     megatron_shapes=provider.megatron_shapes,
     megatron_config=provider.transformer_config,
+    weight_parts=provider.weight_parts,
+    megatron_sources=provider.megatron_sources,
+    tiny_pipeline=TinyPipeline(make=provider.make_tiny_pipeline, transformer_config=provider.tiny_transformer_config),
     diffusers_class="QwenImageTransformer2DModel",
     arch_config=provider.hf_config,
     mappings=mapping.all_mappings,

@@ -4,6 +4,7 @@ rank, loading/gathering diffusers-named weights, and exact parameter counts (ful
 from __future__ import annotations
 
 import math
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -20,7 +21,9 @@ from model_providers.qwen_image.mapping import (
     tp_shard,
 )
 from model_providers.qwen_image.presets import preset
+from model_providers.qwen_image.rollout_layouts import rollout_layout
 from model_providers.qwen_image.specs import layer_spec
+from model_providers.registry import WeightPart
 
 _HF_KEYS = ("patch_size", "in_channels", "out_channels", "num_layers", "attention_head_dim",
             "num_attention_heads", "joint_attention_dim", "axes_dims_rope")
@@ -84,6 +87,35 @@ def build_model(config: MMDiTConfig, groups, backend: str = "local") -> MMDiTMod
     """This rank's stage of the model (`groups`: `megatron_omni.parallel.ParallelGroups`)."""
     groups.layout.validate_model(num_heads=config.num_attention_heads, num_layers=config.num_layers)
     return MMDiTModel(config, layer_spec(backend), groups)
+
+
+def weight_parts(name_or_config: str | dict[str, Any]) -> dict[str, WeightPart]:
+    """The one part the bridge syncs ("transformer"): mappings, full shapes and the rollout engines' layouts."""
+    c = hf_config(name_or_config)
+    return {"transformer": WeightPart(all_mappings(c["num_layers"]), megatron_shapes(c), c["num_attention_heads"],
+                                      c["num_layers"], rollout_layout)}
+
+
+def megatron_sources(model: MMDiTModel) -> dict[str, dict[str, torch.Tensor]]:
+    """{"transformer": this rank's Megatron tensors (local tp shards of its stage, the parameters' storage)
+    by global Megatron name}."""
+    state = model.state_dict(keep_vars=True)
+    return {"transformer": {m.megatron: state[name].detach() for name, m in local_mappings(model).items()}}
+
+
+def tiny_transformer_config() -> dict[str, Any]:
+    """The transformer config of the offline tiny pipeline (`model.pipeline=tiny`)."""
+    from model_providers.qwen_image.tiny_pipeline import TinyPipelineConfig
+
+    tiny = TinyPipelineConfig()
+    return dict(vars(tiny.transformer), joint_attention_dim=tiny.text_hidden_size)
+
+
+def make_tiny_pipeline(folder: Path, seed: int) -> Path:
+    """Write the offline tiny Qwen-Image pipeline (seeded weights) to `folder`."""
+    from model_providers.qwen_image.tiny_pipeline import make_tiny_pipeline as make
+
+    return make(folder, seed=seed)
 
 
 def local_mappings(model: MMDiTModel) -> dict[str, ParamMapping]:

@@ -22,17 +22,9 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+from model_providers.registry import RolloutRule
+
 ROLLOUT_KINDS = ("vllm_omni", "diffusers")
-
-
-@dataclass(frozen=True)
-class RolloutRule:
-    """One diffusers tensor -> one rollout parameter (names are block-relative for block rules)."""
-
-    hf: str
-    param: str
-    split: str  # "replicated" | "column" | "row" | "qkv"
-    part: int | None = None  # q/k/v index for split == "qkv"
 
 
 def _vllm_block_rules() -> tuple[RolloutRule, ...]:
