@@ -17,7 +17,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from tests.distributed import harness  # noqa: E402
+from megatron_omni.parallel import rank_pool  # noqa: E402
 
 
 def _steps(rank: int, world_size: int, layout: dict[str, int], steps: int) -> list[dict]:
@@ -45,8 +45,8 @@ def main() -> None:
     layouts = {"tp=1": dict(tp=1), "tp=2": dict(tp=2), "cp=2": dict(ulysses=2)}
     for name, layout in layouts.items():
         ranks = layout.get("tp", 1) * layout.get("ulysses", 1)
-        metrics = harness.run_ranks(_steps, ranks, layout, args.steps, timeout_s=900)[0]
-        harness._close_pools()  # one layout's ranks at a time on the shared cores
+        metrics = rank_pool.run_ranks(_steps, ranks, layout, args.steps, timeout_s=900)[0]
+        rank_pool.close_pools()  # one layout's ranks at a time on the shared cores
         med[name] = {k: statistics.median(m[k] for m in metrics) for k in ("time_step", "time_decoder", "time_dit")}
         print(f"{name}: step {med[name]['time_step']:.3f} s (median of {args.steps}), decoder "
               f"{med[name]['time_decoder']:.3f} s, DiT {med[name]['time_dit']:.3f} s")

@@ -27,8 +27,8 @@ from tqdm import tqdm  # noqa: E402
 from megatron_omni.bridge import DiffusersTarget, VllmOmniTarget, WeightSync  # noqa: E402
 from megatron_omni.bridge.qwen_image import megatron_sources, qwen_image_plan  # noqa: E402
 from megatron_omni.parallel import ParallelLayout, build_parallel_groups, platform  # noqa: E402
+from megatron_omni.parallel.rank_pool import free_port  # noqa: E402
 from model_providers.qwen_image import provider  # noqa: E402
-from tests.distributed.harness import free_port  # noqa: E402
 
 
 def _median_seconds(fn, runs: int, desc: str) -> float:

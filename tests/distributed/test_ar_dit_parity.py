@@ -20,8 +20,8 @@ from megatron_omni.models.ar.decoder import gather_logits, token_log_probs
 from megatron_omni.models.dit.cp_comm import gather_along_dim
 from megatron_omni.parallel import ParallelLayout, build_parallel_groups
 from megatron_omni.parallel.platform import seed_everything
+from megatron_omni.parallel.rank_pool import run_ranks
 from model_providers.ar_dit import decoder_provider, provider
-from tests.distributed.harness import run_ranks
 
 BATCH, SEQ = 2, 9
 CP_SEQ = 12  # divisible by 2 * cp: Megatron's load-balanced causal split

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from tests.distributed.harness import run_ranks
+from megatron_omni.parallel.rank_pool import run_ranks
 
 STEPS = 4
 ROOT = Path(__file__).resolve().parents[2]

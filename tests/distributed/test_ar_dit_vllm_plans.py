@@ -24,8 +24,8 @@ import torch
 
 from megatron_omni.parallel import ParallelLayout, build_parallel_groups
 from megatron_omni.parallel.platform import seed_everything
+from megatron_omni.parallel.rank_pool import run_ranks
 from megatron_omni.rollout.ar_dit_engine import ARDiTSamplingParams
-from tests.distributed.harness import run_ranks
 
 # vLLM's CPU attention needs a head size of at least 32: the tiny decoder at width 128.
 DECODER = dict(vocab_size=128, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,

@@ -19,9 +19,9 @@ from megatron_omni.bridge.qwen_image import megatron_sources, qwen_image_plan
 from megatron_omni.models.dit.model import DiTBatch
 from megatron_omni.parallel import ParallelLayout, build_parallel_groups
 from megatron_omni.parallel.platform import seed_everything
+from megatron_omni.parallel.rank_pool import run_ranks
 from model_providers.qwen_image import provider
 from model_providers.qwen_image.mapping import ParamMapping, all_mappings
-from tests.distributed.harness import run_ranks
 
 GRID = (1, 4, 6)
 S_TXT = 5

@@ -19,8 +19,8 @@ from megatron_omni.checkpoint.summary import inspect_checkpoint
 from megatron_omni.models.dit.model import DiTBatch
 from megatron_omni.parallel import ParallelLayout, build_parallel_groups
 from megatron_omni.parallel.platform import seed_everything
+from megatron_omni.parallel.rank_pool import run_ranks
 from model_providers.qwen_image import provider
-from tests.distributed.harness import run_ranks
 from tests.unit.test_checkpoint_convert import random_config, tensor_hashes, write_diffusers
 
 GRID = (1, 4, 6)

@@ -14,7 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.distributed.harness import run_ranks
+from megatron_omni.parallel.rank_pool import run_ranks
 from tests.unit.test_joint_attention import make_inputs, reference_joint_attention, rel_err
 
 # Batch of 3: sample 1 has padded text, sample 2 no valid text key at all (see make_inputs).

@@ -17,9 +17,9 @@ import torch
 from megatron.core.distributed import finalize_model_grads
 
 from megatron_omni.models.dit.model import DiTBatch
+from megatron_omni.parallel.rank_pool import run_ranks
 from megatron_omni.trainer.checkpointing import load_checkpoint, save_checkpoint
 from model_providers.qwen_image import provider
-from tests.distributed.harness import run_ranks
 from tests.distributed.tiny_training import build_tiny_training
 
 GRID = (1, 4, 4)

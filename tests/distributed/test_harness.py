@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests.distributed.harness import RankFailed, RanksTimedOut, run_ranks
+from megatron_omni.parallel.rank_pool import RankFailed, RanksTimedOut, run_ranks
 
 
 def _all_reduce_rank(rank: int, world_size: int) -> float:

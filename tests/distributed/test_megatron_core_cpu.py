@@ -24,7 +24,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_omni.parallel import ParallelLayout, build_parallel_groups
 from megatron_omni.parallel.platform import megatron_config_defaults, seed_everything
-from tests.distributed.harness import run_ranks
+from megatron_omni.parallel.rank_pool import run_ranks
 
 
 def _config(**overrides) -> TransformerConfig:

@@ -7,7 +7,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_omni.parallel import ParallelLayout, build_parallel_groups, group_rank_lists
-from tests.distributed.harness import run_ranks
+from megatron_omni.parallel.rank_pool import run_ranks
 
 LAYOUTS_4 = [
     ParallelLayout(tp=2, pp=2),

@@ -17,9 +17,9 @@ import pytest
 import torch
 
 from megatron_omni.parallel.layout import ParallelLayout
+from megatron_omni.parallel.rank_pool import run_ranks
 from megatron_omni.planner import Precision, RolloutSpec, Workload, plan
 from model_providers.qwen_image import provider
-from tests.distributed.harness import run_ranks
 
 CASES = list(itertools.product(("tiny", "small"), (1, 2), ("fp32", "bf16"), (False, True)))
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}

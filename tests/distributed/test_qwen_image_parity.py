@@ -23,8 +23,8 @@ from megatron.core.pipeline_parallel.schedules import forward_backward_pipelinin
 from megatron_omni.models.dit.model import DiTBatch, pipeline_seq_length
 from megatron_omni.parallel import ParallelLayout, build_parallel_groups
 from megatron_omni.parallel.platform import seed_everything
+from megatron_omni.parallel.rank_pool import run_ranks
 from model_providers.qwen_image import provider
-from tests.distributed.harness import run_ranks
 
 GRID = (1, 4, 6)  # frames, height, width in patches: non-square, 24 image tokens
 S_TXT = 5

@@ -21,9 +21,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from megatron_omni.parallel.rank_pool import run_ranks
 from megatron_omni.rollout.base import SamplingParams
 from model_providers.qwen_image.tiny_pipeline import make_tiny_pipeline
-from tests.distributed.harness import run_ranks
 
 PROMPTS = ["a red cat", "OPEN 24 HOURS"]
 NON_CFG = SamplingParams(height=64, width=64, num_steps=4, noise_level=1.2, window_size=2, window_range=(0, 2))

@@ -15,7 +15,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.distributed.harness import run_ranks
+from megatron_omni.parallel.rank_pool import run_ranks
 
 PROMPTS = ["a red cube", "a photo of a cat on a mat"]
 GROUP = 2

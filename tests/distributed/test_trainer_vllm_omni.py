@@ -16,8 +16,8 @@ from functools import partial
 import pytest
 import torch
 
+from megatron_omni.parallel.rank_pool import run_ranks
 from model_providers.qwen_image.tiny_pipeline import make_tiny_pipeline
-from tests.distributed.harness import run_ranks
 
 
 def _trainer(folder: str, root: str, engine: str, rollout_tp: int, trainer_tp: int):

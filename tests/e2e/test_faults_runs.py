@@ -153,7 +153,7 @@ def test_sigterm_to_one_torchrun_rank_stops_every_rank_after_the_same_step(tmp_p
     import psutil
 
     from megatron_omni.checkpoint import manifest
-    from tests.distributed.harness import free_port
+    from megatron_omni.parallel.rank_pool import free_port
 
     run = tmp_path / "tp2"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()),

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.distributed.harness import free_port
+from megatron_omni.parallel.rank_pool import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 # A short run of the demo recipe: 4 prompts x 4 samples, 6 sampling steps, window 2.

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.distributed.harness import free_port
+from megatron_omni.parallel.rank_pool import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = "examples/tiny/train_tiny.sh"

@@ -19,6 +19,7 @@ from megatron.core.distributed import finalize_model_grads
 
 from megatron_omni.checkpoint.sharded_state import content_metadata, model_layout, read_content_metadata
 from megatron_omni.models.dit.model import DiTBatch
+from megatron_omni.parallel.rank_pool import run_ranks
 from megatron_omni.trainer.checkpointing import (
     COMPLETE,
     checkpoint_dir,
@@ -29,7 +30,6 @@ from megatron_omni.trainer.checkpointing import (
     save_checkpoint,
 )
 from model_providers.qwen_image import provider
-from tests.distributed.harness import run_ranks
 from tests.distributed.tiny_training import build_tiny_training
 
 GRID = (1, 4, 4)

@@ -102,3 +102,13 @@ def test_detector_catches_upward_and_outside_imports() -> None:
     assert upward_imports("from megatron_omni.planner import plan\n", "megatron_omni.trainer.dry_run") == []
     assert upward_imports("from megatron_omni.trainer import run\n", "megatron_omni.planner.plan") == [
         "1: planner imports megatron_omni.trainer"]
+
+
+def test_benchmarks_tools_and_examples_import_nothing_from_tests() -> None:
+    """What users run (benchmarks, tools, recipes) must work from the package alone: test helpers they need
+    belong in the package (e.g. `megatron_omni.parallel.rank_pool`)."""
+    pattern = re.compile(r"^\s*(from|import)\s+tests(\.|\s|$)", re.M)
+    offenders = [str(p.relative_to(ROOT)) for room in ("benchmarks", "tools", "examples")
+                 for p in sorted((ROOT / room).rglob("*.py")) if pattern.search(p.read_text())]
+    assert not offenders, f"import from tests/: {offenders}"
+    assert pattern.search("from tests.distributed.harness import run_ranks\n")  # the detector itself

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from megatron_omni.parallel.layout import LayoutError, ParallelLayout
+from megatron_omni.parallel.rank_pool import run_ranks
 from megatron_omni.planner import (
     GPUS,
     REFERENCE_IMAGES_PER_S_PER_GPU,
@@ -26,7 +27,6 @@ from megatron_omni.planner.memory import (
 )
 from model_providers.qwen_image import provider
 from model_providers.qwen_image.presets import PARAMS_20B
-from tests.distributed.harness import run_ranks
 
 
 def _divisors(n: int) -> list[int]:

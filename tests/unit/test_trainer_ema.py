@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from tests.distributed.harness import run_ranks
+from megatron_omni.parallel.rank_pool import run_ranks
 from tests.unit.tiny_trainer import GROUP, PROMPTS, tiny_trainer
 
 DECAY = 0.75

@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.distributed.harness import run_ranks
+from megatron_omni.parallel.rank_pool import run_ranks
 from tests.unit.tiny_trainer import GROUP, PROMPTS, tiny_trainer
 
 BETA = 0.5

@@ -1,13 +1,14 @@
-"""Run a function on N spawned gloo ranks, with a timeout so a hung rank fails the test instead of CI.
+"""Run a function on N spawned ranks of one local job (gloo on CPU), with a timeout so a hung rank fails the
+caller (a test, a benchmark) instead of stalling it.
 
 `run_ranks(fn, world_size, *args)` runs `fn(rank, world_size, *args)` on `world_size` ranks that form one
-gloo job on a free loopback port, and returns the per-rank results in rank order. If any rank raises, the
-test fails with that rank's traceback; if the ranks do not all finish within `timeout_s`, the test fails
-naming the ranks that did not.
+job on a free loopback port, and returns the per-rank results in rank order. If any rank raises, `RankFailed`
+carries that rank's traceback; if the ranks do not all finish within `timeout_s`, `RanksTimedOut` names the
+ranks that did not.
 
 Ranks are spawned (never forked) interpreters. Importing torch + Megatron-Core costs ~10 s of CPU per
-process, so the ranks of one world size are kept as a pool for the whole pytest session and reused by
-later tests; a pool whose task failed or timed out is killed and replaced by fresh processes, so one
+process, so the ranks of one world size are kept as a pool for the whole process (a pytest session) and
+reused by later calls; a pool whose task failed or timed out is killed and replaced by fresh processes, so one
 broken test cannot leave gloo state behind for the next. Tests must therefore create their own process
 groups (`build_parallel_groups`) and not rely on process-global state between calls.
 """
@@ -173,7 +174,7 @@ _POOLS: dict[int, _RankPool] = {}
 
 
 @atexit.register
-def _close_pools() -> None:
+def close_pools() -> None:
     # The ranks hold nothing worth a clean shutdown, and a gloo teardown can wait on its peers: kill them.
     for pool in _POOLS.values():
         pool.close(graceful=False)
