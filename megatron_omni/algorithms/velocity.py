@@ -5,8 +5,7 @@ forward` (hidden_states, encoder_hidden_states, encoder_hidden_states_mask, time
 return_dict=False) returning a tuple whose first item is [B, S, C_out * p^2]: the diffusers transformer
 itself, or the trainer's Megatron model behind an adapter. The trainer's pipeline-parallel path cannot call
 one model: it feeds `GuidedBatch.model_inputs` to the first stage and `GuidedBatch.combine` to the last
-stage's output, the same two halves `guided_velocity` joins around one
-`forward_rows`.
+stage's output, the same two halves `GuidedBatch.velocity` joins around one `forward_rows`.
 """
 
 from __future__ import annotations
@@ -92,6 +91,11 @@ class GuidedBatch:
         v[self.cfg_rows] = true_cfg(v_all[self.cfg_rows], v_all[b:], self.guidance_scale[self.cfg_rows])
         return v
 
+    def velocity(self, model: VelocityModel, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """[B, S, C] float32 guided velocity: one forward of `model` (compute dtype `dtype`) over the B + K rows,
+        combined with true CFG."""
+        return self.combine(forward_rows(model, self, dtype))
+
 
 def guided_batch(
     latents: torch.Tensor,
@@ -103,8 +107,20 @@ def guided_batch(
     negative_embeds: torch.Tensor | None = None,
     negative_mask: torch.Tensor | None = None,
 ) -> GuidedBatch:
-    """Stack the conditional rows and the negative rows of the CFG samples into one forward's batch
-    (arguments as for `guided_velocity`)."""
+    """Stack the conditional rows and the negative rows of the CFG samples into one forward's batch; its
+    `velocity(model, dtype)` is each row's velocity with true CFG on the rows whose guidance scale is > 1.
+
+    The conditional rows and the negative rows of the CFG samples run in ONE forward (text padded to a
+    common length; masked padding does not change the result beyond float rounding).
+
+    Args:
+        latents: [B, S, C] packed latents x_t (fp32).
+        sigma: [B] each row's current sigma.
+        prompt_embeds, prompt_mask: [B, L, D], [B, L].
+        img_shape: (1, h, w) patch grid shared by the batch.
+        guidance_scale: [B] (None: no CFG anywhere).
+        negative_embeds, negative_mask: [B, Ln, D], [B, Ln]; rows without CFG are ignored.
+    """
     cfg_rows = (
         torch.nonzero(guidance_scale > 1).flatten() if guidance_scale is not None else torch.zeros(0, dtype=torch.long)
     )
@@ -142,38 +158,3 @@ def forward_rows(model: VelocityModel, batch: GuidedBatch, dtype: torch.dtype) -
     out = model(**batch.model_inputs(dtype), img_shapes=[[tuple(batch.img_shape)]] * batch.latents.shape[0],
                 return_dict=False)
     return out[0] if isinstance(out, tuple | list) else out
-
-
-def guided_velocity(
-    model: VelocityModel,
-    latents: torch.Tensor,
-    sigma: torch.Tensor,
-    prompt_embeds: torch.Tensor,
-    prompt_mask: torch.Tensor,
-    img_shape: tuple[int, int, int],
-    guidance_scale: torch.Tensor | None = None,
-    negative_embeds: torch.Tensor | None = None,
-    negative_mask: torch.Tensor | None = None,
-    dtype: torch.dtype = torch.float32,
-) -> torch.Tensor:
-    """Velocity of each row, with true CFG on the rows whose guidance scale is > 1.
-
-    The conditional rows and the negative rows of the CFG samples run in ONE forward (text padded to a
-    common length; masked padding does not change the result beyond float rounding).
-
-    Args:
-        model: the velocity model.
-        latents: [B, S, C] packed latents x_t (fp32).
-        sigma: [B] each row's current sigma.
-        prompt_embeds, prompt_mask: [B, L, D], [B, L].
-        img_shape: (1, h, w) patch grid shared by the batch.
-        guidance_scale: [B] (None: no CFG anywhere).
-        negative_embeds, negative_mask: [B, Ln, D], [B, Ln]; rows without CFG are ignored.
-        dtype: the model's compute dtype.
-
-    Returns:
-        [B, S, C] float32 velocity.
-    """
-    batch = guided_batch(latents, sigma, prompt_embeds, prompt_mask, img_shape, guidance_scale, negative_embeds,
-                         negative_mask)
-    return batch.combine(forward_rows(model, batch, dtype))

@@ -2,7 +2,7 @@
 and the shared velocity / log-prob recompute code the trainer reuses."""
 
 from megatron_omni.algorithms.transition import Recomputed, recompute_log_probs
-from megatron_omni.algorithms.velocity import VelocityModel, guided_velocity, pad_text
+from megatron_omni.algorithms.velocity import VelocityModel, guided_batch, pad_text
 from megatron_omni.rollout.base import FinishedSample, RolloutEngine, SamplingParams, Trajectory
 
 __all__ = [
@@ -12,7 +12,7 @@ __all__ = [
     "SamplingParams",
     "Trajectory",
     "VelocityModel",
-    "guided_velocity",
+    "guided_batch",
     "pad_text",
     "recompute_log_probs",
 ]

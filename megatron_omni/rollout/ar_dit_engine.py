@@ -28,7 +28,7 @@ import torch
 
 from megatron_omni.algorithms.schedule import qwen_image_sigmas
 from megatron_omni.algorithms.sde import windowed_sde_step
-from megatron_omni.algorithms.velocity import guided_velocity
+from megatron_omni.algorithms.velocity import guided_batch
 from megatron_omni.algorithms.window import sample_window_start
 from megatron_omni.rollout.base import SdeWindowParams, Trajectory, sample_seeds
 from megatron_omni.rollout.vllm_omni_pipeline import VllmOmniVelocity, diffusers_shapes, load_transformer_weights
@@ -304,8 +304,8 @@ def denoise_window(dit: Callable[..., Any], cond: torch.Tensor, text_mask: torch
         in_window = (starts <= i) & (i < starts + w)
         sigma = on_device[i].expand(n)
         bs = max_batch_size
-        v = torch.cat([guided_velocity(dit, latents[lo: lo + bs], sigma[lo: lo + bs], cond[lo: lo + bs],
-                                       mask[lo: lo + bs], grid, dtype=dtype) for lo in range(0, n, bs)])
+        v = torch.cat([guided_batch(latents[lo: lo + bs], sigma[lo: lo + bs], cond[lo: lo + bs], mask[lo: lo + bs],
+                                    grid).velocity(dit, dtype) for lo in range(0, n, bs)])
         levels = (in_window.float() * p.noise_level).to(device)
         latents_next, on, lp = windowed_sde_step(latents, v, sigma, on_device[i + 1].expand(n), on_device[1].expand(n),
                                                  levels, p.sde_type, gens)

@@ -28,7 +28,7 @@ from tqdm import tqdm
 from megatron_omni.algorithms.schedule import ShiftConfig, qwen_image_sigmas
 from megatron_omni.algorithms.sde import windowed_sde_step
 from megatron_omni.algorithms.transition import recompute_log_probs
-from megatron_omni.algorithms.velocity import VelocityModel, guided_velocity, pad_text
+from megatron_omni.algorithms.velocity import VelocityModel, guided_batch, pad_text
 from megatron_omni.algorithms.window import sample_window_start
 from megatron_omni.bridge.targets import DiffusersTarget
 from megatron_omni.parallel import platform
@@ -235,21 +235,11 @@ class DiffusersRolloutEngine:
         guidance = torch.tensor([s.params.guidance_scale for s in batch], device=dev)
         neg_text = neg_mask = None
         if any(s.neg_text is not None for s in batch):
-            # rows without CFG get a placeholder that guided_velocity never reads
+            # rows without CFG get a placeholder that the guided batch never reads
             neg_text, neg_mask = pad_text([s.text[:1] if s.neg_text is None else s.neg_text for s in batch],
                                           length)
-        v = guided_velocity(
-            self.velocity_model,
-            latents,
-            sigma,
-            text,
-            mask,
-            batch[0].img_shape,
-            guidance_scale=guidance,
-            negative_embeds=neg_text,
-            negative_mask=neg_mask,
-            dtype=self.dtype,
-        )
+        v = guided_batch(latents, sigma, text, mask, batch[0].img_shape, guidance_scale=guidance,
+                         negative_embeds=neg_text, negative_mask=neg_mask).velocity(self.velocity_model, self.dtype)
         self.stats["forwards"] += 1
         self.stats["forward_rows"] += len(batch) + int((guidance > 1).sum())
         next_latents, rows, lp = windowed_sde_step(latents, v, sigma, sigma_next, sigma_one, levels,

@@ -3,7 +3,7 @@
 `FlowGRPOQwenImagePipeline` subclasses vLLM-Omni 0.30.0's `QwenImagePipeline` (same components: its
 tensor-parallel `QwenImageTransformer2DModel`, the Qwen2.5-VL text encoder, the VAE, the tokenizer) and
 replaces the denoising loop with `DiffusersRolloutEngine`'s: the same per-sample generators (initial noise,
-window start, SDE noise drawn in the same order), the same `guided_velocity` and `algorithms.sde` step and
+window start, SDE noise drawn in the same order), the same guided velocity and `algorithms.sde` step and
 log-prob, the same decode. So for the same seeds and weights it produces the same trajectory as the
 embedded engine, and the trainer's `recompute_log_probs` agrees with it as it does with the embedded one.
 
@@ -44,7 +44,7 @@ RECORD_TENSORS = ("prompt_embeds", "negative_prompt_embeds", "latents", "next_la
 
 
 class VllmOmniVelocity:
-    """vLLM-Omni's transformer behind the diffusers forward keywords that `guided_velocity` uses.
+    """vLLM-Omni's transformer behind the diffusers forward keywords that `GuidedBatch.velocity` uses.
 
     vLLM-Omni's copy also takes `txt_seq_lens`: the padded text width per row (diffusers derives the text
     RoPE table from `encoder_hidden_states.shape[1]`, so the padded width keeps both identical).
