@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
-import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -44,7 +43,7 @@ from megatron_omni.rollout.vllm_plan_writer import VLLMPlanWriter
 from megatron_omni.trainer.config import JobConfig
 from megatron_omni.trainer.grad_guard import GradGuard
 from megatron_omni.trainer.rewards import gather_rewards
-from megatron_omni.trainer.skeleton import StepResult, mini_batch_rows, step_prompts, update
+from megatron_omni.trainer.skeleton import StepResult, UpdateTally, mini_batch_rows, step_metrics, step_prompts, update
 from megatron_omni.trainer.training_state import OptimizerSettings, build_ddp_and_optimizer, build_scheduler
 from model_providers import get_family
 
@@ -278,15 +277,12 @@ class ARDiTTrainer:
         t["train"] = phases["decoder"] + phases["dit"]
         t["sync"] = self.sync_weights()
         metrics.update({
-            "reward_mean": float(all_r.mean()), "reward_std": float(all_r.std(correction=0)),
-            "zero_std_ratio": adv.zero_std_ratio,
-            "plan_len_mean": float(traj.plan_lens.float().mean()),
-            "train_rollout_dlogp_token": dlogp_tok, "train_rollout_dlogp_window": dlogp_win,
+            **step_metrics(all_r, adv.zero_std_ratio, dlogp_win, t, self.groups.layout.world_size),
+            "train_rollout_dlogp_token": dlogp_tok, "plan_len_mean": float(traj.plan_lens.float().mean()),
+            # the two halves' share of rollout + update (not phases of the step: time_step does not sum them)
             "time_decoder": self.engine.stats["decoder_s"] + phases["decoder"],
             "time_dit": self.engine.stats["dit_s"] + phases["dit"],
-            **{f"time_{k}": v for k, v in t.items()},
         })
-        metrics["time_step"] = sum(t.values())
         parts = getattr(self.reward_fn, "parts", None)
         if parts is not None:
             metrics.update(parts(traj))
@@ -298,8 +294,7 @@ class ARDiTTrainer:
         c = self.cfg
         sums: dict[str, float] = {}
         phases = {"decoder": 0.0, "dit": 0.0}
-        norms = []
-        skipped = 0
+        tally = UpdateTally()
         chunks = mini_batch_rows(len(traj), c.seed, step, c.mini_batches)
         for rows in chunks:
             t_update = time.perf_counter()
@@ -308,15 +303,10 @@ class ARDiTTrainer:
                                                                             old_win[rows], adv[rows], phases))
             # the grads' reduction, the guard and the optimizer step: shared work, counted once (small)
             phases["dit"] += time.perf_counter() - t_update - spent
-            if res.stepped:
-                norms.append(res.grad_norm)
-            else:
-                skipped += 1
+            tally.add(res)
             for k, v in metrics.items():
                 sums[k] = sums.get(k, 0.0) + float(v) / len(chunks)
-        sums["grad_norm"] = sum(norms) / len(norms) if norms else math.nan
-        sums["skipped_updates"] = float(skipped)
-        return sums, phases
+        return {**sums, **tally.metrics(self.optimizer)}, phases
 
     def _backward(self, sub: ARDiTTrajectory, old_tok: torch.Tensor, old_win: torch.Tensor, adv: torch.Tensor,
                   phases: dict[str, float]) -> tuple[dict[str, Any], float]:

@@ -21,7 +21,6 @@ samples with (`evaluation_weights`).
 
 from __future__ import annotations
 
-import math
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -51,7 +50,14 @@ from megatron_omni.trainer.config import JobConfig, ParallelConfig, torch_dtype
 from megatron_omni.trainer.grad_guard import GradGuard
 from megatron_omni.trainer.pipeline_step import MicroBatch, PipelineStep, plan_micro_batches
 from megatron_omni.trainer.rewards import RewardFunction, gather_rewards
-from megatron_omni.trainer.skeleton import StepResult, mini_batch_rows, step_prompts, update
+from megatron_omni.trainer.skeleton import (
+    StepResult,
+    UpdateTally,
+    mini_batch_rows,
+    step_metrics,
+    step_prompts,
+    update,
+)
 from megatron_omni.trainer.training_state import OptimizerSettings, build_ddp_and_optimizer, build_scheduler
 from model_providers import ModelFamily, get_family
 
@@ -265,15 +271,8 @@ class FlowGRPOTrainer:
             probe["sync_probe_max_diff"] = self.sync_weights()
             t["sync"] = time.perf_counter() - t0
 
-        metrics = {
-            "reward_mean": float(all_rewards.mean()), "reward_std": float(all_rewards.std(correction=0)),
-            "zero_std_ratio": float(adv.zero_std_ratio), "train_rollout_dlogp": dlogp_mean,
-            "train_rollout_dlogp_max": dlogp_max,
-            **train_metrics, **probe, **{f"time_{k}": v for k, v in t.items()},
-        }
-        total = sum(t.values())
-        metrics["time_step"] = total
-        metrics["images_per_s_per_rank"] = len(all_rewards) / total / self.groups.layout.world_size
+        metrics = {**step_metrics(all_rewards, adv.zero_std_ratio, dlogp_mean, t, self.groups.layout.world_size),
+                   "train_rollout_dlogp_max": dlogp_max, **train_metrics, **probe}
         return StepResult(metrics=metrics, trajectory=traj, rewards=local_rewards, images=traj.images,
                           prompts=list(traj.prompts))
 
@@ -341,25 +340,18 @@ class FlowGRPOTrainer:
         n, w = traj.log_probs.shape
         minis = self.micro_batches(n, w, step)
         per_micro: list[dict[str, float]] = []
-        grad_norms = []
-        skipped = 0
+        tally = UpdateTally()
         for micro_batches in minis:
             res, metrics = update(self.ddp, self.optimizer, self.scheduler, self.guard, self.groups.mcore,
                                   lambda mbs=micro_batches: self.pipeline.forward_backward(
                                       self.ddp, traj, mbs, old, advantages, cfg.algorithm.clip_range,
                                       cfg.algorithm.beta, ref_means))
             per_micro += metrics
-            if not res.stepped:
-                skipped += 1
-                continue
-            if res.ok:
+            tally.add(res)
+            if res.stepped and res.ok:
                 self.update_ema()
-            grad_norms.append(res.grad_norm)
         sums = {k: sum(m[k] for m in per_micro) / len(per_micro) for k in per_micro[0]}
-        sums["grad_norm"] = sum(grad_norms) / len(grad_norms) if grad_norms else math.nan
-        sums["skipped_updates"] = float(skipped)
-        sums["lr"] = float(self.optimizer.param_groups[0]["lr"])
-        return sums
+        return {**sums, **tally.metrics(self.optimizer)}
 
 
 class LogpGapError(RuntimeError):

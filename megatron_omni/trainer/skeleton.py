@@ -1,6 +1,7 @@
 """The pieces every RL trainer shares, whatever the model family: which prompts and seeds a data-parallel
-rank samples at a step, the order of the step's mini-batches, and one update (zero the grads, backward,
-finalize, the NaN guard, the optimizer and scheduler step).
+rank samples at a step, the order of the step's mini-batches, one update (zero the grads, backward,
+finalize, the NaN guard, the optimizer and scheduler step), and the metrics every step writes
+(`step_metrics`, `UpdateTally`; docs/metrics.md).
 
 `StepResult` is what a step of either returns to the one run loop (`trainer.run`).
 FlowGRPO (`trainer.flowgrpo`) and AR-DiT (`trainer.ar_dit`) both call these, so a sample's seed, a mini-batch's
@@ -11,7 +12,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import torch
@@ -83,3 +84,37 @@ def update(ddp: Any, optimizer: Any, scheduler: Any, guard: GradGuard, pg_collec
     scheduler.step(increment=1)
     return UpdateResult(stepped=True, ok=bool(ok), grad_norm=float(grad_norm) if grad_norm is not None
                         else math.nan), out
+
+
+@dataclass
+class UpdateTally:
+    """A step's optimizer updates, for the keys every trainer writes: `grad_norm` (mean pre-clip norm over the
+    updates that stepped; nan when none did), `skipped_updates` (the guard's skips) and `lr` (after the step)."""
+
+    norms: list[float] = field(default_factory=list)
+    skipped: int = 0
+
+    def add(self, result: UpdateResult) -> None:
+        """Count one `update`'s result."""
+        if result.stepped:
+            self.norms.append(result.grad_norm)
+        else:
+            self.skipped += 1
+
+    def metrics(self, optimizer: Any) -> dict[str, float]:
+        """grad_norm, skipped_updates and the learning rate of the optimizer's first parameter group."""
+        return {"grad_norm": sum(self.norms) / len(self.norms) if self.norms else math.nan,
+                "skipped_updates": float(self.skipped), "lr": float(optimizer.param_groups[0]["lr"])}
+
+
+def step_metrics(rewards: torch.Tensor, zero_std_ratio: float, dlogp: float, times: dict[str, float],
+                 world_size: int) -> dict[str, float]:
+    """The keys every trainer's step writes: reward_mean and reward_std (population) of the step's rewards [R]
+    over all data-parallel ranks, zero_std_ratio, train_rollout_dlogp (mean |trainer - rollout| log-prob of
+    the SDE window steps), time_<phase> per phase of `times` (seconds), time_step (their sum) and
+    images_per_s_per_rank (R / time_step / world_size)."""
+    total = sum(times.values())
+    return {"reward_mean": float(rewards.mean()), "reward_std": float(rewards.std(correction=0)),
+            "zero_std_ratio": float(zero_std_ratio), "train_rollout_dlogp": float(dlogp),
+            **{f"time_{k}": float(v) for k, v in times.items()}, "time_step": total,
+            "images_per_s_per_rank": len(rewards) / total / world_size if total > 0 else math.nan}

@@ -34,7 +34,14 @@ def test_joint_reward_rises_tp2(tmp_path: Path) -> None:
     first, last = sum(rewards[:2]) / 2, sum(rewards[-3:]) / 3
     assert last > first + 0.1, rewards
     for m in h:  # the trainer's recompute agrees with what the rollout recorded (before each update)
-        assert m["train_rollout_dlogp_token"] < 1e-5 and m["train_rollout_dlogp_window"] < 1e-5, m
+        assert m["train_rollout_dlogp_token"] < 1e-5 and m["train_rollout_dlogp"] < 1e-5, m
+    # the shared keys (one builder for every trainer) and the hybrid's own, each documented
+    shared = {"reward_mean", "reward_std", "zero_std_ratio", "train_rollout_dlogp", "grad_norm", "skipped_updates",
+              "lr", "time_rollout", "time_train", "time_sync", "time_step", "images_per_s_per_rank"}
+    assert shared <= set(h[0]), sorted(shared - set(h[0]))
+    documented = (Path(__file__).resolve().parents[2] / "docs" / "metrics.md").read_text()
+    undocumented = [k for k in h[0] if f"`{k}`" not in documented]
+    assert not undocumented, f"metric keys missing from docs/metrics.md: {undocumented}"
     config = json.loads((run / "config.json").read_text())
     assert config["model"]["family"] == "ar_dit" and config["parallel"]["tp"] == 2
     assert (run / "reward_curve.png").exists() and any((run / "samples").glob("step_*.png"))
