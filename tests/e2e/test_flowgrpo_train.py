@@ -196,7 +196,31 @@ def test_bypass_and_recompute_give_the_same_first_update(tmp_path: Path) -> None
         (["--set", "optim.lr=0"], "optim.lr=0.0 must be > 0"),
     ],
 )
-def test_bad_config_fails_before_work(tmp_path: Path, args: list[str], message: str) -> None:
+def test_bad_config_fails_before_work(tmp_path: Path, args: list[str], message: str, monkeypatch: pytest.MonkeyPatch,
+                                     capsys: pytest.CaptureFixture) -> None:
+    """The entry point's `main` in this process (one megatron-core import for the whole table; the exit status
+    through a real process is `test_bad_config_exits_2_from_the_command_line`): 2, the message, no run folder,
+    and never the job's start."""
+    from megatron_omni import train
+    from megatron_omni.parallel import platform
+
+    def started(*_: object, **__: object) -> None:
+        raise AssertionError("the bad config was accepted: the entry point started the job")
+
+    monkeypatch.setattr(platform, "init_distributed", started)
+    for name in ("WORLD_SIZE", "RANK", "LOCAL_RANK"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.chdir(ROOT)
+    run = tmp_path / "bad"
+    assert train.main(["--set", f"run_dir={run}", *SHORT, *args]) == 2
+    err = capsys.readouterr().err
+    assert message in err, err[-2000:]
+    assert not run.exists(), "a bad config must not create the run folder"
+
+
+@pytest.mark.parametrize("args,message", [(["--set", "rollout.nope=1"], "unknown field 'nope'"),
+                                          (["--set", "rollout.dtype=half", "--dry-run"], "rollout.dtype='half'")])
+def test_bad_config_exits_2_from_the_command_line(tmp_path: Path, args: list[str], message: str) -> None:
     run = tmp_path / "bad"
     proc = _train(run, *args, timeout=300)
     assert proc.returncode == 2
