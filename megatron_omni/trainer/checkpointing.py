@@ -73,6 +73,13 @@ def complete_checkpoints(run_dir: Path) -> list[Path]:
     return sorted(p for p in root.glob("step_*") if not p.name.endswith(".tmp") and (p / COMPLETE).is_file())
 
 
+def checkpoints_to_prune(run_dir: Path, run_id: str, keep: int, final: Path) -> list[Path]:
+    """The complete checkpoints of run `run_id` older than its newest `keep` (never `final`, the one just
+    written); another run's checkpoints, and those without a run id, are never listed."""
+    own = [p for p in complete_checkpoints(run_dir) if run_id_of(p) == run_id]
+    return [p for p in own[:-keep] if p != final]
+
+
 class CheckpointWriteError(ConfigError):
     """A checkpoint could not be written (a full disk, no permission): like a bad input, one line and exit 2;
     the partial folder is gone and the previous checkpoint intact."""
@@ -259,9 +266,8 @@ def save_checkpoint(run_dir: Path, step: int, model: torch.nn.Module, optimizer:
         raise
     dist.barrier()
     if rank == 0:
-        for old in complete_checkpoints(run_dir)[:-keep]:
-            if old != final and run_id_of(old) == run_id:
-                shutil.rmtree(old, ignore_errors=True)
+        for old in checkpoints_to_prune(run_dir, run_id, keep, final):
+            shutil.rmtree(old, ignore_errors=True)
     dist.barrier()
     return final
 
