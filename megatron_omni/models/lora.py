@@ -32,7 +32,7 @@ from megatron.core.tensor_parallel.mappings import (
     copy_to_tensor_model_parallel_region,
     reduce_from_tensor_model_parallel_region,
 )
-from megatron.core.utils import get_pg_size
+from megatron.core.utils import get_pg_rank, get_pg_size
 from torch import nn
 
 
@@ -52,15 +52,20 @@ class LoRAAdapter(nn.Module):
             raise TypeError(f"LoRA adapts Megatron-Core Column/RowParallelLinear layers, got {type(linear).__name__}")
         out_local, in_local = linear.weight.shape
         self.tp_group = linear.tp_group
-        self.split = get_pg_size(self.tp_group) > 1
+        tp_size = get_pg_size(self.tp_group)
+        self.split = tp_size > 1
         dtype, device = linear.weight.dtype, linear.weight.device
-        self.lora_a = nn.Parameter(torch.empty(rank, in_local, dtype=dtype, device=device))
+        # peft's default: A ~ kaiming-uniform(a=sqrt(5)), B = 0. A row-parallel A is drawn whole and split, as
+        # Megatron-Core initialises a split weight on CPU, so the adapter starts the same at every tp.
+        row = self.parallel == "row"
+        full_a = torch.empty(rank, in_local * tp_size if row else in_local, dtype=dtype, device=device)
+        nn.init.kaiming_uniform_(full_a, a=math.sqrt(5))
+        local_a = full_a.chunk(tp_size, dim=1)[get_pg_rank(self.tp_group)] if row else full_a
+        self.lora_a = nn.Parameter(local_a.contiguous())
         self.lora_b = nn.Parameter(torch.zeros(out_local, rank, dtype=dtype, device=device))
-        # peft's default: A ~ kaiming-uniform(a=sqrt(5)), B = 0. A split A (row-parallel) draws its own shard.
-        nn.init.kaiming_uniform_(self.lora_a, a=math.sqrt(5))
-        split_dim = {"column": (self.lora_b, 0), "row": (self.lora_a, 1)}[self.parallel]
-        for p in (self.lora_a, self.lora_b):
-            tensor_parallel.set_tensor_model_parallel_attributes(p, p is split_dim[0], split_dim[1], 1)
+        split, replicated = (self.lora_a, self.lora_b) if row else (self.lora_b, self.lora_a)
+        tensor_parallel.set_tensor_model_parallel_attributes(split, True, 1 if row else 0, 1)
+        tensor_parallel.set_tensor_model_parallel_attributes(replicated, False, 0, 1)
         self.rank, self.alpha = rank, float(alpha)
         self.scale = self.alpha / rank
         self.dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()

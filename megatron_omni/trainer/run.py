@@ -38,7 +38,7 @@ def prepare_pipeline(cfg: JobConfig, run_dir: Path) -> Path:
         return path
     tiny = get_family(cfg.model.family).tiny_pipeline
     if tiny is None:
-        raise ValueError(f"model.pipeline=tiny: model family {cfg.model.family!r} has no offline tiny pipeline")
+        raise ConfigError(f"model.pipeline=tiny: model family {cfg.model.family!r} has no offline tiny pipeline")
     path = run_dir / "pipeline"
     if dist.get_rank() == 0 and not path.exists():
         tiny.make(path, cfg.model.tiny_seed)

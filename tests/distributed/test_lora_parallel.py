@@ -1,7 +1,8 @@
 """LoRA on Megatron-Core's parallel linears (`megatron_omni.models.lora`) at TP=2 equals the dense computation
 `W x + (alpha / r) B A x` for a column -> row pair: output, the adapters' gradients (each shard against the
 dense gradient's shard; the replicated factor equal on both ranks), frozen base weights without gradients,
-the merged weights as shards of the dense merged weight, and the base model when the adapters are off."""
+the merged weights as shards of the dense merged weight, and the base model when the adapters are off; a split
+adapter starts as the shards of the unsplit one."""
 
 from __future__ import annotations
 
@@ -45,6 +46,7 @@ def _lora_pair(rank: int, world_size: int) -> dict[str, float]:
                                   input_is_parallel=True, skip_bias_add=False, tp_group=tp)
     names = add_lora(model, ["fc*"], rank=r, alpha=alpha)
     ad = adapters(model)
+    init_a2 = ad["fc2"].lora_a.detach().clone()
     with torch.no_grad():
         model.fc1.weight.copy_(w1.chunk(tp_size, 0)[t])
         model.fc1.bias.copy_(b1.chunk(tp_size, 0)[t])
@@ -82,7 +84,7 @@ def _lora_pair(rank: int, world_size: int) -> dict[str, float]:
         "grad_b2": _rel(ad["fc2"].lora_b.grad, rb2.grad),
         "merged1": _rel(merged_weight(model.fc1), (w1 + s * bb1 @ a1).chunk(tp_size, 0)[t]),
         "merged2": _rel(merged_weight(model.fc2), (w2 + s * bb2 @ a2).chunk(tp_size, 1)[t]),
-        "a1_grad": ad["fc1"].lora_a.grad.clone(), "b2_grad": ad["fc2"].lora_b.grad.clone(),
+        "a1_grad": ad["fc1"].lora_a.grad.clone(), "b2_grad": ad["fc2"].lora_b.grad.clone(), "init_a2": init_a2,
     }
 
 
@@ -98,3 +100,10 @@ def test_lora_on_column_and_row_parallel_equals_dense(tp: int) -> None:
     # the replicated factors' gradients are the same on every rank (their reduction is the layer's)
     assert all(torch.equal(r["a1_grad"], results[0]["a1_grad"]) for r in results)
     assert all(torch.equal(r["b2_grad"], results[0]["b2_grad"]) for r in results)
+
+
+def test_a_split_adapter_starts_as_the_shards_of_the_unsplit_one() -> None:
+    """The row-parallel A is drawn whole and split: at TP=2 its shards are the TP=1 adapter's columns."""
+    whole = run_ranks(_lora_pair, 1)[0]["init_a2"]
+    shards = [r["init_a2"] for r in run_ranks(_lora_pair, 2)]
+    assert torch.equal(torch.cat(shards, dim=1), whole)
