@@ -31,7 +31,8 @@ from megatron_omni.parallel.rank_pool import free_port  # noqa: E402
 from model_providers.qwen_image import provider  # noqa: E402
 
 
-def _median_seconds(fn, runs: int, desc: str) -> float:
+def median_seconds(fn, runs: int, desc: str) -> float:
+    """The median of `runs` timed calls of `fn` after one untimed warm-up call (with a bar named `desc`)."""
     fn()  # warm-up: first-touch page faults and lazy initialisation are not steady-state cost
     times = []
     for _ in tqdm(range(runs), desc=desc, leave=False):
@@ -88,7 +89,7 @@ def main() -> None:
         plan = qwen_image_plan(cfg, trainer_tp=1, rollout_kind=args.rollout, rollout_tp=1, mode=mode)
         sync = WeightSync(plan, sources=sources, target=target, tp_group=groups.tp, bucket_bytes=bucket_bytes)
         stats = sync.sync()
-        sec = _median_seconds(sync.sync, args.runs, f"sync {mode}")
+        sec = median_seconds(sync.sync, args.runs, f"sync {mode}")
         # The reference: the same tensors copied by plain torch into preallocated buffers.
         pairs = [(t, torch.empty_like(t)) for t in sources.values()]
 
@@ -96,7 +97,7 @@ def main() -> None:
             for src, dst in pairs:
                 dst.copy_(src)
 
-        ref = _median_seconds(plain_copy, args.runs, "torch copy")
+        ref = median_seconds(plain_copy, args.runs, "torch copy")
         ref_bytes = sum(t.numel() * t.element_size() for t in sources.values())
         if ref_bytes != stats.bytes_loaded:
             raise RuntimeError(f"sync wrote {stats.bytes_loaded} bytes but the model has {ref_bytes}")

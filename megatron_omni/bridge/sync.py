@@ -103,7 +103,8 @@ class WeightSync:
         dtype: torch.dtype = torch.float32,
     ) -> None:
         self.plan = plan
-        self.sources = dict(sources) if sources is not None else None
+        # kept as given: a mapping may compute its values when read (`lora_sync.MergedSources`)
+        self.sources = sources
         self.target = target
         self.tp_group = tp_group
         self.tp_rank = tp_rank

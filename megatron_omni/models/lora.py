@@ -23,14 +23,17 @@ from __future__ import annotations
 
 import fnmatch
 import math
-from collections.abc import Iterator, Sequence
+import zlib
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 
 import torch
 from megatron.core import tensor_parallel
 from megatron.core.tensor_parallel.mappings import (
     copy_to_tensor_model_parallel_region,
+    gather_from_tensor_model_parallel_region,
     reduce_from_tensor_model_parallel_region,
+    scatter_to_tensor_model_parallel_region,
 )
 from megatron.core.utils import get_pg_rank, get_pg_size
 from torch import nn
@@ -40,7 +43,8 @@ class LoRAAdapter(nn.Module):
     """The adapter of one parallel linear: `lora_a` [r, in_local], `lora_b` [out_local, r] (see the module
     docstring for which is split); `scale` = alpha / r. Attached as the linear's `lora` submodule."""
 
-    def __init__(self, linear: nn.Module, rank: int, alpha: float, dropout: float = 0.0) -> None:
+    def __init__(self, linear: nn.Module, rank: int, alpha: float, dropout: float = 0.0,
+                 generator: torch.Generator | None = None) -> None:
         super().__init__()
         if rank < 1:
             raise ValueError(f"LoRA rank must be >= 1, got {rank}")
@@ -59,7 +63,7 @@ class LoRAAdapter(nn.Module):
         # Megatron-Core initialises a split weight on CPU, so the adapter starts the same at every tp.
         row = self.parallel == "row"
         full_a = torch.empty(rank, in_local * tp_size if row else in_local, dtype=dtype, device=device)
-        nn.init.kaiming_uniform_(full_a, a=math.sqrt(5))
+        nn.init.kaiming_uniform_(full_a, a=math.sqrt(5), generator=generator)
         local_a = full_a.chunk(tp_size, dim=1)[get_pg_rank(self.tp_group)] if row else full_a
         self.lora_a = nn.Parameter(local_a.contiguous())
         self.lora_b = nn.Parameter(torch.zeros(out_local, rank, dtype=dtype, device=device))
@@ -70,9 +74,16 @@ class LoRAAdapter(nn.Module):
         self.scale = self.alpha / rank
         self.dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
         self.enabled = True
+        # A column-parallel layer that gathers its output (the MMDiT's adaln) returns the whole output: its
+        # delta is gathered the same way; a row-parallel one fed the whole input scatters it first.
+        self.gather_output = bool(getattr(linear, "gather_output", False))
+        self.scatter_input = not getattr(linear, "input_is_parallel", True)
 
     def delta(self, x: torch.Tensor) -> torch.Tensor:
-        """[..., out_local] what the adapter adds to its linear's output for the linear's input x [..., in_local]."""
+        """[..., out] what the adapter adds to its linear's output (out_local columns, all of them when the
+        linear gathers its output) for the linear's input x [..., in_local] (whole when it scatters it)."""
+        if self.split and self.parallel == "row" and self.scatter_input:
+            x = scatter_to_tensor_model_parallel_region(x, group=self.tp_group)
         if self.split and self.parallel == "row" and self.training and isinstance(self.dropout, nn.Dropout):
             # x is this rank's slice of the input: its own dropout stream, as Megatron-Core drops split heads
             with tensor_parallel.get_cuda_rng_tracker().fork():
@@ -84,7 +95,10 @@ class LoRAAdapter(nn.Module):
         if self.split:
             h = (copy_to_tensor_model_parallel_region(h, group=self.tp_group) if self.parallel == "column"
                  else reduce_from_tensor_model_parallel_region(h, group=self.tp_group))
-        return self.scale * nn.functional.linear(h, self.lora_b)
+        out = self.scale * nn.functional.linear(h, self.lora_b)
+        if self.split and self.parallel == "column" and self.gather_output:
+            out = gather_from_tensor_model_parallel_region(out, group=self.tp_group)
+        return out
 
     def merged(self, weight: torch.Tensor) -> torch.Tensor:
         """This rank's shard of `W + scale B A` (fp32 product, in the weight's dtype): for a column-parallel layer
@@ -100,15 +114,26 @@ def _output_hook(module: nn.Module, args: tuple, output: tuple) -> tuple:
     return out + adapter.delta(args[0]).to(out.dtype), bias
 
 
-def add_lora(model: nn.Module, targets: Sequence[str], rank: int, alpha: float, dropout: float = 0.0) -> list[str]:
+def add_lora(model: nn.Module, targets: Sequence[str], rank: int, alpha: float, dropout: float = 0.0,
+             seed: int | None = None, global_name: Callable[[str], str] = str,
+             require_match: bool = True) -> list[str]:
     """Attach an adapter to every Column/RowParallelLinear of `model` whose module name matches one of the
-    `targets` (fnmatch patterns, e.g. "*.linear_qkv"), freeze every other parameter, and return the adapted
-    module names in order. Raises ValueError when a pattern matches no parallel linear (a misspelt target must
-    not train nothing, as adapters bound to zero modules did for verl-omni #552)."""
-    linears = {name: m for name, m in model.named_modules()
+    `targets` (fnmatch patterns over `global_name(local module name)`, e.g. "*.linear_qkv"), freeze every other
+    parameter, and return the adapted (local) module names in order. Raises ValueError when a pattern matches
+    no parallel linear (a misspelt target must not train nothing, as adapters bound to zero modules did for
+    verl-omni #552).
+
+    `seed`: each A is drawn from its own generator seeded by (seed, its global name), so an adapter starts the
+    same whatever the tp/pp layout and whichever stage holds it, and the default RNG stream is left alone;
+    None draws from the default generator. `global_name` maps a stage's local module name to the model's
+    (a pipeline stage's first block is block `offset`). A pipeline stage may hold none of a pattern's modules
+    when another stage holds them: pass `require_match=False` there and check the patterns against the whole
+    model's names (`unmatched_targets`)."""
+    linears = {global_name(name): m for name, m in model.named_modules()
                if isinstance(m, tensor_parallel.ColumnParallelLinear | tensor_parallel.RowParallelLinear)}
-    unmatched = [t for t in targets if not any(fnmatch.fnmatchcase(n, t) for n in linears)]
-    if unmatched:
+    local = {id(m): name for name, m in model.named_modules()}
+    unmatched = unmatched_targets(targets, linears)
+    if unmatched and require_match:
         raise ValueError(f"LoRA targets {unmatched} match no tensor-parallel linear of the model; its linears "
                          f"end in {sorted({n.rsplit('.', 1)[-1] for n in linears})}")
     adapted = [n for n in linears if any(fnmatch.fnmatchcase(n, t) for t in targets)]
@@ -118,9 +143,21 @@ def add_lora(model: nn.Module, targets: Sequence[str], rank: int, alpha: float, 
         linear = linears[name]
         if hasattr(linear, "lora"):
             raise ValueError(f"{name} already carries a LoRA adapter")
-        linear.lora = LoRAAdapter(linear, rank, alpha, dropout)
+        gen = None if seed is None else torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
+        linear.lora = LoRAAdapter(linear, rank, alpha, dropout, generator=gen)
         linear.register_forward_hook(_output_hook)
-    return adapted
+    return [local[id(linears[name])] for name in adapted]
+
+
+def is_adapter_name(name: str) -> bool:
+    """Whether a parameter name of a model is one of an adapter's factors (`<linear>.lora.lora_a|lora_b`)."""
+    return ".lora.lora_" in name or name.startswith("lora.lora_")
+
+
+def unmatched_targets(targets: Sequence[str], module_names: Iterable[str]) -> list[str]:
+    """The patterns of `targets` that match none of `module_names`."""
+    names = list(module_names)
+    return [t for t in targets if not any(fnmatch.fnmatchcase(n, t) for n in names)]
 
 
 def adapters(model: nn.Module) -> dict[str, LoRAAdapter]:

@@ -16,11 +16,12 @@ from megatron_omni.planner.specs import (
     REFERENCE_IMAGES_PER_S_PER_GPU,
     REFERENCE_STEP_S,
     GPUSpec,
+    LoRASpec,
     Precision,
     RolloutSpec,
     Workload,
 )
 
 __all__ = ["DEFAULT_MFU", "GPUS", "REFERENCE_GPUS", "REFERENCE_IMAGES_PER_S_PER_GPU", "REFERENCE_STEP_S",
-           "GPUSpec", "JobPlan", "PlanReport", "Precision", "RolloutSpec", "StateCopy",
+           "GPUSpec", "JobPlan", "LoRASpec", "PlanReport", "Precision", "RolloutSpec", "StateCopy",
            "TimeReport", "Workload", "measured_mfu", "plan", "plan_job", "reference_implied_mfu", "validate"]

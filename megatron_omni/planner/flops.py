@@ -15,10 +15,13 @@ ranks, while the (short) text stream and the per-sample layers are replicated on
 
 from __future__ import annotations
 
+import fnmatch
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from megatron_omni.planner.memory import lora_linears
 from model_providers.qwen_image.provider import hf_config, megatron_shapes
 
 # Qwen-Image's VAE downsamples 8x; the transformer then packs 2x2 latent patches into one token.
@@ -118,3 +121,35 @@ def forward_flops(model: str | dict[str, Any], image_tokens: int, text_tokens: i
     # The last block runs image queries only (its text queries' outputs would feed nothing).
     attention = 4.0 * seq * hidden * (seq * (cfg["num_layers"] - 1) + image_tokens)
     return ForwardFlops(image_linear=img, text_linear=txt, per_sample=sample, attention=attention, qkv_linear=qkv)
+
+
+def lora_forward_flops(model: str | dict[str, Any], image_tokens: int, text_tokens: int, rank: int,
+                       targets: Sequence[str], tp: int = 1) -> ForwardFlops:
+    """FLOPs of the LoRA adapters' forward (`A x`, then `B (A x)`) on the linears matching `targets`, one sample,
+    split like `forward_flops` (qkv_linear: the QKV adapters', which selective recompute runs again).
+
+    At tp=1 this is the whole model's count. At tp > 1 it is scaled so that `per_rank(tp, cp, pp)` is what one
+    rank computes: the factor a layer keeps whole (A of a column-parallel layer, B of a row-parallel one) runs
+    on every tp rank, so it counts tp times here."""
+    cfg = hf_config(model)
+    img = txt = sample = qkv = 0.0
+    for name, (n_out, n_in, row) in lora_linears(cfg).items():
+        if not any(fnmatch.fnmatchcase(name, t) for t in targets):
+            continue
+        _, layer, stream, linear = name.split(".")
+        # MACs per token one rank does, times tp: the split factor's share sums to its whole, the replicated
+        # factor's is whole on each rank.
+        macs = rank * (n_in * tp + n_out) if not row else rank * (n_in + n_out * tp)
+        if linear == "adaln":
+            sample += 2 * macs
+            continue
+        if stream == "txt" and int(layer) == cfg["num_layers"] - 1 and linear != "linear_qkv":
+            continue
+        flops = 2 * macs * (image_tokens if stream == "img" else text_tokens)
+        if linear == "linear_qkv":
+            qkv += flops
+        if stream == "img":
+            img += flops
+        else:
+            txt += flops
+    return ForwardFlops(image_linear=img, text_linear=txt, per_sample=sample, attention=0.0, qkv_linear=qkv)

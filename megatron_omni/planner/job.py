@@ -9,7 +9,7 @@ from typing import Any
 from megatron_omni.parallel.layout import ParallelLayout
 from megatron_omni.planner.plan import plan
 from megatron_omni.planner.report import PlanReport
-from megatron_omni.planner.specs import DEFAULT_MFU, Precision, RolloutSpec, Workload
+from megatron_omni.planner.specs import DEFAULT_MFU, LoRASpec, Precision, RolloutSpec, Workload
 
 
 @dataclass(frozen=True)
@@ -25,7 +25,8 @@ class StateCopy:
 class JobPlan:
     """Everything a dry run plans with, as plain values. model: a preset name or diffusers config;
     model_source: where it came from (printed); gpu: a key of `GPUS`; world_size: trainer ranks; the names
-    (`rollout_engine`, dtypes, `backend`) are printed and select the bridge plan."""
+    (`rollout_engine`, dtypes, `backend`) are printed and select the bridge plan; lora: adapters on a frozen
+    base (None: full fine-tuning; its KL reference is no state copy)."""
 
     model: str | dict[str, Any]
     model_source: str
@@ -45,13 +46,14 @@ class JobPlan:
     params_dtype: str = "bf16"
     rollout_dtype: str = "bf16"
     backend: str = "local"
+    lora: LoRASpec | None = None
 
 
 def plan_job(job: JobPlan) -> PlanReport:
     """The planner's report for `job`; raises LayoutError for a layout that cannot run."""
     return plan(job.model, job.layout, job.world_size, job.gpu, job.workload, rollout=job.rollout,
                 precision=job.precision, recompute=job.recompute, gpus_per_node=job.gpus_per_node,
-                reward_gpus=job.reward_gpus, mfu=job.mfu)
+                reward_gpus=job.reward_gpus, mfu=job.mfu, lora=job.lora)
 
 
 def copy_bytes(job: JobPlan, report: PlanReport) -> list[tuple[StateCopy, int]]:

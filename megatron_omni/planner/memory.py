@@ -5,12 +5,15 @@ Parameter counts are derived here from how `megatron_omni/models/dit/layer.py` b
 QKV and fc1 column-parallel: rows split over tp; the output projection and fc2 row-parallel: weight
 columns split, bias replicated; QK norms replicated) and from which pipeline stage owns which layer (the
 timestep embedder on every stage, the input projections on the first, the output ones on the last). A
-unit test checks them against the provider's exact per-rank counts.
+unit test checks them against the provider's exact per-rank counts. LoRA adapters are counted exactly per rank
+the same way (`lora_adapter_counts`: A and B sharded like their layer, models/lora.py).
 """
 
 from __future__ import annotations
 
+import fnmatch
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -68,6 +71,102 @@ def rank_parameter_counts(model: str | dict[str, Any], tp: int, pp: int = 1) -> 
         else:
             raise ValueError(f"planner memory model does not know which stage holds {name}")
     return counts
+
+
+# The block linears an adapter can go on (Megatron-Core parallel linears; the embedders and output layers are
+# plain nn.Linear) and how each is split over tp: column-parallel ones (weight rows split) keep A [r, in]
+# replicated and split B [out, r] by rows; row-parallel ones (weight columns split) split A by columns and keep
+# B replicated (models/lora.py).
+_LORA_COLUMN = ("adaln", "linear_qkv", "linear_fc1")
+_LORA_ROW = ("linear_proj", "linear_fc2")
+
+
+def lora_linears(model: str | dict[str, Any]) -> dict[str, tuple[int, int, bool]]:
+    """Every linear LoRA can adapt, by module name (`layers.{i}.{img|txt}.{linear}`, block order):
+    (out, in, row_parallel) of its full weight."""
+    out = {}
+    for name, shape in megatron_shapes(model).items():
+        if name.startswith("layers.") and name.endswith(".weight"):
+            module = name[: -len(".weight")]
+            linear = module.rsplit(".", 1)[1]
+            if linear in _LORA_COLUMN or linear in _LORA_ROW:
+                out[module] = (shape[0], shape[1], linear in _LORA_ROW)
+    return out
+
+
+@dataclass(frozen=True)
+class AdapterCounts:
+    """The adapters of one LoRA job: `modules` the adapted linears (whole model, block order), `total` their
+    parameters (each tp shard once: r * (in + out) per linear), `per_stage` what one rank of each pipeline
+    stage holds at the job's tp."""
+
+    rank: int
+    modules: tuple[str, ...]
+    total: int
+    per_stage: list[int]
+
+
+def lora_adapter_counts(model: str | dict[str, Any], tp: int, pp: int, rank: int, targets: Sequence[str]
+                        ) -> AdapterCounts:
+    """Exact adapter parameters of rank `rank` on the linears matching `targets` (fnmatch over module names),
+    per rank of each stage at `tp`: column-parallel r * in (A, replicated) + out / tp * r (B, split); row-parallel
+    r * in / tp (A, split) + out * r (B, replicated). Raises ValueError for a rank below 1 or a pattern that
+    matches no linear (a misspelt target would otherwise plan, and train, nothing: `models.lora.add_lora`)."""
+    if rank < 1:
+        raise ValueError(f"LoRA rank must be >= 1, got {rank}")
+    cfg = hf_config(model)
+    layers = cfg["num_layers"]
+    if layers % pp:
+        raise ValueError(f"{layers} blocks are not divisible by pp={pp}")
+    linears = lora_linears(cfg)
+    unmatched = [t for t in targets if not any(fnmatch.fnmatchcase(n, t) for n in linears)]
+    if unmatched:
+        raise ValueError(f"LoRA targets {unmatched} match no tensor-parallel linear of the model; its linears end "
+                         f"in {sorted({n.rsplit('.', 1)[1] for n in linears})}")
+    per_stage_blocks = layers // pp
+    modules, total, stages = [], 0, [0] * pp
+    for name, (n_out, n_in, row) in linears.items():
+        if not any(fnmatch.fnmatchcase(name, t) for t in targets):
+            continue
+        split = n_in if row else n_out
+        if split % tp:
+            raise ValueError(f"{name} [{n_out}, {n_in}]: dim {int(row)} is not divisible by tp={tp}")
+        modules.append(name)
+        total += rank * (n_in + n_out)
+        local = rank * n_in // tp + n_out * rank if row else rank * n_in + n_out // tp * rank
+        stages[int(name.split(".")[1]) // per_stage_blocks] += local
+    return AdapterCounts(rank, tuple(modules), total, stages)
+
+
+def lora_activation_bytes(
+    model: str | dict[str, Any], *, rank: int, targets: Sequence[str], image_tokens_per_rank: int,
+    text_tokens: int, micro_batch_samples: int, pp: int, in_flight: int, recompute: str, act_bytes: int = 2,
+) -> int:
+    """What the adapters add to the first stage's saved activations: each adapted linear keeps `A x` [tokens, r]
+    for B's gradient (its input x is saved anyway, by the base layer or the adapter's A). adaLN sees one vector
+    per sample; the last block's text projection and MLP do not run (`MMDiTLayer(text_output=False)`). Full
+    recompute keeps them only for the block being recomputed. Adapter dropout's extra copy of x is not counted."""
+    cfg = hf_config(model)
+    layers = cfg["num_layers"]
+    blocks = range(layers // pp)  # the first stage's
+    per_block = [0] * len(blocks)
+    for name in lora_linears(cfg):
+        if not any(fnmatch.fnmatchcase(name, t) for t in targets):
+            continue
+        _, layer, stream, linear = name.split(".")
+        layer = int(layer)
+        if layer not in blocks:
+            continue
+        if linear == "adaln":
+            tokens = 1
+        elif stream == "txt" and layer == layers - 1 and linear != "linear_qkv":
+            continue
+        else:
+            tokens = image_tokens_per_rank if stream == "img" else text_tokens
+        per_block[layer] += act_bytes * micro_batch_samples * tokens * rank
+    if recompute == "full":
+        return max(per_block, default=0)
+    return in_flight * sum(per_block)
 
 
 def rollout_parameter_count(model: str | dict[str, Any], rollout_tp: int) -> int:

@@ -17,30 +17,44 @@ Time model (stated, so a reader can redo it by hand):
   when an in-process engine's layout equals the trainer's (direct mode: a local copy of the own shard), else
   at link bandwidth (full mode: gathered over the trainer's tp and pp);
 - a colocated engine that sleeps (vLLM-Omni) frees its weights during the update, so its weights count in
-  the rollout phase's memory only; the embedded diffusers engine keeps them resident.
+  the rollout phase's memory only; the embedded diffusers engine keeps them resident;
+- LoRA (`lora`, rank > 0): the base stays as it is (frozen, in the parameters' dtype) beside the adapters;
+  gradients, main params and Adam moments (and the distributed optimizer's collectives) are the adapters'
+  only; activations gain the adapters' [tokens, r] intermediates. Training: the forward adds the adapters'
+  FLOPs; the backward still computes the base's input gradients (1 forward of its GEMMs instead of 2: no
+  weight-gradient GEMMs) and attention's (2 forwards, no weights), plus the adapters' input and weight
+  gradients (2 of their forwards). For the 20B at 512x512 (attention ~7% of a forward) the backward is then
+  ~0.55 of a full one and forward + backward ~0.71 of full fine-tuning's ~3 forwards, i.e. about 2/3. Not
+  modelled: the adapters' own small tp collectives ([tokens, r]), and the rollout and weight sync, which are
+  counted as full fine-tuning's (merged full weights: `rollout.lora_sync=merge`; an adapter-only sync is
+  smaller).
 """
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 from megatron_omni.parallel.layout import LayoutError, ParallelLayout
-from megatron_omni.planner.flops import forward_flops, image_tokens
+from megatron_omni.planner.flops import forward_flops, image_tokens, lora_forward_flops
 from megatron_omni.planner.memory import (
     GIB,
     RECOMPUTE_MODES,
     MemoryReport,
+    lora_activation_bytes,
+    lora_adapter_counts,
     rank_parameter_counts,
     rollout_activation_bytes,
     rollout_parameter_count,
     training_activation_bytes,
 )
-from megatron_omni.planner.report import PlanReport, TimeReport
+from megatron_omni.planner.report import LoRAReport, PlanReport, TimeReport
 from megatron_omni.planner.specs import (
     DEFAULT_MFU,
     GPUS,
     QWEN_IMAGE_TEXT_ENCODER_PARAMS,
     GPUSpec,
+    LoRASpec,
     Precision,
     RolloutSpec,
     Workload,
@@ -126,12 +140,14 @@ def plan(
     reserve_bytes: int = 4 * GIB,
     gpus_per_node: int = 8,
     reward_gpus: int = 0,
+    lora: LoRASpec | None = None,
 ) -> PlanReport:
     """Predict per-GPU memory and step time of a FlowGRPO job; raises LayoutError for impossible layouts.
 
     model: a Qwen-Image preset name or diffusers config; world_size: trainer ranks; gpu: a `GPUSpec` or a
     key of `GPUS`; mfu: the assumed model FLOPs utilisation of dense compute; link_efficiency: achieved
-    fraction of link bandwidth in collectives; reserve_bytes: per-GPU memory not available to tensors.
+    fraction of link bandwidth in collectives; reserve_bytes: per-GPU memory not available to tensors;
+    lora: low-rank adapters on a frozen base (None or rank 0: full fine-tuning).
     """
     workload = workload or Workload()
     rollout = rollout or RolloutSpec()
@@ -149,6 +165,13 @@ def plan(
     lay, s_img, micro = validate(model, layout, world_size, workload, rollout)
     w, cfg = workload, hf_config(model)
     tp, cp, pp, dp = lay.tp, lay.cp, lay.pp, lay.dp
+    lora = lora if lora is not None and lora.enabled else None
+    adapters = None
+    if lora is not None:
+        try:
+            adapters = lora_adapter_counts(cfg, tp, pp, lora.rank, lora.targets)
+        except ValueError as e:
+            raise LayoutError(str(e)) from e
     warnings: list[str] = []
     if tp * lay.ulysses > gpus_per_node:
         warnings.append(f"tp*ulysses = {tp * lay.ulysses} spans more than one {gpus_per_node}-GPU node: "
@@ -160,16 +183,26 @@ def plan(
 
     # --- memory
     stage_params = rank_parameter_counts(cfg, tp, pp)
+    base_stage_params = stage_params
+    if adapters is not None:  # every weight stays, beside the adapters; only the adapters train
+        stage_params = [b + a for b, a in zip(base_stage_params, adapters.per_stage, strict=True)]
     params = max(stage_params)
+    trained = params if adapters is None else max(adapters.per_stage)
     shard = dp * cp if precision.distributed_optimizer else 1
     tokens_rank = s_img // cp + w.text_tokens
     mb_samples = w.micro_batch_size * cfg_x
     in_flight = min(pp, micro) if pp > 1 else 1
 
     def acts(mode: str) -> int:
-        return training_activation_bytes(cfg, tokens_per_rank=tokens_rank, micro_batch_samples=mb_samples, tp=tp,
+        held = training_activation_bytes(cfg, tokens_per_rank=tokens_rank, micro_batch_samples=mb_samples, tp=tp,
                                          pp=pp, in_flight=in_flight, recompute=mode,
                                          act_bytes=precision.activation_bytes)
+        if lora is not None:
+            held += lora_activation_bytes(cfg, rank=lora.rank, targets=lora.targets,
+                                          image_tokens_per_rank=s_img // cp, text_tokens=w.text_tokens,
+                                          micro_batch_samples=mb_samples, pp=pp, in_flight=in_flight,
+                                          recompute=mode, act_bytes=precision.activation_bytes)
+        return held
 
     rollout_gpus = world_size if rollout.colocated else rollout.gpus
     rollout_weights = precision.rollout_param_bytes * (rollout_parameter_count(cfg, rollout.tp)
@@ -178,8 +211,8 @@ def plan(
                                             rollout_tp=rollout.tp, act_bytes=precision.activation_bytes)
     memory = MemoryReport(
         parameters=precision.param_bytes * params,
-        gradients=precision.grad_bytes * params,
-        optimizer_states=-(-precision.optimizer_bytes * params // shard),
+        gradients=precision.grad_bytes * trained,
+        optimizer_states=-(-precision.optimizer_bytes * trained // shard),
         activations=acts(recompute),
         activations_no_recompute=acts("none"),
         activations_full_recompute=acts("full"),
@@ -218,20 +251,38 @@ def plan(
     ratio_rank = fwd_rank / flops.total  # this rank's share of one forward
     recompute_extra = {"none": 0.0, "selective": flops.selective_recompute, "full": flops.total}[recompute]
     train_rank = 3 * fwd_rank + recompute_extra * ratio_rank
+    old_rank = fwd_rank  # one forward for the old log-probs
+    if lora is not None:
+        # See the module docstring: forward with the adapters; backward = the base's input gradients only (1x
+        # its GEMMs' forward: no weight-gradient GEMMs), attention's 2x, the adapters' 2x; recompute runs the
+        # forward (full) or the QKV projections and attention (selective) again, their adapters included.
+        ad_whole = lora_forward_flops(cfg, s_img, w.text_tokens, lora.rank, lora.targets)
+        ad_rank = lora_forward_flops(cfg, s_img, w.text_tokens, lora.rank, lora.targets, tp=tp).per_rank(tp, cp, pp)
+        attn_rank = replace(flops, image_linear=0.0, text_linear=0.0, per_sample=0.0).per_rank(tp, cp, pp)
+        extra_rank = {"none": 0.0, "selective": (flops.selective_recompute + ad_whole.qkv_linear) * ratio_rank,
+                      "full": fwd_rank + ad_rank}[recompute]
+        train_rank = (fwd_rank + ad_rank) + (fwd_rank + attn_rank + 2 * ad_rank) + extra_rank
+        old_rank = fwd_rank + ad_rank
+        extra_whole = {"none": 0.0, "selective": flops.selective_recompute + ad_whole.qkv_linear,
+                       "full": flops.total + ad_whole.total}[recompute]
+        # old log-probs + training of one (image, step) sample, all ranks together
+        flops_train_sample = (int(w.recompute_old_logprob) * (flops.total + ad_whole.total)
+                              + (flops.total + ad_whole.total) + (flops.total + flops.attention + 2 * ad_whole.total)
+                              + extra_whole)
     bubble = (pp - 1) / micro
     samples_rank = w.images * w.window * cfg_x / dp  # (image, step) samples each replica trains per step
     train_compute = samples_rank * train_rank / (peak * mfu)
     train_comm = samples_rank * comm_train_sample
     # Distributed optimizer, once per mini-batch: reduce-scatter fp32 grads, all-gather bf16 params over dp*cp.
     opt_bw = bw(shard, tp) if shard > 1 else 1.0
-    dp_comm = w.mini_batches * (_alltoall_s(precision.grad_bytes * params, shard, opt_bw)
-                                + _alltoall_s(precision.param_bytes * params, shard, opt_bw))
+    dp_comm = w.mini_batches * (_alltoall_s(precision.grad_bytes * trained, shard, opt_bw)
+                                + _alltoall_s(precision.param_bytes * trained, shard, opt_bw))
     train_s = (train_compute + train_comm) * (1 + bubble) + dp_comm
     old_s = 0.0
     old_comm = 0.0
     if w.recompute_old_logprob:
         old_comm = samples_rank * comm_fwd
-        old_s = (samples_rank * fwd_rank / (peak * mfu) + old_comm) * (1 + bubble)
+        old_s = (samples_rank * old_rank / (peak * mfu) + old_comm) * (1 + bubble)
 
     r_mfu = rollout.mfu if rollout.mfu is not None else mfu
     r_fwd = w.images * w.sampling_steps * cfg_x  # transformer forwards of one sample each, whole job
@@ -249,9 +300,12 @@ def plan(
     sync_s = sync_bytes / (gpu.hbm_bytes_per_s if direct else bw(tp * pp, 1))
     step_s = rollout_s + old_s + train_s + sync_s
     total_gpus = world_size + (0 if rollout.colocated else rollout_gpus) + reward_gpus
-    flops_per_image = (w.sampling_steps * cfg_x * flops.total
-                       + w.window * cfg_x * (int(w.recompute_old_logprob) + 3) * flops.total
-                       + w.window * cfg_x * recompute_extra)
+    if lora is None:
+        flops_per_image = (w.sampling_steps * cfg_x * flops.total
+                           + w.window * cfg_x * (int(w.recompute_old_logprob) + 3) * flops.total
+                           + w.window * cfg_x * recompute_extra)
+    else:
+        flops_per_image = w.sampling_steps * cfg_x * flops.total + w.window * cfg_x * flops_train_sample
     time = TimeReport(
         rollout_s=rollout_s,
         old_logprob_s=old_s,
@@ -267,4 +321,7 @@ def plan(
         recompute=recompute, mfu=mfu, gpus=total_gpus, image_tokens=s_img, micro_batches=micro, flops=flops,
         flops_per_image=flops_per_image, stage_parameters=stage_params, memory=memory, time=time,
         warnings=warnings, precision=precision,
+        lora=None if adapters is None else LoRAReport(
+            rank=lora.rank, alpha=lora.alpha, targets=tuple(lora.targets), modules=len(adapters.modules),
+            total=adapters.total, stage_adapters=adapters.per_stage, stage_base=base_stage_params),
     )

@@ -25,6 +25,33 @@ class TimeReport:
     sync_s: float = 0.0  # trainer -> rollout weight sync, once per step (included in step_s)
 
 
+def _count(n: int) -> str:
+    return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.1f}M"
+
+
+@dataclass(frozen=True)
+class LoRAReport:
+    """What a LoRA plan counted: the adapters' rank, alpha and target patterns, the linears they adapt, their
+    parameters in the whole model (`total`) and per rank of each pipeline stage, and the frozen base's."""
+
+    rank: int
+    alpha: float | None
+    targets: tuple[str, ...]
+    modules: int
+    total: int
+    stage_adapters: list[int]
+    stage_base: list[int]
+
+    def line(self) -> str:
+        """The report's LoRA line."""
+        alpha = "" if self.alpha is None else f", alpha {self.alpha:g}"
+        return (f"LoRA: rank {self.rank}{alpha} on {self.modules} linears ({', '.join(self.targets)}): "
+                f"{_count(self.total)} adapter parameters, {_count(max(self.stage_adapters))} per rank, beside "
+                f"{_count(max(self.stage_base))} frozen base parameters per rank; gradients and optimizer states "
+                "are the adapters' only, the KL reference is the base with the adapters off (no copy), and the "
+                "backward skips the base's weight gradients")
+
+
 @dataclass(frozen=True)
 class PlanReport:
     """What a dry run prints: the inputs resolved, the memory and time predictions, and warnings."""
@@ -41,11 +68,12 @@ class PlanReport:
     micro_batches: int  # per mini-batch per data-parallel replica
     flops: ForwardFlops  # one forward of one sample
     flops_per_image: float  # rollout + old log-probs + training, all ranks together
-    stage_parameters: list[int]  # per rank of each pipeline stage
+    stage_parameters: list[int]  # per rank of each pipeline stage (with LoRA: base + adapters)
     memory: MemoryReport
     time: TimeReport
     warnings: list[str] = field(default_factory=list)
     precision: Precision = field(default_factory=Precision)
+    lora: LoRAReport | None = None  # None: full fine-tuning
 
     @property
     def ratio_to_reference(self) -> float:
@@ -67,6 +95,7 @@ class PlanReport:
             f"mini-batches x {self.micro_batches} micro-batches of {w.micro_batch_size}, cfg={w.cfg}",
             f"assumption: MFU {self.mfu:.2f} of {self.gpu.peak_bf16_flops / 1e12:.0f} TFLOP/s bf16 peak "
             f"(rollout MFU {self.rollout.mfu or self.mfu:.2f}); one forward = {self.flops.total / 1e12:.2f} TFLOP",
+            *([self.lora.line()] if self.lora else []),
             "memory per GPU:",
             f"  parameters          {gib(m.parameters)}",
             f"  gradients           {gib(m.gradients)}",

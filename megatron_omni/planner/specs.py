@@ -89,6 +89,22 @@ class RolloutSpec:
 
 
 @dataclass(frozen=True)
+class LoRASpec:
+    """Low-rank adapters (`model.lora`, `megatron_omni/models/lora.py`) on the block linears whose module names
+    (`layers.{i}.{img|txt}.{linear}`) match one of `targets` (fnmatch patterns): the base weights are frozen, only
+    the adapters have gradients, main params and Adam moments, and the KL reference is the base with the
+    adapters switched off (no copy). rank 0 is full fine-tuning; alpha is printed only (it scales, costs nothing)."""
+
+    rank: int
+    targets: tuple[str, ...]
+    alpha: float | None = None
+
+    @property
+    def enabled(self) -> bool:
+        return self.rank > 0
+
+
+@dataclass(frozen=True)
 class Precision:
     """Bytes per parameter: bf16 weights, fp32 main grads, fp32 master + Adam m, v (12 bytes) sharded over
     dp x cp by Megatron's distributed optimizer; bf16 activations and rollout weights (`of` for a config)."""

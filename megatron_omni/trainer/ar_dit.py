@@ -185,6 +185,7 @@ class ARDiTTrainer:
     # ----------------------------------------------------------------------------------- checkpoints
     # The hybrid's sharded state for checkpoints (decoder, connector and DiT under their own prefixes).
     sharded_state = staticmethod(ar_dit_sharded_state_dict)
+    checkpoint_identity: dict = {}  # nothing beyond the model config a resume must match (no LoRA base)
     ema = None  # no EMA of the weights
 
     def content_metadata(self, step: int) -> dict[str, Any]:

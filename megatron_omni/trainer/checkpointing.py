@@ -308,7 +308,11 @@ def load_checkpoint(folder: Path, model: torch.nn.Module, optimizer: Any, schedu
         if module is None:
             continue
         result = module.load_state_dict({k: loaded[name][k] for k in state[name]}, strict=False)
-        missing = [k for k in result.missing_keys if not k.endswith("_extra_state")]
+        # A LoRA run's sharded state holds the adapters only: its frozen base comes from the pipeline folder
+        # (whose identity the run loop checks), so only parameters that train must be in the checkpoint.
+        trained = {n for n, p in module.named_parameters() if p.requires_grad} or None
+        missing = [k for k in result.missing_keys if not k.endswith("_extra_state")
+                   and (trained is None or k in trained)]
         if missing or result.unexpected_keys:
             raise RuntimeError(f"loading {folder} ({name}): missing {missing}, unexpected {result.unexpected_keys}")
     optimizer.load_state_dict(loaded["optimizer"])
@@ -320,6 +324,12 @@ def load_checkpoint(folder: Path, model: torch.nn.Module, optimizer: Any, schedu
         print(f"{folder} was saved by {saved['world_size']} ranks, this job has {world}: weights and optimizer "
               f"state resharded, random streams start fresh")
     return loaded["common"]
+
+
+def saved_common(folder: Path) -> dict[str, Any]:
+    """The `common` state a checkpoint was saved with (step, data position, identity, ...), without loading
+    tensors."""
+    return dist_checkpointing.load_common_state_dict(str(folder))["common"]
 
 
 def read_checkpoint_tensors(folder: Path) -> dict[str, dict[str, torch.Tensor]]:

@@ -45,6 +45,35 @@ def module_importable(name: str) -> bool:
         return False
 
 
+# flow_grpo's (and VeRL-Omni's) Qwen-Image LoRA: the attention projections and MLP linears of both streams
+# (diffusers to_q/k/v, to_out.0, add_q/k/v_proj, to_add_out, img_mlp/txt_mlp.net.0.proj and .net.2), as
+# patterns over our Megatron module names; `adaln` adds the streams' modulation linears (img_mod.1/txt_mod.1).
+LORA_TARGETS = ("*.linear_qkv", "*.linear_proj", "*.linear_fc1", "*.linear_fc2")
+LORA_ADALN_TARGETS = ("*.adaln",)
+
+
+@dataclass
+class LoRAConfig:
+    """Low-rank adapters on the DiT's tensor-parallel linears (`models/lora.py`): rank 0 is full fine-tuning.
+    The defaults other than rank are flow_grpo's Qwen-Image recipe (r=64, alpha=128, no dropout)."""
+
+    rank: int = 0
+    alpha: float = 128.0
+    dropout: float = 0.0
+    # fnmatch patterns over the Megatron module names (e.g. "layers.*.img.linear_qkv"); None: LORA_TARGETS
+    targets: list[str] | None = None
+    adaln: bool = False  # also adapt the modulation linears (LORA_ADALN_TARGETS)
+
+    @property
+    def enabled(self) -> bool:
+        return self.rank > 0
+
+    def target_patterns(self) -> list[str]:
+        """The module-name patterns the adapters go on."""
+        base = list(LORA_TARGETS) if self.targets is None else list(self.targets)
+        return base + (list(LORA_ADALN_TARGETS) if self.adaln else [])
+
+
 @dataclass
 class ModelConfig:
     # The model family (a folder of model_providers/ with a family.py); its kind picks the trainer: "dit"
@@ -60,6 +89,7 @@ class ModelConfig:
     # Architecture preset: the one a --dry-run plans with when the pipeline is not at hand ("20b"); for a family
     # built from presets alone (ar_dit) the model itself ("tiny").
     preset: str | None = None
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
 
 
 @dataclass
@@ -102,6 +132,10 @@ class RolloutConfig:
     # step's samples per rank: set it so every share pads alike and the trainer recomputes the rollout's
     # padding (in bf16, attention over another text length rounds differently: train_rollout_dlogp grows).
     text_length: int | None = SamplingParams.text_length
+    # With model.lora, how the engine receives the adapters: "adapter" (the adapters only: the diffusers engine
+    # loads them through peft), "merge" (W + scale B A through the bridge, as full weights), "auto" (adapter
+    # where the engine takes adapters, else merge: vLLM-Omni's LoRA request path is GPU-only and not built).
+    lora_sync: str = "auto"
 
     def sampling_params(self) -> SamplingParams:
         """The rollout's sampler, its fields taken by name (raises ValueError naming the problem: a window that
@@ -233,6 +267,9 @@ class JobConfig:
              "here; use model.backend=local"),
             (r.engine != "vllm_omni" or module_importable("vllm_omni"), "rollout.engine",
              "= vllm_omni needs the vllm_omni package, which is not importable here; use rollout.engine=diffusers"),
+            (not m.lora.enabled or m.backend == "local", "model.backend",
+             "with model.lora.rank > 0 needs model.backend=local (the adapters wrap Megatron-Core's local "
+             "Column/RowParallelLinear; the TE spec's linears are not adapted yet)"),
             (r.tp == 1 or r.engine == "vllm_omni", "rollout.tp", "> 1 needs rollout.engine=vllm_omni (the diffusers "
              "engine is one process per rank)"),
             (self.rollout.transformer != "trainer" or self.parallel.tp * self.parallel.ulysses * self.parallel.ring

@@ -22,6 +22,9 @@ BOUNDS: list[tuple[str, float | None, bool, float | None, bool]] = [
     ("steps", 1, True, None, False),
     ("seed", 0, True, None, False),
     ("model.tiny_seed", 0, True, None, False),
+    ("model.lora.rank", 0, True, None, False),  # 0: full fine-tuning
+    ("model.lora.alpha", 0, False, None, False),
+    ("model.lora.dropout", 0, True, 1, False),
     ("parallel.tp", 1, True, None, False),
     ("parallel.ulysses", 1, True, None, False),
     ("parallel.ring", 1, True, None, False),
@@ -77,6 +80,7 @@ CHOICES: dict[str, tuple[Any, ...]] = {
     "rollout.transformer": ("auto", "engine", "trainer"),
     "rollout.engine": ("diffusers", "vllm_omni"),
     "rollout.dtype": ("fp32", "bf16"),
+    "rollout.lora_sync": ("auto", "adapter", "merge"),
     "algorithm.std_mode": ("global", "group"),
     "algorithm.old_logprob": ("recompute", "bypass"),
     "ar_dit.aggregation": ("token_mean", "seq_mean_token_mean"),
@@ -109,6 +113,7 @@ AR_DIT_UNSUPPORTED: list[tuple[str, Any, str]] = [
     ("optim.micro_batch_size", None, "the hybrid runs each mini-batch in one forward"),
     ("optim.distributed_optimizer", False, "the hybrid's optimizer is not sharded"),
     ("optim.ema_decay", 0.0, "the hybrid keeps no EMA of its weights"),
+    ("model.lora.rank", 0, "the hybrid trains all its weights (LoRA is built for the DiT families)"),
     ("eval", None, "the hybrid has no held-out evaluation (eval.prompts must stay empty)"),
 ]
 
@@ -254,6 +259,32 @@ def check_fields(cfg: Any) -> None:
         for i, prompt in enumerate(get_field(cfg, field_name)):
             if not prompt.strip():
                 raise ConfigError(f"{field_name}[{i}]={prompt!r} is blank")
+    check_lora(cfg)
+
+
+def check_lora(cfg: Any) -> None:
+    """model.lora against what it combines with: target patterns non-blank, no EMA (its copy would be the
+    whole base again), and an adapter-only sync only into an engine that takes adapters."""
+    from megatron_omni.trainer.config import ConfigError
+
+    lora = cfg.model.lora
+    if lora.targets is not None:
+        if not lora.targets:
+            raise ConfigError("model.lora.targets=[] adapts nothing; give module-name patterns or none for the "
+                              "defaults")
+        for i, t in enumerate(lora.targets):
+            if not t.strip():
+                raise ConfigError(f"model.lora.targets[{i}]={t!r} is blank")
+    if not lora.enabled:
+        if cfg.rollout.lora_sync != "auto":
+            raise ConfigError(f"rollout.lora_sync={cfg.rollout.lora_sync!r} needs model.lora.rank > 0")
+        return
+    if cfg.optim.ema_decay > 0:
+        raise ConfigError(f"optim.ema_decay={cfg.optim.ema_decay!r} with model.lora.rank={lora.rank}: the EMA "
+                          "keeps a second full copy of the model, which LoRA exists to avoid; set optim.ema_decay=0")
+    if cfg.rollout.lora_sync == "adapter" and cfg.rollout.engine != "diffusers":
+        raise ConfigError(f"rollout.lora_sync=adapter with rollout.engine={cfg.rollout.engine}: vLLM-Omni's LoRA "
+                          "request path is not built (GPU only); use rollout.lora_sync=merge or auto")
 
 
 def check_reward(cfg: Any) -> None:

@@ -13,7 +13,16 @@ from pathlib import Path
 from typing import Any
 
 from megatron_omni.parallel.layout import LayoutError, ParallelLayout
-from megatron_omni.planner import DEFAULT_MFU, JobPlan, Precision, RolloutSpec, StateCopy, Workload, measured_mfu
+from megatron_omni.planner import (
+    DEFAULT_MFU,
+    JobPlan,
+    LoRASpec,
+    Precision,
+    RolloutSpec,
+    StateCopy,
+    Workload,
+    measured_mfu,
+)
 from megatron_omni.planner.dry_run import dry_run as planner_dry_run
 from megatron_omni.trainer.config import ConfigError, JobConfig, apply_overrides
 from model_providers import get_family
@@ -61,9 +70,11 @@ def job_plan(cfg: JobConfig, world_size: int, gpu: str, gpus_per_node: int = 8, 
                         micro_batch_size=cfg.optim.micro_batch_size or max(per_replica, 1),
                         cfg=r.guidance_scale > 1, recompute_old_logprob=cfg.algorithm.old_logprob == "recompute")
     # The frozen reference of the KL term (in the parameters' dtype) and the EMA of the weights (fp32): each one
-    # more copy of this rank's shard (not in the memory model's total).
+    # more copy of this rank's shard (not in the memory model's total). With LoRA the reference is the same model
+    # with its adapters off (no copy), and the EMA is refused (config_checks.check_lora).
+    lora = cfg.model.lora
     copies = []
-    if cfg.algorithm.beta > 0:
+    if cfg.algorithm.beta > 0 and not lora.enabled:
         copies.append(StateCopy(f"KL reference (algorithm.beta={cfg.algorithm.beta:g})", precision.param_bytes))
     if cfg.optim.ema_decay > 0:
         copies.append(StateCopy(f"EMA of the weights (optim.ema_decay={cfg.optim.ema_decay:g}, fp32)", 4))
@@ -73,7 +84,8 @@ def job_plan(cfg: JobConfig, world_size: int, gpu: str, gpus_per_node: int = 8, 
                    recompute=cfg.model.recompute or "none", mfu=mfu, mfu_source=mfu_source,
                    gpus_per_node=gpus_per_node, reward_gpus=reward_gpus, state_copies=tuple(copies),
                    rollout_engine=r.engine, params_dtype=cfg.model.params_dtype, rollout_dtype=r.dtype,
-                   backend=cfg.model.backend)
+                   backend=cfg.model.backend,
+                   lora=LoRASpec(lora.rank, tuple(lora.target_patterns()), lora.alpha) if lora.enabled else None)
 
 
 def dry_run(cfg: JobConfig, world_size: int, gpu: str, gpus_per_node: int = 8, reward_gpus: int = 0,

@@ -35,11 +35,14 @@ from megatron.core import tensor_parallel
 from megatron_omni.algorithms.advantages import group_advantages
 from megatron_omni.bridge import DistributedTransport, WeightSync
 from megatron_omni.bridge.family_sync import family_plans, sync_mode
+from megatron_omni.bridge.lora_sync import LoRAAdapterSync, MergedSources, merged_linears
+from megatron_omni.checkpoint.lora import lora_sharded_state_dict
 from megatron_omni.checkpoint.safetensors_io import SafetensorsFolder
 from megatron_omni.checkpoint.sharded_state import content_metadata, model_layout, model_sharded_state_dict
 from megatron_omni.models.dit.config import MMDiTConfig
 from megatron_omni.models.dit.diffusers_interface import DiffusersForward
 from megatron_omni.models.dit.model import MMDiTModel
+from megatron_omni.models.lora import adapters_disabled
 from megatron_omni.parallel import platform
 from megatron_omni.parallel.groups import ParallelGroups
 from megatron_omni.parallel.platform import seed_everything
@@ -48,6 +51,7 @@ from megatron_omni.rollout.probe import check_probe, probe_tolerance, probe_traj
 from megatron_omni.rollout.registry import EngineSettings, build_engine
 from megatron_omni.trainer.config import JobConfig, ParallelConfig, torch_dtype
 from megatron_omni.trainer.grad_guard import GradGuard
+from megatron_omni.trainer.lora_setup import attach_lora, lora_identity, lora_sync_mode
 from megatron_omni.trainer.pipeline_step import MicroBatch, PipelineStep, plan_micro_batches
 from megatron_omni.trainer.rewards import RewardFunction, gather_rewards
 from megatron_omni.trainer.skeleton import (
@@ -96,9 +100,18 @@ class FlowGRPOTrainer:
         self.model = self.family.build_model(mcfg, groups, backend=cfg.model.backend)
         self.family.load_state(self.model, hf_state)
         _count_stage_replicas_once(self.model, groups)
-        # Built before DDP wraps the policy, from the same weights, never trained (no grads, no optimizer).
+        # LoRA: adapters on the parallel linears, the base frozen (only adapters reach DDP and the optimizer);
+        # checkpoints then hold the adapters and record the base they were trained on.
+        self.lora = cfg.model.lora
+        self.lora_linears = attach_lora(self.model, self.lora, cfg.seed, groups.mcore.pp) if self.lora.enabled else []
+        self.checkpoint_identity = ({"lora": lora_identity(self.lora, self.lora_linears, pipeline_dir)}
+                                    if self.lora.enabled else {})
+        if self.lora.enabled:
+            self.sharded_state = lora_sharded_state_dict
+        # Built before DDP wraps the policy, from the same weights, never trained (no grads, no optimizer). With
+        # LoRA the reference is the policy with its adapters off (`reference_means`): no second copy.
         self.reference = (_frozen_copy(self.family, mcfg, groups, cfg.model.backend, hf_state)
-                          if cfg.algorithm.beta > 0 else None)
+                          if cfg.algorithm.beta > 0 and not self.lora.enabled else None)
         # fp32 whatever the parameters' dtype: in bf16, (1 - decay) x a small update would round away.
         self.ema = (_frozen_copy(self.family, mcfg, groups, cfg.model.backend, hf_state).float()
                     if cfg.optim.ema_decay > 0 else None)
@@ -118,9 +131,18 @@ class FlowGRPOTrainer:
         total_updates = cfg.steps * o.mini_batches
         self.scheduler = build_scheduler(self.optimizer, o.lr, o.weight_decay, o.warmup_steps, total_updates)
         self.pipeline = PipelineStep(mcfg, groups)
+        self.shares_model = _rollout_uses_trainer_model(cfg, mcfg.params_dtype, self.engine.dtype)
         # The bridge into the engine's transformer (coverage-checked): direct copies into its live shards where
         # they sit in this process at the trainer's tp, else full tensors gathered over tp into its loader. With
-        # pp > 1 each stage's first rank broadcasts its stage's buckets so every engine gets all blocks.
+        # pp > 1 each stage's first rank broadcasts its stage's buckets so every engine gets all blocks. LoRA:
+        # the adapters alone (gathered, loaded through the engine's peft loader), or merged weights through
+        # the same bridge (`rollout.lora_sync`).
+        self.lora_sync = None
+        lora_mode = lora_sync_mode(r.lora_sync, r.engine) if self.lora.enabled else None
+        if lora_mode == "adapter":
+            self.lora_sync = LoRAAdapterSync(self.model, self.engine, self.family, self.hf_config, self.lora_linears,
+                                             self.lora.rank, self.lora.alpha, groups.tp, groups.mcore.pp,
+                                             self.model.global_name)
         sink = self.engine.weight_sink()
         plans = family_plans(self.family, self.hf_config, trainer_tp=p.tp, trainer_pp=p.pp, rollout_kind=sink.kind,
                              rollout_tp=sink.tp, mode=_sync_mode(sink, p))
@@ -135,14 +157,17 @@ class FlowGRPOTrainer:
                           if layout.coordinates(r) == {**layout.coordinates(0), "pp": s}) for s in range(p.pp)]
             transport = DistributedTransport(sources=roots, rollout_ranks=range(layout.world_size),
                                              dtype=mcfg.params_dtype)
-        self.weight_sync = WeightSync(plan, sources=self.family.megatron_sources(self.model)[part],
-                                      target=sink.target, tp_group=groups.tp,
-                                      tp_rank=groups.tp.rank(), stage=groups.coords["pp"], transport=transport)
+        sources = self.family.megatron_sources(self.model)[part]
+        if lora_mode == "merge":
+            sources = MergedSources(sources, merged_linears(self.model, self.model.global_name))
+        self.weight_sync = None
+        if self.lora_sync is None:
+            self.weight_sync = WeightSync(plan, sources=sources, target=sink.target, tp_group=groups.tp,
+                                          tp_rank=groups.tp.rank(), stage=groups.coords["pp"], transport=transport)
         self.guard = GradGuard(cfg.optim.max_bad_steps, "optim.max_bad_steps")
         self.probe = probe_trajectory(self.hf_config, platform.device())
         self.probe_tolerance = probe_tolerance(mcfg.params_dtype, self.engine.dtype)
         self.syncs = 0
-        self.shares_model = _rollout_uses_trainer_model(cfg, mcfg.params_dtype, self.engine.dtype)
         if self.shares_model:
             self.engine.velocity_model = DiffusersForward(self.model)
 
@@ -163,7 +188,12 @@ class FlowGRPOTrainer:
         A step calls it only when the engine samples with its own copy; with a shared model it refreshes that
         (unused) copy. Returns the probe's max |difference|. Collective."""
         with self.engine.weight_update():
-            self.weight_sync.sync()
+            if self.lora_sync is not None:
+                self.lora_sync.sync()
+            else:
+                self.weight_sync.sync()
+                if isinstance(self.weight_sync.sources, MergedSources):
+                    self.weight_sync.sources.forget()
         self.syncs += 1
         return self.check_engine(f"after weight sync {self.syncs}")
 
@@ -181,8 +211,10 @@ class FlowGRPOTrainer:
         self.engine.close()
 
     def content_metadata(self, step: int) -> dict[str, Any]:
-        """What a checkpoint after `step` RL steps records about the model (family, config, layout)."""
-        return content_metadata(self.family.name, self.hf_config, model_layout(self.model), step=step)
+        """What a checkpoint after `step` RL steps records about the model (family, config, layout; with LoRA
+        its settings and base, `lora_identity`)."""
+        return content_metadata(self.family.name, self.hf_config, model_layout(self.model), step=step,
+                                **self.checkpoint_identity)
 
     def micro_batches(self, n: int, window: int, step: int) -> list[list[MicroBatch]]:
         """RL step `step`'s mini-batches (a fixed random split of the N samples), each as its micro-batches
@@ -198,10 +230,13 @@ class FlowGRPOTrainer:
 
     def reference_means(self, traj: Trajectory, step: int) -> torch.Tensor | None:
         """[N, W, S, C] transition means under the frozen reference (last pipeline stage; None elsewhere or
-        when beta == 0)."""
-        if self.reference is None:
+        when beta == 0): the initial model's copy, or with LoRA the policy with its adapters off (the base)."""
+        if self.cfg.algorithm.beta == 0:
             return None
         flat = [mb for mini in self.micro_batches(*traj.log_probs.shape, step) for mb in mini]
+        if self.reference is None:
+            with adapters_disabled(self.model):
+                return self.pipeline.transitions(self.ddp, traj, flat, return_means=True).means
         return self.pipeline.transitions(self.reference, traj, flat, return_means=True).means
 
     @torch.no_grad()
@@ -258,7 +293,7 @@ class FlowGRPOTrainer:
         t["old_logprob"] = time.perf_counter() - t0
         t0 = time.perf_counter()
         ref_means = self.reference_means(traj, step)
-        if self.reference is not None:
+        if cfg.algorithm.beta > 0:
             t["reference"] = time.perf_counter() - t0
 
         t0 = time.perf_counter()

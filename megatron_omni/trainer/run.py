@@ -2,7 +2,8 @@
 pictures. The trainer is picked by the family's kind (`model_providers.get_family(model.family).kind`):
 "dit" -> `FlowGRPOTrainer`, "ar_dit" -> `ARDiTTrainer`; both return a `skeleton.StepResult` per step and carry
 what a checkpoint needs (`model`, `optimizer`, `scheduler`, `ema`, `sharded_state`, `content_metadata`,
-`guard`), so this loop, its checkpoints and its resume are the same for both."""
+`guard`, `checkpoint_identity`: what a resume must match), so this loop, its checkpoints and its resume are the
+same for both."""
 
 from __future__ import annotations
 
@@ -15,10 +16,17 @@ from tqdm import tqdm
 
 from megatron_omni.parallel import ParallelLayout, build_parallel_groups
 from megatron_omni.trainer import atomic_files
-from megatron_omni.trainer.checkpointing import latest_checkpoint, load_checkpoint, run_id_of, save_checkpoint
+from megatron_omni.trainer.checkpointing import (
+    latest_checkpoint,
+    load_checkpoint,
+    run_id_of,
+    save_checkpoint,
+    saved_common,
+)
 from megatron_omni.trainer.config import ConfigError, JobConfig, to_dict
 from megatron_omni.trainer.evaluation import EvalResult, eval_samples, evaluate, save_before_after_grid
 from megatron_omni.trainer.flowgrpo import FlowGRPOTrainer
+from megatron_omni.trainer.lora_setup import check_identity
 from megatron_omni.trainer.metrics import MetricsWriter, read_history, save_image_grid, save_reward_curve
 from megatron_omni.trainer.preemption import StopRequests, TrainingStopped
 from megatron_omni.trainer.rewards import RewardFunction
@@ -149,6 +157,7 @@ def _run(cfg: JobConfig, overwrite: bool, stops: StopRequests) -> dict:
     if rank == 0:
         atomic_files.write_text(run_dir / "config.json", json.dumps({"run_id": run_id, **to_dict(cfg)}, indent=2))
     if folder is not None:
+        check_identity(saved_common(folder).get("identity"), trainer.checkpoint_identity, folder)
         common = load_checkpoint(folder, trainer.model, trainer.optimizer, trainer.scheduler,
                                  sharded_state=trainer.sharded_state, ema=trainer.ema)
         start = common["step"]
@@ -190,7 +199,7 @@ def _run(cfg: JobConfig, overwrite: bool, stops: StopRequests) -> dict:
         stop = stops.requested()
         if stop or (cfg.checkpoint.every and done % cfg.checkpoint.every == 0) or done == cfg.steps:
             common = {"step": done, "data": {"next_step": done, "prompts_seen": done * cfg.rollout.prompts_per_step},
-                      "bad_steps": trainer.guard.bad_steps,
+                      "bad_steps": trainer.guard.bad_steps, "identity": trainer.checkpoint_identity,
                       "metrics_history": read_history(run_dir / "metrics.jsonl") if rank == 0 else []}
             saved = save_checkpoint(run_dir, done, trainer.model, trainer.optimizer, trainer.scheduler, common,
                                     cfg.checkpoint.keep, content_metadata=trainer.content_metadata(done),

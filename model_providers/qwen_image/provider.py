@@ -12,6 +12,7 @@ import torch.distributed as dist
 
 from megatron_omni.models.dit.config import MMDiTConfig
 from megatron_omni.models.dit.model import MMDiTModel
+from megatron_omni.models.lora import is_adapter_name
 from megatron_omni.parallel.platform import megatron_config_defaults
 from model_providers.qwen_image.mapping import (
     ParamMapping,
@@ -123,17 +124,10 @@ def local_mappings(model: MMDiTModel) -> dict[str, ParamMapping]:
     by_global = {m.megatron: m for m in all_mappings(model.config.num_layers)}
     out = {}
     for name in model.state_dict():
-        if name.endswith("_extra_state"):
-            continue
-        out[name] = by_global[_global_name(name, model.layer_offset)]
+        if name.endswith("_extra_state") or is_adapter_name(name):
+            continue  # TE's FP8 metadata and LoRA adapters are not base weights
+        out[name] = by_global[model.global_name(name)]
     return out
-
-
-def _global_name(local: str, offset: int) -> str:
-    if local.startswith("layers."):
-        idx, rest = local[len("layers."):].split(".", 1)
-        return f"layers.{int(idx) + offset}.{rest}"
-    return local
 
 
 @torch.no_grad()

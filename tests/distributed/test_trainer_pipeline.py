@@ -21,7 +21,8 @@ PROMPTS = ["a red cube", "a photo of a cat on a mat"]
 GROUP = 2
 
 
-def _config(pp: int, tp: int, cfg_scale: float, micro_batch_size: int | None, beta: float = 0.0, ulysses: int = 1):
+def _config(pp: int, tp: int, cfg_scale: float, micro_batch_size: int | None, beta: float = 0.0, ulysses: int = 1,
+            lora: bool = False):
     from megatron_omni.trainer.config import JobConfig
 
     cfg = JobConfig(prompts=PROMPTS, seed=3)
@@ -40,16 +41,21 @@ def _config(pp: int, tp: int, cfg_scale: float, micro_batch_size: int | None, be
     cfg.optim.clip_grad = 0.05  # small enough that clipping acts: the grad norm must count each param once
     cfg.algorithm.clip_range = 0.2
     cfg.algorithm.beta = beta
+    if lora:
+        cfg.model.lora.rank, cfg.model.lora.alpha, cfg.model.lora.adaln = 4, 8.0, True
+        cfg.optim.lr = 1e-2
+        cfg.optim.clip_grad = 1e-4  # adapters' grads are small (B = 0 at the start): clipping must still act
+        cfg.optim.distributed_optimizer = True  # the adapters' Adam state sharded over data parallel
     return cfg
 
 
 def _one_step(rank: int, world_size: int, pipeline_dir: str, pp: int, tp: int, cfg_scale: float,
-              micro_batch_size: int | None, beta: float, ulysses: int = 1) -> dict:
+              micro_batch_size: int | None, beta: float, ulysses: int = 1, lora: bool = False) -> dict:
     from megatron_omni.parallel import ParallelLayout, build_parallel_groups
     from megatron_omni.trainer.flowgrpo import FlowGRPOTrainer
     from megatron_omni.trainer.rewards import RewardFunction
 
-    cfg = _config(pp, tp, cfg_scale, micro_batch_size, beta, ulysses)
+    cfg = _config(pp, tp, cfg_scale, micro_batch_size, beta, ulysses, lora)
     cfg.validate(world_size)
     groups = build_parallel_groups(ParallelLayout(tp=tp, pp=pp, ulysses=ulysses))
     trainer = FlowGRPOTrainer(cfg, groups, pipeline_dir, RewardFunction("jpeg_compressibility"))
@@ -62,9 +68,11 @@ def _one_step(rank: int, world_size: int, pipeline_dir: str, pp: int, tp: int, c
     before = {k: v.clone() for k, v in trainer.engine.transformer.state_dict().items()}
     trainer.sync_weights()
     after = trainer.engine.transformer.state_dict()
+    # LoRA: the engine gains peft adapters (B starts at zero, so B's entries measure the update)
+    moved = (max(float(v.abs().max()) for k, v in after.items() if "lora_B" in k) if lora
+             else max(float((after[k] - before[k]).abs().max()) for k in after))
     return {"rollout": traj.log_probs, "old": old, "metrics": metrics,
-            "weights": {k: v.clone() for k, v in after.items()},
-            "moved": max(float((after[k] - before[k]).abs().max()) for k in after)}
+            "weights": {k: v.clone() for k, v in after.items()}, "moved": moved}
 
 
 CASES = [
@@ -79,6 +87,11 @@ CASES = [
     # Both window steps of a mini-batch's 2 samples in one forward (4 transitions, each row its own
     # timestep) against one forward per window step.
     pytest.param(1, 1, 1, 1, 2.5, 0.5, 4, id="fused-window-cfg-kl"),
+    # LoRA (adaLN too: a column-parallel linear that gathers its output; the distributed optimizer) at pp=2 x
+    # tp=2 with the KL term taken with the adapters off, and at cp=2: the adapters, seeded per module, start
+    # alike at any layout, their update equals pp=1's, and every engine gets every stage's adapters via peft.
+    pytest.param(4, 2, 2, 1, 1.0, 0.5, 1, True, id="pp2xtp2-lora-kl"),
+    pytest.param(2, 1, 1, 2, 2.5, 0.0, 1, True, id="cp2-lora-cfg"),
 ]
 
 
@@ -91,11 +104,12 @@ def pipeline_dir(tmp_path_factory) -> str:
     return str(path)
 
 
-@pytest.mark.parametrize("world_size,pp,tp,ulysses,cfg_scale,beta,micro_batch_size", CASES)
+@pytest.mark.parametrize("world_size,pp,tp,ulysses,cfg_scale,beta,micro_batch_size,lora",
+                         [pytest.param(*c.values, *([False] if len(c.values) == 7 else []), id=c.id) for c in CASES])
 def test_pipeline_update_equals_pp1(pipeline_dir: str, world_size: int, pp: int, tp: int, ulysses: int,
-                                    cfg_scale: float, beta: float, micro_batch_size: int) -> None:
-    ref = run_ranks(_one_step, world_size, pipeline_dir, 1, 1, cfg_scale, None, beta, timeout_s=400)
-    got = run_ranks(_one_step, world_size, pipeline_dir, pp, tp, cfg_scale, micro_batch_size, beta, ulysses,
+                                    cfg_scale: float, beta: float, micro_batch_size: int, lora: bool) -> None:
+    ref = run_ranks(_one_step, world_size, pipeline_dir, 1, 1, cfg_scale, None, beta, 1, lora, timeout_s=400)
+    got = run_ranks(_one_step, world_size, pipeline_dir, pp, tp, cfg_scale, micro_batch_size, beta, ulysses, lora,
                     timeout_s=400)
     base = ref[0]
     assert torch.equal(got[0]["rollout"], base["rollout"]), "both runs must train on the same trajectory"
@@ -109,7 +123,9 @@ def test_pipeline_update_equals_pp1(pipeline_dir: str, world_size: int, pp: int,
         for k in keys:
             assert abs(out["metrics"][k] - base["metrics"][k]) <= 1e-5 * max(1.0, abs(base["metrics"][k])), (
                 r, k, out["metrics"][k], base["metrics"][k])
-        assert base["metrics"]["grad_norm"] > _config(1, 1, 1.0, None).optim.clip_grad, "clipping must act"
+        assert base["metrics"]["grad_norm"] > _config(1, 1, 1.0, None, lora=lora).optim.clip_grad, \
+            "clipping must act"
+        assert set(out["weights"]) == set(base["weights"]), f"rank {r}: the engines' modules differ"
         for name, w in base["weights"].items():
             torch.testing.assert_close(out["weights"][name], w, rtol=0, atol=1e-5,
                                        msg=f"rank {r}: engine weight {name} after the pp={pp} update")

@@ -30,6 +30,7 @@ EXPECTED_WORLD = {
     "examples/qwen_image/train_20b_2nodes.sh": 16,
     "examples/qwen_image/train_20b_4nodes.sh": 32,
     "examples/qwen_image/slurm_20b.sbatch": 16,
+    "examples/qwen_image/train_20b_lora_h800.sh": 3,  # 4 x H800, GPU 3 for the reward
     "examples/tiny/train_tiny.sh": 2,
     "examples/tiny/ocr_miniature.sh": 1,
 }
@@ -75,11 +76,15 @@ BAD_IN_PROCESS = {
 }
 
 
+LORA_H800 = "examples/qwen_image/train_20b_lora_h800.sh"
+
+
 @pytest.fixture(scope="module")
 def results() -> dict[str, subprocess.CompletedProcess]:
     """Every dry run of this module (scripts as they are, then the bad layouts), two at a time."""
     jobs = ({s: (s, [], {}) for s in SCRIPTS} | {k: v[:3] for k, v in BAD.items()}
-            | {f"train_20b_nnodes_{n}": ("examples/qwen_image/train_20b.sh", [], {"NNODES": str(n)}) for n in (2, 4)})
+            | {f"train_20b_nnodes_{n}": ("examples/qwen_image/train_20b.sh", [], {"NNODES": str(n)}) for n in (2, 4)}
+            | {"lora_h800_no_reward_gpu": (LORA_H800, [], {"REWARD_ON_GPU": "0"})})
     with ThreadPoolExecutor(max_workers=2) as pool:
         futures = {k: pool.submit(_run, s, *args, extra=env) for k, (s, args, env) in jobs.items()}
         return {k: f.result() for k, f in futures.items()}
@@ -153,6 +158,18 @@ def test_dry_run_reads_measured_mfu(tmp_path: Path, monkeypatch: pytest.MonkeyPa
     assert "--mfu-from" in capsys.readouterr().err
     assert main(["--recipe", "examples.qwen_image.recipe:ocr_20b_2nodes", "--mfu-from", str(measured)]) == 2
     assert "read by --dry-run only" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("case,world,reward", [(LORA_H800, 3, 1), ("lora_h800_no_reward_gpu", 4, 0)])
+def test_lora_h800_script_plans_lora_in_80gb(case: str, world: int, reward: int, results: dict) -> None:
+    """The 20B LoRA script on one node of 4 x H800, with and without a reward GPU: its plan counts the adapters
+    (the LoRA line) and fits in the H800's memory."""
+    proc = results[case]
+    out = proc.stdout
+    assert proc.returncode == 0, f"{case} failed ({proc.returncode}):\n{out[-2000:]}\n{proc.stderr[-3000:]}"
+    assert f"dry run: world size {world} trainer ranks + {reward} reward GPUs" in out
+    assert "model 20b on 4 x H800" in out and "LoRA: rank 64, alpha 128 on 480 linears" in out
+    assert re.search(r"total +[\d.]+ GiB of 79\.6 GiB -> fits", out), out[-2000:]
 
 
 WRAPPERS = {1: "examples/qwen_image/train_20b_1node.sh", 2: "examples/qwen_image/train_20b_2nodes.sh",

@@ -245,3 +245,27 @@ def test_dry_run_of_a_family_without_a_cost_model_is_a_config_error() -> None:
 
     with pytest.raises(ConfigError, match="model.family=ar_dit has no cost model"):
         dry_run(_ar_dit(), 1, "H200")
+
+
+# ------------------------------------------------------------------------------------------ LoRA
+@pytest.mark.parametrize(("overrides", "field_name"), [
+    (["model.lora.rank=8", "optim.ema_decay=0.9"], "optim.ema_decay"),
+    (["model.lora.rank=8", "rollout.engine=vllm_omni", "rollout.lora_sync=adapter"], "rollout.lora_sync"),
+    (["rollout.lora_sync=merge"], "rollout.lora_sync"),  # without adapters
+    (["model.lora.rank=8", "model.lora.targets=[]"], "model.lora.targets"),
+    (["model.lora.rank=8", 'model.lora.targets=[" "]'], "model.lora.targets[0]"),
+    (["model.lora.rank=8", "model.backend=te"], "model.backend"),
+])
+def test_lora_refuses_what_it_cannot_combine_with(overrides: list[str], field_name: str) -> None:
+    _refused(apply_overrides(JobConfig(), overrides), field_name)
+
+
+def test_lora_on_the_ar_dit_hybrid_is_refused() -> None:
+    _refused(apply_overrides(_ar_dit(), ["model.lora.rank=4"]), "model.lora.rank")
+
+
+def test_lora_targets_default_to_the_flow_grpo_recipe_and_adaln_adds_the_modulation() -> None:
+    cfg = apply_overrides(JobConfig(), ["model.lora.rank=64", "model.lora.adaln=true"])
+    cfg.validate(1)
+    assert cfg.model.lora.target_patterns() == ["*.linear_qkv", "*.linear_proj", "*.linear_fc1", "*.linear_fc2",
+                                                "*.adaln"]

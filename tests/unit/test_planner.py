@@ -14,12 +14,14 @@ from megatron_omni.parallel.rank_pool import run_ranks
 from megatron_omni.planner import (
     GPUS,
     REFERENCE_IMAGES_PER_S_PER_GPU,
+    LoRASpec,
     Precision,
     RolloutSpec,
     Workload,
+    memory,
     plan,
 )
-from megatron_omni.planner.flops import forward_flops, image_tokens
+from megatron_omni.planner.flops import forward_flops, image_tokens, lora_forward_flops
 from megatron_omni.planner.memory import (
     block_activation_bytes,
     rank_parameter_counts,
@@ -343,3 +345,120 @@ def test_advice_lists_only_changes_that_fit(case: str, monkeypatch: pytest.Monke
         rc2, out2, err2 = _dry_run(monkeypatch, capsys, recipe, size, gpu, overrides + extra)
         assert rc2 == 0, f"suggested {' '.join(words)} but it plans as rc {rc2}:\n{out2[-1500:]}\n{err2}"
         assert "dry run OK" in out2
+
+
+# --- LoRA (model.lora.rank > 0): the base frozen beside the adapters, which alone train.
+LORA_TARGETS = ("*.linear_qkv", "*.linear_proj", "*.linear_fc1", "*.linear_fc2")
+
+
+def _hand_adapter_count(name: str, r: int, tp: int, adaln: bool = False) -> int:
+    """Adapter parameters on one rank (pp=1), by hand: a linear [out, in] gets A [r, in] and B [out, r];
+    column-parallel (qkv [3h, h], fc1 [4h, h], adaln [6h, h]) keeps A whole and splits B's rows, row-parallel
+    (proj [h, h], fc2 [h, 4h]) splits A's columns and keeps B whole."""
+    cfg = provider.hf_config(name)
+    h = cfg["num_attention_heads"] * cfg["attention_head_dim"]
+    column = lambda out, inp: r * inp + out // tp * r  # noqa: E731
+    row = lambda out, inp: r * inp // tp + out * r  # noqa: E731
+    per_stream = column(3 * h, h) + row(h, h) + column(4 * h, h) + row(h, 4 * h)
+    if adaln:
+        per_stream += column(6 * h, h)
+    return 2 * cfg["num_layers"] * per_stream  # two streams per block
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+@pytest.mark.parametrize("adaln", [False, True])
+def test_lora_gradients_and_optimizer_states_are_the_adapters_exactly(tp: int, adaln: bool) -> None:
+    targets = LORA_TARGETS + (("*.adaln",) if adaln else ())
+    r, world = 8, 2 * tp  # dp=2: the distributed optimizer shards Adam over 2
+    count = _hand_adapter_count("small", r, tp, adaln)
+    h = 256
+    assert count == 2 * 4 * r * h * ((4 + 12 / tp) + ((1 + 6 / tp) if adaln else 0))  # the same, summed up
+    report = plan("small", ParallelLayout(tp=tp), world, "H200", Workload(), recompute="none",
+                  lora=LoRASpec(r, targets, 16.0))
+    prec = Precision()
+    m = report.memory
+    assert m.gradients == prec.grad_bytes * count
+    assert m.optimizer_states == -(-prec.optimizer_bytes * count // 2)
+    base = provider.per_rank_parameter_counts("small", tp)
+    assert m.parameters == prec.param_bytes * (base[0] + count)  # the base stays, beside the adapters
+    assert report.lora is not None and report.lora.stage_adapters == [count]
+    assert report.lora.modules == 4 * 2 * (5 if adaln else 4)
+    assert report.lora.total == _hand_adapter_count("small", r, 1, adaln)  # the whole model: every shard once
+    line = next(x for x in report.table().splitlines() if x.startswith("LoRA:"))
+    assert f"rank {r}, alpha 16 on {report.lora.modules} linears" in line and "adapter parameters" in line
+    # the replicated optimizer: not sharded
+    rep = plan("small", ParallelLayout(tp=tp), world, "H200", Workload(), recompute="none",
+               precision=Precision(distributed_optimizer=False), lora=LoRASpec(r, targets))
+    assert rep.memory.optimizer_states == prec.optimizer_bytes * count
+
+
+def test_lora_adapters_per_pipeline_stage() -> None:
+    # only block 0's image stream: all on the first stage; the fullest stage's adapters count
+    c = memory.lora_adapter_counts("small", 2, 2, 4, ["layers.0.img.*"])
+    assert c.modules == ("layers.0.img.adaln", "layers.0.img.linear_qkv", "layers.0.img.linear_proj",
+                         "layers.0.img.linear_fc1", "layers.0.img.linear_fc2")
+    assert c.per_stage == [_hand_adapter_count("small", 4, 2, adaln=True) // 8, 0]
+    with pytest.raises(ValueError, match=r"LoRA targets \['\*.to_q'\] match no tensor-parallel linear"):
+        memory.lora_adapter_counts("small", 1, 1, 4, ["*.linear_qkv", "*.to_q"])
+    with pytest.raises(LayoutError, match="match no tensor-parallel linear"):
+        plan("small", ParallelLayout(), 2, lora=LoRASpec(4, ("*.to_q",)))
+
+
+def test_lora_rank_0_plans_exactly_as_full_fine_tuning() -> None:
+    for layout, world, rc in ((ParallelLayout(tp=4), 8, "none"), (ParallelLayout(tp=2, pp=2), 8, "full"),
+                              (ParallelLayout(tp=2, ulysses=2), 8, "selective")):
+        full = plan("20b", layout, world, "H800", Workload(), recompute=rc)
+        assert plan("20b", layout, world, "H800", Workload(), recompute=rc, lora=LoRASpec(0, LORA_TARGETS)) == full
+        assert full.lora is None and "LoRA" not in full.table()
+
+
+def test_lora_memory_and_time_below_full_fine_tuning_20b() -> None:
+    wl = Workload()
+    for layout, world in ((ParallelLayout(tp=4), 4), (ParallelLayout(pp=4), 4), (ParallelLayout(tp=2, pp=2), 8)):
+        full = plan("20b", layout, world, "H800", wl, recompute="none")
+        lora = plan("20b", layout, world, "H800", wl, recompute="none", lora=LoRASpec(64, LORA_TARGETS, 128))
+        f, m = full.memory, lora.memory
+        assert m.total < f.total and not f.fits
+        assert f.parameters < m.parameters < 1.05 * f.parameters  # + the adapters (~2% of the base)
+        assert m.gradients < f.gradients / 30 and m.optimizer_states < f.optimizer_states / 30
+        assert f.activations < m.activations < 1.05 * f.activations  # + the adapters' [tokens, r]
+        assert m.rollout_weights == f.rollout_weights
+        assert lora.time.train_s < full.time.train_s and lora.time.rollout_s == full.time.rollout_s
+        assert lora.time.old_logprob_s > full.time.old_logprob_s  # the adapters' forward
+    # the VeRL-Omni H800 setting (4 GPUs, vLLM-Omni asleep during the update): LoRA fits in 80 GB at pp=4
+    assert plan("20b", ParallelLayout(pp=4), 4, "H800", wl, recompute="none", rollout=RolloutSpec(sleeps=True),
+                lora=LoRASpec(64, LORA_TARGETS)).memory.fits
+
+
+def test_lora_training_flops_skip_the_base_weight_gradients() -> None:
+    """No communication (tp=1, pp=1, the replicated optimizer): training time is FLOPs / (peak x MFU), and LoRA's
+    forward + backward = (1 forward + adapters) + (the base's input gradients 1x, attention 2x, adapters 2x)."""
+    wl, prec = Workload(), Precision(distributed_optimizer=False)
+    full = plan("20b", ParallelLayout(), 8, "H200", wl, precision=prec, recompute="none")
+    lora = plan("20b", ParallelLayout(), 8, "H200", wl, precision=prec, recompute="none",
+                lora=LoRASpec(64, LORA_TARGETS))
+    f = full.flops
+    ad = lora_forward_flops("20b", 1024, 256, 64, LORA_TARGETS)
+    h = 3072
+    # qkv 4hr + proj 2hr + fc1 5hr + fc2 5hr MACs per token per stream, less the last block's text proj/MLP
+    assert ad.total == 2 * 64 * h * (16 * 60 * (1024 + 256) - 12 * 256)
+    assert full.time.train_s == pytest.approx(3 * f.total * 512 * 2 / 8 / (GPUS["H200"].peak_bf16_flops * 0.35))
+    ratio = lora.time.train_s / full.time.train_s
+    assert ratio == pytest.approx((2 * f.total + f.attention + 3 * ad.total) / (3 * f.total))
+    assert 0.66 < ratio < 0.75  # about 2/3: no weight-gradient GEMMs for the base
+    assert lora.flops_per_image < full.flops_per_image
+
+
+def test_lora_dry_run_drops_the_kl_reference_copy(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The trainer's JobConfig -> JobPlan: with LoRA the KL reference is the base with adapters off (no copy)."""
+    from examples.qwen_image.recipe import ocr_20b
+    from megatron_omni.trainer.config import apply_overrides
+    from megatron_omni.trainer.dry_run import job_plan
+
+    monkeypatch.setenv("MODEL_BACKEND", "local")
+    monkeypatch.delenv("QWEN_IMAGE_PIPELINE", raising=False)
+    cfg = apply_overrides(ocr_20b(), ["algorithm.beta=0.01", "parallel.pp=4"])
+    full = job_plan(cfg, 4, "H800")
+    assert full.lora is None and [c.label.split(" (")[0] for c in full.state_copies] == ["KL reference"]
+    lora = job_plan(apply_overrides(cfg, ["model.lora.rank=64", "model.lora.adaln=true"]), 4, "H800")
+    assert lora.state_copies == () and lora.lora == LoRASpec(64, LORA_TARGETS + ("*.adaln",), 128.0)

@@ -2,6 +2,7 @@
 
     python tools/checkpoint/convert.py hf-to-mcore  PIPELINE_OR_TRANSFORMER_DIR  MCORE_DIR  [--dtype bf16]
     python tools/checkpoint/convert.py mcore-to-hf  MCORE_DIR  OUT_DIR  [--pipeline-source PIPELINE_DIR]
+    python tools/checkpoint/convert.py lora-to-hf   LORA_CHECKPOINT  OUT_DIR  [--merge] [--pipeline-source DIR]
     python tools/checkpoint/convert.py inspect      DIR
     add --dry-run to print the name mapping plan and write nothing
 
@@ -37,6 +38,16 @@ def _parser() -> argparse.ArgumentParser:
     m2h.add_argument("--max-shard-size", default="10GB", help="safetensors shard size (default 10GB, as diffusers)")
     m2h.add_argument("--bucket-size", default="256MiB", help="tensors read per step: the memory bound")
 
+    l2h = sub.add_parser("lora-to-hf", help="LoRA training checkpoint -> diffusers LoRA safetensors (or a merged "
+                                            "pipeline folder)")
+    l2h.add_argument("source", help="a training checkpoint of a model.lora.rank > 0 run")
+    l2h.add_argument("output", help="new (or empty) folder: pytorch_lora_weights.safetensors, or with --merge a "
+                                    "complete diffusers pipeline")
+    l2h.add_argument("--merge", action="store_true", help="write the base pipeline with W + (alpha/r) B A merged in")
+    l2h.add_argument("--pipeline-source", help="the base pipeline folder (default: the one the checkpoint records; "
+                                               "its transformer's checksum must match)")
+    l2h.add_argument("--dtype", choices=("bf16", "fp32"), help="cast every tensor written (default: keep)")
+
     for p in (h2m, m2h):
         p.add_argument("--dry-run", action="store_true", help="print the name mapping plan, write nothing")
         p.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -59,6 +70,15 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "inspect":
             info = summary.inspect_checkpoint(args.path)
             print(json.dumps(info, indent=2, default=str) if args.json else summary.format_summary(info))
+            return 0
+        if args.command == "lora-to-hf":
+            from megatron_omni.checkpoint.lora import lora_to_hf
+
+            done = lora_to_hf(args.source, args.output, merge=args.merge, pipeline_source=args.pipeline_source,
+                              dtype=args.dtype)
+            what = "merged pipeline" if done.merged else "LoRA weights"
+            print(f"wrote {done.output} ({what}): {done.modules} adapted modules, {done.bytes / 2**20:.1f} MiB in "
+                  f"{done.seconds:.1f} s")
             return 0
         if args.command == "hf-to-mcore":
             result = convert.hf_to_mcore(args.source, args.output, dtype=args.dtype, dry_run=args.dry_run,

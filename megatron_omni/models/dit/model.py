@@ -97,6 +97,14 @@ class MMDiTModel(MegatronModule):
             self.proj_out = nn.Linear(h, config.patch_size**2 * config.out_channels, dtype=dtype)
         self.input_tensor: torch.Tensor | None = None
 
+    def global_name(self, local: str) -> str:
+        """The model-wide name of one of this stage's parameter or module names (its block i is block
+        `layer_offset + i` of the whole model)."""
+        if local.startswith("layers."):
+            idx, _, rest = local[len("layers."):].partition(".")
+            return f"layers.{int(idx) + self.layer_offset}" + (f".{rest}" if rest else "")
+        return local
+
     # The pipeline schedules hand the previous stage's output here.
     def set_input_tensor(self, input_tensor) -> None:
         if isinstance(input_tensor, list):

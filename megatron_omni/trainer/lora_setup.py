@@ -1,0 +1,67 @@
+"""What a LoRA run (`model.lora.rank > 0`) sets up around the DiT: the adapters on the model's parallel linears
+(checked against the whole model's names over every pipeline stage), how the rollout engine receives them
+(`rollout.lora_sync`), and what its checkpoints record about them (settings and the base's identity, which a
+resume must match)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from megatron_omni.checkpoint.lora import base_identity
+from megatron_omni.models.lora import add_lora, unmatched_targets
+from megatron_omni.trainer.config import ConfigError, LoRAConfig
+
+
+def attach_lora(model: torch.nn.Module, lora: LoRAConfig, seed: int, pp_group: dist.ProcessGroup) -> list[str]:
+    """Put adapters on `model`'s (this stage's) linears matching `lora.target_patterns()`, base frozen; returns
+    the adapted linears' global names over the whole model (every stage's, in block order). Each adapter starts
+    from its own seeded draw (`add_lora(seed=...)`), so it is the same at any layout. Raises ConfigError
+    naming a pattern that matches no linear of any stage. Collective over pp."""
+    patterns = lora.target_patterns()
+    try:
+        local = add_lora(model, patterns, lora.rank, lora.alpha, lora.dropout, seed=seed,
+                         global_name=model.global_name, require_match=pp_group.size() == 1)
+    except (ValueError, TypeError) as exc:
+        raise ConfigError(f"model.lora.targets: {exc}") from None
+    names = [model.global_name(n) for n in local]
+    linears = names
+    if pp_group.size() > 1:
+        stages: list = [None] * pp_group.size()
+        dist.all_gather_object(stages, names, group=pp_group)
+        linears = [n for stage in stages for n in stage]
+        unmatched = unmatched_targets(patterns, linears)
+        if unmatched:
+            raise ConfigError(f"model.lora.targets: {unmatched} match no tensor-parallel linear of any stage")
+    return linears
+
+
+def lora_sync_mode(lora_sync: str, engine: str) -> str:
+    """How the engine receives adapters: `rollout.lora_sync` resolved ("auto": adapters only into the diffusers
+    engine, merged full weights into vLLM-Omni, whose LoRA request path is GPU-only and not built)."""
+    if lora_sync != "auto":
+        return lora_sync
+    return "adapter" if engine == "diffusers" else "merge"
+
+
+def lora_identity(lora: LoRAConfig, linears: list[str], pipeline_dir: str | Path) -> dict[str, Any]:
+    """What a LoRA checkpoint records (content metadata `lora`, and the identity a resume checks): the
+    settings, the number of adapted linears and the base pipeline's identity (`base_identity`). Reads the
+    base's transformer files once, on rank 0 of the job, and shares the result. Collective."""
+    found = [base_identity(pipeline_dir) if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(found, src=0)
+    return {"rank": lora.rank, "alpha": lora.alpha, "dropout": lora.dropout, "targets": lora.target_patterns(),
+            "modules": len(linears), "base": found[0]}
+
+
+def check_identity(saved: dict[str, Any] | None, current: dict[str, Any], folder: Path) -> None:
+    """A resumed checkpoint's recorded identity (`saved`, from its common state; None for one written before
+    identities were recorded) against this job's; raises ConfigError naming what differs."""
+    saved = saved or {}
+    for key in sorted(set(saved) | set(current)):
+        if saved.get(key) != current.get(key):
+            raise ConfigError(f"--resume {folder}: its {key} is {saved.get(key)!r}, this job's is "
+                              f"{current.get(key)!r}; resume with the same settings and base, or start a new run")
