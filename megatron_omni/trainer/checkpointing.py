@@ -275,11 +275,12 @@ def save_checkpoint(run_dir: Path, step: int, model: torch.nn.Module, optimizer:
 @torch.no_grad()
 def load_checkpoint(folder: Path, model: torch.nn.Module, optimizer: Any, scheduler: Any,
                     sharded_state: ModelShardedState = model_sharded_state_dict,
-                    ema: torch.nn.Module | None = None) -> dict[str, Any]:
+                    ema: torch.nn.Module | None = None, identity: dict[str, Any] | None = None) -> dict[str, Any]:
     """Collective: load a complete checkpoint saved at any layout into this rank's model and optimizer
     shards, the scheduler and the `ema` copy if given (the checkpoint must hold one); restore the RNG states
     when the world size matches. Returns `common`. `sharded_state`: as for `save_checkpoint` (the one the
-    checkpoint was saved with)."""
+    checkpoint was saved with). `identity`: what the checkpoint's `common["identity"]` must equal (a LoRA
+    run's settings and base, `check_identity`), checked before any tensor is read."""
     folder = Path(folder)
     if not (folder / COMPLETE).is_file():
         raise FileNotFoundError(f"{folder} is not a complete checkpoint (no {COMPLETE} marker)")
@@ -288,6 +289,8 @@ def load_checkpoint(folder: Path, model: torch.nn.Module, optimizer: Any, schedu
         raise CheckpointError(problem)
     rank, world = dist.get_rank(), dist.get_world_size()
     saved = dist_checkpointing.load_common_state_dict(str(folder))
+    if identity is not None:
+        check_identity(saved["common"].get("identity"), identity, folder)
     state = _sharded_training_state(model, optimizer, is_loading=True, sharded_state=sharded_state)
     same_world = saved["world_size"] == world
     if same_world:
@@ -326,10 +329,14 @@ def load_checkpoint(folder: Path, model: torch.nn.Module, optimizer: Any, schedu
     return loaded["common"]
 
 
-def saved_common(folder: Path) -> dict[str, Any]:
-    """The `common` state a checkpoint was saved with (step, data position, identity, ...), without loading
-    tensors."""
-    return dist_checkpointing.load_common_state_dict(str(folder))["common"]
+def check_identity(saved: dict[str, Any] | None, current: dict[str, Any], folder: Path) -> None:
+    """A checkpoint's recorded identity (`saved`, from its common state; None for one written before
+    identities were recorded) against this job's; raises ConfigError naming what differs."""
+    saved = saved or {}
+    for key in sorted(set(saved) | set(current)):
+        if saved.get(key) != current.get(key):
+            raise ConfigError(f"--resume {folder}: its {key} is {saved.get(key)!r}, this job's is "
+                              f"{current.get(key)!r}; resume with the same settings and base, or start a new run")
 
 
 def read_checkpoint_tensors(folder: Path) -> dict[str, dict[str, torch.Tensor]]:

@@ -1,7 +1,7 @@
 """What a LoRA run (`model.lora.rank > 0`) sets up around the DiT: the adapters on the model's parallel linears
 (checked against the whole model's names over every pipeline stage), how the rollout engine receives them
 (`rollout.lora_sync`), and what its checkpoints record about them (settings and the base's identity, which a
-resume must match)."""
+resume must match: `checkpointing.check_identity`)."""
 
 from __future__ import annotations
 
@@ -55,13 +55,3 @@ def lora_identity(lora: LoRAConfig, linears: list[str], pipeline_dir: str | Path
     dist.broadcast_object_list(found, src=0)
     return {"rank": lora.rank, "alpha": lora.alpha, "dropout": lora.dropout, "targets": lora.target_patterns(),
             "modules": len(linears), "base": found[0]}
-
-
-def check_identity(saved: dict[str, Any] | None, current: dict[str, Any], folder: Path) -> None:
-    """A resumed checkpoint's recorded identity (`saved`, from its common state; None for one written before
-    identities were recorded) against this job's; raises ConfigError naming what differs."""
-    saved = saved or {}
-    for key in sorted(set(saved) | set(current)):
-        if saved.get(key) != current.get(key):
-            raise ConfigError(f"--resume {folder}: its {key} is {saved.get(key)!r}, this job's is "
-                              f"{current.get(key)!r}; resume with the same settings and base, or start a new run")

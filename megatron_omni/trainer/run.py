@@ -21,12 +21,10 @@ from megatron_omni.trainer.checkpointing import (
     load_checkpoint,
     run_id_of,
     save_checkpoint,
-    saved_common,
 )
 from megatron_omni.trainer.config import ConfigError, JobConfig, to_dict
 from megatron_omni.trainer.evaluation import EvalResult, eval_samples, evaluate, save_before_after_grid
 from megatron_omni.trainer.flowgrpo import FlowGRPOTrainer
-from megatron_omni.trainer.lora_setup import check_identity
 from megatron_omni.trainer.metrics import MetricsWriter, read_history, save_image_grid, save_reward_curve
 from megatron_omni.trainer.preemption import StopRequests, TrainingStopped
 from megatron_omni.trainer.rewards import RewardFunction
@@ -157,9 +155,9 @@ def _run(cfg: JobConfig, overwrite: bool, stops: StopRequests) -> dict:
     if rank == 0:
         atomic_files.write_text(run_dir / "config.json", json.dumps({"run_id": run_id, **to_dict(cfg)}, indent=2))
     if folder is not None:
-        check_identity(saved_common(folder).get("identity"), trainer.checkpoint_identity, folder)
         common = load_checkpoint(folder, trainer.model, trainer.optimizer, trainer.scheduler,
-                                 sharded_state=trainer.sharded_state, ema=trainer.ema)
+                                 sharded_state=trainer.sharded_state, ema=trainer.ema,
+                                 identity=trainer.checkpoint_identity)
         start = common["step"]
         trainer.guard.bad_steps = int(common.get("bad_steps", 0))
         trainer.sync_weights()
