@@ -116,8 +116,7 @@ class LoRAAdapterSync:
         self.num_heads = family.num_heads(hf_config)
         self.mappings = family.mappings(family.num_layers(hf_config))
         self.megatron_to_hf = family.megatron_to_hf
-        self.targets = lora_targets(self.mappings, linears)
-        self.modules = sorted({t.module for t in self.targets})
+        self.modules = sorted({t.module for t in lora_targets(self.mappings, linears)})
         self.rank, self.alpha = rank, alpha
         self.tp_group, self.pp_group, self.global_name = tp_group, pp_group, global_name
 

@@ -180,6 +180,14 @@ def _checkpoint_config(checkpoint: str, config_path: str | Path | None) -> tuple
     return fam, cfg
 
 
+def copy_pipeline_components(pipeline_dir: Path, out: Path) -> None:
+    """Copy every component of a diffusers pipeline folder but its transformer into `out`."""
+    for item in sorted(pipeline_dir.iterdir()):
+        if item.name != "transformer":
+            dst = out / item.name
+            shutil.copytree(item, dst) if item.is_dir() else shutil.copy2(item, dst)
+
+
 def mcore_to_hf(
     checkpoint: str | Path,
     output: str | Path,
@@ -257,11 +265,7 @@ def mcore_to_hf(
     with _progress(total, "mcore-to-hf", progress) as bar, staged_output(out) as tmp, single_process_group():
         transformer_dir = tmp
         if pipeline_dir is not None:
-            for item in sorted(pipeline_dir.iterdir()):
-                if item.name == "transformer":
-                    continue
-                dst = tmp / item.name
-                shutil.copytree(item, dst) if item.is_dir() else shutil.copy2(item, dst)
+            copy_pipeline_components(pipeline_dir, tmp)
             transformer_dir = tmp / "transformer"
             transformer_dir.mkdir()
         (transformer_dir / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")

@@ -28,6 +28,7 @@ from megatron.core.dist_checkpointing.mapping import ShardedStateDict, ShardedTe
 
 from megatron_omni.checkpoint import manifest
 from megatron_omni.checkpoint.errors import CheckpointError
+from megatron_omni.checkpoint.safetensors_io import PlannedTensor, SafetensorsFolder, ShardedSafetensorsWriter
 from megatron_omni.models.lora import adapters
 
 LORA_PREFIX = "lora."
@@ -167,7 +168,6 @@ def lora_to_hf(checkpoint: str | Path, output: str | Path, *, merge: bool = Fals
     import diffusers
 
     from megatron_omni.checkpoint.convert import parse_dtype
-    from megatron_omni.checkpoint.safetensors_io import PlannedTensor, SafetensorsFolder, ShardedSafetensorsWriter
     from megatron_omni.checkpoint.staging import check_output, staged_output
     from model_providers import get_family
 
@@ -199,26 +199,24 @@ def lora_to_hf(checkpoint: str | Path, output: str | Path, *, merge: bool = Fals
                                                    "target_modules": modules, "lora_dropout": 0.0})
             written = sum(t.numel() * t.element_size() for t in state.values())
         else:
-            written = _write_merged_pipeline(base, tmp, state, lora["rank"], lora["alpha"], cast,
-                                             SafetensorsFolder, PlannedTensor, ShardedSafetensorsWriter)
+            written = _write_merged_pipeline(base, tmp, state, lora["rank"], lora["alpha"], cast)
     return LoRAExport(out, len(modules), written, merge, time.perf_counter() - t0)
 
 
 def _write_merged_pipeline(base: Path, tmp: Path, state: dict[str, torch.Tensor], rank: int, alpha: float,
-                           cast: torch.dtype | None, folder_cls: Any, planned_cls: Any, writer_cls: Any) -> int:
+                           cast: torch.dtype | None) -> int:
     """Copy the base pipeline's components except the transformer into `tmp`, and write its transformer with
     every adapted weight merged (fp32 product, stored in the weight's dtype or `cast`). Returns bytes written."""
-    for item in sorted(base.iterdir()):
-        if item.name != "transformer":
-            dst = tmp / item.name
-            shutil.copytree(item, dst) if item.is_dir() else shutil.copy2(item, dst)
-    src = folder_cls(base / "transformer")
+    from megatron_omni.checkpoint.convert import copy_pipeline_components
+
+    copy_pipeline_components(base, tmp)
+    src = SafetensorsFolder(base / "transformer")
     (tmp / "transformer").mkdir()
     shutil.copy2(base / "transformer" / "config.json", tmp / "transformer" / "config.json")
     scale = alpha / rank
     names = sorted(src.entries)
-    planned = [planned_cls(n, cast or src.entries[n].dtype, tuple(src.entries[n].shape)) for n in names]
-    writer = writer_cls(tmp / "transformer", planned, 10 * 10**9)
+    planned = [PlannedTensor(n, cast or src.entries[n].dtype, tuple(src.entries[n].shape)) for n in names]
+    writer = ShardedSafetensorsWriter(tmp / "transformer", planned, 10 * 10**9)
     written = 0
     try:
         for name in names:

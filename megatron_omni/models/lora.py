@@ -136,7 +136,7 @@ def add_lora(model: nn.Module, targets: Sequence[str], rank: int, alpha: float, 
     if unmatched and require_match:
         raise ValueError(f"LoRA targets {unmatched} match no tensor-parallel linear of the model; its linears "
                          f"end in {sorted({n.rsplit('.', 1)[-1] for n in linears})}")
-    adapted = [n for n in linears if any(fnmatch.fnmatchcase(n, t) for t in targets)]
+    adapted = [n for n in linears if matches_any(n, targets)]
     for p in model.parameters():
         p.requires_grad_(False)
     for name in adapted:
@@ -152,6 +152,11 @@ def add_lora(model: nn.Module, targets: Sequence[str], rank: int, alpha: float, 
 def is_adapter_name(name: str) -> bool:
     """Whether a parameter name of a model is one of an adapter's factors (`<linear>.lora.lora_a|lora_b`)."""
     return ".lora.lora_" in name or name.startswith("lora.lora_")
+
+
+def matches_any(name: str, patterns: Sequence[str]) -> bool:
+    """Whether module name `name` matches one of the fnmatch `patterns` (case-sensitive)."""
+    return any(fnmatch.fnmatchcase(name, p) for p in patterns)
 
 
 def unmatched_targets(targets: Sequence[str], module_names: Iterable[str]) -> list[str]:

@@ -15,12 +15,12 @@ ranks, while the (short) text stream and the per-sample layers are replicated on
 
 from __future__ import annotations
 
-import fnmatch
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from megatron_omni.models.lora import matches_any
 from megatron_omni.planner.memory import lora_linears
 from model_providers.qwen_image.provider import hf_config, megatron_shapes
 
@@ -134,7 +134,7 @@ def lora_forward_flops(model: str | dict[str, Any], image_tokens: int, text_toke
     cfg = hf_config(model)
     img = txt = sample = qkv = 0.0
     for name, (n_out, n_in, row) in lora_linears(cfg).items():
-        if not any(fnmatch.fnmatchcase(name, t) for t in targets):
+        if not matches_any(name, targets):
             continue
         _, layer, stream, linear = name.split(".")
         # MACs per token one rank does, times tp: the split factor's share sums to its whole, the replicated

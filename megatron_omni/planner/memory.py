@@ -11,12 +11,12 @@ the same way (`lora_adapter_counts`: A and B sharded like their layer, models/lo
 
 from __future__ import annotations
 
-import fnmatch
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from megatron_omni.models.lora import matches_any, unmatched_targets
 from model_providers.qwen_image.provider import hf_config, megatron_shapes
 
 _COLUMN = ("adaln.", "linear_qkv.", "linear_fc1.")
@@ -119,14 +119,14 @@ def lora_adapter_counts(model: str | dict[str, Any], tp: int, pp: int, rank: int
     if layers % pp:
         raise ValueError(f"{layers} blocks are not divisible by pp={pp}")
     linears = lora_linears(cfg)
-    unmatched = [t for t in targets if not any(fnmatch.fnmatchcase(n, t) for n in linears)]
+    unmatched = unmatched_targets(targets, linears)
     if unmatched:
         raise ValueError(f"LoRA targets {unmatched} match no tensor-parallel linear of the model; its linears end "
                          f"in {sorted({n.rsplit('.', 1)[1] for n in linears})}")
     per_stage_blocks = layers // pp
     modules, total, stages = [], 0, [0] * pp
     for name, (n_out, n_in, row) in linears.items():
-        if not any(fnmatch.fnmatchcase(name, t) for t in targets):
+        if not matches_any(name, targets):
             continue
         split = n_in if row else n_out
         if split % tp:
@@ -151,7 +151,7 @@ def lora_activation_bytes(
     blocks = range(layers // pp)  # the first stage's
     per_block = [0] * len(blocks)
     for name in lora_linears(cfg):
-        if not any(fnmatch.fnmatchcase(name, t) for t in targets):
+        if not matches_any(name, targets):
             continue
         _, layer, stream, linear = name.split(".")
         layer = int(layer)

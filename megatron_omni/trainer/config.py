@@ -267,9 +267,6 @@ class JobConfig:
              "here; use model.backend=local"),
             (r.engine != "vllm_omni" or module_importable("vllm_omni"), "rollout.engine",
              "= vllm_omni needs the vllm_omni package, which is not importable here; use rollout.engine=diffusers"),
-            (not m.lora.enabled or m.backend == "local", "model.backend",
-             "with model.lora.rank > 0 needs model.backend=local (the adapters wrap Megatron-Core's local "
-             "Column/RowParallelLinear; the TE spec's linears are not adapted yet)"),
             (r.tp == 1 or r.engine == "vllm_omni", "rollout.tp", "> 1 needs rollout.engine=vllm_omni (the diffusers "
              "engine is one process per rank)"),
             (self.rollout.transformer != "trainer" or self.parallel.tp * self.parallel.ulysses * self.parallel.ring

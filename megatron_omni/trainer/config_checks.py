@@ -263,8 +263,8 @@ def check_fields(cfg: Any) -> None:
 
 
 def check_lora(cfg: Any) -> None:
-    """model.lora against what it combines with: target patterns non-blank, no EMA (its copy would be the
-    whole base again), and an adapter-only sync only into an engine that takes adapters."""
+    """model.lora against what it combines with: target patterns non-blank, the local layer spec, no EMA (its
+    copy would be the whole base again), and an adapter-only sync only into an engine that takes adapters."""
     from megatron_omni.trainer.config import ConfigError
 
     lora = cfg.model.lora
@@ -279,6 +279,10 @@ def check_lora(cfg: Any) -> None:
         if cfg.rollout.lora_sync != "auto":
             raise ConfigError(f"rollout.lora_sync={cfg.rollout.lora_sync!r} needs model.lora.rank > 0")
         return
+    if cfg.model.backend != "local":
+        raise ConfigError(f"model.backend={cfg.model.backend!r} with model.lora.rank > 0 needs model.backend=local "
+                          "(the adapters wrap Megatron-Core's local Column/RowParallelLinear; the TE spec's linears "
+                          "are not adapted yet)")
     if cfg.optim.ema_decay > 0:
         raise ConfigError(f"optim.ema_decay={cfg.optim.ema_decay!r} with model.lora.rank={lora.rank}: the EMA "
                           "keeps a second full copy of the model, which LoRA exists to avoid; set optim.ema_decay=0")
