@@ -10,7 +10,7 @@ the ODE elsewhere; its Flash variant samples the ODE steps after the window with
   `max(1, int(R ratio) - 1)` steps (the reference rebuilds the tail with `int(R ratio)` grid points:
   `dpm_post_compress_ratio`, 0.4 in the Flash script), evenly spaced in the unshifted time from the window's end
   to 0 and shifted like the grid, and sampled with the multistep DPM-Solver++ (2nd order, diffusers' and the
-  reference's `midpoint` form, first order on the last step and, for grids under 15 steps, the one before).
+  reference's `midpoint` form; first order on the last step, `lower_order_final`).
   Only the window's transitions are trained, so the tail's solver changes what the images look like, never a
   recorded log-prob.
 
@@ -23,11 +23,6 @@ from __future__ import annotations
 import torch
 
 from megatron_omni.algorithms.schedule import ShiftConfig, shift_sigmas
-
-# Diffusers' DPMSolverMultistepScheduler (and MixGRPO's copy) drops to first order on the second-to-last step of
-# grids shorter than this, for stability with few steps.
-LOWER_ORDER_SECOND_BELOW = 15
-
 
 def window_start_at(step: int, window_size: int, window_range: tuple[int, int], steps_per_move: int, shift: int,
                     roll_back: bool = True) -> int:
@@ -144,9 +139,7 @@ def dpm_solver_pp_step(latents: torch.Tensor, velocity: torch.Tensor, sigma: tor
 
 
 def second_order_allowed(step_index: int, grid_steps: int) -> bool:
-    """Whether the multistep solver may take its second order at `step_index` of a grid of `grid_steps` steps:
-    not on the last step, nor on the one before it when the grid is shorter than 15 steps (diffusers'
-    `lower_order_final`)."""
-    if step_index >= grid_steps - 1:
-        return False
-    return not (step_index == grid_steps - 2 and grid_steps < LOWER_ORDER_SECOND_BELOW)
+    """Whether the 2nd-order multistep solver may take its second order at `step_index` of a grid of `grid_steps`
+    steps: on every step but the last (diffusers' `lower_order_final`; its `lower_order_second` caps a 3rd-order
+    solver at the second order, which a 2nd-order one is anyway)."""
+    return step_index < grid_steps - 1
