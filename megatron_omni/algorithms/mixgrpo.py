@@ -24,6 +24,7 @@ import torch
 
 from megatron_omni.algorithms.schedule import ShiftConfig, shift_sigmas
 
+
 def window_start_at(step: int, window_size: int, window_range: tuple[int, int], steps_per_move: int, shift: int,
                     roll_back: bool = True) -> int:
     """The window's first step at RL step `step` (0-based), the same for every sample of the step.

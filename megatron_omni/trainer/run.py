@@ -181,8 +181,11 @@ def _run(cfg: JobConfig, overwrite: bool, stops: StopRequests) -> dict:
                                to_dict(cfg))
     if cfg.eval.prompts and start == 0:
         run_evaluation(cfg, trainer, run_dir, 0)
-    bar = tqdm(range(start, cfg.steps), initial=start, total=cfg.steps, desc=type(trainer).__name__.removesuffix(
-        "Trainer"), unit="step", disable=rank != 0, dynamic_ncols=True)
+    # the bar names the update rule (algorithm.name) of the DiT trainer, the trainer otherwise
+    name = (cfg.algorithm.name if isinstance(trainer, FlowGRPOTrainer)
+            else type(trainer).__name__.removesuffix("Trainer"))
+    bar = tqdm(range(start, cfg.steps), initial=start, total=cfg.steps, desc=name, unit="step", disable=rank != 0,
+               dynamic_ncols=True)
     if reward_fn is not None:
         reward_fn.progress = bar  # its postfix shows "waiting for rewards: N outstanding" while the server scores
     for step in bar:
