@@ -21,7 +21,13 @@ from __future__ import annotations
 
 import torch
 
-from megatron_omni.algorithms.loss import PolicyLoss, _clip_bounds, policy_metrics
+from megatron_omni.algorithms.loss import (
+    PolicyLoss,
+    _clip_bounds,
+    clipped_terms,
+    policy_loss_with_kl,
+    policy_metrics,
+)
 
 
 def grpo_guard_loss(
@@ -73,16 +79,8 @@ def grpo_guard_loss(
     lp = log_probs.float()
     old = old_log_probs.float().detach()
     ratio = torch.exp((lp - old + bias) * s)
-    adv = advantages.float().detach()
-    terms = torch.maximum(-adv * ratio, -adv * torch.clamp(ratio, 1.0 - low, 1.0 + high))
+    terms = clipped_terms(ratio, advantages.float().detach(), low, high)
     policy_loss = (terms / dt.float().detach().abs()).mean()
-    if beta > 0:
-        if kl is None:
-            raise ValueError("beta > 0 needs the per-sample kl term")
-        kl_loss = kl.float().mean()
-    else:
-        kl_loss = torch.zeros((), dtype=torch.float32, device=lp.device)
     metrics = policy_metrics(lp, old, ratio, (low, high))
-    metrics.update(policy_loss=policy_loss.detach(), kl_loss=kl_loss.detach(), ratio_mean_bias=bias.detach().mean())
-    return PolicyLoss(loss=policy_loss + beta * kl_loss, policy_loss=policy_loss, kl_loss=kl_loss, ratio=ratio,
-                      metrics=metrics)
+    metrics["ratio_mean_bias"] = bias.detach().mean()
+    return policy_loss_with_kl(policy_loss, beta, kl, ratio, metrics)
