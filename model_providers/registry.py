@@ -116,7 +116,9 @@ class ModelFamily:
         `num_layers` and `num_attention_heads`); raises KeyError/ValueError on a config the family cannot hold.
     mappings: num_layers -> the diffusers <-> Megatron name mappings (`ParamMapping`s: megatron, hf, kind).
     hf_to_megatron: (mapping, [diffusers tensors], num_heads) -> the full Megatron tensor.
-    megatron_to_hf: (mapping, full Megatron tensor, num_heads) -> the diffusers tensors, in `mapping.hf` order.
+    megatron_to_hf: (mapping, full Megatron tensor, num_heads, views=False) -> the diffusers tensors, in `mapping.hf`
+        order; `views=True`: views of the Megatron tensor whose leading dims flattened are each diffusers tensor's
+        rows (the adapter sync copies from them without an intermediate copy).
     """
 
     name: str

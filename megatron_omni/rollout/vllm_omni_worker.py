@@ -15,6 +15,10 @@ with `collective_rpc(method, args=...)`. `FlowGRPOWorkerExtension` adds:
 - `weight_target()`: this worker's transformer as the bridge's `VllmOmniTarget`, for a `WeightSync` that
   runs in the worker's own process (the `uni` executor, or an executor of ours on the trainer's ranks):
   `direct` mode then copies the trainer's tp shards in place, and the sync's coverage check applies.
+- `load_flowgrpo_lora(state, rank, alpha)`, `flowgrpo_lora_request()`: the adapter-only LoRA sync
+  (`vllm_omni_lora.VllmOmniLoRAReceiver`: vLLM-Omni's LoRA request path the first time, in place after), and the
+  `LoRARequest` every rollout request then carries so the worker keeps the adapter active. An update bracketed by
+  `begin/finish_weight_update` may be adapters only (no full tensors).
 
 The update logic lives in `WeightReceiver` (one per pipeline), so it runs the same with or without a
 vLLM-Omni worker around it. Nothing here imports vllm at module level.
@@ -47,11 +51,18 @@ class WeightReceiver:
         self.pipeline = pipeline
         self.full_shapes = full_shapes
         self._seen: set[str] | None = None
+        self._adapters = False  # the open update loaded LoRA adapters
         self.updates = 0
 
     def begin(self) -> None:
         """Start an update (a previous unfinished one is discarded: it raised or was abandoned)."""
         self._seen = set()
+        self._adapters = False
+
+    def adapters_loaded(self) -> None:
+        """The open update (if any) carried LoRA adapters: it may then send no full tensor at all."""
+        if self._seen is not None:
+            self._adapters = True
 
     @torch.no_grad()
     def load(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
@@ -78,7 +89,7 @@ class WeightReceiver:
             raise WeightUpdateError("finish_weight_update without begin_weight_update")
         seen, self._seen = self._seen, None
         missing = sorted(set(self.full_shapes) - seen)
-        if missing:
+        if missing and not (self._adapters and not seen):
             raise WeightUpdateError(f"partial weight update: {len(missing)} of {len(self.full_shapes)} transformer "
                                     f"tensors were not sent, e.g. {missing[:3]}; the model now mixes old and new "
                                     "weights, send a complete update")
@@ -136,6 +147,28 @@ class FlowGRPOWorkerExtension:
     def weight_target(self) -> Any:
         """The bridge target for an in-process `WeightSync` (see the module docstring)."""
         return self._flowgrpo_receiver().target()
+
+    def load_flowgrpo_lora(self, state: dict[str, torch.Tensor], rank: int,
+                           alpha: float) -> tuple[list[str], list[str]]:
+        """Load LoRA adapters (diffusers peft keys, full tensors) into this worker's transformer; returns (diffusers
+        modules carrying the adapter, keys written). See `vllm_omni_lora.VllmOmniLoRAReceiver`."""
+        from megatron_omni.rollout.vllm_omni_lora import VllmOmniLoRAReceiver
+        from model_providers.qwen_image.rollout_layouts import rollout_layout
+
+        pipeline = self.model_runner.pipeline
+        receiver = getattr(self, "_flowgrpo_lora_receiver", None)
+        if receiver is None or receiver.pipeline is not pipeline:
+            receiver = VllmOmniLoRAReceiver(self, rollout_layout("vllm_omni"))
+            self._flowgrpo_lora_receiver = receiver
+        out = receiver.load(state, rank, alpha)
+        if hasattr(pipeline, "full_shapes"):
+            self._flowgrpo_receiver().adapters_loaded()
+        return out
+
+    def flowgrpo_lora_request(self) -> Any:
+        """The `LoRARequest` of the adapters `load_flowgrpo_lora` loaded (None before the first load)."""
+        receiver = getattr(self, "_flowgrpo_lora_receiver", None)
+        return None if receiver is None else receiver.request
 
     def parameter_shapes(self) -> dict[str, tuple[int, ...]]:
         """This worker's transformer parameters: name -> local (tp-sliced) shape."""

@@ -40,11 +40,11 @@ def attach_lora(model: torch.nn.Module, lora: LoRAConfig, seed: int, pp_group: d
 
 
 def lora_sync_mode(lora_sync: str, engine: str) -> str:
-    """How the engine receives adapters: `rollout.lora_sync` resolved ("auto": adapters only into the diffusers
-    engine, merged full weights into vLLM-Omni, whose LoRA request path is GPU-only and not built)."""
+    """How the engine `engine` receives adapters: `rollout.lora_sync` resolved ("auto": adapters only, which both
+    engines take: the diffusers engine through peft, vLLM-Omni through its LoRA manager and layers)."""
     if lora_sync != "auto":
         return lora_sync
-    return "adapter" if engine == "diffusers" else "merge"
+    return "adapter" if engine in ("diffusers", "vllm_omni") else "merge"
 
 
 def lora_identity(lora: LoRAConfig, linears: list[str], pipeline_dir: str | Path) -> dict[str, Any]:
