@@ -131,6 +131,7 @@ class LoRAAdapterSync:
         self._local = tp_group.size() == 1 and pp_group.size() == 1
         self._views: tuple[list[int], dict[str, torch.Tensor]] | None = None  # (parameter addresses, state)
         self._bytes: tuple[dict[str, torch.Tensor], int] | None = None  # (the last state delivered, its bytes)
+        self._verified: tuple[Any, Any] = (None, None)  # the engine's last report that passed `_check`
 
     @torch.no_grad()
     def state(self) -> dict[str, torch.Tensor]:
@@ -142,7 +143,7 @@ class LoRAAdapterSync:
     def _sync_state(self) -> dict[str, torch.Tensor]:
         if not self._local:
             return self.state()
-        addresses = [p.data_ptr() for p in self._params]
+        addresses = list(map(torch.Tensor.data_ptr, self._params))
         if self._views is None or self._views[0] != addresses:
             self._views = (addresses, self.state())
         return self._views[1]
@@ -160,6 +161,16 @@ class LoRAAdapterSync:
         or the keys it wrote differ from the trained adapters' (`self.modules`)."""
         t0 = time.perf_counter()
         carrying, written = self.engine.load_lora(state, self.rank, self.alpha)
+        # An engine returns the same report objects while everything is in place: checked once, then known good.
+        if carrying is not self._verified[0] or written is not self._verified[1]:
+            self._check(carrying, written)
+            self._verified = (carrying, written)
+        if self._bytes is None or self._bytes[0] is not state:
+            self._bytes = (state, sum(t.numel() * t.element_size() for t in state.values()))
+        return LoRASyncStats(len(carrying), self._bytes[1], time.perf_counter() - t0)
+
+    def _check(self, carrying: Sequence[str], written: Sequence[str]) -> None:
+        """Raise LoRASyncError unless `carrying` is exactly the trained modules and `written` has every key."""
         held = set(carrying)
         if held != self._module_set or len(carrying) != len(held) or not self._keys.issubset(written):
             missing = sorted(self._keys.difference(written))
@@ -170,9 +181,6 @@ class LoRAAdapterSync:
                 f"{len(self.modules)}" + (f"; not carrying: {lost[:6]}" if lost else "")
                 + (f"; unexpected: {extra[:6]}" if extra else "")
                 + (f"; not written: {missing[:6]}" if missing else ""))
-        if self._bytes is None or self._bytes[0] is not state:
-            self._bytes = (state, sum(t.numel() * t.element_size() for t in state.values()))
-        return LoRASyncStats(len(carrying), self._bytes[1], time.perf_counter() - t0)
 
 
 def merged_linears(model: torch.nn.Module, global_name: Callable[[str], str]) -> dict[str, torch.nn.Module]:

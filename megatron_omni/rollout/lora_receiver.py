@@ -26,8 +26,6 @@ from dataclasses import dataclass, field
 
 import torch
 
-from megatron_omni.checkpoint.lora import LORA_A, LORA_B
-
 # The name of the adapter the trainer's LoRA sync loads into the engine's transformer (peft).
 LORA_ADAPTER = "megatron_omni"
 
@@ -93,6 +91,46 @@ class FlatAdapters:
         self.addresses = [v.data_ptr() for v in self.views]
 
 
+def _stacked(t: torch.Tensor, n: int, step: int) -> torch.Tensor:
+    """[n, *t.shape]: `t` and the n - 1 tensors like it `step` elements apart in its storage (a view)."""
+    return t.as_strided((n, *t.shape), (step, *t.stride()), t.storage_offset())
+
+
+def _step(a: torch.Tensor, b: torch.Tensor) -> int | None:
+    """Elements from `a` to `b` when `b` is laid out like `a` in the same storage, else None."""
+    if (a.shape != b.shape or a.stride() != b.stride() or a.dtype != b.dtype
+            or a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr()):
+        return None
+    return b.storage_offset() - a.storage_offset()
+
+
+def merged_copies(dsts: Sequence[torch.Tensor], srcs: Sequence[torch.Tensor]) -> tuple[list, list]:
+    """The copies `srcs[i] -> dsts[i]` with each run of destinations laid out one step apart in one storage, whose
+    sources are too (a fused qkv's q, k, v parts of B; its A copied to three modules: step 0), merged into one copy
+    between [n, ...] views of the run. Destinations of a run never overlap (a step of at least one's extent)."""
+    order = sorted(range(len(dsts)), key=lambda i: (dsts[i].untyped_storage().data_ptr(), dsts[i].storage_offset()))
+    out_d, out_s, i = [], [], 0
+    while i < len(order):
+        d0, s0 = dsts[order[i]], srcs[order[i]]
+        extent = 1 + sum((k - 1) * st for k, st in zip(d0.shape, d0.stride(), strict=True))
+        n, d_step, s_step = 1, 0, 0
+        while i + n < len(order):
+            ds, ss = _step(d0, dsts[order[i + n]]), _step(s0, srcs[order[i + n]])
+            if ds is None or ss is None:
+                break
+            if n == 1:
+                if ds < extent or ss < 0:
+                    break
+                d_step, s_step = ds, ss
+            elif ds != n * d_step or ss != n * s_step:
+                break
+            n += 1
+        out_d.append(d0 if n == 1 else _stacked(d0, n, d_step))
+        out_s.append(s0 if n == 1 else _stacked(s0, n, s_step))
+        i += n
+    return out_d, out_s
+
+
 @dataclass
 class CopyPlan:
     """Where each key's tensor goes: for the keys `keys` (in the order the trainer sends them), `dsts[i]` is a
@@ -110,6 +148,11 @@ class CopyPlan:
 
     def __post_init__(self) -> None:
         self.modules = [module_of(k) for k in self.keys]
+        # the copies from `source` itself (its tensors keep their storage: the trainer's adapter views), merged
+        self.merged = None
+        if self.source is not None:
+            srcs = [t if f is None else f(t) for t, f in zip(self.source.values(), self.slicers, strict=True)]
+            self.merged = merged_copies(self.dsts, srcs)
 
     def written(self, carrying: Sequence[str]) -> list[str]:
         """The keys this plan writes into a module of `carrying`."""
@@ -119,6 +162,11 @@ class CopyPlan:
     @torch.no_grad()
     def run(self, state: Mapping[str, torch.Tensor]) -> None:
         """Copy `state` (the same keys in the same order as `keys`) into the views: one foreach copy."""
+        if state is self.source:
+            torch._foreach_copy_(*self.merged)
+            if self.scaled:
+                torch._foreach_mul_(self.scaled, self.scale)
+            return
         srcs = list(state.values())
         if any(self.slicers):
             srcs = [t if s is None else s(t) for t, s in zip(srcs, self.slicers, strict=True)]
@@ -133,12 +181,15 @@ class CopyPlan:
 class LoRARouter:
     """Caches the `CopyPlan` of the key order the trainer sends. `destination(key, source)` (the engine's) returns
     (the view of its buffer shaped like the sliced source, the slicer or None, whether it is scaled); an unknown
-    key raises KeyError naming it."""
+    key raises KeyError naming it. `scaled_region`: one tensor holding every scaled destination (and otherwise
+    only zeros), multiplied as one when a plan writes all of `scaled_keys`."""
 
     def __init__(self, destination: Callable[[str, torch.Tensor], tuple[torch.Tensor, Callable | None, bool]],
-                 scale: float = 1.0) -> None:
+                 scale: float = 1.0, scaled_region: torch.Tensor | None = None,
+                 scaled_keys: frozenset[str] = frozenset()) -> None:
         self.destination = destination
         self.scale = scale
+        self.scaled_region, self.scaled_keys = scaled_region, scaled_keys
         self._plan: CopyPlan | None = None
 
     def plan(self, state: Mapping[str, torch.Tensor]) -> CopyPlan:
@@ -158,6 +209,8 @@ class LoRARouter:
             shapes.append(src.shape)
             if is_scaled:
                 scaled.append(dst)
+        if self.scaled_region is not None and self.scaled_keys.issubset(state):
+            scaled = [self.scaled_region]
         self._plan = CopyPlan(tuple(state), dsts, slicers, shapes, scaled, self.scale, state)
         return self._plan
 
@@ -178,19 +231,25 @@ class PeftLoRAReceiver:
             adapter_name=LORA_ADAPTER,
             metadata={"r": rank, "lora_alpha": alpha, "target_modules": modules, "lora_dropout": 0.0})
         # found once, by a scan of the whole module tree after the injection
-        found = [(name, m) for name, m in transformer.named_modules()
-                 if isinstance(m, BaseTunerLayer) and LORA_ADAPTER in getattr(m, "lora_A", {})]
-        layers = [(m.lora_A[LORA_ADAPTER], m.lora_B[LORA_ADAPTER]) for _, m in found]
-        flat = FlatAdapters([w.weight.data for pair in layers for w in pair])
-        self.views: dict[str, torch.Tensor] = {}
+        found = {name: m for name, m in transformer.named_modules()
+                 if isinstance(m, BaseTunerLayer) and LORA_ADAPTER in getattr(m, "lora_A", {})}
+        # The buffer holds every A, then every B, in the order the trainer sends them: a fused qkv's q, k, v parts
+        # then lie one step apart on both sides and copy as one (`merged_copies`).
+        order = list(dict.fromkeys([module_of(k) for k in state if module_of(k) in found] + list(found)))
+        linears = [(m, factor, getattr(found[m], factor)[LORA_ADAPTER]) for factor in ("lora_A", "lora_B")
+                   for m in order]
+        flat = FlatAdapters([linear.weight.data for _, _, linear in linears])
+        self.views = {}
+        for (m, factor, linear), view in zip(linears, flat.views, strict=True):
+            linear.weight.data = view
+            self.views[f"{m}.{factor}.weight"] = view
         # (name, module, its lora_A and lora_B linears, their weights' addresses in the flat buffer)
-        self.expected = []
-        for i, ((name, m), (la, lb)) in enumerate(zip(found, layers, strict=True)):
-            la.weight.data, lb.weight.data = flat.views[2 * i], flat.views[2 * i + 1]
-            self.views[f"{name}.{LORA_A}"], self.views[f"{name}.{LORA_B}"] = flat.views[2 * i], flat.views[2 * i + 1]
-            self.expected.append((name, m, la, lb, flat.addresses[2 * i], flat.addresses[2 * i + 1]))
+        n = len(order)
+        self.expected = [(m, found[m], linears[i][2], linears[n + i][2], flat.addresses[i], flat.addresses[n + i])
+                         for i, m in enumerate(order)]
+        self.all_modules = tuple(order)
         self.flat = flat
-        self.paths = ModulePaths(transformer, [name for name, _ in found])
+        self.paths = ModulePaths(transformer, order)
         self.router = LoRARouter(self._destination)
         self.scale = self.alpha / rank
         for name, m, *_ in self.expected:
@@ -204,24 +263,24 @@ class PeftLoRAReceiver:
             raise KeyError(f"LoRA {key}: the engine has no adapted module {module_of(key)!r}")
         return view, None, False
 
-    def carrying(self) -> list[str]:
+    def carrying(self) -> tuple[str, ...]:
         """The modules that carry the adapter now: still the transformer's submodule under their name, the
-        adapter active and unmerged, its scale alpha / rank, and its weights the flat buffer's views. (Read from
-        peft's layer attributes directly: its properties cost more than the copies.)"""
+        adapter active and unmerged, its scale alpha / rank, and its weights the flat buffer's views (`all_modules`
+        itself when every module does). Read from peft's layer attributes directly: its properties cost more
+        than the copies."""
         intact = self.paths.intact()
-        out = []
-        for name, m, la, lb, a_at, b_at in self.expected:
-            active = m._active_adapter
-            if ((intact or self.paths.present(name, m)) and m._modules["lora_A"]._modules.get(LORA_ADAPTER) is la
-                    and m._modules["lora_B"]._modules.get(LORA_ADAPTER) is lb
-                    and la._parameters["weight"].data_ptr() == a_at and lb._parameters["weight"].data_ptr() == b_at
-                    and (active == LORA_ADAPTER or LORA_ADAPTER in active) and not m._disable_adapters
-                    and not m.merged_adapters and m.scaling.get(LORA_ADAPTER) == self.scale):
-                out.append(name)
-        return out
+        ok = [(intact or self.paths.present(name, m)) and m._modules["lora_A"]._modules.get(LORA_ADAPTER) is la
+              and m._modules["lora_B"]._modules.get(LORA_ADAPTER) is lb
+              and la._parameters["weight"].data_ptr() == a_at and lb._parameters["weight"].data_ptr() == b_at
+              and (m._active_adapter == LORA_ADAPTER or LORA_ADAPTER in m._active_adapter)
+              and not m._disable_adapters and not m.merged_adapters and m.scaling.get(LORA_ADAPTER) == self.scale
+              for name, m, la, lb, a_at, b_at in self.expected]
+        if all(ok):
+            return self.all_modules
+        return tuple(e[0] for e, good in zip(self.expected, ok, strict=True) if good)
 
     @torch.no_grad()
-    def load(self, state: Mapping[str, torch.Tensor], rank: int, alpha: float) -> tuple[list[str], list[str]]:
+    def load(self, state: Mapping[str, torch.Tensor], rank: int, alpha: float) -> tuple[tuple[str, ...], Sequence[str]]:
         """Write `state` into the adapters (one foreach copy); returns (modules carrying the adapter, keys written
         into a carrying module). Raises ValueError for a rank/alpha other than the first sync's or a key or shape
         the engine does not hold."""
@@ -230,12 +289,11 @@ class PeftLoRAReceiver:
         plan = self.router.plan(state)
         plan.run(state)
         carrying = self.carrying()
-        return carrying, plan.written(carrying)
+        return carrying, plan.keys if carrying is self.all_modules else plan.written(carrying)
 
 
-@torch.no_grad()
 def load_lora_into(transformer: torch.nn.Module, state: Mapping[str, torch.Tensor], rank: int, alpha: float,
-                   dtype: torch.dtype) -> tuple[list[str], list[str]]:
+                   dtype: torch.dtype) -> tuple[Sequence[str], Sequence[str]]:
     """Load LoRA adapters given as diffusers peft keys into a diffusers transformer (`PeftLoRAReceiver`: the
     first call through diffusers' `load_lora_adapter`, then in place). Returns (the modules carrying the adapter,
     the keys written); the caller compares both with what it trained."""

@@ -13,9 +13,9 @@ incomplete binding. Names: a fused q/k/v part keeps diffusers' name (`to_q`), wh
 slice of `to_qkv`; other modules take vLLM-Omni's name from the bridge's rollout layout (`to_out`, not
 diffusers' `to_out.0`).
 
-Then the layers' stacked LoRA buffers are moved into one flat buffer as its views (`FlatAdapters`) and every sync
-is one foreach copy of this rank's slice of each tensor and one foreach multiply by alpha / r
-(`lora_receiver.LoRARouter`); the first is checked to write exactly what vLLM-Omni's own binding wrote. After
+Then the layers' stacked LoRA buffers are moved into one flat buffer as its views (`FlatAdapters`: every A, then
+every B) and every sync is one foreach copy of this rank's slice of each tensor and one multiply of the B region by
+alpha / r (`lora_receiver.LoRARouter`); the first is checked to write exactly what vLLM-Omni's own binding wrote. After
 every sync the receiver reports the diffusers modules whose slice is active in a layer that is still the
 transformer's submodule, still computes with the written views, while the manager's active adapter is this one.
 
@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import functools
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -120,21 +120,24 @@ class VllmOmniLoRAReceiver:
             if not isinstance(layer, BaseLayerWithLoRA):
                 raise RuntimeError(f"vLLM-Omni did not replace {name} by a LoRA layer ({type(layer).__name__})")
             layers[name] = layer
-        stacked = [t for name in names for t in (*layers[name].lora_a_stacked, *layers[name].lora_b_stacked)]
-        flat = FlatAdapters(stacked)
-        views = iter(flat.views)
-        self.expected = []  # (layer name, layer, A addresses, B addresses, [(slice, diffusers module)])
+        # every A, then every B: the Bs are one region of the buffer, scaled by one multiply
+        stacked_a = [t for name in names for t in layers[name].lora_a_stacked]
+        flat = FlatAdapters(stacked_a + [t for name in names for t in layers[name].lora_b_stacked])
+        views_a, views_b = iter(flat.views[:len(stacked_a)]), iter(flat.views[len(stacked_a):])
+        self.expected = []  # (layer name, layer, its A and B buffer tuples, [(slice, diffusers module)])
         for name in names:
             layer = layers[name]
             n = len(layer.lora_a_stacked)
-            layer.lora_a_stacked = tuple(next(views) for _ in range(n))
-            layer.lora_b_stacked = tuple(next(views) for _ in range(n))
+            layer.lora_a_stacked = tuple(next(views_a) for _ in range(n))
+            layer.lora_b_stacked = tuple(next(views_b) for _ in range(n))
             slices = sorted((s, m) for m, (lname, s, _) in self.routes.items() if lname == name)
-            self.expected.append((name, layer, [t.data_ptr() for t in layer.lora_a_stacked],
-                                  [t.data_ptr() for t in layer.lora_b_stacked], slices))
+            self.expected.append((name, layer, layer.lora_a_stacked, layer.lora_b_stacked, slices))
+        self.all_modules = tuple(m for *_, slices in self.expected for _, m in slices)
         self.layers, self.flat = layers, flat
         self.paths = ModulePaths(transformer, names)
-        self.router = LoRARouter(self._destination, scale=self.alpha / rank)
+        b_region = flat.buffer[sum(t.numel() for t in stacked_a):]
+        self.router = LoRARouter(self._destination, scale=self.alpha / rank, scaled_region=b_region,
+                                 scaled_keys=frozenset(k for k in state if k.endswith("lora_B.weight")))
         bound = flat.buffer.clone()
         self.router.plan(state).run(state)
         if not torch.equal(flat.buffer, bound):
@@ -158,26 +161,26 @@ class VllmOmniLoRAReceiver:
         return dst, slicer, key.endswith("lora_B.weight")
 
     # ------------------------------------------------------------------ every sync
-    def carrying(self) -> list[str]:
-        """The diffusers modules carrying the adapter now: the manager's active adapter is this one, and their
-        slice is active in a layer that is still the transformer's submodule and computes with the written
-        views. (vLLM-Omni's layers keep the active slices in `_diffusion_lora_active_slices`, which their
-        `apply` reads.)"""
+    def carrying(self) -> tuple[str, ...]:
+        """The diffusers modules carrying the adapter now (`all_modules` itself when every one does): the manager's
+        active adapter is this one, and their slice is active in a layer that is still the transformer's submodule
+        and computes with the written views: its stacked-buffer tuples are still the ones of the flat buffer's
+        views (vLLM puts new tuples in whenever it allocates or moves the buffers; its other writes copy into
+        them). vLLM-Omni's layers keep the active slices in `_diffusion_lora_active_slices`, which `apply` reads."""
         manager = self.manager
         if manager._active_adapter_id != self.request.lora_int_id or manager._suspended_adapter_id is not None:
-            return []
+            return ()
         intact = self.paths.intact()
-        out = []
-        for name, layer, a_at, b_at, slices in self.expected:
-            if ((intact or self.paths.present(name, layer)) and layer._diffusion_lora_suspended_slices is None
-                    and [t.data_ptr() for t in layer.lora_a_stacked] == a_at
-                    and [t.data_ptr() for t in layer.lora_b_stacked] == b_at):
-                active = layer._diffusion_lora_active_slices
-                out += [m for s, m in slices if active[s]]
-        return out
+        ok = [(intact or self.paths.present(name, layer)) and layer._diffusion_lora_suspended_slices is None
+              and layer.lora_a_stacked is a_views and layer.lora_b_stacked is b_views
+              for name, layer, a_views, b_views, _ in self.expected]
+        out = [m for (_, layer, _, _, slices), good in zip(self.expected, ok, strict=True) if good
+               for s, m in slices if layer._diffusion_lora_active_slices[s]]
+        return self.all_modules if len(out) == len(self.all_modules) else tuple(out)
 
     @torch.no_grad()
-    def load(self, state: Mapping[str, torch.Tensor], rank: int, alpha: float) -> tuple[list[str], list[str]]:
+    def load(self, state: Mapping[str, torch.Tensor], rank: int,
+             alpha: float) -> tuple[tuple[str, ...], Sequence[str]]:
         """Write `state` into the adapters (registering them the first time); returns (diffusers modules carrying
         the adapter, keys written into one of them)."""
         if self.request is None:
@@ -187,7 +190,7 @@ class VllmOmniLoRAReceiver:
         plan = self.router.plan(state)
         plan.run(state)
         carrying = self.carrying()
-        return carrying, plan.written(carrying)
+        return carrying, plan.keys if carrying is self.all_modules else plan.written(carrying)
 
 
 __all__ = ["IN_MEMORY_PATH", "LORA_NAME", "VllmOmniLoRAReceiver"]
