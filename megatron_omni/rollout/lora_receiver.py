@@ -12,11 +12,11 @@ the key's rows: a fused qkv's q/k/v part as [heads, head_dim, r], which the trai
 - Every sync: `CopyPlan` copies each key's tensor into its views with one `torch._foreach_copy_` (the plan is
   built once per key order and reused while the trainer sends the same keys), not one Python-level copy per
   module: that per-module overhead was most of a small model's sync.
-- The proof, after every sync: a module carries the adapter when it is still the model's submodule under its
-  name, still has the adapter active, and still computes with the buffer views the copy wrote (same storage
-  address). The engine returns (modules carrying the adapter, keys written); the trainer compares both with what
-  it trains (`bridge.lora_sync.LoRAAdapterSync.deliver`), so an adapter bound to no module, unloaded, replaced
-  or not written raises there.
+- The proof, after every sync: a module carries the adapter when it is still the model's submodule under its name,
+  still has the adapter active, and still computes with the buffer views the copy wrote. The engine returns (modules
+  carrying the adapter, keys written); the trainer compares both with what it trains
+  (`bridge.lora_sync.LoRAAdapterSync.deliver`), so an adapter bound to no module, unloaded, replaced or not written
+  raises there.
 """
 
 from __future__ import annotations
@@ -144,7 +144,7 @@ class CopyPlan:
     shapes: list[torch.Size]
     scaled: list[torch.Tensor] = field(default_factory=list)
     scale: float = 1.0
-    source: Mapping[str, torch.Tensor] | None = None  # the state the plan was built from (reused as is: no checks)
+    source: Mapping[str, torch.Tensor] | None = None  # the state the plan was built from
 
     def __post_init__(self) -> None:
         self.modules = [module_of(k) for k in self.keys]
@@ -161,19 +161,18 @@ class CopyPlan:
 
     @torch.no_grad()
     def run(self, state: Mapping[str, torch.Tensor]) -> None:
-        """Copy `state` (the same keys in the same order as `keys`) into the views: one foreach copy."""
+        """Copy `state` (the same keys in the same order as `keys`) into the views: one foreach copy (of the
+        merged copies when `state` is the plan's own source, whose tensors keep their storage)."""
         if state is self.source:
             torch._foreach_copy_(*self.merged)
-            if self.scaled:
-                torch._foreach_mul_(self.scaled, self.scale)
-            return
-        srcs = list(state.values())
-        if any(self.slicers):
-            srcs = [t if s is None else s(t) for t, s in zip(srcs, self.slicers, strict=True)]
-        if state is not self.source and [t.shape for t in srcs] != self.shapes:
-            bad = next(k for k, t, s in zip(self.keys, srcs, self.shapes, strict=True) if t.shape != s)
-            raise ValueError(f"LoRA {bad}: shape changed since the first sync")
-        torch._foreach_copy_(self.dsts, srcs)
+        else:
+            srcs = list(state.values())
+            if any(self.slicers):
+                srcs = [t if s is None else s(t) for t, s in zip(srcs, self.slicers, strict=True)]
+            if [t.shape for t in srcs] != self.shapes:
+                bad = next(k for k, t, s in zip(self.keys, srcs, self.shapes, strict=True) if t.shape != s)
+                raise ValueError(f"LoRA {bad}: shape changed since the first sync")
+            torch._foreach_copy_(self.dsts, srcs)
         if self.scaled:
             torch._foreach_mul_(self.scaled, self.scale)
 
@@ -215,7 +214,32 @@ class LoRARouter:
         return self._plan
 
 
-class PeftLoRAReceiver:
+class AdapterReceiver:
+    """An engine's adapters after their first load: `load` writes a state in place (`router`) and reports what
+    carries it (`carrying`, the subclass's proof: `all_modules` itself when every module does)."""
+
+    rank: int
+    alpha: float
+    router: LoRARouter
+    all_modules: tuple[str, ...]
+
+    def carrying(self) -> tuple[str, ...]:
+        raise NotImplementedError
+
+    @torch.no_grad()
+    def load(self, state: Mapping[str, torch.Tensor], rank: int, alpha: float) -> tuple[tuple[str, ...], Sequence[str]]:
+        """Write `state` into the adapters (one foreach copy); returns (modules carrying the adapter, keys written
+        into a carrying module). Raises ValueError for a rank/alpha other than the first load's or a key or shape
+        the engine does not hold."""
+        if rank != self.rank or float(alpha) != self.alpha:
+            raise ValueError(f"LoRA rank/alpha {rank}/{alpha} differ from the engine's {self.rank}/{self.alpha}")
+        plan = self.router.plan(state)
+        plan.run(state)
+        carrying = self.carrying()
+        return carrying, plan.keys if carrying is self.all_modules else plan.written(carrying)
+
+
+class PeftLoRAReceiver(AdapterReceiver):
     """A diffusers transformer's adapters, loaded the first time by diffusers' own `load_lora_adapter` (peft,
     scale alpha / rank), then written in place through one flat buffer (see the module docstring). One per
     transformer (`load_lora_into` keeps it on the module)."""
@@ -279,18 +303,6 @@ class PeftLoRAReceiver:
             return self.all_modules
         return tuple(e[0] for e, good in zip(self.expected, ok, strict=True) if good)
 
-    @torch.no_grad()
-    def load(self, state: Mapping[str, torch.Tensor], rank: int, alpha: float) -> tuple[tuple[str, ...], Sequence[str]]:
-        """Write `state` into the adapters (one foreach copy); returns (modules carrying the adapter, keys written
-        into a carrying module). Raises ValueError for a rank/alpha other than the first sync's or a key or shape
-        the engine does not hold."""
-        if rank != self.rank or float(alpha) != self.alpha:
-            raise ValueError(f"LoRA rank/alpha {rank}/{alpha} differ from the engine's {self.rank}/{self.alpha}")
-        plan = self.router.plan(state)
-        plan.run(state)
-        carrying = self.carrying()
-        return carrying, plan.keys if carrying is self.all_modules else plan.written(carrying)
-
 
 def load_lora_into(transformer: torch.nn.Module, state: Mapping[str, torch.Tensor], rank: int, alpha: float,
                    dtype: torch.dtype) -> tuple[Sequence[str], Sequence[str]]:
@@ -304,5 +316,5 @@ def load_lora_into(transformer: torch.nn.Module, state: Mapping[str, torch.Tenso
     return receiver.load(state, rank, alpha)
 
 
-__all__ = ["CopyPlan", "FlatAdapters", "LORA_ADAPTER", "LoRARouter", "ModulePaths", "PeftLoRAReceiver",
-           "load_lora_into", "module_of", "submodule"]
+__all__ = ["AdapterReceiver", "CopyPlan", "FlatAdapters", "LORA_ADAPTER", "LoRARouter", "ModulePaths",
+           "PeftLoRAReceiver", "load_lora_into", "merged_copies", "module_of", "submodule"]

@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-from megatron_omni.rollout.lora_receiver import FlatAdapters, LoRARouter, ModulePaths, module_of
+from megatron_omni.rollout.lora_receiver import AdapterReceiver, FlatAdapters, LoRARouter, ModulePaths, module_of
 
 LORA_NAME = "megatron-omni"
 # The request's path: absolute (vLLM does not look an absolute path up on a model hub); nothing is read from it.
@@ -46,7 +46,7 @@ def _narrow(t: torch.Tensor, dim: int, rank: int, size: int) -> torch.Tensor:
     return t.narrow(dim, rank * n, n)
 
 
-class VllmOmniLoRAReceiver:
+class VllmOmniLoRAReceiver(AdapterReceiver):
     """The adapters of one vLLM-Omni worker's pipeline (see the module docstring). `worker`: has
     `model_runner.pipeline`, `lora_manager` and `add_lora(request)` (vLLM-Omni's `DiffusionWorker`, or
     `vllm_omni_cpu`'s in-process one); `layout`: the bridge's vLLM-Omni rollout layout (`rule(hf name)`)."""
@@ -178,19 +178,13 @@ class VllmOmniLoRAReceiver:
                for s, m in slices if layer._diffusion_lora_active_slices[s]]
         return self.all_modules if len(out) == len(self.all_modules) else tuple(out)
 
-    @torch.no_grad()
     def load(self, state: Mapping[str, torch.Tensor], rank: int,
              alpha: float) -> tuple[tuple[str, ...], Sequence[str]]:
         """Write `state` into the adapters (registering them the first time); returns (diffusers modules carrying
         the adapter, keys written into one of them)."""
         if self.request is None:
             self.register(state, rank, alpha)
-        elif rank != self.rank or float(alpha) != self.alpha:
-            raise ValueError(f"LoRA rank/alpha {rank}/{alpha} differ from the engine's {self.rank}/{self.alpha}")
-        plan = self.router.plan(state)
-        plan.run(state)
-        carrying = self.carrying()
-        return carrying, plan.keys if carrying is self.all_modules else plan.written(carrying)
+        return super().load(state, rank, alpha)
 
 
 __all__ = ["IN_MEMORY_PATH", "LORA_NAME", "VllmOmniLoRAReceiver"]
