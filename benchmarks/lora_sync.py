@@ -11,7 +11,9 @@ the proof that exactly the trained modules carry the adapter and every key was w
 - vllm_omni: vLLM-Omni's real `QwenImageTransformer2DModel` on CPU, adapters through its LoRA manager and
   LoRA layers (`VllmOmniLoRAReceiver`, registered through its LoRA request path by the first, untimed, sync).
 
-The syncs of one engine are timed interleaved (full, adapter, full, ...) and their medians compared.
+The syncs of one engine are timed interleaved (full, adapter, full, ...): times are medians, and the ratio is the
+median over runs of each adapter sync's time over the full sync's timed just before it (a paired ratio is steady
+on a shared machine where the medians of either side drift).
 Optimizer state: Megatron-Core's optimizer built over the full model and over the LoRA model, one step each,
 bytes counted by storage (`allocated_bytes`). The last line is adapter-sync time / full-sync time, the larger
 of the two engines' (target <= 0.1).
@@ -87,8 +89,9 @@ class _VllmPipeline(torch.nn.Module):
         self.device = next(transformer.parameters()).device
 
 
-def _interleaved_medians(fns: dict, runs: int, desc: str) -> dict[str, float]:
-    """Median seconds of each function of `fns`, called in turn `runs` times after one untimed round."""
+def _interleaved_runs(fns: dict, runs: int, desc: str) -> dict[str, list[float]]:
+    """Seconds of each function of `fns`, called in turn `runs` times after one untimed round (so the i-th times of
+    all functions were taken side by side)."""
     for fn in fns.values():
         fn()
     times: dict[str, list[float]] = {name: [] for name in fns}
@@ -97,14 +100,14 @@ def _interleaved_medians(fns: dict, runs: int, desc: str) -> dict[str, float]:
             t0 = time.perf_counter()
             fn()
             times[name].append(time.perf_counter() - t0)
-    return {name: statistics.median(t) for name, t in times.items()}
+    return times
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--preset", default="small")
     ap.add_argument("--rank", type=int, default=8, help="LoRA rank (8 on small's hidden 256 ~ 64 on 20B's 3072)")
-    ap.add_argument("--runs", type=int, default=21)
+    ap.add_argument("--runs", type=int, default=41)
     ap.add_argument("--engines", nargs="+", default=["diffusers", "vllm_omni"], choices=["diffusers", "vllm_omni"])
     ap.add_argument("--heads", type=int, help="override the preset's attention heads")
     ap.add_argument("--head-dim", type=int, help="override the preset's head dim")
@@ -168,19 +171,22 @@ def main() -> None:
         lora_stats = lora_sync.sync()  # the first: the engine's own loader (its LoRA request path for vLLM-Omni)
         fns = {f"full sync ({m})": s.sync for m, s in syncs.items()}
         fns["adapter sync"] = lora_sync.sync
-        sec = _interleaved_medians(fns, args.runs, engine)
-        results[engine] = sec["adapter sync"] / sec[f"full sync ({mode})"]
+        times = _interleaved_runs(fns, args.runs, engine)
+        sec = {name: statistics.median(t) for name, t in times.items()}
+        # the median of the paired ratios: each adapter sync against the full sync timed just before it
+        results[engine] = statistics.median(a / f for a, f in zip(times["adapter sync"], times[f"full sync ({mode})"],
+                                                                   strict=True))
         print(f"{engine}: LoRA rank {args.rank} on {len(linears)} linears -> {lora_stats.modules} modules carrying it")
         for m, s in stats.items():
             print(f"  full sync ({m}): {s.bytes_loaded / 1e6:8.2f} MB in {sec[f'full sync ({m})'] * 1e3:8.3f} ms")
         print(f"  adapter sync:  {lora_stats.bytes_loaded / 1e6:8.2f} MB in {sec['adapter sync'] * 1e3:8.3f} ms "
               f"(bytes {lora_stats.bytes_loaded / stats[mode].bytes_loaded:.3f} of full; time "
-              f"{results[engine]:.3f} of the {mode} full sync)")
+              f"{results[engine]:.3f} of the {mode} full sync, median of paired runs)")
 
     full_opt = _optimizer_bytes(full_model, mcfg, groups)
     lora_opt = _optimizer_bytes(lora_model, mcfg, groups)
     print(f"preset={args.preset} {cfg['num_layers']}x{cfg['num_attention_heads']}x{cfg['attention_head_dim']} bf16, "
-          f"runs={args.runs} (interleaved medians), 1 thread")
+          f"runs={args.runs} (interleaved; times are medians, ratios medians of paired runs), 1 thread")
     print(f"optimizer state: full fine-tuning {full_opt / 1e6:.2f} MB, LoRA {lora_opt / 1e6:.2f} MB "
           f"(ratio {lora_opt / full_opt:.4f})")
     per_engine = ", ".join(f"{e} {r:.3f}" for e, r in results.items())

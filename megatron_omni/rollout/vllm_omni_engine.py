@@ -219,7 +219,8 @@ class VllmOmniRolloutEngine:
         """A COMPLETE update of diffusers-named transformer tensors (full shapes); see `send_weight_update`."""
         return send_weight_update(self.omni.engine.collective_rpc, named_tensors, self.bucket_bytes)
 
-    def load_lora(self, state: dict[str, torch.Tensor], rank: int, alpha: float) -> tuple[list[str], list[str]]:
+    def load_lora(self, state: dict[str, torch.Tensor], rank: int,
+                  alpha: float) -> tuple[Sequence[str], Sequence[str]]:
         """Receive LoRA adapters (diffusers peft keys, full tensors) into vLLM-Omni's transformer through its LoRA
         manager and layers (`vllm_omni_lora`: its LoRA request path the first time, in place after); returns
         (diffusers modules carrying the adapter, keys written), on every rank of the rollout group. In process
@@ -227,13 +228,15 @@ class VllmOmniRolloutEngine:
         extension `load_flowgrpo_lora`, rollout rank 0's report) and the group's other ranks get its report."""
         if self.in_process:
             report = self.omni.worker.load_flowgrpo_lora(state, rank, alpha)
-            self._lora_request = self.omni.worker.flowgrpo_lora_request()
+            if self._lora_request is None:
+                self._lora_request = self.omni.worker.flowgrpo_lora_request()
             return report
         report = None
         if self.omni is not None:
             cpu = {k: v.detach().cpu().contiguous() for k, v in state.items()}
             report = self._rpc("load_flowgrpo_lora", cpu, rank, alpha)[0]
-            self._lora_request = self._rpc("flowgrpo_lora_request")[0]
+            if self._lora_request is None:
+                self._lora_request = self._rpc("flowgrpo_lora_request")[0]
         if self.peers is not None:
             box = [report]
             dist.broadcast_object_list(box, src=self.peers.ranks[0], group=self.peers.group)

@@ -148,8 +148,7 @@ class FlowGRPOWorkerExtension:
         """The bridge target for an in-process `WeightSync` (see the module docstring)."""
         return self._flowgrpo_receiver().target()
 
-    def load_flowgrpo_lora(self, state: dict[str, torch.Tensor], rank: int,
-                           alpha: float) -> tuple[list[str], list[str]]:
+    def load_flowgrpo_lora(self, state: dict[str, torch.Tensor], rank: int, alpha: float) -> tuple[Any, Any]:
         """Load LoRA adapters (diffusers peft keys, full tensors) into this worker's transformer; returns (diffusers
         modules carrying the adapter, keys written). See `vllm_omni_lora.VllmOmniLoRAReceiver`."""
         from megatron_omni.rollout.vllm_omni_lora import VllmOmniLoRAReceiver
