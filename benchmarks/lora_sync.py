@@ -11,9 +11,10 @@ the proof that exactly the trained modules carry the adapter and every key was w
 - vllm_omni: vLLM-Omni's real `QwenImageTransformer2DModel` on CPU, adapters through its LoRA manager and
   LoRA layers (`VllmOmniLoRAReceiver`, registered through its LoRA request path by the first, untimed, sync).
 
-The syncs of one engine are timed interleaved (full, adapter, full, ...): times are medians, and the ratio is the
-median over runs of each adapter sync's time over the full sync's timed just before it (a paired ratio is steady
-on a shared machine where the medians of either side drift).
+The full sync in the trainer's mode and the adapter sync of one engine are timed interleaved (full, adapter, full,
+...; the gathering mode is timed on its own after): times are medians, and the ratio is the median over runs of
+each adapter sync's time over the full sync's timed just before it (a paired ratio is steady on a shared machine
+where the medians of either side drift).
 Optimizer state: Megatron-Core's optimizer built over the full model and over the LoRA model, one step each,
 bytes counted by storage (`allocated_bytes`). The last line is adapter-sync time / full-sync time, the larger
 of the two engines' (target <= 0.1).
@@ -169,9 +170,12 @@ def main() -> None:
                                     groups.mcore.pp, lora_model.global_name)
         stats = {m: s.sync() for m, s in syncs.items()}
         lora_stats = lora_sync.sync()  # the first: the engine's own loader (its LoRA request path for vLLM-Omni)
-        fns = {f"full sync ({m})": s.sync for m, s in syncs.items()}
-        fns["adapter sync"] = lora_sync.sync
-        times = _interleaved_runs(fns, args.runs, engine)
+        # the ratio's pairs: the trainer's full sync and the adapter sync, nothing else between them (a `full` mode
+        # sync frees and maps its bucket buffers, which slowed the next small copy by a third here)
+        times = _interleaved_runs({f"full sync ({mode})": syncs[mode].sync, "adapter sync": lora_sync.sync},
+                                  args.runs, engine)
+        if mode != "full":
+            times.update(_interleaved_runs({"full sync (full)": syncs["full"].sync}, args.runs, engine + " full"))
         sec = {name: statistics.median(t) for name, t in times.items()}
         # the median of the paired ratios: each adapter sync against the full sync timed just before it
         results[engine] = statistics.median(a / f for a, f in zip(times["adapter sync"], times[f"full sync ({mode})"],
