@@ -59,27 +59,26 @@ _NON_BLOCK_NAMES = (
     "norm_out.linear.weight", "norm_out.linear.bias", "proj_out.weight", "proj_out.bias",
 )
 
-_BLOCK = re.compile(r"^transformer_blocks\.(\d+)\.(.+)$")
-
-
 @dataclass(frozen=True)
 class RolloutLayout:
-    """A rollout engine's parameter layout for Qwen-Image (see the module docstring)."""
+    """A rollout engine's parameter layout of a DiT (see the module docstring): rules for the tensors inside
+    `{block_prefix}.{i}.` (block-relative names) and for the rest (whole names)."""
 
     kind: str
     block_rules: tuple[RolloutRule, ...]
     non_block_rules: tuple[RolloutRule, ...]
     load_prefix: str  # what the engine's `load_weights` expects before diffusers names
     max_tp: int | None  # None: any tensor-parallel size whose divisions are exact
+    block_prefix: str = "transformer_blocks"
 
     def rule(self, hf_name: str) -> tuple[str, RolloutRule]:
         """(rollout parameter name, rule) of a diffusers tensor name; KeyError naming it if unknown."""
-        m = _BLOCK.match(hf_name)
+        m = re.match(rf"^{re.escape(self.block_prefix)}\.(\d+)\.(.+)$", hf_name)
         if m:
             idx, rest = m.groups()
             for r in self.block_rules:
                 if r.hf == rest:
-                    return f"transformer_blocks.{idx}.{r.param}", r
+                    return f"{self.block_prefix}.{idx}.{r.param}", r
         else:
             for r in self.non_block_rules:
                 if r.hf == hf_name:
