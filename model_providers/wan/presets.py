@@ -1,7 +1,8 @@
 """Wan transformer sizes, as diffusers `WanTransformer3DModel` configs (text-to-video: no image embedder, no
 added k/v projections).
 
-`tiny` is for CPU tests (4 heads, so tp/ulysses up to 4 apply; 2 blocks for pp=2). The published shapes are the
+`tiny` is for CPU tests (4 heads, so tp/ulysses up to 4 apply; 2 blocks for pp=2), `small` for CPU benchmarks
+(a few million parameters: benchmarks/dit_step.py --family wan). The published shapes are the
 diffusers configs `scripts/convert_wan_to_diffusers.py` of diffusers writes for Wan-AI's checkpoints
 (`Wan-T2V-1.3B`, `Wan-T2V-14B`, `Wan2.2-TI2V-5B`); `PARAMS` holds their exact parameter counts, checked on the
 meta device against diffusers' module built from each config (tests/unit/test_wan_provider.py).
@@ -18,6 +19,9 @@ PRESETS: dict[str, dict[str, Any]] = {
     "tiny": dict(patch_size=(1, 2, 2), num_attention_heads=4, attention_head_dim=16, in_channels=4, out_channels=4,
                  text_dim=32, freq_dim=32, ffn_dim=128, num_layers=2, cross_attn_norm=True,
                  qk_norm="rms_norm_across_heads", eps=1e-6, rope_max_seq_len=1024),
+    "small": dict(patch_size=(1, 2, 2), num_attention_heads=8, attention_head_dim=32, in_channels=16,
+                  out_channels=16, text_dim=128, freq_dim=256, ffn_dim=1024, num_layers=4, cross_attn_norm=True,
+                  qk_norm="rms_norm_across_heads", eps=1e-6, rope_max_seq_len=1024),
     # Wan2.1-T2V-1.3B: dim 1536
     "wan2.1-t2v-1.3b": dict(_COMMON, num_attention_heads=12, in_channels=16, out_channels=16, ffn_dim=8960,
                             num_layers=30),
