@@ -1,5 +1,6 @@
 """A DiT stage's Megatron shards <-> full Hugging Face (diffusers) tensors, for any family described by its name
-mappings (`ParamMapping`s: megatron, hf, kind, tp_dim, layer, stage).
+mappings (`ParamMapping`s: megatron, hf, kind, tp_dim, layer, stage), per-rank parameter counts from the same
+data, and the `TransformerConfig` settings every DiT family's parallel layout gives (`layout_config`).
 
 The model is any of our DiT stages (`megatron_omni.models.dit.model.DiTStage`): its parameters are named
 locally (block i of its stage is `layers.i`), `global_name` gives the model-wide name the mappings use, and
@@ -17,7 +18,31 @@ import torch
 import torch.distributed as dist
 
 from megatron_omni.models.lora import is_adapter_name
+from megatron_omni.parallel.platform import megatron_config_defaults
 from model_providers.qwen_image.mapping import ParamMapping, hf_to_megatron, megatron_to_hf, tp_shard
+
+
+def layout_config(architecture: dict[str, Any], *, tp: int, pp: int, ulysses: int, ring: int,
+                  params_dtype: torch.dtype, overrides: dict[str, Any]) -> dict[str, Any]:
+    """The `TransformerConfig` keyword arguments of a DiT: its `architecture` ones, those its parallel layout and
+    dtype give (biased linears, no dropout, this platform's defaults), then `overrides` (recompute,
+    batch_p2p_comm, ...), which win over everything."""
+    kwargs: dict[str, Any] = dict(
+        architecture,
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        ulysses_size=ulysses,
+        ring_size=ring,
+        add_bias_linear=True,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        params_dtype=params_dtype,
+        pipeline_dtype=params_dtype,
+        bf16=params_dtype == torch.bfloat16,
+    )
+    kwargs.update(megatron_config_defaults())
+    kwargs.update(overrides)
+    return kwargs
 
 
 def local_mappings(model: Any, mappings: Sequence[ParamMapping]) -> dict[str, ParamMapping]:

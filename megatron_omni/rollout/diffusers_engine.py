@@ -182,18 +182,23 @@ class DiffusersRolloutEngine:
         pretraining loop that trains the text encoder calls this under autograd): a list of [L_i - drop, D]
         in the text encoder's dtype."""
         drop = self.pipe.prompt_template_encode_start_idx
-        pad_id = self.pipe.tokenizer.pad_token_id
+        ids, mask = self.padded_ids(keys)
+        out = self.pipe.text_encoder(
+            input_ids=ids, attention_mask=mask, output_hidden_states=True
+        )
+        hidden = out.hidden_states[-1]
+        return [hidden[i, drop : len(k)] for i, k in enumerate(keys)]
+
+    def padded_ids(self, keys: Sequence[tuple[int, ...]]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Token id sequences right-padded with the tokenizer's pad id: (ids [B, L] long, mask [B, L] long, 1 on
+        real tokens), L the longest, on this engine's device."""
         length = max(len(k) for k in keys)
-        ids = torch.full((len(keys), length), pad_id, dtype=torch.long)
+        ids = torch.full((len(keys), length), self.pipe.tokenizer.pad_token_id, dtype=torch.long)
         mask = torch.zeros(len(keys), length, dtype=torch.long)
         for i, k in enumerate(keys):
             ids[i, : len(k)] = torch.tensor(k)
             mask[i, : len(k)] = 1
-        out = self.pipe.text_encoder(
-            input_ids=ids.to(self.device), attention_mask=mask.to(self.device), output_hidden_states=True
-        )
-        hidden = out.hidden_states[-1]
-        return [hidden[i, drop : len(k)] for i, k in enumerate(keys)]
+        return ids.to(self.device), mask.to(self.device)
 
     def clear_prompt_cache(self) -> None:
         """Forget cached prompt embeddings (after the text encoder's weights changed)."""

@@ -114,14 +114,7 @@ class WanRolloutEngine(DiffusersRolloutEngine):
     def encode_token_ids(self, keys) -> list[torch.Tensor]:
         """Text embeddings [L_i, D] of token ids (from `token_ids`), the encoder's last hidden state at the
         prompt's own tokens (the padding masked), as `WanPipeline._get_t5_prompt_embeds` keeps them."""
-        pad_id = self.pipe.tokenizer.pad_token_id
-        length = max(len(k) for k in keys)
-        ids = torch.full((len(keys), length), pad_id, dtype=torch.long)
-        mask = torch.zeros(len(keys), length, dtype=torch.long)
-        for i, k in enumerate(keys):
-            ids[i, : len(k)] = torch.tensor(k)
-            mask[i, : len(k)] = 1
-        hidden = self.pipe.text_encoder(ids.to(self.device), mask.to(self.device)).last_hidden_state
+        hidden = self.pipe.text_encoder(*self.padded_ids(keys)).last_hidden_state
         return [hidden[i, : len(k)] for i, k in enumerate(keys)]
 
     # ------------------------------------------------------------------ decode

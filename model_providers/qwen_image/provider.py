@@ -11,7 +11,6 @@ import torch
 
 from megatron_omni.models.dit.config import MMDiTConfig
 from megatron_omni.models.dit.model import MMDiTModel
-from megatron_omni.parallel.platform import megatron_config_defaults
 from model_providers import shards
 from model_providers.qwen_image.mapping import ParamMapping, all_mappings
 from model_providers.qwen_image.presets import preset
@@ -49,7 +48,7 @@ def transformer_config(
     """The Megatron `MMDiTConfig` of a Qwen-Image transformer for a parallel layout."""
     c = hf_config(name_or_config)
     hidden = c["num_attention_heads"] * c["attention_head_dim"]
-    kwargs: dict[str, Any] = dict(
+    return MMDiTConfig(**shards.layout_config(dict(
         num_layers=c["num_layers"],
         hidden_size=hidden,
         num_attention_heads=c["num_attention_heads"],
@@ -60,21 +59,8 @@ def transformer_config(
         patch_size=c["patch_size"],
         joint_attention_dim=c["joint_attention_dim"],
         axes_dims_rope=c["axes_dims_rope"],
-        tensor_model_parallel_size=tp,
-        pipeline_model_parallel_size=pp,
-        ulysses_size=ulysses,
-        ring_size=ring,
         qk_layernorm=True,
-        add_bias_linear=True,
-        hidden_dropout=0.0,
-        attention_dropout=0.0,
-        params_dtype=params_dtype,
-        pipeline_dtype=params_dtype,
-        bf16=params_dtype == torch.bfloat16,
-    )
-    kwargs.update(megatron_config_defaults())
-    kwargs.update(overrides)
-    return MMDiTConfig(**kwargs)
+    ), tp=tp, pp=pp, ulysses=ulysses, ring=ring, params_dtype=params_dtype, overrides=overrides))
 
 
 def build_model(config: MMDiTConfig, groups, backend: str = "local") -> MMDiTModel:

@@ -12,7 +12,6 @@ import torch
 
 from megatron_omni.models.dit.config import WanConfig
 from megatron_omni.models.dit.wan_model import WanModel
-from megatron_omni.parallel.platform import megatron_config_defaults
 from model_providers import shards
 from model_providers.qwen_image.mapping import ParamMapping
 from model_providers.registry import WeightPart
@@ -59,7 +58,7 @@ def transformer_config(
 ) -> WanConfig:
     """The Megatron `WanConfig` of a Wan transformer for a parallel layout."""
     c = hf_config(name_or_config)
-    kwargs: dict[str, Any] = dict(
+    return WanConfig(**shards.layout_config(dict(
         num_layers=c["num_layers"],
         hidden_size=c["num_attention_heads"] * c["attention_head_dim"],
         num_attention_heads=c["num_attention_heads"],
@@ -72,20 +71,7 @@ def transformer_config(
         freq_dim=c["freq_dim"],
         norm_eps=c["eps"],
         rope_max_seq_len=c["rope_max_seq_len"],
-        tensor_model_parallel_size=tp,
-        pipeline_model_parallel_size=pp,
-        ulysses_size=ulysses,
-        ring_size=ring,
-        add_bias_linear=True,
-        hidden_dropout=0.0,
-        attention_dropout=0.0,
-        params_dtype=params_dtype,
-        pipeline_dtype=params_dtype,
-        bf16=params_dtype == torch.bfloat16,
-    )
-    kwargs.update(megatron_config_defaults())
-    kwargs.update(overrides)
-    return WanConfig(**kwargs)
+    ), tp=tp, pp=pp, ulysses=ulysses, ring=ring, params_dtype=params_dtype, overrides=overrides))
 
 
 def build_model(config: WanConfig, groups, backend: str = "local") -> WanModel:

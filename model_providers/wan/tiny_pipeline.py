@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from model_providers.qwen_image.tiny_pipeline import build_tokenizer, save_pipeline_atomically
+from model_providers.qwen_image.tiny_pipeline import build_tokenizer, write_tiny_pipeline
 from model_providers.wan.presets import preset
 
 
@@ -95,11 +95,6 @@ def make_tiny_pipeline(out_dir: str | os.PathLike, seed: int = 0, config: TinyWa
     """
     from diffusers import WanPipeline
 
-    out = Path(out_dir)
-    if out.exists() and not overwrite:
-        raise FileExistsError(f"{out} exists (pass overwrite=True to replace it)")
     cfg = config or TinyWanPipelineConfig()
-    out.parent.mkdir(parents=True, exist_ok=True)
-    pipe = WanPipeline(**build_components(cfg, seed))
-    save_pipeline_atomically(pipe, out, {"tiny_pipeline.txt": f"seed={seed}\nconfig={asdict(cfg)}\n"})
-    return out
+    return write_tiny_pipeline(out_dir, lambda: WanPipeline(**build_components(cfg, seed)), seed, asdict(cfg),
+                               overwrite)

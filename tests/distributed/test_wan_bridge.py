@@ -29,6 +29,7 @@ from megatron_omni.parallel.platform import seed_everything
 from megatron_omni.parallel.rank_pool import run_ranks
 from model_providers import get_family
 from model_providers.wan import provider
+from tests.distributed.test_bridge_sync import _poison, _rel
 from tests.unit.test_wan_convert import write_wan_folder
 from tools.checkpoint.convert import main as convert
 
@@ -45,16 +46,6 @@ def _inputs() -> dict:
     tokens = GRID[0] * GRID[1] * GRID[2]
     return dict(hidden_states=torch.randn(2, tokens, cfg["in_channels"] * 4, generator=g), encoder_hidden_states=text,
                 encoder_hidden_states_mask=None, timestep=torch.tensor([0.93, 0.27]), img_shapes=[[GRID]] * 2)
-
-
-def _poison(module: torch.nn.Module) -> None:
-    with torch.no_grad():
-        for p in module.parameters():
-            p.fill_(float("nan"))
-
-
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a - b).norm() / b.norm())
 
 
 def _bridge_cases(rank: int, world_size: int, checkpoint: str) -> dict:

@@ -16,16 +16,8 @@ import torch
 from torch import nn
 
 from megatron_omni.algorithms.schedule import NUM_TRAIN_TIMESTEPS
+from megatron_omni.models.dit.diffusers_interface import one_grid
 from megatron_omni.models.dit.embeddings import patchify_video, unpatchify_video
-
-
-def one_grid(img_shapes: list) -> tuple[int, int, int]:
-    """The one (frames, height, width) patch grid of a batch's `img_shapes` ([[grid]] per row); ValueError
-    when rows differ."""
-    grids = {tuple(tuple(g) for g in shapes) for shapes in img_shapes}
-    if len(grids) != 1 or len(next(iter(grids))) != 1:
-        raise ValueError(f"one patch grid per batch is supported, got {img_shapes}")
-    return tuple(next(iter(grids))[0])
 
 
 class PackedVideoTransformer(nn.Module):
