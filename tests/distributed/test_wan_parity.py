@@ -94,9 +94,11 @@ def _reduce_grads(model, groups) -> dict[str, torch.Tensor]:
     return provider.stage_hf_tensors(model, grads)
 
 
-def _layout_case(layout: ParallelLayout, recompute: str | None, batches) -> dict:
+def _layout_case(layout: ParallelLayout, recompute: str | None, batches, references: dict) -> dict:
     n_micro = N_MICRO if layout.pp > 1 else 1
-    ref_outs, ref_grads = _reference(batches, n_micro)
+    if n_micro not in references:  # the same for every layout with this many micro-batches
+        references[n_micro] = _reference(batches, n_micro)
+    ref_outs, ref_grads = references[n_micro]
     groups = build_parallel_groups(layout)
     seed_everything(0, tp_rank=groups.tp.rank())
     overrides = {}
@@ -151,8 +153,8 @@ def _layout_case(layout: ParallelLayout, recompute: str | None, batches) -> dict
 
 
 def _parity(rank: int, world_size: int, cases: list[tuple[str, ParallelLayout, str | None]]) -> dict:
-    batches = _batches()
-    return {name: _layout_case(layout, recompute, batches) for name, layout, recompute in cases}
+    batches, references = _batches(), {}
+    return {name: _layout_case(layout, recompute, batches, references) for name, layout, recompute in cases}
 
 
 CASES = {
