@@ -176,6 +176,8 @@ def test_parity_with_diffusers(world_size: int) -> None:
     for name, _, _ in CASES[world_size]:
         per_rank = [r[name] for r in results]
         fwd = [e for r in per_rank for e in r["fwd"]]
+        print(f"{name}: max forward error {max(fwd):.2e}, max gradient error "
+              f"{max(e for r in per_rank for e in r['grad'].values()):.2e}")
         assert len(fwd) >= len(INPUTS) and max(fwd) < 1e-5, (name, fwd)
         covered: set[str] = set()
         for r in per_rank:
