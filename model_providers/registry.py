@@ -111,6 +111,9 @@ class ModelFamily:
     megatron_module: the class of the Megatron model `build_model` returns, for a family stored as a diffusers
         transformer folder: how code holding a built model (its checkpoints) finds the family's mappings
         (`family_of_model`).
+    quantized_linears: fnmatch patterns of the diffusers-named linear modules a quantized rollout
+        (`rollout.quantization`) runs in low precision: those the serving engine quantizes (empty: the family
+        has no quantized rollout).
 
     The conversion fields (all None for a family without a diffusers transformer folder of its own):
     diffusers_class: the `_class_name` of the family's diffusers transformer config.json (how a folder says
@@ -136,6 +139,7 @@ class ModelFamily:
     megatron_sources: Callable[[Any], dict[str, dict[str, Any]]] | None = None
     tiny_pipeline: TinyPipeline | None = None
     megatron_module: type | None = None
+    quantized_linears: tuple[str, ...] = ()
     diffusers_class: str | None = None
     arch_config: Callable[[Any], dict[str, Any]] | None = None
     mappings: Callable[[int], list[Any]] | None = None

@@ -311,6 +311,12 @@ class RolloutEngine(Protocol):
         the ranks that share the engine."""
         ...
 
+    def probe_unquantized(self, traj: Trajectory) -> torch.Tensor | None:
+        """`probe` with the engine's quantization off: the same weights without their FP8 rounding (an
+        unquantized engine: its `probe`); None for an engine that holds only quantized weights. Collective like
+        `probe`; `rollout.probe.check_quantized_probe` reads both."""
+        ...
+
     def sleep(self) -> None:
         """Release device memory between rollouts where the engine can; generate() refuses until wake_up()."""
         ...

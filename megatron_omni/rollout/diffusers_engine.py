@@ -37,6 +37,12 @@ from megatron_omni.algorithms.window import sample_window_start
 from megatron_omni.bridge.targets import DiffusersTarget
 from megatron_omni.parallel import platform
 from megatron_omni.rollout.base import FinishedSample, SamplingParams, Trajectory, WeightSink, sample_seeds
+from megatron_omni.rollout.quantization import (
+    FakeQuantizedTransformer,
+    QuantizationSpec,
+    RefreshStats,
+    is_quantizer_state,
+)
 
 
 @dataclass
@@ -96,6 +102,8 @@ class DiffusersRolloutEngine:
         velocity_model: replaces the diffusers transformer's forward (same keywords).
         embed_cache_size: prompt embeddings kept (LRU).
         progress: show a progress bar over finished samples.
+        quantization: what the transformer runs quantized (ModelOpt fake quantization, re-quantized after every
+            `weight_update` and `load_weights`; see `rollout/quantization.py`).
     """
 
     def __init__(
@@ -107,9 +115,14 @@ class DiffusersRolloutEngine:
         velocity_model: VelocityModel | None = None,
         embed_cache_size: int = 4096,
         progress: bool = False,
+        quantization: QuantizationSpec | None = None,
     ) -> None:
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
+        quantization = quantization or QuantizationSpec()
+        if quantization.enabled and velocity_model is not None:
+            raise ValueError("a quantized rollout samples with the engine's own transformer; it cannot take a "
+                             "velocity_model (the trainer's model)")
         if not os.path.isdir(model_path):
             raise FileNotFoundError(f"no diffusers pipeline folder at {model_path}")
         self.device = device or platform.device()
@@ -119,6 +132,9 @@ class DiffusersRolloutEngine:
         self.pipe.to(self.device)
         self.pipe.set_progress_bar_config(disable=True)
         self.transformer = self.pipe.transformer
+        self.quantization = quantization
+        self.quantizer = FakeQuantizedTransformer(self.transformer, quantization) if quantization.enabled else None
+        self.last_requantize: RefreshStats | None = None
         self.shift = self._grid_shift()
         self.velocity_model: VelocityModel = velocity_model or self._transformer_velocity()
         self.max_batch_size = max_batch_size
@@ -451,10 +467,21 @@ class DiffusersRolloutEngine:
                     raise ValueError(f"{name}: shape {tuple(tensor.shape)} != engine's {tuple(target.shape)}")
                 target.copy_(tensor.to(device=target.device, dtype=target.dtype))
                 loaded.append(key)
+        self.requantize()
         return loaded
+
+    def requantize(self) -> RefreshStats | None:
+        """Quantize the transformer's current weights again (nothing for an unquantized engine); the stats are
+        also kept in `last_requantize`."""
+        if self.quantizer is not None:
+            self.last_requantize = self.quantizer.refresh()
+        return self.last_requantize
 
     def load_lora(self, state: dict[str, torch.Tensor], rank: int, alpha: float) -> tuple[list[str], list[str]]:
         """Receive LoRA adapters as diffusers peft keys into the engine's transformer (`load_lora_into`)."""
+        if self.quantizer is not None:
+            raise ValueError("a quantized engine takes merged weights (rollout.lora_sync=merge), not adapters: its "
+                             "FP8 linears are ModelOpt's, which peft does not wrap")
         return load_lora_into(self.transformer, state, rank, alpha, self.dtype)
 
     # ------------------------------------------------------------------ the trainer's side
@@ -463,8 +490,9 @@ class DiffusersRolloutEngine:
         return dict(self.transformer.config)
 
     def initial_state_dict(self) -> dict[str, torch.Tensor]:
-        """The transformer's tensors as loaded from the folder (live tensors: call it before the first sync)."""
-        return self.transformer.state_dict()
+        """The transformer's tensors as loaded from the folder (live tensors: call it before the first sync;
+        a quantized engine's quantizer scales are not among them)."""
+        return {k: v for k, v in self.transformer.state_dict().items() if not is_quantizer_state(k)}
 
     def weight_sink(self) -> WeightSink:
         """The diffusers transformer, whole on this rank (rollout tp 1), written in place."""
@@ -472,13 +500,24 @@ class DiffusersRolloutEngine:
 
     @contextlib.contextmanager
     def weight_update(self) -> Iterator[None]:
-        """Nothing to bracket: the bridge's coverage check covers the one in-process module."""
+        """The bridge's coverage check covers the one in-process module; a quantized engine re-quantizes the
+        synced weights on exit (`requantize`)."""
         yield
+        self.requantize()
 
     @torch.no_grad()
     def probe(self, traj: Trajectory) -> torch.Tensor:
         """Transition means [N, W, S, C] of `traj` under the velocity model the engine samples with."""
         return recompute_log_probs(traj, self.velocity_model, dtype=self.dtype, return_means=True).means
+
+    @torch.no_grad()
+    def probe_unquantized(self, traj: Trajectory) -> torch.Tensor:
+        """`probe` with the quantizers off: the same weights without FP8 rounding (an unquantized engine: its
+        `probe`)."""
+        if self.quantizer is None:
+            return self.probe(traj)
+        with self.quantizer.disabled():
+            return self.probe(traj)
 
     def sleep(self) -> None:
         """Nothing to release in the embedded engine; generate() refuses to run until wake_up()."""
@@ -552,5 +591,7 @@ def build_diffusers_engine(pipeline_dir: str | os.PathLike, settings: Any) -> Di
     if index.is_file() and json.loads(index.read_text()).get("_class_name") == "WanPipeline":
         from megatron_omni.rollout.wan_engine import WanRolloutEngine
 
-        return WanRolloutEngine(pipeline_dir, max_batch_size=settings.max_batch_size, dtype=settings.dtype)
-    return DiffusersRolloutEngine(pipeline_dir, max_batch_size=settings.max_batch_size, dtype=settings.dtype)
+        return WanRolloutEngine(pipeline_dir, max_batch_size=settings.max_batch_size, dtype=settings.dtype,
+                                quantization=settings.quantization)
+    return DiffusersRolloutEngine(pipeline_dir, max_batch_size=settings.max_batch_size, dtype=settings.dtype,
+                                  quantization=settings.quantization)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from megatron_omni.models.dit.model import MMDiTModel
 from model_providers.qwen_image import mapping, presets, provider
+from model_providers.qwen_image.rollout_layouts import QUANTIZED_LINEARS
 from model_providers.registry import ModelFamily, TinyPipeline
 
 FAMILY = ModelFamily(
@@ -20,6 +21,7 @@ FAMILY = ModelFamily(
     megatron_sources=provider.megatron_sources,
     megatron_module=MMDiTModel,
     tiny_pipeline=TinyPipeline(make=provider.make_tiny_pipeline, transformer_config=provider.tiny_transformer_config),
+    quantized_linears=QUANTIZED_LINEARS,
     diffusers_class="QwenImageTransformer2DModel",
     arch_config=provider.hf_config,
     mappings=mapping.all_mappings,

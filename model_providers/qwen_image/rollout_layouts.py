@@ -52,6 +52,14 @@ def _diffusers_block_rules() -> tuple[RolloutRule, ...]:
     return tuple(RolloutRule(r.hf, r.hf, "replicated") for r in _vllm_block_rules())
 
 
+# The linears vLLM-Omni 0.30.0 builds with the engine's quantization config, as diffusers module names: every
+# block's attention projections (fused there as `to_qkv` / `add_kv_proj`) and MLPs. The adaLN modulations
+# (`img_mod.1`, `txt_mod.1`), the timestep embedder, `img_in`, `txt_in`, `norm_out.linear` and `proj_out` stay in
+# full precision there (its `quant_config=None` / `safe_quant_config`, vllm-omni #2728), so they do here too.
+QUANTIZED_LINEARS = tuple(f"transformer_blocks.*.{m}" for m in (
+    "attn.to_q", "attn.to_k", "attn.to_v", "attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj", "attn.to_out.0",
+    "attn.to_add_out", "img_mlp.net.0.proj", "img_mlp.net.2", "txt_mlp.net.0.proj", "txt_mlp.net.2"))
+
 _NON_BLOCK_NAMES = (
     "time_text_embed.timestep_embedder.linear_1.weight", "time_text_embed.timestep_embedder.linear_1.bias",
     "time_text_embed.timestep_embedder.linear_2.weight", "time_text_embed.timestep_embedder.linear_2.bias",
