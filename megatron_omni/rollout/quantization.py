@@ -34,13 +34,14 @@ rounding tie in 1e7, ModelOpt's fake and real quantizers multiply and divide by 
 from __future__ import annotations
 
 import contextlib
-import fnmatch
 import time
 from collections.abc import Collection, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+
+from megatron_omni.models.lora import matches_any, unmatched_targets
 
 QUANTIZATION_MODES = ("none", "fp8")
 # vLLM's ModelOpt algorithm serving each mode (`quant_algo` of its ModelOpt config).
@@ -71,7 +72,7 @@ class QuantizationSpec:
 
     def quantizes(self, module: str) -> bool:
         """Whether the linear module named `module` (a diffusers name) runs quantized."""
-        return self.enabled and any(fnmatch.fnmatchcase(module, p) for p in self.linears)
+        return self.enabled and matches_any(module, self.linears)
 
 
 def modelopt_config(spec: QuantizationSpec) -> dict[str, Any]:
@@ -113,7 +114,7 @@ class FakeQuantizedTransformer:
         import modelopt.torch.quantization as mtq
 
         linears = [n for n, m in module.named_modules() if isinstance(m, torch.nn.Linear)]
-        unmatched = [p for p in spec.linears if not any(fnmatch.fnmatchcase(n, p) for n in linears)]
+        unmatched = unmatched_targets(spec.linears, linears)
         if unmatched:
             raise ValueError(f"quantized-linear patterns {unmatched} match no linear of {type(module).__name__}")
         self.module = module
