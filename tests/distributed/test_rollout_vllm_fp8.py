@@ -2,9 +2,11 @@
 every sync, against ModelOpt's fake quantization in the embedded engine and against the trainer's probe.
 
 On two gloo ranks, a Megatron Qwen-Image model at trainer tp=2 holds "trained" weights (the tiny pipeline's,
-perturbed). vLLM-Omni's real pipeline is built with vLLM's ModelOpt FP8 config by vLLM-Omni's own loader, at
-rollout tp 1 (each rank its own engine) and tp 2 (sharded), and receives those weights through the bridge's
-`full` plan into the worker's receiver (quantized there, loaded by vLLM's layer-wise reload). Checked:
+perturbed). The registry builds the vLLM-Omni engine with `EngineSettings(quantization=fp8)` at rollout tp 1
+(each rank its own engine) and tp 2 (sharded): vLLM-Omni's real pipeline with vLLM's ModelOpt FP8 config, by
+vLLM-Omni's own loader, the folder's weights quantized in. It receives the trainer's weights as the trainer
+syncs (the bridge's `full` plan into `engine.weight_sink()` inside `engine.weight_update()`: quantized in the
+worker's receiver, loaded by vLLM's layer-wise reload). Checked:
 - at rollout tp 1 the FP8 engine's trajectories equal the fake-quantized diffusers engine's with the same
   weights (fp32 rounding only: the same FP8 values, a real FP8 GEMM instead of a rounded fp32 one);
 - the live FP8 tensors stay the ones the forward reads (same storage before and after a reload);
@@ -54,9 +56,10 @@ def _case(rank: int, world_size: int, folder: str) -> dict:
     from megatron_omni.rollout.diffusers_engine import DiffusersRolloutEngine
     from megatron_omni.rollout.probe import check_quantized_probe, probe_trajectory
     from megatron_omni.rollout.quantization import QuantizationSpec, probe_relative_tolerance
-    from megatron_omni.rollout.vllm_fp8 import check_quantized_names, vllm_quantization_config
+    from megatron_omni.rollout.registry import EngineSettings, build_engine
+    from megatron_omni.rollout.vllm_fp8 import check_quantized_names
+    from megatron_omni.rollout.vllm_omni_engine import RpcTarget
     from megatron_omni.rollout.vllm_omni_pipeline import PIPELINE_CLASS, diffusers_shapes
-    from megatron_omni.rollout.vllm_omni_worker import WeightReceiver
     from model_providers import get_family
     from model_providers.qwen_image import provider
 
@@ -79,37 +82,43 @@ def _case(rank: int, world_size: int, folder: str) -> dict:
     res: dict = {}
     for tp in (1, world_size):
         out: dict = {}
-        with vllm_omni_cpu.vllm_omni_model(folder, tp, PIPELINE_CLASS,
-                                           quantization_config=vllm_quantization_config(spec)) as pipe:
-            receiver = WeightReceiver(pipe)
-            layer = pipe.transformer.transformer_blocks[0].attn.to_qkv
-            out["weight_dtype"] = str(layer.weight.dtype)
-            check_quantized_names(receiver.reloader.quantized, spec, diffusers_shapes(hf_cfg))
-            out["quantized_names"] = len(receiver.reloader.quantized)
-            # the folder's weights, quantized (what the engine builder does first: load_initial_weights)
-            pipe.stepper.load_weights(base.items())
-            storage = layer.weight.data_ptr()
-            stale = pipe.stepper.probe(probe)
-            # the trainer's weights through the bridge's full plan into the receiver
-            plan = qwen_image_plan(hf_cfg, trainer_tp=world_size, rollout_kind="vllm_omni", rollout_tp=tp, mode="full")
-            receiver.begin()
-            WeightSync(plan, sources=megatron_sources(trainer), target=receiver.target(), tp_group=groups.tp,
+        # the registry's builder, as the trainer builds it: FP8 linears, the folder's weights quantized in
+        engine = build_engine("vllm_omni", folder, EngineSettings(tp=tp, quantization=spec))
+        pipe = engine.omni.pipeline
+        layer = pipe.transformer.transformer_blocks[0].attn.to_qkv
+        out["weight_dtype"] = str(layer.weight.dtype)
+        out["quantized_names"] = len(pipe.fp8_reloader.quantized)
+        storage = layer.weight.data_ptr()
+        stale = engine.probe(probe)
+        # the trainer's weights through the bridge into the engine's sink, as the trainer syncs
+        sink = engine.weight_sink()
+        out["in_place"] = sink.in_place
+        plan = qwen_image_plan(hf_cfg, trainer_tp=world_size, rollout_kind="vllm_omni", rollout_tp=tp, mode="full")
+        with engine.weight_update():
+            WeightSync(plan, sources=megatron_sources(trainer), target=sink.target, tp_group=groups.tp,
                        tp_rank=groups.tp.rank(), bucket_bytes=16 * 1024).sync()
-            out["tensors"] = receiver.finish()
-            out["same_storage"] = layer.weight.data_ptr() == storage and layer.weight.dtype == torch.float8_e4m3fn
-            engine_means = pipe.stepper.probe(probe)
-            got = check_quantized_probe(engine_means, trainer_means, probe, 1e-4, rel, "after the sync")
-            out["probe"] = (got.quantization_diff, got.bound)
-            out["stale_fp8"] = _error(check_quantized_probe, stale, trainer_means, probe, 1e-4, rel, "stale FP8 copy")
-            traj = pipe.rollout(PROMPTS, PARAMS, seeds=SEEDS)
-            ref = fake.generate(PROMPTS, PARAMS, seeds=SEEDS)
-            out["vs_fake_quant"] = {f: float((getattr(traj, f) - getattr(ref, f)).abs().max())
-                                    for f in ("latents", "next_latents", "log_probs", "images")}
-            # a partial update raises, finalises what it had and the engine still serves the synced weights
-            receiver.begin()
-            receiver.load([("proj_out.bias", trained["proj_out.bias"])])
-            out["partial"] = _error(receiver.finish)
-            out["after_partial"] = float((pipe.stepper.probe(probe) - engine_means).abs().max())
+        out["same_storage"] = layer.weight.data_ptr() == storage and layer.weight.dtype == torch.float8_e4m3fn
+        engine_means = engine.probe(probe)
+        out["unquantized_view"] = engine.probe_unquantized(probe)
+        got = check_quantized_probe(engine_means, trainer_means, probe, 1e-4, rel, "after the sync")
+        out["probe"] = (got.quantization_diff, got.bound)
+        out["stale_fp8"] = _error(check_quantized_probe, stale, trainer_means, probe, 1e-4, rel, "stale FP8 copy")
+        traj = engine.generate(PROMPTS, PARAMS, seeds=SEEDS)
+        ref = fake.generate(PROMPTS, PARAMS, seeds=SEEDS)
+        out["vs_fake_quant"] = {f: float((getattr(traj, f) - getattr(ref, f)).abs().max())
+                                for f in ("latents", "next_latents", "log_probs", "images")}
+        if tp == 1:  # the multi-process engine's sink (a GPU worker behind collective_rpc), here in process
+            engine.load_weights(base.items())
+            rpc_plan = qwen_image_plan(hf_cfg, trainer_tp=world_size, rollout_kind="vllm_omni", rollout_tp=1,
+                                       mode="full")
+            with engine.weight_update():
+                WeightSync(rpc_plan, sources=megatron_sources(trainer), target=RpcTarget(engine._rpc, 1),
+                           tp_group=groups.tp, tp_rank=groups.tp.rank(), bucket_bytes=16 * 1024).sync()
+            out["rpc_sync"] = float((engine.probe(probe) - engine_means).abs().max())
+        # a partial update raises, and the engine still serves the synced weights
+        out["partial"] = _error(engine.load_weights, [("proj_out.bias", trained["proj_out.bias"])])
+        out["after_partial"] = float((engine.probe(probe) - engine_means).abs().max())
+        engine.close()
         res[tp] = out
     # an unquantized engine that was never synced: the stale copy a broken sync leaves
     with vllm_omni_cpu.vllm_omni_model(folder, world_size, PIPELINE_CLASS) as pipe:
@@ -133,13 +142,14 @@ def test_fp8_engine_loads_quantized_weights_in_place(results: list[dict], tp: in
         out = r[tp]
         assert out["weight_dtype"] == "torch.float8_e4m3fn"
         assert out["quantized_names"] == 12 * 2  # 12 linears per block x the tiny model's 2 blocks
-        assert out["tensors"] > 0 and out["same_storage"]
+        assert out["same_storage"] and not out["in_place"] and out["unquantized_view"] is None
 
 
 def test_fp8_engine_equals_fake_quantization_at_rollout_tp_1(results: list[dict]) -> None:
     for r in results:
         diff = r[1]["vs_fake_quant"]
         assert max(diff.values()) < 1e-5, diff
+        assert r[1]["rpc_sync"] == 0  # the same weights through the worker RPCs: the same FP8 engine
 
 
 @pytest.mark.parametrize("tp", [1, 2])

@@ -142,7 +142,10 @@ def test_fp8_export_form_equals_the_fake_quantized_weights(tiny_pipeline_dir: st
 
 
 def test_initial_state_and_weight_names_are_the_unquantized_engines(tiny_pipeline_dir: str) -> None:
-    quantized = DiffusersRolloutEngine(tiny_pipeline_dir, quantization=SPEC)
+    from megatron_omni.rollout.registry import EngineSettings, build_engine
+
+    quantized = build_engine("diffusers", tiny_pipeline_dir, EngineSettings(quantization=SPEC))
+    assert quantized.quantizer is not None and quantized.quantizer.check_enabled() == 24
     plain = DiffusersRolloutEngine(tiny_pipeline_dir)
     a, b = quantized.initial_state_dict(), plain.initial_state_dict()
     assert sorted(a) == sorted(b) and all(torch.equal(a[k], b[k]) for k in a)
