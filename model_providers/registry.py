@@ -108,6 +108,12 @@ class ModelFamily:
     megatron_sources: model -> this rank's Megatron tensors (local tp shards of its stage, the parameters'
         storage, so a sync after an optimizer step reads the new values) by global Megatron name, per part.
     tiny_pipeline: the family's offline tiny pipeline (`model.pipeline=tiny`), or None.
+    megatron_module: the class of the Megatron model `build_model` returns, for a family stored as a diffusers
+        transformer folder: how code holding a built model (its checkpoints) finds the family's mappings
+        (`family_of_model`).
+    quantized_linears: fnmatch patterns of the diffusers-named linear modules a quantized rollout
+        (`rollout.quantization`) runs in low precision: those the serving engine quantizes (empty: the family
+        has no quantized rollout).
 
     The conversion fields (all None for a family without a diffusers transformer folder of its own):
     diffusers_class: the `_class_name` of the family's diffusers transformer config.json (how a folder says
@@ -116,7 +122,9 @@ class ModelFamily:
         `num_layers` and `num_attention_heads`); raises KeyError/ValueError on a config the family cannot hold.
     mappings: num_layers -> the diffusers <-> Megatron name mappings (`ParamMapping`s: megatron, hf, kind).
     hf_to_megatron: (mapping, [diffusers tensors], num_heads) -> the full Megatron tensor.
-    megatron_to_hf: (mapping, full Megatron tensor, num_heads) -> the diffusers tensors, in `mapping.hf` order.
+    megatron_to_hf: (mapping, full Megatron tensor, num_heads, views=False) -> the diffusers tensors, in `mapping.hf`
+        order; `views=True`: views of the Megatron tensor whose leading dims flattened are each diffusers tensor's
+        rows (the adapter sync copies from them without an intermediate copy).
     """
 
     name: str
@@ -132,6 +140,8 @@ class ModelFamily:
     weight_parts: Callable[[Any], dict[str, WeightPart]] | None = None
     megatron_sources: Callable[[Any], dict[str, dict[str, Any]]] | None = None
     tiny_pipeline: TinyPipeline | None = None
+    megatron_module: type | None = None
+    quantized_linears: tuple[str, ...] = ()
     diffusers_class: str | None = None
     arch_config: Callable[[Any], dict[str, Any]] | None = None
     mappings: Callable[[int], list[Any]] | None = None
@@ -182,3 +192,13 @@ def get_family(name: str) -> ModelFamily:
     if family.kind not in FAMILY_KINDS:
         raise ValueError(f"model_providers/{name}/family.py: kind {family.kind!r} is not one of {FAMILY_KINDS}")
     return family
+
+
+def family_of_model(model: Any) -> ModelFamily:
+    """The registered family whose Megatron model class (`megatron_module`) `model` is an instance of. Raises
+    ValueError naming the model's class when no family builds it."""
+    for name in family_names():
+        family = get_family(name)
+        if family.megatron_module is not None and isinstance(model, family.megatron_module):
+            return family
+    raise ValueError(f"no registered model family builds a {type(model).__name__} (ModelFamily.megatron_module)")

@@ -3,9 +3,10 @@
 #   bash tools/gpu_check.sh                    # on the GPU machine, in the repository root
 #   bash tools/gpu_check.sh --download-wheels  # here, once: fills .whl/ with what that machine lacks
 #
-# The lent machine has torch 2.11+cu130, transformers, safetensors, einops, psutil, tqdm, pytest but no
-# megatron-core or diffusers; --download-wheels fetches their cp312 wheels (+ importlib-metadata) into the
-# ignored folder .whl/ (about 9 MB), which travels with the tree (the device tool: carry [".whl"]).
+# The lent machine has torch 2.11+cu130, transformers, safetensors, einops, psutil, tqdm, scipy, rich, pytest but
+# no megatron-core, diffusers or ModelOpt; --download-wheels fetches their cp312 wheels (+ importlib-metadata, and
+# what ModelOpt imports that the machine lacks: pulp, pydantic, torchprofile) into the ignored folder .whl/ (about
+# 29 MB), which travels with the tree (the device tool: carry [".whl"]).
 # TransformerEngine (about 280 MB) and vLLM do not fit: on that machine (d) and the vLLM-Omni engine tests
 # skip with their reason; in the GPU image (Dockerfile) they run.
 #
@@ -15,6 +16,9 @@
 #   (c) forward+backward of one 20B-shaped MMDiT block (1024 image + 256 text tokens, batch 1, 2, 4):
 #       TFLOP/s and MFU against 790 TFLOP/s,
 #   (d) the te spec's parity with local in bf16 when TransformerEngine imports,
+#   (e) the FP8 rollout forward (`rollout.quantization=fp8`: ModelOpt's FP8 weights, per-token FP8 inputs, row-wise
+#       scaled FP8 GEMMs) against bf16 on 20B-shaped blocks, batch 1, 4, 8: ms per block and speed-up,
+#   (f) with vLLM-Omni (the GPU image): its FP8 engine against its bf16 one, images/s and the FP8 probe,
 # and writes $OUT_DIR/gpu_check.json, which `python -m megatron_omni.train --dry-run --mfu-from FILE` reads
 # (launch scripts: MFU_FROM=FILE) instead of the assumed MFU 0.35.
 set -euo pipefail
@@ -22,7 +26,8 @@ cd "$(dirname "$0")/.."
 PYTHON="${PYTHON:-python3}"
 WHEELS="${WHEELS:-.whl}"
 OUT_DIR="${OUT_DIR:-${OUT:-gpu_check}}"
-GPU_WHEELS=(megatron-core==0.16.1 diffusers==0.40.0 importlib-metadata==8.7.0)
+GPU_WHEELS=(megatron-core==0.16.1 diffusers==0.40.0 importlib-metadata==8.7.0 nvidia-modelopt==0.39.0 pulp==3.3.2
+            pydantic==2.14.4 pydantic-core==2.50.5 annotated-types==0.8.0 typing-inspection==0.4.5 torchprofile==0.1.0)
 
 if [[ "${1:-}" == --download-wheels ]]; then
     "$PYTHON" -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \

@@ -2,7 +2,7 @@
 
     python tools/gpu_check_report.py FIGURES.jsonl OUT.json
 
-Prints one table, (a) to (d), naming each check that did not run; writes OUT.json (atomically) with every
+Prints one table, (a) to (f), naming each check that did not run; writes OUT.json (atomically) with every
 figure and `mfu`: the 20B block's forward+backward MFU at batch 1 against the 989 TFLOP/s bf16 peak the
 planner uses (batch 1 is the recipes' training micro-batch), which `--dry-run --mfu-from OUT.json` reads.
 Exits 1 when a figures line is not JSON.
@@ -20,6 +20,8 @@ CHECKS = {
     "b_small_flowgrpo_step_bf16": "(b) one FlowGRPO step, small preset, bf16, 1 GPU",
     "c_20b_block_fwd_bwd": "(c) 20B-shaped block fwd+bwd, 1024 img + 256 txt tokens",
     "d_te_vs_local_bf16": "(d) te spec vs local, bf16",
+    "e_fp8_forward_20b_block": "(e) FP8 rollout forward vs bf16, 20B-shaped blocks (quantized linears in FP8)",
+    "f_vllm_omni_fp8_rollout": "(f) vLLM-Omni engine, FP8 vs bf16 rollout, small tiny pipeline",
 }
 
 
@@ -58,9 +60,18 @@ def table(figures: dict[str, dict]) -> str:
             for batch, r in f.items():
                 lines.append(f"    {batch.replace('_', ' ')}: {r['block_ms']:8.2f} ms  {r['tflops']:6.1f} TFLOP/s  "
                              f"MFU {r['mfu_790']:.3f} of 790 ({r['mfu']:.3f} of 989)")
-        else:
+        elif key == "d_te_vs_local_bf16":
             lines.append(f"    out max abs diff {f['out_max_abs_diff']:.3e} (outputs up to {f['out_abs_max']:.2f}), "
                          f"grad max rel diff {f['grad_max_rel_diff']:.3e}")
+        elif key == "e_fp8_forward_20b_block":
+            for batch, r in f.items():
+                lines.append(f"    {batch.replace('_', ' ')}: bf16 {r['bf16_block_ms']:7.2f} ms  "
+                             f"FP8 {r['fp8_block_ms']:7.2f} ms per block  speed-up {r['speedup']:.2f}  "
+                             f"(FP8 output rel. error {r['output_rel_err']:.3f})")
+        else:
+            lines.append(f"    bf16 {f['bf16_images_per_s']:.2f} images/s, FP8 {f['fp8_images_per_s']:.2f} "
+                         f"images/s (speed-up {f['speedup']:.2f}); FP8 probe {f['probe_diff']:.3e} <= bound "
+                         f"{f['probe_bound']:.3e}")
     return "\n".join(lines)
 
 

@@ -7,6 +7,7 @@ Pure torch tensor math in float32 (float64 where noted): no I/O, no torch.distri
 
 from megatron_omni.algorithms.advantages import Advantages, group_advantages
 from megatron_omni.algorithms.cfg import true_cfg
+from megatron_omni.algorithms.importance import IS_LEVELS, ImportanceWeights, truncated_importance_weights
 from megatron_omni.algorithms.loss import PolicyLoss, flowgrpo_loss, kl_penalty, policy_metrics
 from megatron_omni.algorithms.schedule import ShiftConfig, calculate_shift, model_timesteps, qwen_image_sigmas
 from megatron_omni.algorithms.sde import (
@@ -25,8 +26,10 @@ from megatron_omni.algorithms.window import (
 )
 
 __all__ = [
+    "IS_LEVELS",
     "SDE_TYPES",
     "Advantages",
+    "ImportanceWeights",
     "PolicyLoss",
     "SdeCoefficients",
     "SdeStepOutput",
@@ -44,6 +47,7 @@ __all__ = [
     "sde_log_prob",
     "sde_step",
     "true_cfg",
+    "truncated_importance_weights",
     "window_noise_levels",
     "window_step_indices",
 ]

@@ -122,3 +122,45 @@ def model_timesteps(sigmas: torch.Tensor, dtype: torch.dtype = torch.float32) ->
     then divided by 1000 in that dtype, so bf16 gets bf16(bf16(1000 sigma) / 1000), not bf16(sigma) (one bf16
     step apart at about a quarter of the grid points). Same shape as `sigmas`."""
     return (sigmas.to(torch.float32) * NUM_TRAIN_TIMESTEPS).to(dtype) / NUM_TRAIN_TIMESTEPS
+
+
+def static_shift_sigmas(num_steps: int, shift: float) -> torch.Tensor:
+    """The grid `s_0 > ... > s_T = 0` of a `FlowMatchEulerDiscreteScheduler(shift=shift)` without dynamic shifting
+    (Wan's), as its `set_timesteps(num_steps)` computes it: float32 [T + 1].
+
+    The scheduler shifts its training grid once at construction (`s_max = 1`, `s_min = shift(1/1000)`), then
+    `set_timesteps` spaces T points from `1000 s_max` to `1000 s_min` and shifts them again: `s -> shift s /
+    (1 + (shift - 1) s)`, in float64 (numpy), cast to float32 at the end; then 0 is appended.
+    """
+    if num_steps < 1:
+        raise ValueError(f"num_steps must be >= 1, got {num_steps}")
+    if shift <= 0:
+        raise ValueError(f"shift must be positive, got {shift}")
+    # the scheduler's own float32 training grid end points, read back as Python floats
+    train_min = torch.tensor(1.0 / NUM_TRAIN_TIMESTEPS, dtype=torch.float32)
+    s_max = float(torch.tensor(1.0, dtype=torch.float32) * shift / (1 + (shift - 1) * torch.tensor(1.0)))
+    s_min = float(shift * train_min / (1 + (shift - 1) * train_min))
+    t = torch.linspace(s_max * NUM_TRAIN_TIMESTEPS, s_min * NUM_TRAIN_TIMESTEPS, num_steps, dtype=torch.float64)
+    s = t / NUM_TRAIN_TIMESTEPS
+    s = shift * s / (1 + (shift - 1) * s)
+    return torch.cat([s.to(torch.float32), torch.zeros(1, dtype=torch.float32)])
+
+
+def static_shift_of(config: Mapping[str, Any]) -> float:
+    """The static time shift of a scheduler config: `FlowMatchEulerDiscreteScheduler` without dynamic shifting
+    (`shift`) or a `UniPCMultistepScheduler` with flow sigmas (`flow_shift`: Wan's published pipelines; our
+    sampler then runs the Euler/SDE steps on the Euler grid of that shift). Raises ValueError for a config that
+    is neither."""
+    cls = config.get("_class_name", "FlowMatchEulerDiscreteScheduler")
+    if cls == "UniPCMultistepScheduler" and config.get("use_flow_sigmas", False):
+        return float(config.get("flow_shift", 1.0))
+    if cls == "FlowMatchEulerDiscreteScheduler" and not config.get("use_dynamic_shifting", False):
+        for flag in ("use_karras_sigmas", "use_exponential_sigmas", "use_beta_sigmas", "invert_sigmas",
+                     "shift_terminal"):
+            if config.get(flag):
+                raise ValueError(f"scheduler config: {flag}={config[flag]!r} is not supported by the static grid")
+        if config.get("num_train_timesteps", NUM_TRAIN_TIMESTEPS) != NUM_TRAIN_TIMESTEPS:
+            raise ValueError(f"scheduler config: num_train_timesteps must be {NUM_TRAIN_TIMESTEPS}")
+        return float(config.get("shift", 1.0))
+    raise ValueError(f"scheduler config ({cls}) has no static flow shift: a FlowMatchEulerDiscreteScheduler without "
+                     "dynamic shifting or a UniPCMultistepScheduler with use_flow_sigmas is needed")

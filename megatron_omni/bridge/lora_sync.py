@@ -1,8 +1,9 @@
 """LoRA adapters from the trainer into a rollout engine: adapter-only (the adapters' factors, gathered over tp
 and pp, renamed to diffusers' peft keys) or merged (`W + scale B A` through the ordinary bridge plan).
 
-The adapter-only path moves r * (in + out) numbers per adapted linear instead of in * out; it is what the
-diffusers engine loads through its own peft LoRA loader (`DiffusersRolloutEngine.load_lora`). Its names are
+The adapter-only path moves r * (in + out) numbers per adapted linear instead of in * out; the diffusers
+engine loads it through its own peft LoRA loader, vLLM-Omni through its LoRA request path and LoRA layers, the
+first time, and both in place after that (`rollout.lora_receiver`, `rollout.vllm_omni_lora`). Its names are
 derived from the family's weight mappings, so a fused Megatron linear becomes every diffusers module it was
 made of: `linear_qkv` (B rows interleaved per head q|k|v) -> `to_q`, `to_k`, `to_v`, each with the shared A and
 its own rows of B (exact: `B_q A` is the q rows of `B A`). `export_lora` is the same conversion for a file.
@@ -102,10 +103,15 @@ class LoRASyncStats:
 
 class LoRAAdapterSync:
     """Adapter-only sync of one rank's trained adapters into its engine (an object with `load_lora(state, rank,
-    alpha) -> (modules carrying the adapter, keys written)`), checking after every sync that the engine's
-    adapted modules are exactly `targets`' modules and every key was written.
+    alpha) -> (modules carrying the adapter, keys written)`: `rollout.lora_receiver` for the diffusers engine,
+    `rollout.vllm_omni_lora` for vLLM-Omni), checking after every sync that the engine's adapted modules are
+    exactly `targets`' modules and every key was written.
 
     `linears`: the adapted Megatron linears' global names over the whole model (every stage's), in order.
+
+    With one rank per model replica (tp = pp = 1) the adapters need no gathering: the state handed to the engine
+    is views of the adapters' own parameters, built once and reused while their storage stays where it was (the
+    optimizer updates them in place), so a sync is the engine's copy and its proof.
     """
 
     def __init__(self, model: torch.nn.Module, engine: Any, family: Any, hf_config: dict[str, Any],
@@ -117,19 +123,35 @@ class LoRAAdapterSync:
         self.mappings = family.mappings(family.num_layers(hf_config))
         self.megatron_to_hf = family.megatron_to_hf
         self.modules = sorted({t.module for t in lora_targets(self.mappings, linears)})
+        self._module_set = frozenset(self.modules)
+        self._keys = frozenset(f"{m}.{k}" for m in self.modules for k in (LORA_A, LORA_B))
         self.rank, self.alpha = rank, alpha
         self.tp_group, self.pp_group, self.global_name = tp_group, pp_group, global_name
+        self._params = [p for a in self.adapters.values() for p in (a.lora_a, a.lora_b)]
+        self._local = tp_group.size() == 1 and pp_group.size() == 1
+        self._views: tuple[list[int], dict[str, torch.Tensor]] | None = None  # (parameter addresses, state)
+        self._bytes: tuple[dict[str, torch.Tensor], int] | None = None  # (the last state delivered, its bytes)
+        self._verified: tuple[Any, Any] = (None, None)  # the engine's last report that passed `_check`
 
     @torch.no_grad()
     def state(self) -> dict[str, torch.Tensor]:
-        """The whole model's adapters as diffusers peft keys (`diffusers_lora_state`). Collective over tp, pp."""
+        """The whole model's adapters as diffusers peft keys (`diffusers_lora_state`, views of the gathered
+        adapters: a fused qkv's B parts as [heads, head_dim, r]). Collective over tp, pp."""
         full = gather_adapters(self.adapters, self.tp_group, self.pp_group)
         return diffusers_lora_state(full, self.mappings, self.megatron_to_hf, self.num_heads, own_storage=False)
+
+    def _sync_state(self) -> dict[str, torch.Tensor]:
+        if not self._local:
+            return self.state()
+        addresses = list(map(torch.Tensor.data_ptr, self._params))
+        if self._views is None or self._views[0] != addresses:
+            self._views = (addresses, self.state())
+        return self._views[1]
 
     def sync(self) -> LoRASyncStats:
         """Gather the adapters, convert them to diffusers keys and `deliver` them. Collective over tp and pp."""
         t0 = time.perf_counter()
-        stats = self.deliver(self.state())
+        stats = self.deliver(self._sync_state())
         stats.seconds = time.perf_counter() - t0
         return stats
 
@@ -139,18 +161,26 @@ class LoRAAdapterSync:
         or the keys it wrote differ from the trained adapters' (`self.modules`)."""
         t0 = time.perf_counter()
         carrying, written = self.engine.load_lora(state, self.rank, self.alpha)
-        expected = {f"{m}.{k}" for m in self.modules for k in (LORA_A, LORA_B)}
-        missing = sorted(expected - set(written))
-        if sorted(carrying) != self.modules or missing:
-            lost = sorted(set(self.modules) - set(carrying))
-            extra = sorted(set(carrying) - set(self.modules))
+        # An engine returns the same report objects while everything is in place: checked once, then known good.
+        if carrying is not self._verified[0] or written is not self._verified[1]:
+            self._check(carrying, written)
+            self._verified = (carrying, written)
+        if self._bytes is None or self._bytes[0] is not state:
+            self._bytes = (state, sum(t.numel() * t.element_size() for t in state.values()))
+        return LoRASyncStats(len(carrying), self._bytes[1], time.perf_counter() - t0)
+
+    def _check(self, carrying: Sequence[str], written: Sequence[str]) -> None:
+        """Raise LoRASyncError unless `carrying` is exactly the trained modules and `written` has every key."""
+        held = set(carrying)
+        if held != self._module_set or len(carrying) != len(held) or not self._keys.issubset(written):
+            missing = sorted(self._keys.difference(written))
+            lost = sorted(self._module_set - held)
+            extra = sorted(held - self._module_set)
             raise LoRASyncError(
-                f"LoRA sync: the engine carries the adapter on {len(carrying)} modules, the trainer trains "
+                f"LoRA sync: the engine carries the adapter on {len(held)} modules, the trainer trains "
                 f"{len(self.modules)}" + (f"; not carrying: {lost[:6]}" if lost else "")
                 + (f"; unexpected: {extra[:6]}" if extra else "")
                 + (f"; not written: {missing[:6]}" if missing else ""))
-        loaded = sum(t.numel() * t.element_size() for t in state.values())
-        return LoRASyncStats(len(carrying), loaded, time.perf_counter() - t0)
 
 
 def merged_linears(model: torch.nn.Module, global_name: Callable[[str], str]) -> dict[str, torch.nn.Module]:

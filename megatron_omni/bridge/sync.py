@@ -221,7 +221,9 @@ class WeightSync:
                 continue
             loaded = self.target.load_full(items)
             for name, t in items:
-                if name not in loaded:
+                # loaded by its name, or every rollout parameter it fills reported loaded (a renamed tensor)
+                fills = self._loads.get(name, ())
+                if name not in loaded and not (fills and all(pname in loaded for pname, _, _ in fills)):
                     ledger.note(f"{self.target.kind} loader skipped diffusers tensor {name!r}")
                     continue
                 for pname, region, numel in self._loads.get(name, ()):

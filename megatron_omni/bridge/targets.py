@@ -24,12 +24,14 @@ class RolloutTarget(Protocol):
         ...
 
     def load_full(self, items: Sequence[tuple[str, torch.Tensor]]) -> set[str]:
-        """Load full diffusers-named tensors; return the names that were loaded."""
+        """Load full diffusers-named tensors; return the names that were loaded: a diffusers name given, or the
+        rollout parameter a loader reports instead (it renamed the tensor)."""
         ...
 
 
 class VllmOmniTarget:
-    """vLLM-Omni's `QwenImageTransformer2DModel` on one rollout tp rank; loads through its `load_weights`."""
+    """A vLLM-Omni transformer (Qwen-Image's, Wan2.2's) on one rollout tp rank; loads through its `load_weights`
+    (names prefixed `load_prefix`)."""
 
     kind = "vllm_omni"
 
@@ -45,9 +47,10 @@ class VllmOmniTarget:
 
     @torch.no_grad()
     def load_full(self, items: Sequence[tuple[str, torch.Tensor]]) -> set[str]:
-        # load_weights returns both the names it was given (prefix stripped) and its parameter names.
-        loaded = self.module.load_weights((self.load_prefix + n, t) for n, t in items)
-        return {n for n, _ in items if n in loaded}
+        # load_weights returns the names it was given (prefix stripped) and its parameter names; a tensor it renames
+        # (Wan's `scale_shift_table` -> `output_scale_shift_prepare.scale_shift_table`) comes back by its new name.
+        loaded = set(self.module.load_weights((self.load_prefix + n, t) for n, t in items))
+        return {n for n, _ in items if n in loaded} | {n for n in loaded if n in self._params}
 
 
 class DiffusersTarget:

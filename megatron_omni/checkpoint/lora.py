@@ -102,13 +102,15 @@ def diffusers_lora_state(full: Mapping[str, tuple[torch.Tensor, torch.Tensor]], 
     """Full adapters {global linear name: (A [r, in], B [out, r])} -> diffusers peft keys
     `<module>.lora_A.weight` [r, in] and `<module>.lora_B.weight` [out_part, r] (no `transformer.` prefix).
     B is split like the linear's weight rows (the family's `megatron_to_hf`, e.g. per-head q|k|v); the parts of
-    a fused linear get copies of the same A. `own_storage=False` returns views instead (A shared, B's parts
-    strided) for a caller that copies them straight into other tensors (the adapter sync); a file needs copies."""
+    a fused linear get copies of the same A. `own_storage=False` returns views of `full` instead, for a caller
+    that copies them straight into other tensors (the adapter sync): A shared, and a B part whose rows are
+    strided (a fused qkv's q, k, v) as a view with more leading dims ([heads, head_dim, r]) whose rows,
+    flattened, are the key's rows; a file needs `own_storage=True`."""
     by_weight = {m.megatron: m for m in mappings}
     out: dict[str, torch.Tensor] = {}
     for linear, (a, b) in full.items():
         m = by_weight[f"{linear}.weight"]
-        for hf, b_part in zip(m.hf, megatron_to_hf(m, b, num_heads), strict=True):
+        for hf, b_part in zip(m.hf, megatron_to_hf(m, b, num_heads, views=not own_storage), strict=True):
             module = hf.removesuffix(".weight")
             out[f"{module}.{LORA_A}"] = a.clone() if own_storage else a
             out[f"{module}.{LORA_B}"] = b_part.contiguous() if own_storage else b_part

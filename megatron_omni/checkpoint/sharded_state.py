@@ -1,7 +1,8 @@
-"""Megatron-Core distributed checkpoints of an `MMDiTModel` at any TP/PP/CP layout.
+"""Megatron-Core distributed checkpoints of a DiT (`MMDiTModel`, `WanModel`: any family's `megatron_module`) at any
+TP/PP/CP layout.
 
-Every tensor is saved under its global Megatron name (block index over all pipeline stages, from the
-provider's mapping), as a `ShardedTensor` placed at its tensor-parallel offset along the mapping's
+Every tensor is saved under its global Megatron name (block index over all pipeline stages, from the model's
+family's mapping), as a `ShardedTensor` placed at its tensor-parallel offset along the mapping's
 `tp_dim`. Replicated copies carry replica ids so exactly one rank writes each byte:
 `replica_id = (pp_rank if the tensor is on every stage else 0, tp_rank if replicated over tp else 0,
 rank in dp x cp)`; Megatron writes only the all-zero replica. A checkpoint saved at one layout therefore
@@ -24,8 +25,9 @@ from megatron.core import dist_checkpointing
 from megatron.core.dist_checkpointing.mapping import ShardedStateDict, ShardedTensor
 
 from megatron_omni.checkpoint.errors import CheckpointError
-from megatron_omni.models.dit.model import MMDiTModel
-from model_providers.qwen_image.provider import local_mappings
+from megatron_omni.models.dit.model import DiTStage
+from model_providers import shards
+from model_providers.registry import family_of_model
 
 CONTENT_KEY = "megatron_omni_model"
 FORMAT_VERSION = 1
@@ -68,13 +70,13 @@ def require_dist_checkpoint(checkpoint_dir: str | Path) -> None:
         raise CheckpointError(f"{path} has no torch_dist .metadata file: incomplete checkpoint")
 
 
-def model_layout(model: MMDiTModel) -> dict[str, int]:
+def model_layout(model: DiTStage) -> dict[str, int]:
     """The layout a model was built for (recorded in the checkpoint for `inspect`)."""
     pg = model.pg_collection
     return {"tp": pg.tp.size(), "pp": pg.pp.size(), "cp": pg.cp.size(), "dp": pg.dp.size()}
 
 
-def model_sharded_state_dict(model: MMDiTModel, prefix: str = "") -> ShardedStateDict:
+def model_sharded_state_dict(model: DiTStage, prefix: str = "") -> ShardedStateDict:
     """This rank's `ShardedStateDict` of `model`, keyed by local parameter name.
 
     Each value is a ShardedTensor of key `prefix + global Megatron name`, global shape = the full
@@ -84,7 +86,8 @@ def model_sharded_state_dict(model: MMDiTModel, prefix: str = "") -> ShardedStat
     tp_rank, tp_size = pg.tp.rank(), pg.tp.size()
     pp_rank = pg.pp.rank()
     dp_rank = pg.dp_cp.rank()
-    mappings = local_mappings(model)
+    family = family_of_model(model)
+    mappings = shards.local_mappings(model, family.mappings(model.config.num_layers))
     out: ShardedStateDict = {}
     for name, tensor in model.state_dict(keep_vars=True).items():
         if name.endswith("_extra_state"):
@@ -100,7 +103,7 @@ def model_sharded_state_dict(model: MMDiTModel, prefix: str = "") -> ShardedStat
     return out
 
 
-def save_model_checkpoint(model: MMDiTModel, checkpoint_dir: str | Path, family: str,
+def save_model_checkpoint(model: DiTStage, checkpoint_dir: str | Path, family: str,
                           diffusers_config: dict[str, Any], prefix: str = "") -> None:
     """Save `model` (all ranks call this) with its content metadata. The folder is created here."""
     ckpt = str(checkpoint_dir)
@@ -114,7 +117,7 @@ def save_model_checkpoint(model: MMDiTModel, checkpoint_dir: str | Path, family:
 
 
 @torch.no_grad()
-def load_model_checkpoint(model: MMDiTModel, checkpoint_dir: str | Path, prefix: str = "") -> None:
+def load_model_checkpoint(model: DiTStage, checkpoint_dir: str | Path, prefix: str = "") -> None:
     """Load a checkpoint saved at any layout into this rank's shards of `model` (all ranks call this)."""
     ckpt = str(checkpoint_dir)
     require_dist_checkpoint(ckpt)

@@ -102,11 +102,13 @@ def init_distributed(
         return
     rank = int(os.environ.get("RANK", "0")) if rank is None else rank
     world_size = int(os.environ.get("WORLD_SIZE", "1")) if world_size is None else world_size
-    if init_method is None:
+    if init_method is None and world_size == 1 and "MASTER_PORT" not in os.environ:
+        # A one-process job needs no agreed port: a free one, passed directly rather than through the environment,
+        # so that processes this one starts later (a launched trainer, a reward server) inherit no port it holds.
+        init_method = f"tcp://127.0.0.1:{_free_port()}"
+    elif init_method is None:
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        if "MASTER_PORT" not in os.environ:
-            # A one-process job needs no agreed port: take a free one so concurrent runs do not collide.
-            os.environ["MASTER_PORT"] = str(_free_port()) if world_size == 1 else "29500"
+        os.environ.setdefault("MASTER_PORT", "29500")
         init_method = "env://"
     dist.init_process_group(
         backend=backend(),

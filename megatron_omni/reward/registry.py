@@ -1,7 +1,8 @@
 """One registry for every scorer, and `build_scorer(spec)` which understands all the ways to name one.
 
 A spec is one of:
-- a registered name: "ocr", "vlm_ocr", "jpeg_compressibility", "jpeg_incompressibility";
+- a registered name: "ocr", "vlm_ocr", "jpeg_compressibility", "jpeg_incompressibility", and for videos sent as
+  frame strips (video.video_strip) "video_ocr", "temporal_consistency";
 - a user scorer by import path: "my_pkg.rewards:aesthetic" (see scorers.import_scorer);
 - a weighted sum: "0.8*ocr+0.2*jpeg_compressibility" (weights default to 1: "ocr+jpeg_compressibility");
 - a dict: {"name": spec, "kwargs": {...}} or {"weighted": [{"scorer": spec, "weight": w}, ...]}.
@@ -25,6 +26,7 @@ from megatron_omni.reward.scorers import (
     WeightedSum,
     import_scorer,
 )
+from megatron_omni.reward.video import TemporalConsistency
 
 ScorerFactory = Callable[..., Scorer]
 _REGISTRY: dict[str, ScorerFactory] = {}
@@ -58,8 +60,16 @@ def _vlm_ocr(**kwargs: Any) -> Scorer:
     return OcrScorer(reader="vlm", **kwargs)
 
 
+def _video_ocr(**kwargs: Any) -> Scorer:
+    from megatron_omni.reward.video import VideoOcrScorer
+
+    return VideoOcrScorer(**kwargs)
+
+
 register_scorer("ocr", _ocr)
 register_scorer("vlm_ocr", _vlm_ocr)
+register_scorer("video_ocr", _video_ocr)
+register_scorer("temporal_consistency", TemporalConsistency)
 register_scorer("jpeg_compressibility", JpegCompressibility)
 register_scorer("jpeg_incompressibility", JpegIncompressibility)
 

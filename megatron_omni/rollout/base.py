@@ -75,6 +75,8 @@ class SamplingParams(SdeWindowParams):
 
     height: int = 64
     width: int = 64
+    # Frames of a video (what the VAE decodes; a video engine's latent frames follow from it); 1 for images.
+    num_frames: int = 1
     window_start: int | None = None
     guidance_scale: float = 1.0
     negative_prompt: str | None = None
@@ -91,6 +93,8 @@ class SamplingParams(SdeWindowParams):
         super().__post_init__()
         if self.height <= 0 or self.width <= 0:
             raise ValueError(f"height/width must be positive, got {self.height}x{self.width}")
+        if self.num_frames < 1:
+            raise ValueError(f"num_frames must be >= 1, got {self.num_frames}")
         if self.guidance_scale < 1:
             raise ValueError(f"guidance_scale must be >= 1 (1 = no CFG), got {self.guidance_scale}")
         if self.guidance_scale > 1 and self.negative_prompt is None:
@@ -134,6 +138,13 @@ class Trajectory:
     shorter); window_start [N] long; images [N, 3, H, W] fp32 in [0, 1]; img_shape (1, H / 16, W / 16) the
     transformer's patch grid; final_latents [N, S, C] fp32, the clean latents the sampler ended with (what
     DiffusionNFT trains on; None from an engine that does not record them).
+
+    Video (the Wan engine): S = f * h * w tokens of 3D patches (frames first, then rows and columns) and
+    C = c * pt * ph * pw (`models.dit.embeddings.patchify_video`); img_shape = (f, h, w), the patch grid of the
+    latent video (f = (F - 1) / 4 + 1 latent frames for F frames, h = H / 16, w = W / 16 with Wan's VAE and
+    patch); images [N, F, 3, H, W], each sample's frames. The text is zero-padded to the pipeline's
+    `max_sequence_length` (SamplingParams.text_length when set) and Wan attends to all of it: the mask marks
+    the prompt's own tokens but the model does not read it, so trajectories to be concatenated must share L.
     """
 
     prompts: list[str]
@@ -214,7 +225,7 @@ class Trajectory:
 @dataclass
 class FinishedSample:
     """One sample as soon as it is done (streamed to the reward client): index into the call's
-    output, its prompt, group id, seed and image [3, H, W] fp32 in [0, 1]."""
+    output, its prompt, group id, seed and image [3, H, W] fp32 in [0, 1] (a video: its frames [F, 3, H, W])."""
 
     index: int
     prompt: str
@@ -311,6 +322,12 @@ class RolloutEngine(Protocol):
         """Transition means [N, W, S, C] fp32 of the fixed trajectory `traj` under the engine's transformer as it
         holds its weights now (the proof that a sync reached the weights it samples with). Collective over
         the ranks that share the engine."""
+        ...
+
+    def probe_unquantized(self, traj: Trajectory) -> torch.Tensor | None:
+        """`probe` with the engine's quantization off: the same weights without their FP8 rounding (an
+        unquantized engine: its `probe`); None for an engine that holds only quantized weights. Collective like
+        `probe`; `rollout.probe.check_quantized_probe` reads both."""
         ...
 
     def sleep(self) -> None:

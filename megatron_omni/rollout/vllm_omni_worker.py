@@ -15,6 +15,15 @@ with `collective_rpc(method, args=...)`. `FlowGRPOWorkerExtension` adds:
 - `weight_target()`: this worker's transformer as the bridge's `VllmOmniTarget`, for a `WeightSync` that
   runs in the worker's own process (the `uni` executor, or an executor of ours on the trainer's ranks):
   `direct` mode then copies the trainer's tp shards in place, and the sync's coverage check applies.
+- `load_flowgrpo_lora(state, rank, alpha)`, `flowgrpo_lora_request()`: the adapter-only LoRA sync
+  (`vllm_omni_lora.VllmOmniLoRAReceiver`: vLLM-Omni's LoRA request path the first time, in place after), and the
+  `LoRARequest` every rollout request then carries so the worker keeps the adapter active. An update bracketed by
+  `begin/finish_weight_update` may be adapters only (no full tensors).
+
+An FP8 engine (built with `vllm_fp8.vllm_quantization_config`) takes the same full bf16 tensors: the receiver
+turns the quantized linears' weights into FP8 and loads each update through vLLM's layer-wise reload
+(`vllm_fp8.Fp8WeightReloader`); its `parameter_shapes()` and `weight_target()` then show the checkpoint
+layout (the live FP8 weights are transposed), which the bridge fills in `full` mode only.
 
 The update logic lives in `WeightReceiver` (one per pipeline), so it runs the same with or without a
 vLLM-Omni worker around it. Nothing here imports vllm at module level.
@@ -46,12 +55,22 @@ class WeightReceiver:
                             "it with custom_pipeline_args={'pipeline_class': PIPELINE_CLASS or HYBRID_PIPELINE_CLASS}")
         self.pipeline = pipeline
         self.full_shapes = full_shapes
+        self.reloader = getattr(pipeline, "fp8_reloader", None)  # an FP8 engine's (vllm_fp8.Fp8WeightReloader)
         self._seen: set[str] | None = None
+        self._adapters = False  # the open update loaded LoRA adapters
         self.updates = 0
 
     def begin(self) -> None:
         """Start an update (a previous unfinished one is discarded: it raised or was abandoned)."""
+        if self.reloader is not None:
+            self.reloader.begin()
         self._seen = set()
+        self._adapters = False
+
+    def adapters_loaded(self) -> None:
+        """The open update (if any) carried LoRA adapters: it may then send no full tensor at all."""
+        if self._seen is not None:
+            self._adapters = True
 
     @torch.no_grad()
     def load(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
@@ -66,7 +85,7 @@ class WeightReceiver:
         if again:
             raise WeightUpdateError(f"weight update sends {again[:3]} more than once")
         try:
-            load_transformer_weights(self.pipeline.transformer, items, self.full_shapes)
+            load_transformer_weights(self.pipeline.transformer, items, self.full_shapes, self.reloader)
         except (KeyError, ValueError, RuntimeError) as e:
             raise WeightUpdateError(f"malformed weight bucket: {e}") from e
         self._seen.update(names)
@@ -78,7 +97,10 @@ class WeightReceiver:
             raise WeightUpdateError("finish_weight_update without begin_weight_update")
         seen, self._seen = self._seen, None
         missing = sorted(set(self.full_shapes) - seen)
-        if missing:
+        adapters_only = self._adapters and not seen  # a LoRA adapter update: no full tensor was meant to come
+        if self.reloader is not None and not adapters_only:  # a layer no bucket (fully) reached keeps its old
+            self.reloader.finish(complete=not missing)      # weights; raises below
+        if missing and not adapters_only:
             raise WeightUpdateError(f"partial weight update: {len(missing)} of {len(self.full_shapes)} transformer "
                                     f"tensors were not sent, e.g. {missing[:3]}; the model now mixes old and new "
                                     "weights, send a complete update")
@@ -86,13 +108,43 @@ class WeightReceiver:
         return len(seen)
 
     def target(self) -> Any:
-        """This rank's transformer as the bridge's `VllmOmniTarget` (tp rank/size from vLLM's groups)."""
+        """This rank's transformer as the bridge's target (tp rank/size from vLLM's groups): its live parameters
+        (`VllmOmniTarget`), or for an FP8 engine its checkpoint layout, loaded through this receiver."""
         from vllm.distributed import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
 
         from megatron_omni.bridge.targets import VllmOmniTarget
 
-        return VllmOmniTarget(self.pipeline.transformer, get_tensor_model_parallel_rank(),
-                              get_tensor_model_parallel_world_size())
+        rank, size = get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size()
+        if self.reloader is not None:
+            return ReceiverTarget(self, rank, size)
+        return VllmOmniTarget(self.pipeline.transformer, rank, size)
+
+    def parameter_shapes(self) -> dict[str, tuple[int, ...]]:
+        """This rank's transformer parameters as an update fills them: name -> local (tp-sliced) shape."""
+        if self.reloader is not None:
+            return self.reloader.checkpoint_shapes()
+        return {n: tuple(p.shape) for n, p in self.pipeline.transformer.named_parameters()}
+
+
+class ReceiverTarget:
+    """The bridge's view of an FP8 engine's transformer on one rollout rank: its checkpoint-layout parameters
+    (meta tensors, for the plan's coverage check; nothing writes them in place) and a `load_full` through the
+    receiver, which quantizes and loads. Used inside one of the receiver's updates (`begin` ... `finish`)."""
+
+    kind = "vllm_omni"
+
+    def __init__(self, receiver: WeightReceiver, tp_rank: int, tp_size: int) -> None:
+        self.receiver = receiver
+        self.tp_rank = tp_rank
+        self.tp_size = tp_size
+        self._params = {n: torch.empty(s, device="meta") for n, s in receiver.parameter_shapes().items()}
+
+    def parameters(self) -> dict[str, torch.Tensor]:
+        return self._params
+
+    def load_full(self, items: list[tuple[str, torch.Tensor]]) -> set[str]:
+        self.receiver.load(items)  # raises on anything it did not take
+        return {n for n, _ in items}
 
 
 class FlowGRPOWorkerExtension:
@@ -137,9 +189,35 @@ class FlowGRPOWorkerExtension:
         """The bridge target for an in-process `WeightSync` (see the module docstring)."""
         return self._flowgrpo_receiver().target()
 
+    def load_flowgrpo_lora(self, state: dict[str, torch.Tensor], rank: int, alpha: float) -> tuple[Any, Any]:
+        """Load LoRA adapters (diffusers peft keys, full tensors) into this worker's transformer; returns (diffusers
+        modules carrying the adapter, keys written). See `vllm_omni_lora.VllmOmniLoRAReceiver`."""
+        from megatron_omni.rollout.vllm_omni_lora import VllmOmniLoRAReceiver
+        from model_providers.qwen_image.rollout_layouts import rollout_layout
+
+        pipeline = self.model_runner.pipeline
+        receiver = getattr(self, "_flowgrpo_lora_receiver", None)
+        if receiver is None or receiver.pipeline is not pipeline:
+            receiver = VllmOmniLoRAReceiver(self, rollout_layout("vllm_omni"))
+            self._flowgrpo_lora_receiver = receiver
+        out = receiver.load(state, rank, alpha)
+        if hasattr(pipeline, "full_shapes"):
+            self._flowgrpo_receiver().adapters_loaded()
+        return out
+
+    def flowgrpo_lora_request(self) -> Any:
+        """The `LoRARequest` of the adapters `load_flowgrpo_lora` loaded (None before the first load)."""
+        receiver = getattr(self, "_flowgrpo_lora_receiver", None)
+        return None if receiver is None else receiver.request
+
     def parameter_shapes(self) -> dict[str, tuple[int, ...]]:
-        """This worker's transformer parameters: name -> local (tp-sliced) shape."""
-        return {n: tuple(p.shape) for n, p in self.model_runner.pipeline.transformer.named_parameters()}
+        """This worker's transformer parameters as an update fills them: name -> local (tp-sliced) shape."""
+        return self._flowgrpo_receiver().parameter_shapes()
+
+    def quantized_weight_names(self) -> list[str]:
+        """The diffusers weight names this worker's FP8 engine receives in FP8 form (none when unquantized)."""
+        reloader = self._flowgrpo_receiver().reloader
+        return [] if reloader is None else sorted(reloader.quantized)
 
     @torch.no_grad()
     def probe_means(self, traj: Any) -> torch.Tensor:

@@ -276,7 +276,7 @@ def check_fields(cfg: Any) -> None:
 
 def check_lora(cfg: Any) -> None:
     """model.lora against what it combines with: target patterns non-blank, the local layer spec, no EMA (its
-    copy would be the whole base again), and an adapter-only sync only into an engine that takes adapters."""
+    copy would be the whole base again), and rollout.lora_sync only with adapters."""
     from megatron_omni.trainer.config import ConfigError
 
     lora = cfg.model.lora
@@ -298,9 +298,6 @@ def check_lora(cfg: Any) -> None:
     if cfg.optim.ema_decay > 0:
         raise ConfigError(f"optim.ema_decay={cfg.optim.ema_decay!r} with model.lora.rank={lora.rank}: the EMA "
                           "keeps a second full copy of the model, which LoRA exists to avoid; set optim.ema_decay=0")
-    if cfg.rollout.lora_sync == "adapter" and cfg.rollout.engine != "diffusers":
-        raise ConfigError(f"rollout.lora_sync=adapter with rollout.engine={cfg.rollout.engine}: vLLM-Omni's LoRA "
-                          "request path is not built (GPU only); use rollout.lora_sync=merge or auto")
 
 
 def check_algorithm(cfg: Any) -> None:

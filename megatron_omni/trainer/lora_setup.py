@@ -13,6 +13,7 @@ import torch.distributed as dist
 
 from megatron_omni.checkpoint.lora import base_identity
 from megatron_omni.models.lora import add_lora, unmatched_targets
+from megatron_omni.parallel import platform
 from megatron_omni.trainer.config import ConfigError, LoRAConfig
 
 
@@ -40,11 +41,15 @@ def attach_lora(model: torch.nn.Module, lora: LoRAConfig, seed: int, pp_group: d
 
 
 def lora_sync_mode(lora_sync: str, engine: str) -> str:
-    """How the engine receives adapters: `rollout.lora_sync` resolved ("auto": adapters only into the diffusers
-    engine, merged full weights into vLLM-Omni, whose LoRA request path is GPU-only and not built)."""
+    """How the engine `engine` receives adapters: `rollout.lora_sync` resolved. "auto": adapters only where that
+    path has run: the diffusers engine (peft) and vLLM-Omni in the trainer's process (its LoRA manager and layers,
+    on CPU); vLLM-Omni's multi-process engine (GPU) takes merged full weights until its adapter path (the worker
+    extension's `load_flowgrpo_lora`) has run on a GPU; `rollout.lora_sync=adapter` asks for it."""
     if lora_sync != "auto":
         return lora_sync
-    return "adapter" if engine == "diffusers" else "merge"
+    if engine == "diffusers" or (engine == "vllm_omni" and platform.rollout_in_process()):
+        return "adapter"
+    return "merge"
 
 
 def lora_identity(lora: LoRAConfig, linears: list[str], pipeline_dir: str | Path) -> dict[str, Any]:

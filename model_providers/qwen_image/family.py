@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+from megatron_omni.models.dit.model import MMDiTModel
 from model_providers.qwen_image import mapping, presets, provider
+from model_providers.qwen_image.rollout_layouts import QUANTIZED_LINEARS
 from model_providers.registry import ModelFamily, TinyPipeline
 
 FAMILY = ModelFamily(
@@ -17,7 +19,9 @@ FAMILY = ModelFamily(
     megatron_config=provider.transformer_config,
     weight_parts=provider.weight_parts,
     megatron_sources=provider.megatron_sources,
+    megatron_module=MMDiTModel,
     tiny_pipeline=TinyPipeline(make=provider.make_tiny_pipeline, transformer_config=provider.tiny_transformer_config),
+    quantized_linears=QUANTIZED_LINEARS,
     diffusers_class="QwenImageTransformer2DModel",
     arch_config=provider.hf_config,
     mappings=mapping.all_mappings,

@@ -105,9 +105,13 @@ def fuse_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_heads: int) 
     return torch.stack(parts, dim=1).flatten(0, 2)
 
 
-def split_qkv(fused: torch.Tensor, num_heads: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Inverse of `fuse_qkv`: [n*3*d, ...] -> q, k, v [n*d, ...]."""
+def split_qkv(fused: torch.Tensor, num_heads: int,
+              views: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Inverse of `fuse_qkv`: [n*3*d, ...] -> q, k, v [n*d, ...] (copies: a part's rows are strided per head);
+    `views=True`: q, k, v as [n, d, ...] views of `fused` (their first two dims flattened are the parts)."""
     per_head = fused.unflatten(0, (num_heads, 3, -1))
+    if views:
+        return tuple(per_head[:, i] for i in range(3))
     return tuple(per_head[:, i].flatten(0, 1) for i in range(3))
 
 
@@ -119,10 +123,12 @@ def hf_to_megatron(mapping: ParamMapping, hf_tensors: list[torch.Tensor], num_he
     return t
 
 
-def megatron_to_hf(mapping: ParamMapping, full: torch.Tensor, num_heads: int) -> list[torch.Tensor]:
-    """The diffusers tensors (in `mapping.hf` order) of a full Megatron tensor."""
+def megatron_to_hf(mapping: ParamMapping, full: torch.Tensor, num_heads: int,
+                   views: bool = False) -> list[torch.Tensor]:
+    """The diffusers tensors (in `mapping.hf` order) of a full Megatron tensor; `views=True` returns views of
+    `full` without copying (a fused qkv's parts as [heads, head_dim, ...]: see `split_qkv`)."""
     if mapping.kind == "fuse_qkv":
-        return list(split_qkv(full, num_heads))
+        return list(split_qkv(full, num_heads, views=views))
     return [full]
 
 

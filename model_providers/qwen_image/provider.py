@@ -8,19 +8,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from megatron_omni.models.dit.config import MMDiTConfig
 from megatron_omni.models.dit.model import MMDiTModel
-from megatron_omni.models.lora import is_adapter_name
-from megatron_omni.parallel.platform import megatron_config_defaults
-from model_providers.qwen_image.mapping import (
-    ParamMapping,
-    all_mappings,
-    hf_to_megatron,
-    megatron_to_hf,
-    tp_shard,
-)
+from model_providers import shards
+from model_providers.qwen_image.mapping import ParamMapping, all_mappings
 from model_providers.qwen_image.presets import preset
 from model_providers.qwen_image.rollout_layouts import rollout_layout
 from model_providers.qwen_image.specs import layer_spec
@@ -56,7 +48,7 @@ def transformer_config(
     """The Megatron `MMDiTConfig` of a Qwen-Image transformer for a parallel layout."""
     c = hf_config(name_or_config)
     hidden = c["num_attention_heads"] * c["attention_head_dim"]
-    kwargs: dict[str, Any] = dict(
+    return MMDiTConfig(**shards.layout_config(dict(
         num_layers=c["num_layers"],
         hidden_size=hidden,
         num_attention_heads=c["num_attention_heads"],
@@ -67,21 +59,8 @@ def transformer_config(
         patch_size=c["patch_size"],
         joint_attention_dim=c["joint_attention_dim"],
         axes_dims_rope=c["axes_dims_rope"],
-        tensor_model_parallel_size=tp,
-        pipeline_model_parallel_size=pp,
-        ulysses_size=ulysses,
-        ring_size=ring,
         qk_layernorm=True,
-        add_bias_linear=True,
-        hidden_dropout=0.0,
-        attention_dropout=0.0,
-        params_dtype=params_dtype,
-        pipeline_dtype=params_dtype,
-        bf16=params_dtype == torch.bfloat16,
-    )
-    kwargs.update(megatron_config_defaults())
-    kwargs.update(overrides)
-    return MMDiTConfig(**kwargs)
+    ), tp=tp, pp=pp, ulysses=ulysses, ring=ring, params_dtype=params_dtype, overrides=overrides))
 
 
 def build_model(config: MMDiTConfig, groups, backend: str = "local") -> MMDiTModel:
@@ -100,8 +79,7 @@ def weight_parts(name_or_config: str | dict[str, Any]) -> dict[str, WeightPart]:
 def megatron_sources(model: MMDiTModel) -> dict[str, dict[str, torch.Tensor]]:
     """{"transformer": this rank's Megatron tensors (local tp shards of its stage, the parameters' storage)
     by global Megatron name}."""
-    state = model.state_dict(keep_vars=True)
-    return {"transformer": {m.megatron: state[name].detach() for name, m in local_mappings(model).items()}}
+    return {"transformer": shards.megatron_tensors(model, all_mappings(model.config.num_layers))}
 
 
 def tiny_transformer_config() -> dict[str, Any]:
@@ -121,42 +99,15 @@ def make_tiny_pipeline(folder: Path, seed: int) -> Path:
 
 def local_mappings(model: MMDiTModel) -> dict[str, ParamMapping]:
     """Local parameter name -> mapping, for the blocks and projections this stage holds."""
-    by_global = {m.megatron: m for m in all_mappings(model.config.num_layers)}
-    out = {}
-    for name in model.state_dict():
-        if name.endswith("_extra_state") or is_adapter_name(name):
-            continue  # TE's FP8 metadata and LoRA adapters are not base weights
-        out[name] = by_global[model.global_name(name)]
-    return out
+    return shards.local_mappings(model, all_mappings(model.config.num_layers))
 
 
-@torch.no_grad()
 def load_hf_state_dict(model: MMDiTModel, hf_state: dict[str, torch.Tensor]) -> None:
     """Copy diffusers-named full tensors into this rank's shards (every rank passes the same dict)."""
-    tp = model.pg_collection.tp
-    heads = model.config.num_attention_heads
-    state = model.state_dict()
-    for name, mapping in local_mappings(model).items():
-        missing = [k for k in mapping.hf if k not in hf_state]
-        if missing:
-            raise KeyError(f"diffusers state dict lacks {missing} (needed for {mapping.megatron})")
-        full = hf_to_megatron(mapping, [hf_state[k] for k in mapping.hf], heads)
-        shard = tp_shard(full, mapping.tp_dim, tp.rank(), tp.size())
-        if shard.shape != state[name].shape:
-            raise ValueError(
-                f"{mapping.hf[0]}: shape {tuple(full.shape)} gives shard {tuple(shard.shape)}, "
-                f"model expects {tuple(state[name].shape)} for {name}"
-            )
-        state[name].copy_(shard)
+    shards.load_hf_tensors(model, hf_state, all_mappings(model.config.num_layers))
 
 
-def gather_full_tensor(local: torch.Tensor, tp_dim: int | None, tp_group: dist.ProcessGroup) -> torch.Tensor:
-    """All-gather a tensor-parallel shard into the full tensor (replicated tensors come back as they are)."""
-    if tp_dim is None or tp_group.size() == 1:
-        return local
-    parts = [torch.empty_like(local) for _ in range(tp_group.size())]
-    dist.all_gather(parts, local.contiguous(), group=tp_group)
-    return torch.cat(parts, dim=tp_dim)
+gather_full_tensor = shards.gather_full_tensor
 
 
 def stage_hf_tensors(
@@ -166,17 +117,7 @@ def stage_hf_tensors(
 
     `tensors` defaults to the model's parameters; pass e.g. `{name: p.grad}` to map gradients.
     """
-    tp = model.pg_collection.tp
-    heads = model.config.num_attention_heads
-    source = tensors if tensors is not None else dict(model.state_dict())
-    out: dict[str, torch.Tensor] = {}
-    for name, mapping in local_mappings(model).items():
-        if name not in source or source[name] is None:
-            continue
-        full = gather_full_tensor(source[name].detach(), mapping.tp_dim, tp)
-        for hf_name, t in zip(mapping.hf, megatron_to_hf(mapping, full, heads)):
-            out[hf_name] = t
-    return out
+    return shards.gather_hf_tensors(model, all_mappings(model.config.num_layers), tensors)
 
 
 # ------------------------------------------------------------------------------------- parameter counts
@@ -223,23 +164,5 @@ def per_rank_parameter_counts(name_or_config: str | dict[str, Any], tp: int, pp:
     Replicated tensors count on every rank that holds them (the timestep embedder on every stage).
     """
     c = hf_config(name_or_config)
-    if c["num_layers"] % pp:
-        raise ValueError(f"{c['num_layers']} blocks are not divisible by pp={pp}")
-    if c["num_attention_heads"] % tp:
-        raise ValueError(f"{c['num_attention_heads']} heads are not divisible by tp={tp}")
-    per_stage = c["num_layers"] // pp
-    shapes = megatron_shapes(c)
-    counts = [0] * pp
-    for m in all_mappings(c["num_layers"]):
-        n = math.prod(shapes[m.megatron]) // (tp if m.tp_dim is not None else 1)
-        if m.stage == "all":
-            stages = range(pp)
-        elif m.stage == "pre":
-            stages = [0]
-        elif m.stage == "post":
-            stages = [pp - 1]
-        else:
-            stages = [m.layer // per_stage]
-        for s in stages:
-            counts[s] += n
-    return counts
+    return shards.stage_parameter_counts(all_mappings(c["num_layers"]), megatron_shapes(c), c["num_layers"],
+                                         c["num_attention_heads"], tp, pp)

@@ -52,6 +52,14 @@ def _diffusers_block_rules() -> tuple[RolloutRule, ...]:
     return tuple(RolloutRule(r.hf, r.hf, "replicated") for r in _vllm_block_rules())
 
 
+# The linears vLLM-Omni 0.30.0 builds with the engine's quantization config, as diffusers module names: every
+# block's attention projections (fused there as `to_qkv` / `add_kv_proj`) and MLPs. The adaLN modulations
+# (`img_mod.1`, `txt_mod.1`), the timestep embedder, `img_in`, `txt_in`, `norm_out.linear` and `proj_out` stay in
+# full precision there (its `quant_config=None` / `safe_quant_config`, vllm-omni #2728), so they do here too.
+QUANTIZED_LINEARS = tuple(f"transformer_blocks.*.{m}" for m in (
+    "attn.to_q", "attn.to_k", "attn.to_v", "attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj", "attn.to_out.0",
+    "attn.to_add_out", "img_mlp.net.0.proj", "img_mlp.net.2", "txt_mlp.net.0.proj", "txt_mlp.net.2"))
+
 _NON_BLOCK_NAMES = (
     "time_text_embed.timestep_embedder.linear_1.weight", "time_text_embed.timestep_embedder.linear_1.bias",
     "time_text_embed.timestep_embedder.linear_2.weight", "time_text_embed.timestep_embedder.linear_2.bias",
@@ -59,27 +67,26 @@ _NON_BLOCK_NAMES = (
     "norm_out.linear.weight", "norm_out.linear.bias", "proj_out.weight", "proj_out.bias",
 )
 
-_BLOCK = re.compile(r"^transformer_blocks\.(\d+)\.(.+)$")
-
-
 @dataclass(frozen=True)
 class RolloutLayout:
-    """A rollout engine's parameter layout for Qwen-Image (see the module docstring)."""
+    """A rollout engine's parameter layout of a DiT (see the module docstring): rules for the tensors inside
+    `{block_prefix}.{i}.` (block-relative names) and for the rest (whole names)."""
 
     kind: str
     block_rules: tuple[RolloutRule, ...]
     non_block_rules: tuple[RolloutRule, ...]
     load_prefix: str  # what the engine's `load_weights` expects before diffusers names
     max_tp: int | None  # None: any tensor-parallel size whose divisions are exact
+    block_prefix: str = "transformer_blocks"
 
     def rule(self, hf_name: str) -> tuple[str, RolloutRule]:
         """(rollout parameter name, rule) of a diffusers tensor name; KeyError naming it if unknown."""
-        m = _BLOCK.match(hf_name)
+        m = re.match(rf"^{re.escape(self.block_prefix)}\.(\d+)\.(.+)$", hf_name)
         if m:
             idx, rest = m.groups()
             for r in self.block_rules:
                 if r.hf == rest:
-                    return f"transformer_blocks.{idx}.{r.param}", r
+                    return f"{self.block_prefix}.{idx}.{r.param}", r
         else:
             for r in self.non_block_rules:
                 if r.hf == hf_name:

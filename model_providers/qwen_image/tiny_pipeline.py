@@ -226,13 +226,20 @@ def make_tiny_pipeline(
     """
     from diffusers import QwenImagePipeline
 
+    cfg = config or TinyPipelineConfig()
+    return write_tiny_pipeline(out_dir, lambda: QwenImagePipeline(**build_components(cfg, seed)), seed, asdict(cfg),
+                               overwrite)
+
+
+def write_tiny_pipeline(out_dir: str | os.PathLike, build, seed: int, config: dict, overwrite: bool = False) -> Path:
+    """Build a tiny pipeline (`build()`, seeded by the caller) and save it to `out_dir` atomically, with a
+    `tiny_pipeline.txt` recording the seed and `config`; FileExistsError when `out_dir` exists and not
+    `overwrite`. Returns the folder."""
     out = Path(out_dir)
     if out.exists() and not overwrite:
         raise FileExistsError(f"{out} exists (pass overwrite=True to replace it)")
-    cfg = config or TinyPipelineConfig()
     out.parent.mkdir(parents=True, exist_ok=True)
-    pipe = QwenImagePipeline(**build_components(cfg, seed))
-    save_pipeline_atomically(pipe, out, {"tiny_pipeline.txt": f"seed={seed}\nconfig={asdict(cfg)}\n"})
+    save_pipeline_atomically(build(), out, {"tiny_pipeline.txt": f"seed={seed}\nconfig={config}\n"})
     return out
 
 

@@ -7,7 +7,9 @@ Its trajectories (window latents, log-probs, images) must equal `DiffusersRollou
 seeds, with and without CFG, also through its vLLM-Omni `forward(request batch)`. Then trainer weights are
 perturbed and sent three ways (the bridge's `direct` and `full` plans from a Megatron model at trainer
 tp=2, and the worker extension's bucket API): the next rollout must change and equal the diffusers
-engine's with the same weights. Malformed and partial updates must raise errors naming the problem.
+engine's with the same weights. Malformed and partial updates must raise errors naming the problem. Last, the
+trainer's LoRA adapters (trainer tp=2, adapter-only sync) go into vLLM-Omni's own LoRA layers, through its LoRA
+request path and then in place: each rollout must equal the diffusers engine carrying the same adapters (peft).
 
 The full `Omni(...)` engine needs a GPU platform: tests/gpu/test_vllm_omni_engine.py.
 """
@@ -66,14 +68,21 @@ def _request_batch(params: SamplingParams, seeds: list[int]):
 
 
 def _case(rank: int, world_size: int, folder: str) -> dict:
+    from types import SimpleNamespace
+
     from megatron_omni.bridge import WeightSync
+    from megatron_omni.bridge.lora_sync import LoRAAdapterSync, LoRASyncError
     from megatron_omni.bridge.qwen_image import megatron_sources, qwen_image_plan
+    from megatron_omni.models.lora import adapters, add_lora
     from megatron_omni.parallel import ParallelLayout, build_parallel_groups
     from megatron_omni.parallel.platform import seed_everything
     from megatron_omni.rollout import vllm_omni_cpu
     from megatron_omni.rollout.diffusers_engine import DiffusersRolloutEngine
+    from megatron_omni.rollout.lora_receiver import load_lora_into
     from megatron_omni.rollout.vllm_omni_pipeline import PIPELINE_CLASS, record_to_trajectory
     from megatron_omni.rollout.vllm_omni_worker import WeightReceiver, WeightUpdateError
+    from megatron_omni.trainer.config import LORA_TARGETS
+    from model_providers import get_family
     from model_providers.qwen_image import provider
 
     res: dict = {}
@@ -144,8 +153,47 @@ def _case(rank: int, world_size: int, folder: str) -> dict:
             errors["partial"] = "no error"
         except WeightUpdateError as e:
             errors["partial"] = str(e)
+        receiver.begin()  # an update that loads LoRA adapters may send no full tensor
+        receiver.adapters_loaded()
+        errors["adapters_only"] = receiver.finish()
+        receiver.begin()
+        receiver.load([("proj_out.bias", base["proj_out.bias"])])
+        receiver.adapters_loaded()
+        try:
+            receiver.finish()
+            errors["adapters_and_partial"] = "no error"
+        except WeightUpdateError as e:
+            errors["adapters_and_partial"] = str(e)
         res["errors"] = errors
         res["n_tensors"] = len(base)
+
+        # 4. LoRA adapters of the tp=2 trainer, adapter-only, into vLLM-Omni's own LoRA layers (its request path,
+        # then in place) against diffusers' peft loading of the same adapters; the partial updates above wrote
+        # the base proj_out.bias into vLLM-Omni's module, so the reference takes it too
+        ref.load_weights([("proj_out.bias", base["proj_out.bias"])])
+        linears = [trainer.global_name(n) for n in add_lora(trainer, LORA_TARGETS, 4, 8.0, seed=0,
+                                                            global_name=trainer.global_name)]
+        worker = vllm_omni_cpu.worker_with_extension(pipe)
+        sync = LoRAAdapterSync(trainer, SimpleNamespace(load_lora=worker.load_flowgrpo_lora), get_family("qwen_image"),
+                               hf_cfg, linears, 4, 8.0, groups.tp, groups.mcore.pp, trainer.global_name)
+        for step in range(2):
+            with torch.no_grad():
+                for a in adapters(trainer).values():
+                    a.lora_b.normal_(0.0, 0.05, generator=torch.Generator().manual_seed(200 + step))
+            res[f"lora{step}_modules"] = sync.sync().modules
+            load_lora_into(ref.transformer, sync.state(), 4, 8.0, torch.float32)
+            after = pipe.rollout(PROMPTS, NON_CFG, group_size=1, seeds=[5, 6])
+            res[f"lora{step}"] = _diff(after, ref.generate(PROMPTS, NON_CFG, group_size=1, seeds=[5, 6]))
+            res[f"lora{step}_changed"] = float((after.images - before).abs().max())
+            before = after.images
+        res["lora_layers"] = len(worker._flowgrpo_lora_receiver.layers)
+        res["lora_expected"] = len(sync.modules)
+        state = sync.state()
+        try:
+            sync.deliver({k: v for k, v in state.items() if ".add_v_proj." not in k})
+            res["lora_dropped"] = "no error"
+        except LoRASyncError as e:
+            res["lora_dropped"] = str(e)
     return res
 
 
@@ -197,3 +245,15 @@ def test_malformed_and_partial_updates_raise(results: list[dict]) -> None:
         assert "proj_out.weight" in e["shape"] and "shape" in e["shape"], e
         assert "more than once" in e["twice"], e
         assert "partial weight update" in e["partial"] and f"of {r['n_tensors']}" in e["partial"], e
+        assert e["adapters_only"] == 0 and "partial weight update" in e["adapters_and_partial"], e
+
+
+def test_lora_adapters_reach_vllm_omnis_lora_layers_at_tp2(results: list[dict]) -> None:
+    for r in results:
+        # 2 blocks x 2 streams x (q, k, v, out, mlp in, mlp out): every module the trainer adapts, per sync
+        assert r["lora0_modules"] == r["lora1_modules"] == r["lora_expected"] == 24
+        assert r["lora_layers"] == 16  # to_qkv, add_kv_proj, to_out, to_add_out, two MLP linears per stream
+        for step in (0, 1):  # registered through vLLM-Omni's request path, then written in place
+            assert r[f"lora{step}_changed"] > 1e-3, r[f"lora{step}_changed"]
+            _assert_same(r[f"lora{step}"])
+        assert "not written" in r["lora_dropped"] and "attn.add_v_proj" in r["lora_dropped"], r["lora_dropped"]

@@ -5,8 +5,8 @@
   uninterrupted one (adapters, their Adam state, the rewards), its checkpoints hold the adapters only and the
   base's identity, a resume with other LoRA settings is refused naming them, and `convert.py lora-to-hf`
   (adapter file and `--merge` pipeline) exports the final checkpoint;
-- vLLM-Omni's real pipeline in process, merged weights through the bridge (`rollout.lora_sync=auto`): the
-  reward rises, probe-checked.
+- vLLM-Omni's real pipeline in process, the adapters alone into vLLM-Omni's own LoRA layers
+  (`rollout.lora_sync=auto`): the reward rises, probe-checked after every sync.
 """
 
 from __future__ import annotations
@@ -80,11 +80,11 @@ def test_lora_bf16_reward_rises_resumes_bit_identically_and_exports(tmp_path: Pa
 
 
 @pytest.mark.slow
-def test_lora_merged_into_vllm_omni_reward_rises(tmp_path: Path) -> None:
+def test_lora_adapters_into_vllm_omni_reward_rises(tmp_path: Path) -> None:
     run = tmp_path / "vllm_lora"
     proc = _train(run, *LORA, "--set", "rollout.engine=vllm_omni", "--set", "steps=6")
     assert proc.returncode == 0, proc.stderr[-3000:]
     r = _rewards(run)
-    print("LoRA vllm_omni (merged sync) reward per step:", [f"{x:.3f}" for x in r])
+    print("LoRA vllm_omni (adapter sync) reward per step:", [f"{x:.3f}" for x in r])
     assert len(r) == 6 and _rises(r), r
     assert max(_metric(run, "sync_probe_max_diff")) < 1e-5

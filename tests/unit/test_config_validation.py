@@ -250,7 +250,6 @@ def test_dry_run_of_a_family_without_a_cost_model_is_a_config_error() -> None:
 # ------------------------------------------------------------------------------------------ LoRA
 @pytest.mark.parametrize(("overrides", "field_name"), [
     (["model.lora.rank=8", "optim.ema_decay=0.9"], "optim.ema_decay"),
-    (["model.lora.rank=8", "rollout.engine=vllm_omni", "rollout.lora_sync=adapter"], "rollout.lora_sync"),
     (["rollout.lora_sync=merge"], "rollout.lora_sync"),  # without adapters
     (["model.lora.rank=8", "model.lora.targets=[]"], "model.lora.targets"),
     (["model.lora.rank=8", 'model.lora.targets=[" "]'], "model.lora.targets[0]"),
@@ -258,6 +257,22 @@ def test_dry_run_of_a_family_without_a_cost_model_is_a_config_error() -> None:
 ])
 def test_lora_refuses_what_it_cannot_combine_with(overrides: list[str], field_name: str) -> None:
     _refused(apply_overrides(JobConfig(), overrides), field_name)
+
+
+def test_adapter_sync_is_taken_by_both_engines_and_auto_picks_it_where_it_has_run(monkeypatch) -> None:
+    from megatron_omni.parallel import platform
+    from megatron_omni.trainer.lora_setup import lora_sync_mode
+
+    for engine in ("diffusers", "vllm_omni"):
+        cfg = apply_overrides(JobConfig(), ["model.lora.rank=8", f"rollout.engine={engine}",
+                                            "rollout.lora_sync=adapter"])
+        cfg.validate(1)
+        assert lora_sync_mode("merge", engine) == "merge"
+    monkeypatch.setattr(platform, "rollout_in_process", lambda: True)  # vLLM-Omni in the trainer's ranks (CPU)
+    assert lora_sync_mode("auto", "diffusers") == lora_sync_mode("auto", "vllm_omni") == "adapter"
+    monkeypatch.setattr(platform, "rollout_in_process", lambda: False)  # its multi-process engine (GPU): unrun
+    assert lora_sync_mode("auto", "vllm_omni") == "merge"
+    assert lora_sync_mode("adapter", "vllm_omni") == "adapter"
 
 
 def test_lora_on_the_ar_dit_hybrid_is_refused() -> None:

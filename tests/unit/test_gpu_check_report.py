@@ -29,7 +29,7 @@ def test_report_table_and_mfu_json(tmp_path: Path) -> None:
     proc, out = _report(tmp_path, rows)
     assert proc.returncode == 0, proc.stderr
     assert "MFU 0.506 of 790 (0.404 of 989)" in proc.stdout and "max |ours - diffusers| 1.000e-03" in proc.stdout
-    assert proc.stdout.count("not run") == 2  # (b) and (d)
+    assert proc.stdout.count("not run") == 4  # (b), (d), (e) and (f)
     assert measured_mfu(str(out)) == 0.404
     assert not list(tmp_path.glob(".*partial"))
 
@@ -40,3 +40,16 @@ def test_report_without_block_has_no_mfu_and_bad_lines_fail(tmp_path: Path) -> N
     assert "mfu" not in json.loads(out.read_text())
     proc, _ = _report(tmp_path, ["{broken"])
     assert proc.returncode == 1 and "figures.jsonl:1: not JSON" in proc.stderr
+
+
+def test_report_prints_the_fp8_rollout_checks(tmp_path: Path) -> None:
+    fp8 = {f"batch_{b}": dict(bf16_block_ms=2.0 * b, fp8_block_ms=1.25 * b, speedup=1.6, output_rel_err=0.031)
+           for b in (1, 4, 8)}
+    engine = dict(bf16_images_per_s=10.0, fp8_images_per_s=12.5, speedup=1.25, probe_diff=2e-3, probe_bound=9e-2)
+    proc, out = _report(tmp_path, [json.dumps({"check": "e_fp8_forward_20b_block", **fp8}),
+                                   json.dumps({"check": "f_vllm_omni_fp8_rollout", **engine})])
+    assert proc.returncode == 0, proc.stderr
+    assert "batch 8: bf16   16.00 ms  FP8   10.00 ms per block  speed-up 1.60" in proc.stdout
+    assert "FP8 12.50 images/s (speed-up 1.25); FP8 probe 2.000e-03 <= bound 9.000e-02" in proc.stdout
+    assert proc.stdout.count("not run (") == 4  # (a) to (d)
+    assert json.loads(out.read_text())["figures"]["e_fp8_forward_20b_block"]["batch_8"]["speedup"] == 1.6

@@ -5,6 +5,9 @@
 - the adapter-only sync loads them into the diffusers engine through peft: the engine carries the adapter on
   exactly the diffusers modules the trained linears map to (a fused qkv -> to_q/to_k/to_v), the probe forward
   equals the trainer's, and a sync with one adapter dropped raises LoRASyncError naming it;
+- into vLLM-Omni (`rollout.lora_sync=auto`) through its LoRA request path and its own LoRA layers, then in place:
+  probe equal after each sync, the rollout samples with the adapters (its log-probs are the trainer's), and a
+  dropped key, a layer whose adapter was reset and a request without the LoRA request each raise;
 - `rollout.lora_sync=merge` syncs W + scale B A through the ordinary bridge, probe-checked;
 - the KL reference is the policy with its adapters off: kl = 0 before the first update (B = 0), > 0 after, and
   no second model is built;
@@ -84,6 +87,62 @@ def test_only_adapters_train_and_the_engine_carries_them(tiny_pipeline_dir: str)
     assert r["probe"] < 1e-5
     assert r["dropped_error"] is not None and "not written" in r["dropped_error"]
     assert r["dropped_key"].rsplit(".lora_", 1)[0] in r["dropped_error"]
+
+
+def _vllm_omni_adapters(rank: int, world_size: int, pipeline_dir: str) -> dict:
+    from megatron_omni.bridge.lora_sync import LoRASyncError
+    from megatron_omni.models.lora import adapters_disabled
+
+    def error_of(fn) -> str | None:
+        try:
+            fn()
+        except LoRASyncError as exc:
+            return str(exc)
+        return None
+
+    trainer = tiny_trainer(pipeline_dir, *LORA, "rollout.engine=vllm_omni")  # rollout.lora_sync=auto
+    out = {"adapter_mode": trainer.lora_sync is not None and trainer.weight_sync is None}
+    _one_update(trainer)
+    out["probe"] = trainer.sync_weights()  # the first: through vLLM-Omni's LoRA request path
+    receiver = trainer.engine.omni.worker._flowgrpo_lora_receiver
+    out["layer_types"] = sorted({type(layer).__name__ for layer in receiver.layers.values()})
+    out["layers"], out["modules"] = len(receiver.layers), len(trainer.lora_sync.modules)
+    n = len(PROMPTS) * GROUP
+    # the rollout samples with the synced adapters (its requests carry the LoRA request): its log-probs are the
+    # trainer's, and they differ from the base's
+    traj = trainer.engine.generate(PROMPTS, trainer.sampling_params(), group_size=GROUP, seeds=list(range(30, 30 + n)))
+    out["rollout_gap"] = float((trainer.old_log_probs(traj, 0) - traj.log_probs).abs().max())
+    with adapters_disabled(trainer.model):
+        out["base_gap"] = float((trainer.old_log_probs(traj, 0) - traj.log_probs).abs().max())
+    _one_update(trainer, seed=11)
+    out["probe2"] = trainer.sync_weights()  # in place
+    state = trainer.lora_sync.state()
+    dropped = next(k for k in state if ".attn.to_k." in k)
+    out["dropped"] = dropped
+    out["dropped_error"] = error_of(lambda: trainer.lora_sync.deliver({k: v for k, v in state.items() if k != dropped}))
+    # the engine loses one layer's adapter: the next sync names the modules it no longer carries
+    next(layer for name, layer in receiver.layers.items() if name.endswith("0.attn.to_out")).reset_lora(0)
+    out["reset_error"] = error_of(trainer.sync_weights)
+    # a request without the LoRA request switches the adapter off in vLLM-Omni's worker: the next sync says so
+    trainer.engine._lora_request = None
+    trainer.engine.generate(PROMPTS[:1], trainer.sampling_params(), group_size=1, seeds=[3])
+    out["off_error"] = error_of(trainer.sync_weights)
+    return out
+
+
+@pytest.mark.slow
+def test_adapters_into_vllm_omni_through_its_lora_layers(tiny_pipeline_dir: str) -> None:
+    r = run_ranks(_vllm_omni_adapters, 1, tiny_pipeline_dir)[0]
+    assert r["adapter_mode"]
+    assert r["layer_types"] == ["DiffusionColumnParallelLinearWithLoRA", "DiffusionMergedQKVParallelLinearWithLoRA",
+                                "DiffusionRowParallelLinearWithLoRA"]
+    assert r["layers"] * 6 == r["modules"] * 4  # per stream: to_qkv (3 modules), to_out, net.0.proj, net.2
+    assert r["probe"] < 1e-5 and r["probe2"] < 1e-5
+    assert r["rollout_gap"] < r["base_gap"] / 100 and r["base_gap"] > 1e-6
+    assert "not written" in r["dropped_error"] and r["dropped"].rsplit(".lora_", 1)[0] in r["dropped_error"]
+    assert "not carrying: ['transformer_blocks.0.attn.to_out.0']" in r["reset_error"]
+    assert r["off_error"].startswith(f"LoRA sync: the engine carries the adapter on 0 modules, the trainer trains "
+                                     f"{r['modules']}")
 
 
 def _merge_and_kl(rank: int, world_size: int, pipeline_dir: str) -> dict:

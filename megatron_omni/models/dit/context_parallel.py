@@ -1,4 +1,5 @@
-"""Context-parallel joint attention of the MMDiT (USP: Ulysses all-to-all x ring attention).
+"""Context-parallel joint attention of the MMDiT (USP: Ulysses all-to-all x ring attention), and the
+single-stream self-attention of video DiTs (`self_attention`: the same machinery without text).
 
 Semantics: every query, text or image, attends over `[valid text keys ; all image tokens]` with no
 causal mask, exactly like one softmax attention over the concatenation `[txt ; img]` with a key padding
@@ -201,3 +202,23 @@ def joint_attention(
         out_img = heads_to_seq(out_img.contiguous(), ulysses_group)
         out_txt = None if out_txt is None else gather_along_dim(out_txt, 2, ulysses_group)
     return out_txt, out_img
+
+
+def self_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    ulysses_group: dist.ProcessGroup | None = None,
+    ring_group: dist.ProcessGroup | None = None,
+) -> Tensor:
+    """Softmax attention of every token over every token of one sequence (a single-stream DiT's video
+    tokens), context-parallel over the sequence: `joint_attention` without text.
+
+    q, k, v: `[s_local, b, n, d]` this CP rank's contiguous shard (shard `c = u + U * r` holds tokens
+    `[c * s_local, (c + 1) * s_local)`). Returns this shard's output `[s_local, b, n, d]`.
+    """
+    no_text = k.new_zeros((0, *k.shape[1:]))
+    _, out = joint_attention(None, no_text, no_text, q, k, v, None, ulysses_group=ulysses_group,
+                             ring_group=ring_group)
+    return out

@@ -1,4 +1,4 @@
-"""Our MMDiT behind diffusers' `QwenImageTransformer2DModel.forward` keyword interface.
+"""Our DiT (the MMDiT, the Wan model) behind diffusers' `QwenImageTransformer2DModel.forward` keyword interface.
 
 Rollout code (and the log-prob recompute it shares with the trainer) calls a velocity model the way
 diffusers' pipeline calls its transformer; this adapter lets the Megatron model stand in. It needs the
@@ -14,7 +14,7 @@ import torch.distributed as dist
 from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
 from torch import nn
 
-from megatron_omni.models.dit.model import DiTBatch, MMDiTModel
+from megatron_omni.models.dit.model import DiTBatch, DiTStage
 
 
 def gather_image_shards(out: torch.Tensor, cp_group: dist.ProcessGroup) -> torch.Tensor:
@@ -27,11 +27,20 @@ def gather_image_shards(out: torch.Tensor, cp_group: dist.ProcessGroup) -> torch
     ).transpose(0, 1)
 
 
+def one_grid(img_shapes: list) -> tuple[int, int, int]:
+    """The one (frames, height, width) patch grid of a batch's `img_shapes` ([[grid]] per row); ValueError
+    when the rows differ or a row has several grids."""
+    grids = {tuple(tuple(g) for g in shapes) for shapes in img_shapes}
+    if len(grids) != 1 or len(next(iter(grids))) != 1:
+        raise ValueError(f"one image grid per batch is supported, got {img_shapes}")
+    return tuple(next(iter(grids))[0])
+
+
 class DiffusersForward(nn.Module):
     """`forward(hidden_states [b, s, c], encoder_hidden_states [b, l, d], encoder_hidden_states_mask [b, l],
     timestep [b] (= sigma), img_shapes [[(f, h, w)]] * b, return_dict=False) -> ([b, s, c_out],)`."""
 
-    def __init__(self, model: MMDiTModel) -> None:
+    def __init__(self, model: DiTStage) -> None:
         super().__init__()
         if not (model.pre_process and model.post_process):
             raise ValueError("the diffusers interface needs the whole model on one pipeline stage (pp=1)")
@@ -47,9 +56,6 @@ class DiffusersForward(nn.Module):
         return_dict: bool = False,
         **unused,
     ) -> tuple[torch.Tensor]:
-        grids = {tuple(tuple(g) for g in shapes) for shapes in img_shapes}
-        if len(grids) != 1 or len(next(iter(grids))) != 1:
-            raise ValueError(f"one image grid per batch is supported, got {img_shapes}")
-        grid = tuple(next(iter(grids))[0])
+        grid = one_grid(img_shapes)
         out = self.model(DiTBatch(hidden_states, encoder_hidden_states, encoder_hidden_states_mask, timestep, grid))
         return (gather_image_shards(out, self.model.cp_group),)

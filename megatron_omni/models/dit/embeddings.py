@@ -1,4 +1,5 @@
-"""Timestep embedding and the interleaved 3D rotary position embedding of Qwen-Image-style MMDiTs."""
+"""Timestep embedding, the interleaved 3D rotary position embeddings of the DiTs (Qwen-Image's centred image grid,
+Wan's video grid from the origin) and the packing of video latents into 3D patch tokens."""
 
 from __future__ import annotations
 
@@ -24,23 +25,31 @@ class TimestepEmbedder(nn.Module):
 
     Replicated on every tensor- and pipeline-parallel rank (it is tiny); its parameters are marked
     `pipeline_parallel` so Megatron-Core sums their grads across pipeline stages.
+
+    `scale` multiplies the timestep inside the features (Qwen-Image: the model gets sigma and scales by 1000;
+    Wan: it gets t = 1000 sigma, scale 1). `round_timestep`: the features read the timestep rounded to the
+    compute dtype (Qwen-Image's pipeline passes it in the latents' dtype) or as given (Wan's passes fp32 t).
     """
 
-    def __init__(self, hidden_size: int, channels: int = 256, dtype: torch.dtype = torch.float32) -> None:
+    def __init__(self, hidden_size: int, channels: int = 256, dtype: torch.dtype = torch.float32,
+                 scale: float = 1000.0, round_timestep: bool = True) -> None:
         super().__init__()
         self.channels = channels
+        self.scale = scale
+        self.round_timestep = round_timestep
         self.linear_1 = nn.Linear(channels, hidden_size, dtype=dtype)
         self.linear_2 = nn.Linear(hidden_size, hidden_size, dtype=dtype)
         for p in self.parameters():
             p.pipeline_parallel = True
 
     def forward(self, timestep: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        feats = sinusoidal_timestep_features(timestep.to(dtype), self.channels).to(dtype)
+        t = timestep.to(dtype) if self.round_timestep else timestep
+        feats = sinusoidal_timestep_features(t, self.channels, self.scale).to(dtype)
         return self.linear_2(nn.functional.silu(self.linear_1(feats)))
 
 
-def _axis_inv_freq(dim: int, theta: float) -> torch.Tensor:
-    return 1.0 / torch.pow(theta, torch.arange(0, dim, 2).to(torch.float32).div(dim))
+def _axis_inv_freq(dim: int, theta: float, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    return 1.0 / torch.pow(theta, torch.arange(0, dim, 2).to(dtype).div(dim))
 
 
 def qwen_rope_angles(
@@ -73,10 +82,57 @@ def qwen_rope_angles(
     return img, txt
 
 
+def wan_rope_angles(frames: int, height: int, width: int, axes_dims: tuple[int, int, int],
+                    theta: float = 10000.0) -> torch.Tensor:
+    """Rotation angles [f*h*w, d/2] (float64) of Wan's video tokens, ordered (frame, row, column).
+
+    diffusers' `WanRotaryPosEmbed`: positions run from 0 on every axis (no centring, no text positions: the text
+    only meets the video in cross-attention, without RoPE); each axis' frequencies are computed in float64.
+    `axes_dims` are the head-dim channels per axis (`WanConfig.rope_axes_dims`); `height`/`width` in patches.
+    """
+    axes = [torch.outer(torch.arange(n, dtype=torch.float64), _axis_inv_freq(a, theta, torch.float64))
+            for n, a in zip((frames, height, width), axes_dims, strict=True)]
+    f, h, w = (a.shape[-1] for a in axes)
+    return torch.cat(
+        [
+            axes[0][:, None, None, :].expand(frames, height, width, f),
+            axes[1][None, :, None, :].expand(frames, height, width, h),
+            axes[2][None, None, :, :].expand(frames, height, width, w),
+        ],
+        dim=-1,
+    ).reshape(frames * height * width, -1)
+
+
+def patchify_video(video: torch.Tensor, patch: tuple[int, int, int]) -> torch.Tensor:
+    """Video latents [b, c, F, H, W] -> packed 3D patch tokens [b, f*h*w, c*pt*ph*pw] (f = F/pt, ...).
+
+    Tokens run over (frame, row, column), each token's channels over (c, pt, ph, pw): the flattening of a
+    `Conv3d(kernel=stride=patch)` weight, so a patch embedding is one linear with that weight flattened."""
+    b, c, big_f, big_h, big_w = video.shape
+    pt, ph, pw = patch
+    if big_f % pt or big_h % ph or big_w % pw:
+        raise ValueError(f"video latents {tuple(video.shape[2:])} do not split into {tuple(patch)} patches")
+    f, h, w = big_f // pt, big_h // ph, big_w // pw
+    x = video.reshape(b, c, f, pt, h, ph, w, pw).permute(0, 2, 4, 6, 1, 3, 5, 7)
+    return x.reshape(b, f * h * w, c * pt * ph * pw)
+
+
+def unpatchify_video(tokens: torch.Tensor, grid: tuple[int, int, int], patch: tuple[int, int, int]) -> torch.Tensor:
+    """Inverse of `patchify_video`: [b, f*h*w, c*pt*ph*pw] with grid (f, h, w) -> [b, c, f*pt, h*ph, w*pw]."""
+    b, s, channels = tokens.shape
+    f, h, w = grid
+    pt, ph, pw = patch
+    if s != f * h * w or channels % (pt * ph * pw):
+        raise ValueError(f"tokens {tuple(tokens.shape)} do not fit grid {tuple(grid)} and patch {tuple(patch)}")
+    c = channels // (pt * ph * pw)
+    x = tokens.reshape(b, f, h, w, c, pt, ph, pw).permute(0, 4, 1, 5, 2, 6, 3, 7)
+    return x.reshape(b, c, f * pt, h * ph, w * pw)
+
+
 def rope_rotations(angles: torch.Tensor) -> torch.Tensor:
-    """Angles [s, d/2] (fp32) -> unit complex rotations e^{i angle} [s, d/2] (complex64), computed once per
-    forward and shared by every block."""
-    return torch.polar(torch.ones_like(angles), angles)
+    """Angles [s, d/2] (fp32, or float64 rounded once at the end) -> unit complex rotations e^{i angle} [s, d/2]
+    (complex64), computed once per forward and shared by every block."""
+    return torch.polar(torch.ones_like(angles), angles).to(torch.complex64)
 
 
 def apply_interleaved_rope(x: torch.Tensor, rotations: torch.Tensor) -> torch.Tensor:

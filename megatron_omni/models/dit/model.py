@@ -18,7 +18,6 @@ import functools
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 from megatron.core import tensor_parallel
 from megatron.core.transformer.enums import ModelType
 from megatron.core.transformer.module import MegatronModule
@@ -48,22 +47,13 @@ class DiTBatch:
     grid: tuple[int, int, int]
 
 
-def _group_size(group: dist.ProcessGroup | None) -> int:
-    return 1 if group is None else group.size()
+class DiTStage(MegatronModule):
+    """What every DiT stage of ours shares: its process groups, which blocks and ends of the model it holds,
+    the tensor the pipeline schedules hand it, the image (video) tokens of its CP rank, and which of its blocks
+    full recompute checkpoints. Between stages travels `[s_txt + s_img_local, b, h]`: the text stream, then
+    this CP rank's image shard."""
 
-
-class MMDiTModel(MegatronModule):
-    """The stage of an MMDiT held by this rank. `forward(batch) -> velocity [b, s_img_local, out]` on the
-    last stage, the packed `[s_txt + s_img_local, b, h]` hidden states on the others."""
-
-    def __init__(
-        self,
-        config: MMDiTConfig,
-        layer_spec: MMDiTLayerSubmodules,
-        groups,  # megatron_omni.parallel.ParallelGroups (typed loosely: models sit below parallel helpers)
-        pre_process: bool | None = None,
-        post_process: bool | None = None,
-    ):
+    def __init__(self, config, groups, pre_process: bool | None = None, post_process: bool | None = None):
         super().__init__(config)
         self.model_type = ModelType.encoder_or_decoder
         pg = groups.mcore
@@ -76,25 +66,8 @@ class MMDiTModel(MegatronModule):
         self.post_process = pp_rank == pp_size - 1 if post_process is None else post_process
         if config.num_layers % pp_size:
             raise ValueError(f"{config.num_layers} blocks are not divisible by {pp_size} pipeline stages")
-        per_stage = config.num_layers // pp_size
-        self.layer_offset = pp_rank * per_stage
-        h = config.hidden_size
-
-        # The plain torch layers are built in the parameters' dtype, as Megatron-Core's linears are: the
-        # whole model computes in params_dtype (bf16 mixed precision keeps fp32 copies in the optimizer).
-        dtype = config.params_dtype
-        self.time_embedder = TimestepEmbedder(h, config.timestep_channels, dtype=dtype)
-        if self.pre_process:
-            self.img_in = nn.Linear(config.in_channels, h, dtype=dtype)
-            self.txt_norm = RMSNorm(config.joint_attention_dim, eps=config.norm_eps, dtype=dtype)
-            self.txt_in = nn.Linear(config.joint_attention_dim, h, dtype=dtype)
-        self.layers = nn.ModuleList(
-            MMDiTLayer(config, layer_spec, self.layer_offset + i + 1, pg, self.ulysses_group, self.ring_group)
-            for i in range(per_stage)
-        )
-        if self.post_process:
-            self.norm_out = _AdaNormOut(h, config.norm_eps, dtype=dtype)
-            self.proj_out = nn.Linear(h, config.patch_size**2 * config.out_channels, dtype=dtype)
+        self.num_stage_layers = config.num_layers // pp_size
+        self.layer_offset = pp_rank * self.num_stage_layers
         self.input_tensor: torch.Tensor | None = None
 
     def global_name(self, local: str) -> str:
@@ -120,6 +93,53 @@ class MMDiTModel(MegatronModule):
         r = self.cp_group.rank()
         return slice(r * n, (r + 1) * n)
 
+    def stage_input(self, s_img_local: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(text [s_txt, b, h], image shard [s_img_local, b, h]) from the tensor the schedule handed over."""
+        if self.input_tensor is None:
+            raise RuntimeError("a non-first pipeline stage needs set_input_tensor() before forward")
+        s_txt = self.input_tensor.shape[0] - s_img_local
+        return self.input_tensor[:s_txt], self.input_tensor[s_txt:]
+
+    def recompute_block(self, i: int) -> bool:
+        """Whether full recompute checkpoints this stage's block i (the first `recompute_num_layers`)."""
+        cfg = self.config
+        if cfg.recompute_granularity != "full" or not (self.training and torch.is_grad_enabled()):
+            return False
+        return i < (self.num_stage_layers if cfg.recompute_num_layers is None else cfg.recompute_num_layers)
+
+
+class MMDiTModel(DiTStage):
+    """The stage of an MMDiT held by this rank. `forward(batch) -> velocity [b, s_img_local, out]` on the
+    last stage, the packed `[s_txt + s_img_local, b, h]` hidden states on the others."""
+
+    def __init__(
+        self,
+        config: MMDiTConfig,
+        layer_spec: MMDiTLayerSubmodules,
+        groups,  # megatron_omni.parallel.ParallelGroups (typed loosely: models sit below parallel helpers)
+        pre_process: bool | None = None,
+        post_process: bool | None = None,
+    ):
+        super().__init__(config, groups, pre_process, post_process)
+        pg = self.pg_collection
+        h = config.hidden_size
+
+        # The plain torch layers are built in the parameters' dtype, as Megatron-Core's linears are: the
+        # whole model computes in params_dtype (bf16 mixed precision keeps fp32 copies in the optimizer).
+        dtype = config.params_dtype
+        self.time_embedder = TimestepEmbedder(h, config.timestep_channels, dtype=dtype)
+        if self.pre_process:
+            self.img_in = nn.Linear(config.in_channels, h, dtype=dtype)
+            self.txt_norm = RMSNorm(config.joint_attention_dim, eps=config.norm_eps, dtype=dtype)
+            self.txt_in = nn.Linear(config.joint_attention_dim, h, dtype=dtype)
+        self.layers = nn.ModuleList(
+            MMDiTLayer(config, layer_spec, self.layer_offset + i + 1, pg, self.ulysses_group, self.ring_group)
+            for i in range(self.num_stage_layers)
+        )
+        if self.post_process:
+            self.norm_out = _AdaNormOut(h, config.norm_eps, dtype=dtype)
+            self.proj_out = nn.Linear(h, config.patch_size**2 * config.out_channels, dtype=dtype)
+
     def forward(self, batch: DiTBatch) -> torch.Tensor:
         f, hh, ww = batch.grid
         s_img = f * hh * ww
@@ -136,10 +156,8 @@ class MMDiTModel(MegatronModule):
             txt = self.txt_in(self.txt_norm(batch.prompt_embeds.to(dtype))).transpose(0, 1)
             s_txt = txt.shape[0]
         else:
-            if self.input_tensor is None:
-                raise RuntimeError("a non-first pipeline stage needs set_input_tensor() before forward")
-            s_txt = self.input_tensor.shape[0] - (shard.stop - shard.start)
-            txt, img = self.input_tensor[:s_txt], self.input_tensor[s_txt:]
+            txt, img = self.stage_input(shard.stop - shard.start)
+            s_txt = txt.shape[0]
 
         img_angles, txt_angles = qwen_rope_angles(
             f, hh, ww, s_txt, tuple(self.config.axes_dims_rope), self.config.rope_theta
@@ -158,14 +176,11 @@ class MMDiTModel(MegatronModule):
         return out.transpose(0, 1)  # [b, s_img_local, p*p*out]
 
     def _run_layers(self, img, txt, temb, img_rope, txt_rope, mask):
-        cfg = self.config
-        full = cfg.recompute_granularity == "full"
-        n_recompute = len(self.layers) if cfg.recompute_num_layers is None else cfg.recompute_num_layers
         last = len(self.layers) - 1
         for i, layer in enumerate(self.layers):
             # The last stage reads only the image stream of its last block.
             run = functools.partial(layer, text_output=not (self.post_process and i == last))
-            if full and self.training and torch.is_grad_enabled() and i < n_recompute:
+            if self.recompute_block(i):
                 img, txt = tensor_parallel.checkpoint(run, False, img, txt, temb, img_rope, txt_rope, mask)
             else:
                 img, txt = run(img, txt, temb, img_rope, txt_rope, mask)

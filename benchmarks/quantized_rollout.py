@@ -1,0 +1,158 @@
+"""Quantized rollout on the OCR miniature's pipeline: a bf16 rollout against an FP8 one, same prompts and seeds.
+
+    HF_HUB_OFFLINE=1 .venv/bin/python benchmarks/quantized_rollout.py [--seeds 4] [--runs 3] [--cap 2.0]
+        [--out-dir DIR]
+
+The shipped tiny text pipeline (examples/tiny/text_pipeline) samples the OCR miniature recipe's held-out
+prompts (8 words RL trains on, 8 it never sees; `--seeds` seeds each) with the recipe's rollout sampler (64 px,
+10 steps, SDE window 2, noise 1.0, CFG 3): once with the embedded engine in bf16, once with the same engine
+quantized to FP8 (`rollout.quantization=fp8`: ModelOpt's FP8 per-channel weights and per-token activations,
+fake-quantized, computing in bf16). The trainer's side is the Megatron model in bf16 at tp 1 (what
+`model.params_dtype=bf16` trains), which recomputes every rollout's log-probs.
+
+Printed per rollout: mean |logp_trainer - logp_rollout| before correction and after the truncated importance
+weights (`algorithms.importance`, cap `--cap`, transition level) with the share they truncate, the mean OCR
+similarity of the images (rapidocr, in process), and the seconds of a rollout of one prompt's seeds (median of
+`--runs` interleaved runs after a warm-up: the machine is shared; on a CPU the FP8 engine only emulates FP8, so
+it is slower, not faster). Then the
+cost of re-quantizing after a sync: in place (`FakeQuantizedTransformer.refresh`, what the engine does),
+ModelOpt's re-calibration (`reset_amax` + `mtq.calibrate`), and a rebuild (`mtq.quantize` on a fresh copy).
+`DIR/bf16_vs_fp8.png` shows the first seed's images of both. The last line is the OCR reward fp8 / bf16
+(target >= 0.97).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+from tqdm import tqdm  # noqa: E402
+
+from examples.tiny.recipe import TEXT_PIPELINE, ocr_miniature  # noqa: E402
+from megatron_omni.algorithms.importance import truncated_importance_weights  # noqa: E402
+from megatron_omni.algorithms.transition import recompute_log_probs  # noqa: E402
+from megatron_omni.models.dit.diffusers_interface import DiffusersForward  # noqa: E402
+from megatron_omni.parallel import ParallelLayout, build_parallel_groups, platform  # noqa: E402
+from megatron_omni.parallel.rank_pool import free_port  # noqa: E402
+from megatron_omni.reward.registry import build_scorer  # noqa: E402
+from megatron_omni.rollout.diffusers_engine import DiffusersRolloutEngine  # noqa: E402
+from megatron_omni.rollout.quantization import QuantizationSpec, modelopt_config  # noqa: E402
+from megatron_omni.trainer.metrics import save_image_grid  # noqa: E402
+from megatron_omni.trainer.rewards import to_uint8_hwc  # noqa: E402
+from model_providers import get_family  # noqa: E402
+
+
+def _trainer(engine: DiffusersRolloutEngine):
+    """The Megatron model in bf16 at tp 1 with the engine's initial weights, as the trainer's velocity model."""
+    family = get_family("qwen_image")
+    platform.init_distributed(rank=0, world_size=1, init_method=f"tcp://127.0.0.1:{free_port()}")
+    groups = build_parallel_groups(ParallelLayout())
+    mcfg = family.megatron_config(engine.transformer_config(), tp=1, pp=1, ulysses=1, ring=1,
+                                  params_dtype=torch.bfloat16)
+    model = family.build_model(mcfg, groups)
+    family.load_state(model, {k: v.to(torch.bfloat16) for k, v in engine.initial_state_dict().items()})
+    return DiffusersForward(model).eval()
+
+
+def _requantize_costs(engine: DiffusersRolloutEngine, runs: int) -> dict[str, float]:
+    """Median seconds of the three ways to re-quantize after a sync, interleaved."""
+    import modelopt.torch.quantization as mtq
+
+    plain = DiffusersRolloutEngine(TEXT_PIPELINE, dtype=torch.bfloat16).transformer
+
+    def recalibrate() -> None:
+        for m in engine.quantizer.linears.values():
+            m.weight_quantizer.reset_amax()
+        mtq.calibrate(engine.transformer, "max", forward_loop=None)
+
+    ways = {"in place (refresh)": engine.requantize, "ModelOpt re-calibration": recalibrate,
+            "rebuild (mtq.quantize on a copy)": lambda: mtq.quantize(copy.deepcopy(plain), modelopt_config(
+                engine.quantization), forward_loop=None)}
+    times: dict[str, list[float]] = {k: [] for k in ways}
+    for _ in tqdm(range(runs + 1), desc="re-quantize", leave=False):
+        for name, fn in ways.items():
+            t0 = time.perf_counter()
+            with torch.no_grad():
+                fn()
+            times[name].append(time.perf_counter() - t0)
+    engine.requantize()  # the engine's own scales again (the re-calibration left equal ones)
+    return {k: statistics.median(v[1:]) for k, v in times.items()}  # the first (warm-up) run dropped
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--seeds", type=int, default=4, help="seeds per prompt")
+    ap.add_argument("--runs", type=int, default=5, help="interleaved timed rollouts of each engine (after a warm-up)")
+    ap.add_argument("--cap", type=float, default=2.0, help="truncated importance weight cap")
+    ap.add_argument("--out-dir", default="runs/quantized_rollout")
+    a = ap.parse_args()
+    torch.set_num_threads(2)
+    cfg = ocr_miniature()
+    params = cfg.rollout.sampling_params()
+    prompts = list(cfg.eval.prompts)
+    seeds = [1000 + i for i in range(len(prompts) * a.seeds)]
+    spec = QuantizationSpec("fp8", get_family("qwen_image").quantized_linears)
+    engines = {
+        "bf16": DiffusersRolloutEngine(TEXT_PIPELINE, max_batch_size=cfg.rollout.max_batch_size,
+                                       dtype=torch.bfloat16),
+        "fp8": DiffusersRolloutEngine(TEXT_PIPELINE, max_batch_size=cfg.rollout.max_batch_size,
+                                      dtype=torch.bfloat16, quantization=spec),
+    }
+    trainer = _trainer(engines["bf16"])
+    scorer = build_scorer("ocr")
+
+    trajs = {name: engine.generate(prompts, params, group_size=a.seeds, seeds=seeds)
+             for name, engine in tqdm(engines.items(), desc="rollouts")}
+    # speed: a smaller rollout (the first prompt's seeds), interleaved, so both see the same machine load
+    seconds: dict[str, list[float]] = {k: [] for k in engines}
+    for _ in tqdm(range(a.runs + 1), desc="timed rollouts (interleaved)"):
+        for name, engine in engines.items():
+            t0 = time.perf_counter()
+            engine.generate(prompts[:1], params, group_size=a.seeds, seeds=seeds[:a.seeds])
+            seconds[name].append(time.perf_counter() - t0)
+    rows = {}
+    for name, traj in trajs.items():
+        with torch.no_grad():
+            old = recompute_log_probs(traj, trainer, batch_size=32, dtype=torch.bfloat16).log_probs
+        iw = truncated_importance_weights(old, traj.log_probs, cap=a.cap)
+        rewards = scorer([to_uint8_hwc(im) for im in traj.images], traj.prompts)
+        rows[name] = {"before": float(iw.metrics["dlogp_abs_mean_before"]),
+                      "after": float(iw.metrics["dlogp_abs_mean_after"]),
+                      "truncated": float(iw.metrics["is_truncated_frac"]),
+                      "ocr": sum(rewards) / len(rewards), "seconds": statistics.median(seconds[name][1:])}
+    costs = _requantize_costs(engines["fp8"], runs=5)
+
+    out = Path(a.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    first = torch.arange(0, len(seeds), a.seeds)
+    images = torch.stack([trajs[k].images[i] for i in first.tolist() for k in ("bf16", "fp8")])
+    captions = [f"{k} {trajs[k].prompts[i][6:-1]}" for i in first.tolist() for k in ("bf16", "fp8")]
+    save_image_grid(images, captions, out / "bf16_vs_fp8.png", columns=8)
+
+    n = len(seeds)
+    print(f"OCR miniature pipeline, {len(prompts)} prompts x {a.seeds} seeds = {n} samples, {params.num_steps} "
+          f"steps, window {params.window_size}, CFG {params.guidance_scale}; trainer: Megatron bf16, tp 1; "
+          f"seconds: median of {a.runs} interleaved rollouts of one prompt x {a.seeds} seeds")
+    print(f"{'rollout':8s} {'|dlogp| before':>15s} {'after (cap ' + str(a.cap) + ')':>17s} {'truncated':>10s} "
+          f"{'OCR':>7s} {'seconds':>8s}")
+    for name, r in rows.items():
+        print(f"{name:8s} {r['before']:15.3e} {r['after']:17.3e} {r['truncated']:10.3f} {r['ocr']:7.4f} "
+              f"{r['seconds']:8.2f}")
+    print(f"fp8 / bf16 rollout time on this CPU (FP8 emulated): {rows['fp8']['seconds'] / rows['bf16']['seconds']:.2f}")
+    print("re-quantization after a sync (median of 5): " + ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in costs.items()))
+    print(f"images: {out / 'bf16_vs_fp8.png'}")
+    print(f"OCR reward fp8 / bf16 (target >= 0.97): {rows['fp8']['ocr'] / rows['bf16']['ocr']:.3f}")
+    platform.destroy_distributed()
+
+
+if __name__ == "__main__":
+    main()

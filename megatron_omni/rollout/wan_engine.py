@@ -1,0 +1,145 @@
+"""The embedded rollout engine for Wan text-to-video: `WanPipeline`'s components from a diffusers folder, driven
+by the same SDE step and step-wise continuous batching as the image engine (`DiffusersRolloutEngine`, whose
+family hooks this overrides), producing the same `Trajectory` record (video shapes: see its docstring).
+
+- Latents: the pipeline's latent video `[c, (F - 1) / t + 1, H / s, W / s]` (t, s the VAE's temporal and
+  spatial factors) drawn from each sample's generator exactly as `WanPipeline.prepare_latents` draws it, carried
+  as packed 3D patch tokens `[S, C]` (`patchify_video`); the transformer runs behind `PackedVideoTransformer`.
+- Sigma grid: the scheduler's static shift (`schedule.static_shift_sigmas`; a UniPC scheduler's `flow_shift`).
+- Text: `WanPipeline._get_t5_prompt_embeds`' embeddings of each prompt's own tokens (the encoder masks the
+  padding), zero-padded to `max_sequence_length` (or `text_length`) in every forward: Wan attends to all of it.
+- Decode: de-normalised by the VAE's `latents_mean/std`, `AutoencoderKLWan.decode`, the pipeline's video
+  post-processing: frames [F, 3, H, W] fp32 in [0, 1] per sample.
+- True CFG is refused: Wan's guidance is plain `v_neg + g (v_pos - v_neg)`, without the per-token rescale of
+  the trainer's Qwen-Image `true_cfg` (`algorithms.cfg`), so recording it would break train/rollout agreement.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+
+from megatron_omni.algorithms.schedule import static_shift_of, static_shift_sigmas
+from megatron_omni.algorithms.velocity import VelocityModel
+from megatron_omni.models.dit.embeddings import patchify_video, unpatchify_video
+from megatron_omni.models.dit.video_interface import PackedVideoTransformer
+from megatron_omni.rollout.base import SamplingParams
+from megatron_omni.rollout.diffusers_engine import DiffusersRolloutEngine, _Sample
+
+
+class WanRolloutEngine(DiffusersRolloutEngine):
+    """Rollout with diffusers' Wan text-to-video components (see the module docstring); the arguments are
+    `DiffusersRolloutEngine`'s (`model_path`: a diffusers `WanPipeline` folder)."""
+
+    def _load_pipeline(self, model_path: str | os.PathLike, dtype: torch.dtype):
+        from diffusers import WanPipeline
+
+        pipe = WanPipeline.from_pretrained(model_path, local_files_only=True, dtype=dtype)
+        if getattr(pipe, "transformer_2", None) is not None or pipe.config.get("expand_timesteps", False):
+            raise ValueError(f"{model_path}: two-expert (Wan2.2 A14B) and expanded-timestep (TI2V image-conditioned) "
+                             "Wan pipelines are not supported by the rollout engine yet")
+        return pipe
+
+    def _grid_shift(self) -> float:
+        return static_shift_of(self.pipe.scheduler.config)
+
+    @property
+    def patch_size(self) -> tuple[int, int, int]:
+        return tuple(self.transformer.config.patch_size)
+
+    def _transformer_velocity(self) -> VelocityModel:
+        return PackedVideoTransformer(self.transformer, self.patch_size)
+
+    def _sigmas(self, num_steps: int, img_shape: tuple[int, int, int]) -> torch.Tensor:
+        return static_shift_sigmas(num_steps, self.shift)
+
+    def _latent_shape(self, params: SamplingParams) -> tuple[int, int, int, int]:
+        """The latent video's (channels, frames, height, width) for these settings."""
+        t, s = self.pipe.vae_scale_factor_temporal, self.pipe.vae_scale_factor_spatial
+        _, ph, pw = self.patch_size
+        if (params.num_frames - 1) % t:
+            raise ValueError(f"num_frames - 1 must be a multiple of {t} (the VAE's temporal factor), got "
+                             f"num_frames={params.num_frames}")
+        if params.height % (s * ph) or params.width % (s * pw):
+            raise ValueError(f"height/width must be multiples of {s * ph}x{s * pw}, got {params.height}x{params.width}")
+        return (self.transformer.config.in_channels, (params.num_frames - 1) // t + 1, params.height // s,
+                params.width // s)
+
+    def _img_shape(self, params: SamplingParams) -> tuple[int, int, int]:
+        _, f, h, w = self._latent_shape(params)
+        pt, ph, pw = self.patch_size
+        if f % pt:
+            raise ValueError(f"{f} latent frames do not split into temporal patches of {pt}")
+        return (f // pt, h // ph, w // pw)
+
+    def generate(self, prompts, params: SamplingParams, group_size: int = 1, seeds=None, on_sample=None):
+        """See `DiffusersRolloutEngine.generate`; refuses true CFG (see the module docstring)."""
+        if params.do_cfg:
+            raise ValueError("the Wan engine samples without true CFG (guidance_scale 1): Wan's guidance has no "
+                             "per-token rescale, which the trainer's CFG applies")
+        return super().generate(prompts, params, group_size=group_size, seeds=seeds, on_sample=on_sample)
+
+    def _initial_latents(self, generator: torch.Generator, img_shape: tuple[int, int, int],
+                         params: SamplingParams) -> torch.Tensor:
+        c, f, h, w = self._latent_shape(params)
+        # Same draw as WanPipeline.prepare_latents with a per-sample generator.
+        noise = torch.randn(1, c, f, h, w, generator=generator)
+        return patchify_video(noise, self.patch_size)[0]
+
+    def _call_text_length(self, longest: int, params: SamplingParams) -> int:
+        # Prompts longer than max_sequence_length are truncated, as the pipeline's tokenizer truncates them.
+        if params.text_length is not None and min(longest, params.max_sequence_length) > params.text_length:
+            raise ValueError(f"a prompt of this call has {longest} text tokens, more than text_length="
+                             f"{params.text_length}")
+        return params.text_length or params.max_sequence_length
+
+    # ------------------------------------------------------------------ prompts
+    def token_ids(self, text: str, max_length: int | None = None) -> tuple[int, ...]:
+        """The token ids `WanPipeline` feeds its text encoder for `text` (its prompt cleaning, the tokenizer's
+        special tokens, truncated to `max_length` as it truncates before encoding), without the padding."""
+        from diffusers.pipelines.wan.pipeline_wan import prompt_clean
+
+        ids = self.pipe.tokenizer(prompt_clean(text), add_special_tokens=True, truncation=max_length is not None,
+                                  max_length=max_length).input_ids
+        if not ids:
+            raise ValueError(f"prompt {text!r} gives no tokens")
+        return tuple(ids)
+
+    def text_lengths(self, prompts) -> list[int]:
+        """Text tokens each prompt gives the transformer before the zero padding."""
+        return [len(self.token_ids(p)) for p in prompts]
+
+    def encode_token_ids(self, keys) -> list[torch.Tensor]:
+        """Text embeddings [L_i, D] of token ids (from `token_ids`), the encoder's last hidden state at the
+        prompt's own tokens (the padding masked), as `WanPipeline._get_t5_prompt_embeds` keeps them."""
+        hidden = self.pipe.text_encoder(*self.padded_ids(keys)).last_hidden_state
+        return [hidden[i, : len(k)] for i, k in enumerate(keys)]
+
+    # ------------------------------------------------------------------ decode
+    @torch.no_grad()
+    def decode_video(self, latents: torch.Tensor, img_shape: tuple[int, int, int]) -> torch.Tensor:
+        """Packed latents [B, S, C] on patch grid `img_shape` -> videos [B, F, 3, H, W] fp32 in [0, 1]
+        (WanPipeline's decode and post-processing)."""
+        vae = self.pipe.vae
+        lat = unpatchify_video(latents, img_shape, self.patch_size).to(vae.dtype)
+        z = vae.config.z_dim
+        mean = torch.tensor(vae.config.latents_mean).view(1, z, 1, 1, 1).to(lat.device, lat.dtype)
+        inv_std = 1.0 / torch.tensor(vae.config.latents_std).view(1, z, 1, 1, 1).to(lat.device, lat.dtype)
+        video = vae.decode(lat / inv_std + mean, return_dict=False)[0]
+        return self.pipe.video_processor.postprocess_video(video, output_type="pt").float()
+
+    def _decode_samples(self, latents: torch.Tensor, like: _Sample) -> torch.Tensor:
+        return self.decode_video(latents, like.img_shape)
+
+    def transformer_config(self) -> dict[str, Any]:
+        """The diffusers config of the transformer (what `model_providers.wan` builds from)."""
+        return dict(self.transformer.config)
+
+
+def build_wan_engine(pipeline_dir: str | os.PathLike, settings: Any) -> WanRolloutEngine:
+    """The builder of the embedded Wan engine (one per rank, rollout tp 1)."""
+    if settings.tp != 1:
+        raise ValueError(f"the diffusers engine runs at rollout tp 1 (one per rank), got tp={settings.tp}")
+    return WanRolloutEngine(pipeline_dir, max_batch_size=settings.max_batch_size, dtype=settings.dtype)

@@ -1,0 +1,100 @@
+"""Write a complete, tiny Wan text-to-video pipeline folder offline, deterministically from a seed.
+
+The folder is what `WanPipeline.from_pretrained(folder, local_files_only=True)` loads: the `tiny` preset's
+`WanTransformer3DModel`, a tiny `AutoencoderKLWan` (4 latent channels, Wan's 4 x 8 x 8 compression), a tiny
+`UMT5EncoderModel` text encoder, the byte-level tokenizer of the tiny Qwen-Image pipeline (256 byte symbols
+plus special tokens; Wan's pipeline only needs a tokenizer that pads) and a `FlowMatchEulerDiscreteScheduler`
+with a static shift. Nothing is downloaded.
+
+CLI: python tools/make_tiny_pipeline.py --family wan --out /tmp/tiny-wan --seed 0
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from model_providers.qwen_image.tiny_pipeline import build_tokenizer, write_tiny_pipeline
+from model_providers.wan.presets import preset
+
+
+@dataclass(frozen=True)
+class TinyWanPipelineConfig:
+    """Sizes of every component; the defaults make a folder of about 1 MB."""
+
+    transformer: dict[str, Any] = field(default_factory=lambda: preset("tiny"))
+    text_layers: int = 2
+    text_heads: int = 4
+    text_ff: int = 64
+    vae_base_dim: int = 8
+    vae_dim_mult: tuple[int, ...] = (1, 1, 2, 2)
+    vae_num_res_blocks: int = 1
+    shift: float = 3.0  # Wan's flow shift at 480p
+
+    def transformer_config(self) -> dict[str, Any]:
+        """The transformer's diffusers config."""
+        return dict(self.transformer)
+
+
+def build_components(cfg: TinyWanPipelineConfig, seed: int) -> dict:
+    """All five pipeline components, weights drawn from `seed` (one seeded stream per component)."""
+    from diffusers import AutoencoderKLWan, FlowMatchEulerDiscreteScheduler, WanTransformer3DModel
+    from transformers import UMT5Config, UMT5EncoderModel
+
+    t = cfg.transformer_config()
+    z_dim = t["in_channels"]
+    if t["out_channels"] != z_dim:
+        raise ValueError(f"in_channels {z_dim} and out_channels {t['out_channels']} must both be the VAE's z_dim")
+    if t["text_dim"] % cfg.text_heads:
+        raise ValueError(f"text_dim {t['text_dim']} is not divisible by {cfg.text_heads} text heads")
+    tokenizer = build_tokenizer()
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        transformer = WanTransformer3DModel(**t).eval()
+        torch.manual_seed(seed + 1)
+        g = torch.Generator().manual_seed(seed + 2)
+        vae = AutoencoderKLWan(
+            base_dim=cfg.vae_base_dim,
+            z_dim=z_dim,
+            dim_mult=list(cfg.vae_dim_mult),
+            num_res_blocks=cfg.vae_num_res_blocks,
+            # one entry per downsampling stage: two temporal halvings (x4) and three spatial ones (x8), as Wan's
+            temperal_downsample=[False] + [True] * (len(cfg.vae_dim_mult) - 2),
+            latents_mean=[round(float(x), 4) for x in 0.1 * torch.randn(z_dim, generator=g)],
+            latents_std=[round(float(x), 4) for x in 1.0 + 0.5 * torch.rand(z_dim, generator=g)],
+            scale_factor_temporal=2 ** (len(cfg.vae_dim_mult) - 2),
+            scale_factor_spatial=2 ** (len(cfg.vae_dim_mult) - 1),
+        ).eval()
+        torch.manual_seed(seed + 3)
+        text_encoder = UMT5EncoderModel(UMT5Config(
+            vocab_size=len(tokenizer), d_model=t["text_dim"], d_kv=t["text_dim"] // cfg.text_heads, d_ff=cfg.text_ff,
+            num_layers=cfg.text_layers, num_heads=cfg.text_heads, relative_attention_num_buckets=8,
+            relative_attention_max_distance=32, pad_token_id=tokenizer.pad_token_id,
+        )).eval()
+    scheduler = FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=cfg.shift)
+    return {"transformer": transformer, "vae": vae, "text_encoder": text_encoder, "tokenizer": tokenizer,
+            "scheduler": scheduler}
+
+
+def make_tiny_pipeline(out_dir: str | os.PathLike, seed: int = 0, config: TinyWanPipelineConfig | None = None,
+                       overwrite: bool = False) -> Path:
+    """Write the pipeline folder to `out_dir` (built in a temp folder beside it, then renamed).
+
+    Args:
+        out_dir: destination; must not exist unless overwrite.
+        seed: weights are a function of the seed only.
+        config: component sizes (default: the tiny preset).
+        overwrite: replace an existing folder.
+
+    Returns:
+        The folder's path.
+    """
+    from diffusers import WanPipeline
+
+    cfg = config or TinyWanPipelineConfig()
+    return write_tiny_pipeline(out_dir, lambda: WanPipeline(**build_components(cfg, seed)), seed, asdict(cfg),
+                               overwrite)
