@@ -167,6 +167,11 @@ class DiffusersRolloutEngine:
         """The velocity model over the pipeline's own transformer (the velocity-model keyword interface)."""
         return self.transformer
 
+    def _tail_grid(self, sigmas: torch.Tensor, tail_start: int, tail_steps: int,
+                   img_shape: tuple[int, int, int]) -> torch.Tensor:
+        """MixGRPO-Flash's grid: sigmas [T + 1] re-spaced into `tail_steps` steps from `tail_start` on."""
+        return flash_grid(sigmas, tail_start, tail_steps, img_shape[0] * img_shape[1] * img_shape[2], self.shift)
+
     def _sigmas(self, num_steps: int, img_shape: tuple[int, int, int]) -> torch.Tensor:
         """The sampling grid [T + 1] fp32 of a sample on patch grid `img_shape`."""
         return qwen_image_sigmas(num_steps, img_shape[0] * img_shape[1] * img_shape[2], self.shift)
@@ -280,7 +285,7 @@ class DiffusersRolloutEngine:
         tail_start = params.num_steps
         if params.tail_steps is not None:
             tail_start = window_start + params.window_size
-            sigmas = flash_grid(sigmas, tail_start, params.tail_steps, seq_len, self.shift)
+            sigmas = self._tail_grid(sigmas, tail_start, params.tail_steps, img_shape)
             levels = torch.cat([levels[:tail_start], torch.zeros(params.tail_steps)])
         return _Sample(
             index=index,

@@ -133,8 +133,9 @@ class RolloutConfig:
     # padding (in bf16, attention over another text length rounds differently: train_rollout_dlogp grows).
     text_length: int | None = SamplingParams.text_length
     # With model.lora, how the engine receives the adapters: "adapter" (the adapters only: the diffusers engine
-    # loads them through peft), "merge" (W + scale B A through the bridge, as full weights), "auto" (adapter
-    # where the engine takes adapters, else merge: vLLM-Omni's LoRA request path is GPU-only and not built).
+    # through peft, vLLM-Omni through its LoRA manager and LoRA layers), "merge" (W + scale B A through the
+    # bridge, as full weights), "auto" (adapter where that path has run: diffusers, and vLLM-Omni in the
+    # trainer's process on CPU; merge for vLLM-Omni's multi-process GPU engine, whose adapter RPC is unrun).
     lora_sync: str = "auto"
 
     def sampling_params(self) -> SamplingParams:
