@@ -120,9 +120,12 @@ def main(argv: list[str] | None = None) -> int:
               f"over {summary['steps']} steps")
         if "eval_after" in summary:
             b, a = summary["eval_before"], summary["eval_after"]
+            transfer = (f", transfer {b['transfer_reward_mean']:.4g} -> {a['transfer_reward_mean']:.4g}"
+                        if "transfer_reward_mean" in a else "")
             print(f"held-out eval (ODE): reward {b['reward_mean']:.4g} -> {a['reward_mean']:.4g} "
                   f"(seen {b['seen_reward_mean']:.4g} -> {a['seen_reward_mean']:.4g}, unseen "
-                  f"{b['unseen_reward_mean']:.4g} -> {a['unseen_reward_mean']:.4g}); eval_before_after.png")
+                  f"{b['unseen_reward_mean']:.4g} -> {a['unseen_reward_mean']:.4g}{transfer}); peak "
+                  f"{a['peak_reward_mean']:.4g} at step {a['peak_step']}; eval_before_after.png")
         print(f"run folder: {summary['run_dir']} (metrics.jsonl, reward_curve.png, samples/, tensorboard/, "
               f"checkpoints/, config.json)")
     return 0

@@ -99,17 +99,26 @@ def flowgrpo_loss(
             raise ValueError(f"advantages {tuple(adv.shape)} do not match log_probs {tuple(lp.shape)}")
         adv = adv.view(-1, *([1] * (lp.ndim - 1))).expand_as(lp)
     ratio = torch.exp(lp - old_log_probs.float().detach())
-    unclipped = -adv * ratio
-    clipped = -adv * torch.clamp(ratio, 1.0 - low, 1.0 + high)
-    policy_loss = torch.maximum(unclipped, clipped).mean()
+    policy_loss = clipped_terms(ratio, adv, low, high).mean()
+    return policy_loss_with_kl(policy_loss, beta, kl, ratio, policy_metrics(lp, old_log_probs, ratio, (low, high)))
+
+
+def clipped_terms(ratio: torch.Tensor, advantages: torch.Tensor, low: float, high: float) -> torch.Tensor:
+    """The clipped surrogate's terms `max(-A ratio, -A clip(ratio, 1 - low, 1 + high))`, elementwise (ratio and
+    advantages of one shape, float32)."""
+    return torch.maximum(-advantages * ratio, -advantages * torch.clamp(ratio, 1.0 - low, 1.0 + high))
+
+
+def policy_loss_with_kl(policy_loss: torch.Tensor, beta: float, kl: torch.Tensor | None, ratio: torch.Tensor,
+                        metrics: dict[str, torch.Tensor]) -> PolicyLoss:
+    """`policy_loss + beta mean(kl)` as a PolicyLoss (kl [B] or [B, S] required when beta > 0; the kl term 0
+    otherwise), `metrics` completed with policy_loss and kl_loss."""
     if beta > 0:
         if kl is None:
             raise ValueError("beta > 0 needs the per-sample kl term")
         kl_loss = kl.float().mean()
     else:
-        kl_loss = torch.zeros((), dtype=torch.float32, device=lp.device)
-    loss = policy_loss + beta * kl_loss
-    metrics = policy_metrics(lp, old_log_probs, ratio, (low, high))
-    metrics["policy_loss"] = policy_loss.detach()
-    metrics["kl_loss"] = kl_loss.detach()
-    return PolicyLoss(loss=loss, policy_loss=policy_loss, kl_loss=kl_loss, ratio=ratio, metrics=metrics)
+        kl_loss = torch.zeros((), dtype=torch.float32, device=policy_loss.device)
+    metrics.update(policy_loss=policy_loss.detach(), kl_loss=kl_loss.detach())
+    return PolicyLoss(loss=policy_loss + beta * kl_loss, policy_loss=policy_loss, kl_loss=kl_loss, ratio=ratio,
+                      metrics=metrics)

@@ -85,6 +85,9 @@ class SamplingParams(SdeWindowParams):
     # the `generate` call. Calls that must pad alike (the shares of one trainer step rolled out on several
     # ranks) set it: a bf16 attention over another text length rounds differently.
     text_length: int | None = None
+    # MixGRPO-Flash: the ODE steps after the window are re-spaced into this many steps sampled with the multistep
+    # DPM-Solver++ (`algorithms.mixgrpo`); None: the grid's own steps, Euler. Needs a fixed `window_start`.
+    tail_steps: int | None = None
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -105,14 +108,22 @@ class SamplingParams(SdeWindowParams):
             lo, hi = self.resolved_window_range
             if not lo <= self.window_start <= hi - self.window_size:
                 raise ValueError(f"window_start {self.window_start} outside window_range {(lo, hi)}")
+        if self.tail_steps is not None:
+            if self.tail_steps < 1:
+                raise ValueError(f"tail_steps must be >= 1, got {self.tail_steps}")
+            if not self.stochastic or self.window_start is None:
+                raise ValueError("tail_steps (MixGRPO-Flash) needs a stochastic window with a fixed window_start")
+            if self.window_start + self.window_size >= self.num_steps:
+                raise ValueError(f"tail_steps: the window [{self.window_start}, {self.window_start + self.window_size})"
+                                 f" leaves no steps after it in a grid of {self.num_steps}")
 
     @property
     def do_cfg(self) -> bool:
         return self.guidance_scale > 1
 
     def ode(self) -> SamplingParams:
-        """The same settings without noise (validation sampling)."""
-        return replace(self, noise_level=0.0, window_start=None)
+        """The same settings without noise (validation sampling): the whole grid, Euler."""
+        return replace(self, noise_level=0.0, window_start=None, tail_steps=None)
 
 
 @dataclass
@@ -123,8 +134,10 @@ class Trajectory:
     prompts: N prompts; group_ids [N] long (samples of one prompt share an id); seeds [N] long;
     prompt_embeds [N, L, D] fp32 + prompt_embeds_mask [N, L] long; negative_* likewise or None;
     guidance_scale [N] fp32; latents / next_latents [N, W, S, C] fp32 (x_t and x_{t+1} of each window
-    step); log_probs [N, W] fp32; sigmas [N, T + 1] fp32; window_start [N] long; images [N, 3, H, W]
-    fp32 in [0, 1]; img_shape (1, H / 16, W / 16) the transformer's patch grid.
+    step); log_probs [N, W] fp32; sigmas [N, T + 1] fp32 (each sample's grid as sampled: MixGRPO-Flash's is
+    shorter); window_start [N] long; images [N, 3, H, W] fp32 in [0, 1]; img_shape (1, H / 16, W / 16) the
+    transformer's patch grid; final_latents [N, S, C] fp32, the clean latents the sampler ended with (what
+    DiffusionNFT trains on; None from an engine that does not record them).
 
     Video (the Wan engine): S = f * h * w tokens of 3D patches (frames first, then rows and columns) and
     C = c * pt * ph * pw (`models.dit.embeddings.patchify_video`); img_shape = (f, h, w), the patch grid of the
@@ -151,6 +164,7 @@ class Trajectory:
     img_shape: tuple[int, int, int]
     noise_level: float
     sde_type: str
+    final_latents: torch.Tensor | None = None
 
     def __len__(self) -> int:
         return len(self.prompts)
@@ -193,12 +207,11 @@ class Trajectory:
             values = [getattr(p, f.name) for p in parts]
             if f.name == "prompts":
                 out[f.name] = [x for v in values for x in v]
+            elif any(v is None for v in values):
+                if not all(v is None for v in values):
+                    raise ValueError(f"{f.name} is set in some trajectories and not in others")
+                out[f.name] = None
             elif f.name.endswith("prompt_embeds") or f.name.endswith("prompt_embeds_mask"):
-                if any(v is None for v in values):
-                    if not all(v is None for v in values):
-                        raise ValueError(f"{f.name} is set in some trajectories and not in others")
-                    out[f.name] = None
-                    continue
                 length = max(v.shape[1] for v in values)
                 out[f.name] = torch.cat([torch.nn.functional.pad(v, (0, 0) * (v.dim() - 2) + (0, length - v.shape[1]))
                                          for v in values])

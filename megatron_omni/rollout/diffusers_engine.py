@@ -13,6 +13,9 @@ sigma grid, text length, decode) driven by our SDE step.
   times; the negative prompt is one entry).
 - The velocity model is injectable (any callable with the diffusers transformer's forward keywords), so
   the trainer can run the same loop with its own model.
+- MixGRPO-Flash (`SamplingParams.tail_steps`): a sample's grid after its window is re-spaced into fewer steps,
+  sampled with the multistep DPM-Solver++ (`algorithms.mixgrpo`); every sample keeps its previous x0
+  prediction for the solver's second order.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
+from megatron_omni.algorithms.mixgrpo import dpm_solver_pp_step, flash_grid, second_order_allowed
 from megatron_omni.algorithms.schedule import ShiftConfig, qwen_image_sigmas
 from megatron_omni.algorithms.sde import windowed_sde_step
 from megatron_omni.algorithms.transition import recompute_log_probs
@@ -56,8 +60,9 @@ class _Sample:
     seed: int
     params: SamplingParams
     generator: torch.Generator
-    sigmas: torch.Tensor  # [T + 1]
+    sigmas: torch.Tensor  # [T + 1] (Flash: shorter, the tail re-spaced)
     levels: torch.Tensor  # [T] noise level per step
+    tail_start: int  # steps from here on take the DPM-Solver++ (len(sigmas) - 1: none)
     window_start: int
     text: torch.Tensor  # [L, D]
     neg_text: torch.Tensor | None
@@ -65,6 +70,7 @@ class _Sample:
     img_shape: tuple[int, int, int]
     text_length: int  # every forward pads its text (and negative text) to this many tokens
     step: int = 0
+    prev_x0: torch.Tensor | None = None  # the last step's x0 prediction (the solver's second order)
     rec_latents: list[torch.Tensor] = field(default_factory=list)
     rec_next: list[torch.Tensor] = field(default_factory=list)
     rec_log_probs: list[torch.Tensor] = field(default_factory=list)
@@ -74,6 +80,11 @@ class _Sample:
     def batch_key(self) -> tuple:
         """Samples that may share a forward: same patch grid and SDE type."""
         return (self.img_shape, self.params.sde_type)
+
+    @property
+    def num_steps(self) -> int:
+        """The steps this sample takes (its grid's)."""
+        return self.sigmas.numel() - 1
 
 
 def templated_token_ids(pipe, text: str) -> tuple[int, ...]:
@@ -155,6 +166,11 @@ class DiffusersRolloutEngine:
     def _transformer_velocity(self) -> VelocityModel:
         """The velocity model over the pipeline's own transformer (the velocity-model keyword interface)."""
         return self.transformer
+
+    def _tail_grid(self, sigmas: torch.Tensor, tail_start: int, tail_steps: int,
+                   img_shape: tuple[int, int, int]) -> torch.Tensor:
+        """MixGRPO-Flash's grid: sigmas [T + 1] re-spaced into `tail_steps` steps from `tail_start` on."""
+        return flash_grid(sigmas, tail_start, tail_steps, img_shape[0] * img_shape[1] * img_shape[2], self.shift)
 
     def _sigmas(self, num_steps: int, img_shape: tuple[int, int, int]) -> torch.Tensor:
         """The sampling grid [T + 1] fp32 of a sample on patch grid `img_shape`."""
@@ -266,6 +282,11 @@ class DiffusersRolloutEngine:
                     params.num_steps, params.window_size, params.resolved_window_range, g
                 )
             levels[window_start : window_start + params.window_size] = params.noise_level
+        tail_start = params.num_steps
+        if params.tail_steps is not None:
+            tail_start = window_start + params.window_size
+            sigmas = self._tail_grid(sigmas, tail_start, params.tail_steps, img_shape)
+            levels = torch.cat([levels[:tail_start], torch.zeros(params.tail_steps)])
         return _Sample(
             index=index,
             prompt=prompt,
@@ -275,6 +296,7 @@ class DiffusersRolloutEngine:
             generator=g,
             sigmas=sigmas.to(self.device),
             levels=levels,
+            tail_start=tail_start,
             window_start=window_start,
             text=text[: params.max_sequence_length],
             neg_text=None if neg_text is None else neg_text[: params.max_sequence_length],
@@ -308,6 +330,7 @@ class DiffusersRolloutEngine:
         self.stats["forward_rows"] += len(batch) + int((guidance > 1).sum())
         next_latents, rows, lp = windowed_sde_step(latents, v, sigma, sigma_next, sigma_one, levels,
                                                    batch[0].params.sde_type, [s.generator for s in batch])
+        next_latents = self._flash_tail(batch, latents, v, sigma, sigma_next, next_latents)
         if rows.numel():
             for j, r in enumerate(rows.tolist()):
                 batch[r].rec_latents.append(latents[r])
@@ -316,6 +339,29 @@ class DiffusersRolloutEngine:
         for i, s in enumerate(batch):
             s.latents = next_latents[i]
             s.step += 1
+
+    @staticmethod
+    def _flash_tail(batch: list[_Sample], latents: torch.Tensor, v: torch.Tensor, sigma: torch.Tensor,
+                    sigma_next: torch.Tensor, next_latents: torch.Tensor) -> torch.Tensor:
+        """The rows of `batch` in their Flash tail take the DPM-Solver++ step instead of Euler; every row
+        records its x0 prediction for the solver (latents, v, next_latents [B, S, C]; sigma, sigma_next [B])."""
+        tail = [i for i, s in enumerate(batch) if s.step >= s.tail_start]
+        if tail:
+            rows = torch.tensor(tail, device=latents.device)
+            prev = [batch[i].prev_x0 for i in tail]
+            have_prev = all(p is not None for p in prev)
+            order2 = torch.tensor([second_order_allowed(batch[i].step, batch[i].num_steps) for i in tail],
+                                  device=latents.device)
+            sigma_prev = torch.stack([batch[i].sigmas[batch[i].step - 1] if batch[i].step else batch[i].sigmas[0]
+                                      for i in tail])
+            x_next, _ = dpm_solver_pp_step(latents[rows], v[rows], sigma[rows], sigma_next[rows],
+                                           torch.stack(prev) if have_prev else None, sigma_prev, order2)
+            next_latents = next_latents.clone()
+            next_latents[rows] = x_next
+        x0 = latents.float() - sigma.float().view(-1, 1, 1) * v.float()
+        for i, s in enumerate(batch):
+            s.prev_x0 = x0[i] if s.params.tail_steps is not None else None
+        return next_latents
 
     @torch.no_grad()
     def decode(self, latents: torch.Tensor, height: int, width: int) -> torch.Tensor:
@@ -362,9 +408,9 @@ class DiffusersRolloutEngine:
                 (running if s.batch_key == key else waiting).append(s)
             pending = waiting + pending
             self._denoise_step(running)
-            done = [s for s in running if s.step == s.params.num_steps]
+            done = [s for s in running if s.step == s.num_steps]
             if done:
-                running = [s for s in running if s.step < s.params.num_steps]
+                running = [s for s in running if s.step < s.num_steps]
                 self._finish(done)
                 for s in done:
                     finished.append(s)
@@ -445,6 +491,7 @@ class DiffusersRolloutEngine:
             img_shape=s0.img_shape,
             noise_level=params.noise_level if params.stochastic else 0.0,
             sde_type=params.sde_type,
+            final_latents=torch.stack([s.latents for s in samples]).float(),
         )
 
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> list[str]:

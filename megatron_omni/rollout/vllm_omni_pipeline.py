@@ -41,7 +41,7 @@ PIPELINE_CLASS = "megatron_omni.rollout.vllm_omni_pipeline.FlowGRPOQwenImagePipe
 EXTRA_KEY = "flowgrpo"
 # Per-sample tensors of a record; the rest of a Trajectory is per call (params, img_shape).
 RECORD_TENSORS = ("prompt_embeds", "negative_prompt_embeds", "latents", "next_latents", "log_probs", "sigmas",
-                  "image")
+                  "image", "final_latents")
 
 
 class VllmOmniVelocity:
@@ -208,6 +208,7 @@ def sample_record(s: _Sample) -> dict[str, Any]:
         "sigmas": s.sigmas.cpu(),
         "window_start": s.window_start,
         "image": s.image.detach().cpu(),
+        "final_latents": s.latents.detach().float().cpu(),
         "img_shape": tuple(s.img_shape),
     }
 
@@ -247,6 +248,7 @@ def record_to_trajectory(records: Sequence[Mapping[str, Any]], params: SamplingP
         img_shape=tuple(recs[0]["img_shape"]),
         noise_level=params.noise_level if params.stochastic else 0.0,
         sde_type=params.sde_type,
+        final_latents=torch.stack([r["final_latents"] for r in recs]),
     )
 
 

@@ -55,6 +55,11 @@ class WanRolloutEngine(DiffusersRolloutEngine):
     def _sigmas(self, num_steps: int, img_shape: tuple[int, int, int]) -> torch.Tensor:
         return static_shift_sigmas(num_steps, self.shift)
 
+    def _tail_grid(self, sigmas: torch.Tensor, tail_start: int, tail_steps: int,
+                   img_shape: tuple[int, int, int]) -> torch.Tensor:
+        raise ValueError("MixGRPO-Flash's compressed ODE tail (SamplingParams.tail_steps) re-spaces Qwen-Image's "
+                         "dynamically shifted grid; the Wan engine samples a static-shift grid and has no Flash tail")
+
     def _latent_shape(self, params: SamplingParams) -> tuple[int, int, int, int]:
         """The latent video's (channels, frames, height, width) for these settings."""
         t, s = self.pipe.vae_scale_factor_temporal, self.pipe.vae_scale_factor_spatial

@@ -187,6 +187,7 @@ class ARDiTTrainer:
     sharded_state = staticmethod(ar_dit_sharded_state_dict)
     checkpoint_identity: dict = {}  # nothing beyond the model config a resume must match (no LoRA base)
     ema = None  # no EMA of the weights
+    extra_copies: dict = {}  # no other frozen copies (DiffusionNFT's old policy is the DiT trainer's)
 
     def content_metadata(self, step: int) -> dict[str, Any]:
         """What a checkpoint records about the model: the hybrid config (the same after every step)."""

@@ -12,7 +12,8 @@ A checkpoint is one `dist_checkpointing` folder, `checkpoints/step_XXXXXX`, hold
   `ShardedObject` per rank; restored only when the job has the same world size (a different layout
   cannot continue the same random streams anyway);
 - with `optim.ema_decay`, the EMA of the weights: the model's sharded tensors under `ema.` + name (so
-  `mcore-to-hf --prefix ema.` exports it as a diffusers transformer);
+  `mcore-to-hf --prefix ema.` exports it as a diffusers transformer); other frozen copies a trainer keeps
+  (DiffusionNFT's lagging old policy) likewise under their own name + `.`;
 - common state written once: scheduler, step, data position, metric history, world size.
 
 It is written into `step_XXXXXX.tmp` and renamed when every rank has finished. Before the rename the
@@ -195,11 +196,19 @@ def _sharded_training_state(model: torch.nn.Module, optimizer: Any, is_loading: 
     return {"model": model_sd, "optimizer": optim_sd}
 
 
-def _ema_sharded_state(ema: torch.nn.Module, sharded_state: ModelShardedState) -> ShardedStateDict:
-    """The EMA copy's sharded tensors: the model's layout, keys prefixed with `ema.`."""
-    state = sharded_state(ema)
-    add_prefix_for_sharding(state, EMA_PREFIX)
+def _copy_sharded_state(copy: torch.nn.Module, sharded_state: ModelShardedState, name: str) -> ShardedStateDict:
+    """A frozen copy's sharded tensors (the EMA's, `ema`): the model's layout, keys prefixed with `name.`."""
+    state = sharded_state(copy)
+    add_prefix_for_sharding(state, name + ".")
     return state
+
+
+def _copies(ema: torch.nn.Module | None, copies: dict[str, torch.nn.Module] | None) -> dict[str, torch.nn.Module]:
+    """Every frozen copy a checkpoint holds besides the model, by name (the EMA as `ema`)."""
+    out = dict(copies or {})
+    if "ema" in out or "model" in out:
+        raise ValueError("a frozen copy may not be named 'ema' (pass it as ema=) or 'model'")
+    return {**({"ema": ema} if ema is not None else {}), **out}
 
 
 def _rng_object(state: Any, world: int, rank: int) -> ShardedObject:
@@ -209,10 +218,11 @@ def _rng_object(state: Any, world: int, rank: int) -> ShardedObject:
 def save_checkpoint(run_dir: Path, step: int, model: torch.nn.Module, optimizer: Any, scheduler: Any,
                     common: dict[str, Any], keep: int, content_metadata: dict[str, Any] | None = None,
                     sharded_state: ModelShardedState = model_sharded_state_dict,
-                    ema: torch.nn.Module | None = None, run_id: str | None = None) -> Path:
+                    ema: torch.nn.Module | None = None, run_id: str | None = None,
+                    copies: dict[str, torch.nn.Module] | None = None) -> Path:
     """Collective: save model, optimizer, scheduler, RNG states, `common` (step, data position, metric
-    history: rank 0's copy is written) and the `ema` copy of the model if given, as the checkpoint after
-    `step` steps; prune to the last `keep`.
+    history: rank 0's copy is written), the `ema` copy of the model if given and the other frozen `copies` by
+    name, as the checkpoint after `step` steps; prune to the last `keep`.
     `sharded_state` gives the model's ShardedStateDict (default: the MMDiT's; the AR-DiT hybrid passes
     `ar_dit_sharded_state_dict`). `run_id`: recorded in the checkpoint; pruning then removes only
     checkpoints of that run (None: those without a run id).
@@ -230,8 +240,8 @@ def save_checkpoint(run_dir: Path, step: int, model: torch.nn.Module, optimizer:
     dist.barrier()
     state = _sharded_training_state(model, optimizer, is_loading=False, sharded_state=sharded_state)
     state["rng"] = _rng_object(rng_state(), world, rank)
-    if ema is not None:
-        state["ema"] = _ema_sharded_state(ema, sharded_state)
+    for name, copy in _copies(ema, copies).items():
+        state[name] = _copy_sharded_state(copy, sharded_state, name)
     state["scheduler"] = scheduler.state_dict()
     state["world_size"] = world
     # Every rank passes rank 0's copy (the one written): per-rank timings in the metric history would
@@ -275,9 +285,11 @@ def save_checkpoint(run_dir: Path, step: int, model: torch.nn.Module, optimizer:
 @torch.no_grad()
 def load_checkpoint(folder: Path, model: torch.nn.Module, optimizer: Any, scheduler: Any,
                     sharded_state: ModelShardedState = model_sharded_state_dict,
-                    ema: torch.nn.Module | None = None, identity: dict[str, Any] | None = None) -> dict[str, Any]:
+                    ema: torch.nn.Module | None = None, identity: dict[str, Any] | None = None,
+                    copies: dict[str, torch.nn.Module] | None = None) -> dict[str, Any]:
     """Collective: load a complete checkpoint saved at any layout into this rank's model and optimizer
-    shards, the scheduler and the `ema` copy if given (the checkpoint must hold one); restore the RNG states
+    shards, the scheduler, the `ema` copy and the other frozen `copies` if given (the checkpoint must hold
+    them); restore the RNG states
     when the world size matches. Returns `common`. `sharded_state`: as for `save_checkpoint` (the one the
     checkpoint was saved with). `identity`: what the checkpoint's `common["identity"]` must equal (a LoRA
     run's settings and base, `check_identity`), checked before any tensor is read."""
@@ -295,21 +307,24 @@ def load_checkpoint(folder: Path, model: torch.nn.Module, optimizer: Any, schedu
     same_world = saved["world_size"] == world
     if same_world:
         state["rng"] = _rng_object(None, world, rank)
-    if ema is not None:
-        state["ema"] = _ema_sharded_state(ema, sharded_state)
+    held = _copies(ema, copies)
+    for name, copy in held.items():
+        state[name] = _copy_sharded_state(copy, sharded_state, name)
     available = dist_checkpointing.load_tensors_metadata(str(folder))
     wanted = [t.key for t in nested_values(state) if isinstance(t, ShardedTensor)]
     missing = sorted(k for k in wanted if k not in available)
     if any(k.startswith(EMA_PREFIX) for k in missing):
         raise RuntimeError(f"{folder} holds no EMA of the weights (saved without optim.ema_decay); this job keeps "
                            f"one: resume it with optim.ema_decay=0 or start it anew")
+    for name in held:
+        if any(k.startswith(name + ".") for k in missing):
+            raise RuntimeError(f"{folder} holds no {name} copy of the weights, which this job keeps (saved with "
+                               "other algorithm settings?); start it anew")
     if missing:
         raise RuntimeError(f"{folder} lacks {len(missing)} tensors this job needs, e.g. {missing[:4]} (saved with "
                            f"another optim.distributed_optimizer setting or another model?)")
     loaded = dist_checkpointing.load(state, str(folder))
-    for name, module in (("model", model), ("ema", ema)):
-        if module is None:
-            continue
+    for name, module in (("model", model), *held.items()):
         result = module.load_state_dict({k: loaded[name][k] for k in state[name]}, strict=False)
         # A LoRA run's sharded state holds the adapters only: its frozen base comes from the pipeline folder
         # (whose identity the run loop checks), so only parameters that train must be in the checkpoint.

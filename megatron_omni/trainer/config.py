@@ -133,8 +133,9 @@ class RolloutConfig:
     # padding (in bf16, attention over another text length rounds differently: train_rollout_dlogp grows).
     text_length: int | None = SamplingParams.text_length
     # With model.lora, how the engine receives the adapters: "adapter" (the adapters only: the diffusers engine
-    # loads them through peft), "merge" (W + scale B A through the bridge, as full weights), "auto" (adapter
-    # where the engine takes adapters, else merge: vLLM-Omni's LoRA request path is GPU-only and not built).
+    # through peft, vLLM-Omni through its LoRA manager and LoRA layers), "merge" (W + scale B A through the
+    # bridge, as full weights), "auto" (adapter where that path has run: diffusers, and vLLM-Omni in the
+    # trainer's process on CPU; merge for vLLM-Omni's multi-process GPU engine, whose adapter RPC is unrun).
     lora_sync: str = "auto"
 
     def sampling_params(self) -> SamplingParams:
@@ -150,8 +151,50 @@ class RewardConfig:
     timeout_s: float = 120.0
 
 
+# The update rules `algorithm.name` selects (one trainer, `trainer/flowgrpo.py`; the math in megatron_omni/algorithms).
+ALGORITHMS = ("flowgrpo", "mixgrpo", "diffusionnft", "grpo_guard")
+
+
+@dataclass
+class MixGRPOConfig:
+    """MixGRPO's sliding SDE window (`algorithm.name=mixgrpo`, `algorithms/mixgrpo.py`): every sample of a step
+    shares one window of `rollout.window_size` steps inside `rollout.window_range`; it starts at the range's low
+    end and moves `shift` steps every `steps_per_move` RL steps, rolling back to the start past the end. The
+    defaults are the paper's (window moved by 1 every 25 iterations, roll back)."""
+
+    steps_per_move: int = 25
+    shift: int = 1
+    roll_back: bool = True
+    # MixGRPO-Flash: the ODE steps after the window compressed by this ratio and sampled with DPM-Solver++ (2nd
+    # order); None: plain MixGRPO (the whole grid, Euler). The paper's Flash script: 0.4.
+    flash_ratio: float | None = None
+
+
+@dataclass
+class DiffusionNFTConfig:
+    """DiffusionNFT's own settings (`algorithm.name=diffusionnft`, `algorithms/nft.py`); defaults are NVlabs'
+    reference (`config/nft.py`): mix_beta 1.0 (its OCR recipe: 0.1), 99% of the grid's noise levels per sample,
+    every advantage sign, the old policy's decay schedule type 1 (0, 0.001, 0.5; OCR: type 2, 75, 0.0075, 0.999).
+    Its KL weight is `algorithm.beta` (on velocities, `mean((v - v_ref)^2)`), its advantage clip
+    `algorithm.adv_clip`."""
+
+    mix_beta: float = 1.0  # strength of the implicit positive/negative policies
+    timestep_fraction: float = 0.99  # each sample trains int(T * fraction) of the grid's T noise levels
+    adv_mode: str = "all"  # "all" | "positive_only" | "negative_only" | "binary"
+    weight_min: float = 1e-5  # floor of the adaptive x0-error weights
+    # The old (sampling) policy after each RL step: decay * old + (1 - decay) * current, decay 0 for the first
+    # `decay_flat` optimizer updates, then rising by `decay_rate` per update up to `decay_cap`.
+    decay_flat: int = 0
+    decay_rate: float = 0.001
+    decay_cap: float = 0.5
+
+
 @dataclass
 class AlgorithmConfig:
+    # The update rule: "flowgrpo" (clipped surrogate over the SDE window), "mixgrpo" (the window slides over
+    # training, `mixgrpo`), "diffusionnft" (forward-process objective on ODE samples, `nft`), "grpo_guard"
+    # (FlowGRPO with GRPO-Guard's ratio normalisation and step reweighting). docs/recipes.md compares them.
+    name: str = "flowgrpo"
     clip_range: float = 1e-4
     adv_clip: float = 5.0
     std_mode: str = "global"  # "global" | "group"
@@ -160,6 +203,8 @@ class AlgorithmConfig:
     # Largest mean |logp_trainer - logp_rollout| a step may show before the run stops with an error naming the
     # step (a stale or wrongly synced engine shows up here first); None: logged only.
     max_logp_gap: float | None = None
+    mixgrpo: MixGRPOConfig = field(default_factory=MixGRPOConfig)
+    nft: DiffusionNFTConfig = field(default_factory=DiffusionNFTConfig)
 
 
 @dataclass
@@ -197,7 +242,12 @@ class LoggingConfig:
 
 @dataclass
 class EvalConfig:
-    prompts: list[str] = field(default_factory=list)  # held-out prompts; empty: no evaluation
+    # Held-out prompts (empty: no evaluation): their mean is the held-out figure (`reward_mean`), the ones that are
+    # also RL prompts counted as `seen`, the others `unseen`; sampled with seeds no RL step uses.
+    prompts: list[str] = field(default_factory=list)
+    # Reported apart as `transfer_*`, outside the held-out figure: prompts RL cannot be expected to move (the OCR
+    # miniature's words made of glyphs no RL prompt has).
+    transfer_prompts: list[str] = field(default_factory=list)
     seeds_per_prompt: int = 2
     num_steps: int = 20  # ODE steps (noise 0): more than the rollout's
     guidance_scale: float | None = None  # None: the rollout's
@@ -248,7 +298,7 @@ class JobConfig:
 
     def validate(self, world_size: int) -> None:
         """Check values and the layout against the world size; raises ConfigError naming the field."""
-        from megatron_omni.trainer.config_checks import check_family, check_fields, check_reward
+        from megatron_omni.trainer.config_checks import check_algorithm, check_family, check_fields, check_reward
 
         # Types, value sets, signs and bounds of every field (one line naming the field), the model family and
         # what it supports, then the reward's scorer and URL, then what depends on several fields at once.
@@ -256,6 +306,7 @@ class JobConfig:
         if check_family(self) == "ar_dit":
             return _validate_layout(self, world_size)
         check_reward(self)
+        check_algorithm(self)
         try:
             rollout_params = self.rollout.sampling_params()
         except ValueError as exc:
@@ -279,11 +330,29 @@ class JobConfig:
             (len(self.prompts) >= 1, "prompts", "needs at least one prompt"),
             (not self.eval.rollout_sampler or rollout_params.stochastic,
              "eval.rollout_sampler", "needs a stochastic rollout (rollout.noise_level > 0, rollout.window_size > 0)"),
+            (not self.eval.transfer_prompts or self.eval.prompts, "eval.transfer_prompts",
+             "needs eval.prompts (the held-out figure they are reported beside)"),
+            (not set(self.eval.transfer_prompts) & set(self.eval.prompts), "eval.transfer_prompts",
+             "shares prompts with eval.prompts (a prompt is held out or transfer, not both)"),
+            (not self.eval.prompts or _eval_seeds_unused(self), "eval.seeds_per_prompt",
+             "gives evaluation seeds that RL steps sample (with this seed and this many steps); change seed"),
         ]
         for ok, name, why in checks:
             if not ok:
                 raise ConfigError(f"{name}={_get(self, name)!r} {why}")
         _validate_layout(self, world_size)
+
+
+def _eval_seeds_unused(cfg: JobConfig) -> bool:
+    """Whether no evaluation seed is one the run's RL steps sample (`evaluation.check_eval_seeds`)."""
+    from megatron_omni.trainer.evaluation import check_eval_seeds
+
+    try:
+        check_eval_seeds(cfg.seed, cfg.eval.seeds_per_prompt,
+                         cfg.steps * cfg.rollout.prompts_per_step * cfg.rollout.group_size)
+    except ValueError:
+        return False
+    return True
 
 
 def _validate_layout(cfg: JobConfig, world_size: int) -> None:

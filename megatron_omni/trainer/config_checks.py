@@ -63,6 +63,15 @@ BOUNDS: list[tuple[str, float | None, bool, float | None, bool]] = [
     ("eval.num_steps", 1, True, None, False),
     ("eval.guidance_scale", 1, True, None, False),
     ("eval.every", 0, True, None, False),
+    ("algorithm.mixgrpo.steps_per_move", 1, True, None, False),
+    ("algorithm.mixgrpo.shift", 1, True, None, False),
+    ("algorithm.mixgrpo.flash_ratio", 0, False, 1, True),
+    ("algorithm.nft.mix_beta", 0, False, None, False),
+    ("algorithm.nft.timestep_fraction", 0, False, 1, True),
+    ("algorithm.nft.weight_min", 0, False, None, False),
+    ("algorithm.nft.decay_flat", 0, True, None, False),
+    ("algorithm.nft.decay_rate", 0, True, None, False),
+    ("algorithm.nft.decay_cap", 0, True, 1, False),
     ("ar_dit.max_plan_tokens", 1, True, None, False),
     ("ar_dit.temperature", 0, False, None, False),
     ("ar_dit.token_clip", 0, False, None, False),
@@ -83,6 +92,8 @@ CHOICES: dict[str, tuple[Any, ...]] = {
     "rollout.lora_sync": ("auto", "adapter", "merge"),
     "algorithm.std_mode": ("global", "group"),
     "algorithm.old_logprob": ("recompute", "bypass"),
+    "algorithm.name": ("flowgrpo", "mixgrpo", "diffusionnft", "grpo_guard"),
+    "algorithm.nft.adv_mode": ("all", "positive_only", "negative_only", "binary"),
     "ar_dit.aggregation": ("token_mean", "seq_mean_token_mean"),
     "ar_dit.freeze": (None, "decoder", "dit"),
 }
@@ -115,6 +126,7 @@ AR_DIT_UNSUPPORTED: list[tuple[str, Any, str]] = [
     ("optim.ema_decay", 0.0, "the hybrid keeps no EMA of its weights"),
     ("model.lora.rank", 0, "the hybrid trains all its weights (LoRA is built for the DiT families)"),
     ("eval", None, "the hybrid has no held-out evaluation (eval.prompts must stay empty)"),
+    ("algorithm.name", "flowgrpo", "the hybrid's window term is FlowGRPO's (its token term GRPO)"),
 ]
 
 # Scorers whose reward is the text the prompt quotes: every prompt must quote one.
@@ -255,7 +267,7 @@ def check_fields(cfg: Any) -> None:
         raise ConfigError("logging.wandb_project='' must name a project")
     if cfg.checkpoint.resume is not None and not cfg.checkpoint.resume.strip():
         raise ConfigError("checkpoint.resume='' must be auto or a checkpoint folder (or none)")
-    for field_name in ("prompts", "eval.prompts"):
+    for field_name in ("prompts", "eval.prompts", "eval.transfer_prompts"):
         for i, prompt in enumerate(get_field(cfg, field_name)):
             if not prompt.strip():
                 raise ConfigError(f"{field_name}[{i}]={prompt!r} is blank")
@@ -288,6 +300,42 @@ def check_lora(cfg: Any) -> None:
                           "keeps a second full copy of the model, which LoRA exists to avoid; set optim.ema_decay=0")
 
 
+def check_algorithm(cfg: Any) -> None:
+    """`algorithm.name` against what it combines with: each algorithm's own section is left at its defaults
+    under another algorithm (never silently ignored); the policy-gradient rules need an SDE window (GRPO-Guard's
+    normalised ratio the `sde` step); DiffusionNFT samples with the ODE and has no log-probs to compare."""
+    from megatron_omni.trainer.config import ConfigError, DiffusionNFTConfig, MixGRPOConfig
+
+    a, r = cfg.algorithm, cfg.rollout
+    for section, default, owner in (("mixgrpo", MixGRPOConfig(), "mixgrpo"), ("nft", DiffusionNFTConfig(),
+                                                                             "diffusionnft")):
+        if a.name != owner and getattr(a, section) != default:
+            raise ConfigError(f"algorithm.{section}={getattr(a, section)!r} applies to algorithm.name={owner} only "
+                              f"(algorithm.name={a.name}); leave it at its defaults")
+    if a.name == "diffusionnft":
+        if a.max_logp_gap is not None:
+            raise ConfigError(f"algorithm.max_logp_gap={a.max_logp_gap!r} with algorithm.name=diffusionnft: its ODE "
+                              "rollout records no log-probs to compare")
+        if cfg.eval.rollout_sampler:
+            raise ConfigError("eval.rollout_sampler=True with algorithm.name=diffusionnft: its rollout samples with "
+                              "the ODE, which the evaluation already measures")
+        from megatron_omni.algorithms.nft import old_policy_decay
+
+        n = a.nft
+        lagging = old_policy_decay(cfg.steps * cfg.optim.mini_batches, n.decay_flat, n.decay_rate, n.decay_cap) > 0
+        if lagging and cfg.model.lora.enabled:
+            raise ConfigError(f"algorithm.nft.decay_cap={n.decay_cap!r} with model.lora.rank={cfg.model.lora.rank}: a "
+                              "lagging old policy keeps a full copy of the model, which LoRA exists to avoid; set "
+                              "algorithm.nft.decay_cap=0 (or decay_flat past the run's updates)")
+        return
+    if not (r.noise_level > 0 and r.window_size > 0):
+        raise ConfigError(f"rollout.noise_level={r.noise_level!r} with algorithm.name={a.name}: its update trains the "
+                          "SDE window's transitions; set rollout.noise_level > 0 and rollout.window_size > 0")
+    if a.name == "grpo_guard" and r.sde_type != "sde":
+        raise ConfigError(f"rollout.sde_type={r.sde_type!r} with algorithm.name=grpo_guard: its ratio normalisation "
+                          "inverts the `sde` step's Gaussian log-prob; use rollout.sde_type=sde")
+
+
 def check_reward(cfg: Any) -> None:
     """reward.scorer against the registry and reward.url's syntax (scheme http|https, a host, a valid port);
     with an OCR scorer every prompt must quote the text to render."""
@@ -303,7 +351,7 @@ def check_reward(cfg: Any) -> None:
     if cfg.reward.url is not None:
         check_url(cfg.reward.url, "reward.url")
     if any(n in OCR_SCORERS for n in names):
-        for field_name in ("prompts", "eval.prompts"):
+        for field_name in ("prompts", "eval.prompts", "eval.transfer_prompts"):
             for i, prompt in enumerate(get_field(cfg, field_name)):
                 try:
                     target_from_prompt(prompt)

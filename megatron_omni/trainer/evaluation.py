@@ -3,8 +3,11 @@ optionally also with the rollout's own stochastic sampler (its steps and SDE win
 shows whether RL improves the sampler it is evaluated with or only the one it trains.
 
 The same prompts and seeds before and after training make the images directly comparable; prompts that
-also appear in the RL prompt list count as `seen`, the others as `unseen`. Each evaluation is kept as an
-`.npz` (uint8 images, rewards, prompts, seeds) so a resumed run can still draw the before/after grid.
+also appear in the RL prompt list count as `seen`, the others as `unseen`, and `transfer` prompts are reported
+apart, outside the held-out figure. The seeds are ones no RL step samples (`check_eval_seeds`), so a seen prompt
+is held out too. Each record also carries the held-out figure's peak so far (`peak_reward_mean`, `peak_step`):
+with the last record's own figure, a run that rises and falls back shows. Each evaluation is kept as an `.npz`
+(uint8 images, rewards, prompts, seeds) so a resumed run can still draw the before/after grid.
 """
 
 from __future__ import annotations
@@ -34,11 +37,16 @@ class EvalResult:
         keep = [i for i, p in enumerate(self.prompts) if prompts is None or p in prompts]
         return float(self.rewards[keep].mean()) if keep else float("nan")
 
-    def summary(self, seen: set[str]) -> dict[str, float]:
-        """{'reward_mean', 'seen_reward_mean', 'unseen_reward_mean'} with `seen` the RL prompts."""
-        unseen = set(self.prompts) - seen
-        return {"reward_mean": self.mean(), "seen_reward_mean": self.mean(seen & set(self.prompts)),
-                "unseen_reward_mean": self.mean(unseen)}
+    def summary(self, seen: set[str], transfer: set[str] | None = None) -> dict[str, float]:
+        """{'reward_mean', 'seen_reward_mean', 'unseen_reward_mean'} over the prompts outside `transfer`, with
+        `seen` the RL prompts; with `transfer` prompts also 'transfer_reward_mean' over them."""
+        transfer = transfer or set()
+        held_out = set(self.prompts) - transfer
+        out = {"reward_mean": self.mean(held_out), "seen_reward_mean": self.mean(seen & held_out),
+               "unseen_reward_mean": self.mean(held_out - seen)}
+        if transfer:
+            out["transfer_reward_mean"] = self.mean(transfer & set(self.prompts))
+        return out
 
     def save(self, path: Path) -> None:
         """Atomic `.npz` of this result (images as uint8)."""
@@ -55,10 +63,33 @@ class EvalResult:
                    rewards=torch.from_numpy(data["rewards"]).float())
 
 
+EVAL_SEED_BASE = 10_000_000
+
+
 def eval_samples(prompts: list[str], seeds_per_prompt: int, seed: int) -> tuple[list[str], list[int]]:
-    """Each prompt `seeds_per_prompt` times with fixed seeds (disjoint from the RL seeds' usual range)."""
-    rows = [(p, 10_000_000 + seed * 1_000 + k) for p in prompts for k in range(seeds_per_prompt)]
+    """Each prompt `seeds_per_prompt` times with fixed seeds (`check_eval_seeds`: none an RL step samples)."""
+    rows = [(p, EVAL_SEED_BASE + seed * 1_000 + k) for p in prompts for k in range(seeds_per_prompt)]
     return [p for p, _ in rows], [s for _, s in rows]
+
+
+def check_eval_seeds(seed: int, seeds_per_prompt: int, rl_samples: int) -> None:
+    """Raise ValueError when an evaluation seed (`eval_samples`) is one an RL step samples: the run's RL seeds
+    are `seed * SEED_STRIDE + i` for its `rl_samples` samples (`skeleton.step_prompts`), so a held-out image
+    would be a training image."""
+    from megatron_omni.trainer.skeleton import SEED_STRIDE
+
+    lo, hi = seed * SEED_STRIDE, seed * SEED_STRIDE + rl_samples
+    first = EVAL_SEED_BASE + seed * 1_000
+    if first < hi and lo < first + seeds_per_prompt:
+        raise ValueError(f"evaluation seeds [{first}, {first + seeds_per_prompt}) overlap the RL seeds [{lo}, {hi}) "
+                         f"of seed={seed}: pick another seed or fewer steps")
+
+
+def with_peak(record: dict[str, float], earlier: list[dict]) -> dict[str, float]:
+    """`record` (an eval.jsonl record with `step` and `reward_mean`) plus the held-out figure's peak over
+    `earlier` records and it: `peak_reward_mean` and the `peak_step` it was reached at (the first, on ties)."""
+    best = max([*earlier, record], key=lambda r: (r["reward_mean"], -r["step"]))
+    return {**record, "peak_reward_mean": best["reward_mean"], "peak_step": best["step"]}
 
 
 def evaluate(engine, reward_fn: RewardFunction, prompts: list[str], seeds: list[int],

@@ -1,9 +1,14 @@
-"""The FlowGRPO trainer: one readable RL step on the Megatron model.
+"""The DiT trainer: one readable RL step on the Megatron model, for every update rule `algorithm.name` selects.
 
 rollout (the engine `rollout.engine` names, built by the rollout registry) -> rewards -> old log-probs
 (recomputed by the Megatron model, or the rollout's in `bypass` mode) -> group advantages -> mini-batch
 updates through Megatron-Core's DDP and optimizer (gradient accumulation over the window steps) -> weight
-sync into the rollout engine, proven by a probe forward -> metrics. The engine sleeps from the end of the
+sync into the rollout engine, proven by a probe forward -> metrics. That is FlowGRPO; the other rules change
+only the step's sampler and its loss (`trainer.objectives`): MixGRPO slides one window per step (Flash: fewer
+ODE steps after it), GRPO-Guard normalises the ratio with the old policy's transition means (recomputed with
+the old log-probs), DiffusionNFT rolls out with the ODE and trains the forward process on the clean samples
+against the old policy's velocities (a forward-only pass before the update; with a lagging old policy, its
+decayed copy's weights, which the rollout samples with too). The engine sleeps from the end of the
 rollout to the end of the update (vLLM-Omni on GPU frees its memory for training). When the model replica is
 one rank (`rollout.transformer` trainer, or auto, with the diffusers engine), the engine samples with the
 trainer's Megatron module itself, so there is no copy to sync.
@@ -33,6 +38,7 @@ import torch.distributed as dist
 from megatron.core import tensor_parallel
 
 from megatron_omni.algorithms.advantages import group_advantages
+from megatron_omni.algorithms.nft import old_policy_decay
 from megatron_omni.bridge import DistributedTransport, WeightSync
 from megatron_omni.bridge.family_sync import family_plans, sync_mode
 from megatron_omni.bridge.lora_sync import LoRAAdapterSync, MergedSources, merged_linears
@@ -52,7 +58,16 @@ from megatron_omni.rollout.registry import EngineSettings, build_engine
 from megatron_omni.trainer.config import JobConfig, ParallelConfig, torch_dtype
 from megatron_omni.trainer.grad_guard import GradGuard
 from megatron_omni.trainer.lora_setup import attach_lora, lora_identity, lora_sync_mode
-from megatron_omni.trainer.pipeline_step import MicroBatch, PipelineStep, plan_micro_batches
+from megatron_omni.trainer.objectives import (
+    FlowGRPOObjective,
+    NftObjective,
+    NftPoints,
+    nft_inputs,
+    nft_reward_weight,
+    step_sampling_params,
+    uses_log_probs,
+)
+from megatron_omni.trainer.pipeline_step import MicroBatch, Objective, PipelineStep, plan_micro_batches
 from megatron_omni.trainer.rewards import RewardFunction, gather_rewards
 from megatron_omni.trainer.skeleton import (
     StepResult,
@@ -119,6 +134,15 @@ class FlowGRPOTrainer:
             names = [n for n, _ in self.model.named_parameters()]
             if names != [n for n, _ in self.ema.named_parameters()]:
                 raise RuntimeError("the EMA copy's parameters do not match the model's")
+        # DiffusionNFT's old (sampling) policy, when its decay schedule lets it lag the model within this run: a
+        # frozen fp32 copy (as the EMA's), checkpointed under `nft_old.`. Without one (or while the schedule is
+        # 0) the old policy is the model as the step starts.
+        a = cfg.algorithm
+        self.nft_old = None
+        if a.name == "diffusionnft" and old_policy_decay(cfg.steps * cfg.optim.mini_batches, a.nft.decay_flat,
+                                                         a.nft.decay_rate, a.nft.decay_cap) > 0:
+            self.nft_old = _frozen_copy(self.family, mcfg, groups, cfg.model.backend, hf_state).float()
+        self.extra_copies = {} if self.nft_old is None else {"nft_old": self.nft_old}
         o = cfg.optim
         # bf16: Megatron-Core's mixed precision (bf16 parameters, fp32 main params and Adam state, grads reduced
         # in fp32), as Megatron-LM's --bf16; the same with the distributed optimizer.
@@ -173,8 +197,11 @@ class FlowGRPOTrainer:
 
     # ------------------------------------------------------------------------------------------ pieces
 
-    def sampling_params(self) -> SamplingParams:
-        return self.cfg.rollout.sampling_params()
+    def sampling_params(self, step: int | None = None) -> SamplingParams:
+        """The rollout's sampler (`rollout.*`), or with `step` the one RL step `step` samples with under
+        `algorithm.name` (`objectives.step_sampling_params`: MixGRPO's window, DiffusionNFT's ODE)."""
+        base = self.cfg.rollout.sampling_params()
+        return base if step is None else step_sampling_params(self.cfg.algorithm, base, step)
 
     def step_prompts(self, step: int) -> tuple[list[str], list[int], list[int]]:
         """This data-parallel rank's prompts, global group ids and per-sample seeds for RL step `step`."""
@@ -225,8 +252,13 @@ class FlowGRPOTrainer:
     def old_log_probs(self, traj: Trajectory, step: int) -> torch.Tensor:
         """[N, W] log-probs of the trajectory under the current model (forward only, the same micro-batches
         as the update), on every rank of the replica."""
+        return self.old_transitions(traj, step).log_probs
+
+    def old_transitions(self, traj: Trajectory, step: int, return_means: bool = False):
+        """The trajectory's transitions under the current model (`PipelineStep.transitions`: log-probs [N, W] on
+        every rank of the replica, means [N, W, S, C] on the last stage when `return_means`)."""
         flat = [mb for mini in self.micro_batches(*traj.log_probs.shape, step) for mb in mini]
-        return self.pipeline.transitions(self.ddp, traj, flat).log_probs
+        return self.pipeline.transitions(self.ddp, traj, flat, return_means=return_means)
 
     def reference_means(self, traj: Trajectory, step: int) -> torch.Tensor | None:
         """[N, W, S, C] transition means under the frozen reference (last pipeline stage; None elsewhere or
@@ -253,15 +285,22 @@ class FlowGRPOTrainer:
     def evaluation_weights(self) -> Iterator[None]:
         """Collective (every rank): inside, the model, and the engine when it samples with its own copy, hold
         the EMA weights; on exit the trained weights again, bit for bit. Without an EMA nothing changes."""
-        if self.ema is None:
+        with self._holding(self.ema, sync_in=not self.shares_model, sync_out=not self.shares_model):
+            yield
+
+    @contextmanager
+    def _holding(self, source: torch.nn.Module | None, sync_in: bool, sync_out: bool) -> Iterator[None]:
+        """Inside, the model holds `source`'s weights (and the engine too when `sync_in`); on exit the trained
+        weights again, bit for bit (synced into the engine when `sync_out`). None: nothing changes."""
+        if source is None:
             yield
             return
         params = list(self.model.parameters())
         trained = [p.detach().clone() for p in params]
         with torch.no_grad():
-            for p, e in zip(params, self.ema.parameters(), strict=True):
+            for p, e in zip(params, source.parameters(), strict=True):
                 p.copy_(e)
-        if not self.shares_model:
+        if sync_in:
             self.sync_weights()
         try:
             yield
@@ -269,8 +308,29 @@ class FlowGRPOTrainer:
             with torch.no_grad():
                 for p, t in zip(params, trained, strict=True):
                     p.copy_(t)
-            if not self.shares_model:
+            if sync_out:
                 self.sync_weights()
+
+    def lagging_old_policy(self) -> torch.nn.Module | None:
+        """DiffusionNFT's old-policy copy when it differs from the model now (the decay of the last blend, at the
+        optimizer updates done, was > 0), else None: the model itself is the old policy."""
+        n = self.cfg.algorithm.nft
+        if self.nft_old is None or old_policy_decay(self.scheduler.num_steps, n.decay_flat, n.decay_rate,
+                                                    n.decay_cap) == 0:
+            return None
+        return self.nft_old
+
+    @torch.no_grad()
+    def update_old_policy(self) -> float:
+        """After a step's updates: old <- decay old + (1 - decay) model (DiffusionNFT's old policy), decay from the
+        schedule at the optimizer updates done. Returns the decay (0 without a lagging copy)."""
+        if self.nft_old is None:
+            return 0.0
+        n = self.cfg.algorithm.nft
+        decay = old_policy_decay(self.scheduler.num_steps, n.decay_flat, n.decay_rate, n.decay_cap)
+        for o, p in zip(self.nft_old.parameters(), self.model.parameters(), strict=True):
+            o.lerp_(p.detach().to(o.dtype), 1.0 - decay)
+        return decay
 
     # ------------------------------------------------------------------------------------------- a step
 
@@ -278,8 +338,12 @@ class FlowGRPOTrainer:
         cfg, t = self.cfg, {}
         prompts, group_ids, seeds = self.step_prompts(step)
         gid = torch.tensor([g for g in group_ids for _ in range(cfg.rollout.group_size)], dtype=torch.long)
+        # DiffusionNFT with a lagging old policy samples with it (the engine gets the old weights; the update's
+        # sync brings the trained ones back).
+        old_policy = self.lagging_old_policy()
         t0 = time.perf_counter()
-        traj, local_rewards, t["reward"] = self.rollout(prompts, seeds)
+        with self._holding(old_policy, sync_in=not self.shares_model, sync_out=False):
+            traj, local_rewards, t["reward"] = self.rollout(prompts, seeds, self.sampling_params(step))
         traj.group_ids = gid
         self.engine.sleep()  # its memory is the update's until the sync
         t["rollout"] = time.perf_counter() - t0 - t["reward"]
@@ -287,18 +351,18 @@ class FlowGRPOTrainer:
         adv = group_advantages(all_rewards, all_gids, std_mode=cfg.algorithm.std_mode, clip=cfg.algorithm.adv_clip)
         advantages = adv.advantages[offset: offset + len(traj)]
 
+        gap: dict[str, float] = {}
+        if uses_log_probs(cfg.algorithm):
+            objective, dlogp_mean, gap["train_rollout_dlogp_max"] = self.policy_gradient_objective(
+                traj, advantages, step, t)
+        else:
+            objective = self.nft_objective(traj, advantages, step, t, old_policy)
+            dlogp_mean = float("nan")  # an ODE rollout records no log-probs
         t0 = time.perf_counter()
-        old = self.old_log_probs(traj, step) if cfg.algorithm.old_logprob == "recompute" else traj.log_probs
-        dlogp_mean, dlogp_max = self.logp_gap(old, traj.log_probs, step)
-        t["old_logprob"] = time.perf_counter() - t0
-        t0 = time.perf_counter()
-        ref_means = self.reference_means(traj, step)
-        if cfg.algorithm.beta > 0:
-            t["reference"] = time.perf_counter() - t0
-
-        t0 = time.perf_counter()
-        train_metrics = self._update(traj, old, advantages, step, ref_means)
+        train_metrics = self.run_updates(objective, step)
         t["train"] = time.perf_counter() - t0
+        if self.nft_old is not None:
+            train_metrics["old_policy_decay"] = self.update_old_policy()
         self.engine.wake_up()
         probe = {}
         if not self.shares_model:
@@ -307,9 +371,63 @@ class FlowGRPOTrainer:
             t["sync"] = time.perf_counter() - t0
 
         metrics = {**step_metrics(all_rewards, adv.zero_std_ratio, dlogp_mean, t, self.groups.layout.world_size),
-                   "train_rollout_dlogp_max": dlogp_max, **train_metrics, **probe}
+                   **gap, **train_metrics, **probe}
         return StepResult(metrics=metrics, trajectory=traj, rewards=local_rewards, images=traj.images,
                           prompts=list(traj.prompts))
+
+    def policy_gradient_objective(self, traj: Trajectory, advantages: torch.Tensor, step: int,
+                                  t: dict[str, float]) -> tuple[FlowGRPOObjective, float, float]:
+        """The clipped surrogate of the step (flowgrpo, mixgrpo, grpo_guard) with the old log-probs (recomputed,
+        or the rollout's in bypass mode; GRPO-Guard also the old transition means), the KL's reference means,
+        and the mean and max trainer/rollout log-prob gap. Adds the phases' seconds to `t`."""
+        a = self.cfg.algorithm
+        guard = a.name == "grpo_guard"
+        t0 = time.perf_counter()
+        old, old_means = traj.log_probs, None
+        if a.old_logprob == "recompute" or guard:
+            rec = self.old_transitions(traj, step, return_means=guard)
+            old = rec.log_probs if a.old_logprob == "recompute" else traj.log_probs
+            old_means = rec.means
+        dlogp_mean, dlogp_max = self.logp_gap(old, traj.log_probs, step)
+        t["old_logprob"] = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        ref_means = self.reference_means(traj, step)
+        if a.beta > 0:
+            t["reference"] = time.perf_counter() - t0
+        objective = FlowGRPOObjective(traj, old, advantages, a.clip_range, a.beta, ref_means,
+                                      old_means if guard else None)
+        return objective, dlogp_mean, dlogp_max
+
+    def nft_objective(self, traj: Trajectory, advantages: torch.Tensor, step: int, t: dict[str, float],
+                      old_policy: torch.nn.Module | None) -> NftObjective:
+        """DiffusionNFT's objective of the step: each sample's noised points (`NftPoints`), their velocities under
+        the old policy (the model as it starts the step, or the lagging copy's weights) and, with
+        `algorithm.beta > 0`, under the reference. Adds the phases' seconds to `t` (`old_logprob`: the old
+        policy's pass)."""
+        a = self.cfg.algorithm
+        count = max(1, int(self.cfg.rollout.num_steps * a.nft.timestep_fraction))
+        draws = NftPoints.draw(traj, count)
+        flat = [mb for mini in self.micro_batches(len(traj), count, step) for mb in mini]
+        shape = (len(traj), count, *traj.final_latents.shape[1:])
+
+        def make(mb: MicroBatch):
+            return nft_inputs(traj, draws, mb)
+
+        t0 = time.perf_counter()
+        with self._holding(old_policy, sync_in=False, sync_out=False):
+            old_v = self.pipeline.velocities(self.ddp, flat, make, shape, traj.final_latents.device)
+        t["old_logprob"] = time.perf_counter() - t0
+        ref_v = None
+        if a.beta > 0:
+            t0 = time.perf_counter()
+            if self.reference is None:
+                with adapters_disabled(self.model):
+                    ref_v = self.pipeline.velocities(self.ddp, flat, make, shape, traj.final_latents.device)
+            else:
+                ref_v = self.pipeline.velocities(self.reference, flat, make, shape, traj.final_latents.device)
+            t["reference"] = time.perf_counter() - t0
+        return NftObjective(traj, draws, nft_reward_weight(a, advantages), old_v, a.nft.mix_beta, a.adv_clip,
+                            a.nft.weight_min, kl_beta=a.beta, ref_velocity=ref_v)
 
     def logp_gap(self, old: torch.Tensor, rollout: torch.Tensor, step: int) -> tuple[float, float]:
         """Mean and max |old - rollout| over the step's samples of every data-parallel rank (old, rollout
@@ -327,9 +445,11 @@ class FlowGRPOTrainer:
             raise LogpGapError(step, mean, peak, bound)
         return mean, peak
 
-    def rollout(self, prompts: list[str], seeds: list[int]) -> tuple[Trajectory, torch.Tensor, float]:
+    def rollout(self, prompts: list[str], seeds: list[int],
+                params: SamplingParams | None = None) -> tuple[Trajectory, torch.Tensor, float]:
         """This data-parallel rank's samples (`group_size` per prompt, row-major) with their rewards [N] and
-        the seconds spent waiting for rewards after the last image.
+        the seconds spent waiting for rewards after the last image, sampled with `params` (default: the
+        rollout's `sampling_params()`).
 
         The ranks of one model replica (tp x cp x pp) split the samples into contiguous shares, each rolls
         out and scores its share (images stream to the scorer as they finish), then the shares are gathered
@@ -341,7 +461,7 @@ class FlowGRPOTrainer:
         size, rank = self.groups.replica.size(), self.groups.replica.rank()
         mine = rows[rank * len(rows) // size: (rank + 1) * len(rows) // size]
         part, rewards, wait = None, torch.empty(0), 0.0
-        params = self.sampling_params()
+        params = params or self.sampling_params()
         if size > 1 and params.text_length is None:
             params = replace(params, text_length=self.common_text_length(prompts, params))
         if mine:
@@ -369,18 +489,21 @@ class FlowGRPOTrainer:
 
     def _update(self, traj: Trajectory, old: torch.Tensor, advantages: torch.Tensor, step: int,
                 ref_means: torch.Tensor | None = None) -> dict[str, float]:
-        """The mini-batch updates of RL step `step`: old [N, W] log-probs, advantages [N], ref_means from
+        """FlowGRPO's mini-batch updates of RL step `step`: old [N, W] log-probs, advantages [N], ref_means from
         `reference_means` when beta > 0. Returns metrics averaged over micro-batches (every rank)."""
-        cfg = self.cfg
-        n, w = traj.log_probs.shape
-        minis = self.micro_batches(n, w, step)
+        a = self.cfg.algorithm
+        return self.run_updates(FlowGRPOObjective(traj, old, advantages, a.clip_range, a.beta, ref_means), step)
+
+    def run_updates(self, objective: Objective, step: int) -> dict[str, float]:
+        """The mini-batch updates of RL step `step` with `objective` (its trajectory's N samples x its `points`
+        each, split into mini-batches of samples and micro-batches of points). Returns the metrics averaged over
+        micro-batches (every rank)."""
+        minis = self.micro_batches(len(objective.traj), objective.points, step)
         per_micro: list[dict[str, float]] = []
         tally = UpdateTally()
         for micro_batches in minis:
             res, metrics = update(self.ddp, self.optimizer, self.scheduler, self.guard, self.groups.mcore,
-                                  lambda mbs=micro_batches: self.pipeline.forward_backward(
-                                      self.ddp, traj, mbs, old, advantages, cfg.algorithm.clip_range,
-                                      cfg.algorithm.beta, ref_means))
+                                  lambda mbs=micro_batches: self.pipeline.forward_backward(self.ddp, mbs, objective))
             per_micro += metrics
             tally.add(res)
             if res.stepped and res.ok:

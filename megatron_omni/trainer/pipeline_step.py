@@ -1,15 +1,16 @@
 """The trainer's passes over micro-batches through Megatron-Core's schedules, at any pipeline size.
 
-A micro-batch is a chunk of transitions (sample, window step); each row of a forward carries its own
-latents and timestep, so one forward may hold several window steps (`optim.micro_batch_size` counts
-transitions, as the planner does). Every stage pulls the same `MicroBatch` and builds
-the same velocity batch from the trajectory (`algorithms.transition.transition_inputs`: conditional rows, then
-the negative rows of the CFG samples, text padded to one length); the first stage feeds its tensors to the
-model, later stages the hidden states the schedule received. The last stage gathers its image tokens over
-context parallelism and runs the transition math the rollout and the pp=1 recompute share
-(`transition_output`: true CFG, SDE step, log-prob), then the loss. pp=1 runs Megatron-Core's
-no-pipelining schedule, pp>1 its 1F1B schedule (`get_forward_backward_func`), so both go through the same
-code.
+A micro-batch is a chunk of training points (sample, j): for the policy-gradient rules a transition (sample,
+window step), for DiffusionNFT a noised point (sample, noise level); each row of a forward carries its own
+latents and timestep, so one forward may hold several of a sample's points (`optim.micro_batch_size` counts
+them, as the planner does). Every stage pulls the same `MicroBatch` and builds the same velocity batch from it
+(an objective's `inputs`, e.g. `algorithms.transition.transition_inputs`: conditional rows, then the negative
+rows of the CFG samples, text padded to one length); the first stage feeds its tensors to the model, later
+stages the hidden states the schedule received. The last stage gathers its image tokens over context
+parallelism and hands the raw velocities to the objective's `loss` (FlowGRPO's runs the transition math the
+rollout and the pp=1 recompute share: true CFG, SDE step, log-prob; `trainer.objectives`). pp=1 runs
+Megatron-Core's no-pipelining schedule, pp>1 its 1F1B schedule (`get_forward_backward_func`), so both go
+through the same code.
 
 Loss scaling is Megatron's: the schedule multiplies each micro-batch's loss by the CP size (DDP averages
 over dp x cp while CP grads are partial sums) and divides it by the number of micro-batches. With equal
@@ -22,6 +23,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -29,8 +31,8 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
 from torch import nn
 
-from megatron_omni.algorithms.loss import flowgrpo_loss, kl_penalty
 from megatron_omni.algorithms.transition import TransitionInputs, transition_inputs, transition_output
+from megatron_omni.algorithms.velocity import GuidedBatch
 from megatron_omni.models.dit.config import MMDiTConfig
 from megatron_omni.models.dit.diffusers_interface import gather_image_shards
 from megatron_omni.models.dit.model import DiTBatch, pipeline_seq_length
@@ -40,17 +42,34 @@ from megatron_omni.rollout.base import Trajectory
 
 @dataclass(frozen=True)
 class MicroBatch:
-    """Transitions: sample `rows[i]` at window step `js[i]`; rows, js [b] long indices into the trajectory."""
+    """Training points: sample `rows[i]` at point `js[i]` (its window step, or DiffusionNFT's noise level);
+    rows, js [b] long indices into the trajectory."""
 
     rows: torch.Tensor
     js: torch.Tensor
 
 
+class Objective(Protocol):
+    """What one RL step's update computes per micro-batch (`trainer.objectives`): the forward's batch of a
+    micro-batch (`inputs(mb).batch`, a `GuidedBatch`, the same on every stage) and, on the last stage, the loss
+    from the raw velocities of its rows ([B + K, S, C]) with the micro-batch's metrics (floats). `traj` holds the
+    step's N samples, each trained at `points` points."""
+
+    traj: Trajectory
+
+    @property
+    def points(self) -> int: ...
+
+    def inputs(self, mb: MicroBatch) -> Any: ...
+
+    def loss(self, mb: MicroBatch, inputs: Any, v_all: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]: ...
+
+
 def plan_micro_batches(rows: torch.Tensor, window: int, micro_batch_size: int | None) -> list[MicroBatch]:
-    """The micro-batches of one mini-batch of samples `rows` [B]: its B x `window` transitions, window step
-    by window step, split in chunks of `micro_batch_size` transitions (None: B, one window step of every
-    sample per forward, as flow_grpo does; B x window puts the whole mini-batch in one forward). Chunks must
-    be equal: one schedule call passes one tensor shape."""
+    """The micro-batches of one mini-batch of samples `rows` [B]: its B x `window` points (window steps, or
+    DiffusionNFT's noise levels), point by point, split in chunks of `micro_batch_size` (None: B, one point of
+    every sample per forward, as flow_grpo does; B x window puts the whole mini-batch in one forward). Chunks
+    must be equal: one schedule call passes one tensor shape."""
     n = len(rows) * window
     mbs = len(rows) if micro_batch_size is None else micro_batch_size
     if mbs < 1 or n % mbs:
@@ -92,10 +111,10 @@ class PipelineStep:
         """The last stage's output [b, s_img / cp, c] -> the raw velocities of all image tokens [b, s_img, c]."""
         return gather_image_shards(output, self.groups.cp)
 
-    def _run(self, model: nn.Module, traj: Trajectory, micro_batches: Sequence[MicroBatch],
+    def _run(self, model: nn.Module, micro_batches: Sequence[MicroBatch], make_inputs: Callable[[MicroBatch], Any],
              loss_fn: Callable, forward_only: bool) -> list:
         # Built once: the schedule needs their common shape before the first forward.
-        prepared = [(mb, transition_inputs(traj, mb.rows, mb.js)) for mb in micro_batches]
+        prepared = [(mb, make_inputs(mb)) for mb in micro_batches]
         shapes = {(i.batch.latents.shape[0], i.batch.text.shape[1], i.batch.latents.shape[1]) for _, i in prepared}
         if len(shapes) != 1:
             raise ValueError(f"micro-batches of one schedule call must share one shape (rows, text, image "
@@ -144,7 +163,8 @@ class PipelineStep:
                 means[mb.rows, mb.js] = step.coeffs.mean
             return None
 
-        self._run(model, traj, micro_batches, loss_fn, forward_only=True)
+        self._run(model, micro_batches, lambda mb: transition_inputs(traj, mb.rows, mb.js), loss_fn,
+                  forward_only=True)
         if self.is_last_stage and bool(log_probs.isnan().any()):
             raise ValueError(f"the micro-batches left {int(log_probs.isnan().sum())} of {n * w} transitions "
                              "without a log-prob")
@@ -152,36 +172,32 @@ class PipelineStep:
             dist.broadcast(log_probs, src=self.last_stage_rank, group=self.groups.pp)
         return Transitions(log_probs=log_probs, means=means)
 
-    def forward_backward(
-        self,
-        model: nn.Module,
-        traj: Trajectory,
-        micro_batches: Sequence[MicroBatch],
-        old_log_probs: torch.Tensor,
-        advantages: torch.Tensor,
-        clip_range: float | tuple[float, float],
-        beta: float = 0.0,
-        ref_means: torch.Tensor | None = None,
-    ) -> list[dict[str, float]]:
-        """Forward and backward of the FlowGRPO loss over the micro-batches (grads accumulate in the DDP
-        buffers; no optimizer step). old_log_probs [N, W], advantages [N]; with beta > 0, ref_means
-        [N, W, S, C] (the frozen reference's transition means; read on the last stage only).
+    @torch.no_grad()
+    def velocities(self, model: nn.Module, micro_batches: Sequence[MicroBatch],
+                   make_inputs: Callable[[MicroBatch], Any], shape: tuple[int, ...],
+                   device: torch.device | None = None) -> torch.Tensor | None:
+        """The guided velocity (true CFG combined) of every point the micro-batches cover under `model`, forward
+        only: [N, J, S, C] fp32 (`shape`) on the last stage, None elsewhere; every point must be covered.
+        `make_inputs(mb).batch` is the forward's `GuidedBatch`. Collective over the model replica."""
+        out = torch.full(shape, float("nan"), dtype=torch.float32, device=device) if self.is_last_stage else None
 
-        Returns each micro-batch's metrics (loss, policy metrics, kl when beta > 0) on every stage.
-        """
-        if beta > 0 and self.is_last_stage and ref_means is None:
-            raise ValueError("beta > 0 needs the reference model's transition means")
+        def loss_fn(mb: MicroBatch, inputs: Any, output: torch.Tensor, non_loss_data: bool = True):
+            batch: GuidedBatch = inputs.batch
+            out[mb.rows, mb.js] = batch.combine(self._velocity(output))
+            return None
 
-        def loss_fn(mb: MicroBatch, inputs: TransitionInputs, output: torch.Tensor):
-            step = transition_output(traj, inputs, self._velocity(output))
-            kl = kl_penalty(step.coeffs.mean, ref_means[mb.rows, mb.js], step.coeffs.std) if beta > 0 else None
-            out = flowgrpo_loss(step.log_prob, old_log_probs[mb.rows, mb.js], advantages[mb.rows], clip_range,
-                                beta=beta, kl=kl)
-            metrics = {k: float(v) for k, v in out.metrics.items()}
-            metrics["loss"] = float(out.loss.detach())
-            if kl is not None:
-                metrics["kl"] = float(kl.detach().mean())
-            return out.loss, metrics
+        self._run(model, micro_batches, make_inputs, loss_fn, forward_only=True)
+        if out is not None and bool(out.isnan().any()):
+            raise ValueError("the micro-batches left points without a velocity")
+        return out
 
-        store = self._run(model, traj, micro_batches, loss_fn, forward_only=False)
+    def forward_backward(self, model: nn.Module, micro_batches: Sequence[MicroBatch],
+                         objective: Objective) -> list[dict[str, float]]:
+        """Forward and backward of `objective`'s loss over the micro-batches (grads accumulate in the DDP
+        buffers; no optimizer step). Returns each micro-batch's metrics on every stage."""
+
+        def loss_fn(mb: MicroBatch, inputs: Any, output: torch.Tensor):
+            return objective.loss(mb, inputs, self._velocity(output))
+
+        store = self._run(model, micro_batches, objective.inputs, loss_fn, forward_only=False)
         return self.from_last_stage(list(store) if self.is_last_stage else None)

@@ -1,9 +1,9 @@
 """The training run of every model family: set-up, the step loop with a progress bar, checkpoints, metrics and
 pictures. The trainer is picked by the family's kind (`model_providers.get_family(model.family).kind`):
 "dit" -> `FlowGRPOTrainer`, "ar_dit" -> `ARDiTTrainer`; both return a `skeleton.StepResult` per step and carry
-what a checkpoint needs (`model`, `optimizer`, `scheduler`, `ema`, `sharded_state`, `content_metadata`,
-`guard`, `checkpoint_identity`: what a resume must match), so this loop, its checkpoints and its resume are the
-same for both."""
+what a checkpoint needs (`model`, `optimizer`, `scheduler`, `ema`, `extra_copies` (other frozen copies by name),
+`sharded_state`, `content_metadata`, `guard`, `checkpoint_identity`: what a resume must match), so this loop, its
+checkpoints and its resume are the same for both."""
 
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ from megatron_omni.trainer.checkpointing import (
     save_checkpoint,
 )
 from megatron_omni.trainer.config import ConfigError, JobConfig, to_dict
-from megatron_omni.trainer.evaluation import EvalResult, eval_samples, evaluate, save_before_after_grid
+from megatron_omni.trainer.evaluation import EvalResult, eval_samples, evaluate, save_before_after_grid, with_peak
 from megatron_omni.trainer.flowgrpo import FlowGRPOTrainer
 from megatron_omni.trainer.metrics import MetricsWriter, read_history, save_image_grid, save_reward_curve
 from megatron_omni.trainer.preemption import StopRequests, TrainingStopped
@@ -76,17 +76,19 @@ def record_evaluation(cfg: JobConfig, trainer: FlowGRPOTrainer, run_dir: Path, d
     params = dataclasses.replace(base, num_steps=e.num_steps, guidance_scale=guidance, window_range=None,
                                  negative_prompt=base.negative_prompt if base.negative_prompt is not None
                                  else (" " if guidance > 1 else None))
-    prompts, seeds = eval_samples(e.prompts, e.seeds_per_prompt, cfg.seed)
+    prompts, seeds = eval_samples(e.prompts + e.transfer_prompts, e.seeds_per_prompt, cfg.seed)
     result = evaluate(trainer.engine, trainer.reward_fn, prompts, seeds, params)
     folder = run_dir / "eval"
     folder.mkdir(exist_ok=True)
     result.save(folder / f"step_{done:04d}.npz")
     caps = [f"{p[:24]}\nr={r:.3g}" for p, r in zip(result.prompts, result.rewards.tolist())]
     save_image_grid(result.images, caps, folder / f"step_{done:04d}.png")
-    summary = {"step": done, **result.summary(set(cfg.prompts))}
+    seen, transfer = set(cfg.prompts), set(e.transfer_prompts)
+    summary = {"step": done, **result.summary(seen, transfer)}
     if e.rollout_sampler:
         sde = evaluate(trainer.engine, trainer.reward_fn, prompts, seeds, base, ode=False)
-        summary.update({f"rollout_sampler_{k}": v for k, v in sde.summary(set(cfg.prompts)).items()})
+        summary.update({f"rollout_sampler_{k}": v for k, v in sde.summary(seen, transfer).items()})
+    summary = with_peak(summary, read_history(run_dir / "eval.jsonl"))
     with open(run_dir / "eval.jsonl", "a") as f:
         f.write(json.dumps(summary) + "\n")
     first = folder / "step_0000.npz"
@@ -157,7 +159,7 @@ def _run(cfg: JobConfig, overwrite: bool, stops: StopRequests) -> dict:
     if folder is not None:
         common = load_checkpoint(folder, trainer.model, trainer.optimizer, trainer.scheduler,
                                  sharded_state=trainer.sharded_state, ema=trainer.ema,
-                                 identity=trainer.checkpoint_identity)
+                                 identity=trainer.checkpoint_identity, copies=trainer.extra_copies)
         start = common["step"]
         trainer.guard.bad_steps = int(common.get("bad_steps", 0))
         trainer.sync_weights()
@@ -179,8 +181,11 @@ def _run(cfg: JobConfig, overwrite: bool, stops: StopRequests) -> dict:
                                to_dict(cfg))
     if cfg.eval.prompts and start == 0:
         run_evaluation(cfg, trainer, run_dir, 0)
-    bar = tqdm(range(start, cfg.steps), initial=start, total=cfg.steps, desc=type(trainer).__name__.removesuffix(
-        "Trainer"), unit="step", disable=rank != 0, dynamic_ncols=True)
+    # the bar names the update rule (algorithm.name) of the DiT trainer, the trainer otherwise
+    name = (cfg.algorithm.name if isinstance(trainer, FlowGRPOTrainer)
+            else type(trainer).__name__.removesuffix("Trainer"))
+    bar = tqdm(range(start, cfg.steps), initial=start, total=cfg.steps, desc=name, unit="step", disable=rank != 0,
+               dynamic_ncols=True)
     if reward_fn is not None:
         reward_fn.progress = bar  # its postfix shows "waiting for rewards: N outstanding" while the server scores
     for step in bar:
@@ -201,7 +206,8 @@ def _run(cfg: JobConfig, overwrite: bool, stops: StopRequests) -> dict:
                       "metrics_history": read_history(run_dir / "metrics.jsonl") if rank == 0 else []}
             saved = save_checkpoint(run_dir, done, trainer.model, trainer.optimizer, trainer.scheduler, common,
                                     cfg.checkpoint.keep, content_metadata=trainer.content_metadata(done),
-                                    sharded_state=trainer.sharded_state, ema=trainer.ema, run_id=run_id)
+                                    sharded_state=trainer.sharded_state, ema=trainer.ema, run_id=run_id,
+                                    copies=trainer.extra_copies)
         if stop and done < cfg.steps:  # a signal during the last step: the run is complete anyway
             bar.close()
             if writer is not None:

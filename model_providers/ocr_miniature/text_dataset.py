@@ -29,6 +29,15 @@ VOCABULARY: tuple[str, ...] = (
 # RL trains on these; evaluation also holds out the rest (seen in pretraining, never in RL prompts).
 RL_WORDS: tuple[str, ...] = VOCABULARY[:24]
 HELD_OUT_WORDS: tuple[str, ...] = VOCABULARY[24:]
+# Words neither pretraining nor RL ever shows, written only with glyphs the RL words contain (`glyphs`): the
+# held-out evaluation's unseen words, which RL can move through what it teaches about those glyphs. The
+# HELD_OUT_WORDS (OK, HI and numbers: digits no RL word has) are reported apart, as transfer.
+UNSEEN_WORDS: tuple[str, ...] = ("BAT", "SEA", "CUP", "FAN", "HEN", "JET", "LOG", "PIG")
+
+
+def glyphs(words: tuple[str, ...] | list[str]) -> set[str]:
+    """The characters the words are written with."""
+    return {c for w in words for c in w}
 
 FONT_SIZES = (13, 14, 15, 16, 17)  # DejaVu Sans Bold cap height is ~0.73 em: 9.5-12.4 px
 MARGIN = 3

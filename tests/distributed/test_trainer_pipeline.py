@@ -7,7 +7,8 @@ step), pp=2 x tp=2, and with a mini-batch's window steps fused into one forward,
 the loss and the metrics must equal the pp=1 run (dp ranks fed the same trajectory, so their averaged
 gradient is the single replica's), and EVERY rank's engine must end with the pp=1 run's updated weights:
 the sync gathers both stages into every engine. With and without true CFG (negative rows, text padded to
-the longer of prompt and negative prompt), and with the KL term.
+the longer of prompt and negative prompt), and with the KL term. DiffusionNFT's update (ODE rollout, noised
+points, the old policy's velocities in a forward-only pass) goes through the same schedules and matches too.
 """
 
 from __future__ import annotations
@@ -166,3 +167,55 @@ def test_rollout_split_over_the_replica_equals_one_rank_rollout(pipeline_dir: st
         assert torch.equal(split.prompt_embeds_mask[:, : mask.shape[1]], mask) and not split.prompt_embeds_mask[
             :, mask.shape[1]:].any()
         torch.testing.assert_close(out["rewards"], out["whole_rewards"], rtol=0, atol=1e-6)
+
+
+def _nft_step(rank: int, world_size: int, pipeline_dir: str, pp: int, cfg_scale: float, beta: float,
+              micro_batch_size: int | None) -> dict:
+    """One DiffusionNFT update through the trainer's own path: the step's ODE rollout, its noised points and the
+    old policy's (and with beta > 0 the reference's) velocities through the pipeline, the mini-batch updates, the
+    sync into the engine."""
+    from megatron_omni.parallel import ParallelLayout, build_parallel_groups
+    from megatron_omni.trainer.flowgrpo import FlowGRPOTrainer
+    from megatron_omni.trainer.rewards import RewardFunction
+
+    cfg = _config(pp, 1, cfg_scale, micro_batch_size, beta)
+    cfg.algorithm.name = "diffusionnft"
+    cfg.algorithm.nft.mix_beta, cfg.algorithm.nft.timestep_fraction = 0.5, 0.75  # 3 of the 4 noise levels
+    cfg.validate(world_size)
+    trainer = FlowGRPOTrainer(cfg, build_parallel_groups(ParallelLayout(pp=pp)), pipeline_dir,
+                              RewardFunction("jpeg_compressibility"))
+    n = len(PROMPTS) * GROUP
+    traj = trainer.engine.generate(PROMPTS, trainer.sampling_params(step=0), group_size=GROUP,
+                                   seeds=[100 + i for i in range(n)])
+    times: dict = {}
+    objective = trainer.nft_objective(traj, torch.linspace(-1.5, 1.5, n), 0, times, None)
+    old_v = trainer.pipeline.from_last_stage(objective.old_velocity)
+    metrics = trainer.run_updates(objective, step=0)
+    before = {k: v.clone() for k, v in trainer.engine.transformer.state_dict().items()}
+    trainer.sync_weights()
+    after = trainer.engine.transformer.state_dict()
+    return {"final": traj.final_latents, "window": traj.log_probs.shape[1], "old_v": old_v, "metrics": metrics,
+            "weights": {k: v.clone() for k, v in after.items()},
+            "moved": max(float((after[k] - before[k]).abs().max()) for k in after)}
+
+
+@pytest.mark.parametrize("cfg_scale,beta,micro_batch_size", [pytest.param(2.5, 0.5, 1, id="nft-pp2-cfg-kl")])
+def test_diffusionnft_update_at_pp2_equals_pp1(pipeline_dir: str, cfg_scale: float, beta: float,
+                                                micro_batch_size: int) -> None:
+    """DiffusionNFT trains through the same Megatron-Core schedules: at pp=2 (1F1B over micro-batches of one
+    noised point) the old policy's velocities, the loss, its metrics and every engine's weights after the
+    update equal the pp=1 run's (2 ranks of data parallel fed the same samples); its rollout is the ODE."""
+    ref = run_ranks(_nft_step, 2, pipeline_dir, 1, cfg_scale, beta, None, timeout_s=400)
+    got = run_ranks(_nft_step, 2, pipeline_dir, 2, cfg_scale, beta, micro_batch_size, timeout_s=400)
+    base = ref[0]
+    assert base["window"] == 0, "an ODE rollout records no SDE transitions"
+    assert base["moved"] > 1e-4 and base["metrics"]["kl_loss"] > 0
+    for r, out in enumerate(got):
+        assert torch.equal(out["final"], base["final"]), "both runs must train on the same samples"
+        torch.testing.assert_close(out["old_v"], base["old_v"], rtol=0, atol=1e-5, msg=f"rank {r} old velocities")
+        for k in ("loss", "policy_loss", "positive_loss", "negative_loss", "old_deviate", "kl_loss", "grad_norm"):
+            assert abs(out["metrics"][k] - base["metrics"][k]) <= 1e-5 * max(1.0, abs(base["metrics"][k])), (
+                r, k, out["metrics"][k], base["metrics"][k])
+        for name, w in base["weights"].items():
+            torch.testing.assert_close(out["weights"][name], w, rtol=0, atol=1e-5,
+                                       msg=f"rank {r}: engine weight {name} after the pp=2 update")

@@ -49,41 +49,56 @@ def test_shipped_pipeline_records_how_it_was_built() -> None:
     assert size < 40 * 2**20, f"the shipped folder is {size / 2**20:.1f} MiB"
 
 
-# Measured on the 2-core CPU machine (benchmarks/ocr_miniature.py, the recipe as shipped, 8 eval seeds per
-# prompt): held-out OCR similarity 0.247 before and 0.357 after 24 steps (seen words 0.354 -> 0.490, unseen
-# 0.139 -> 0.225). The run is seeded end to end (rollout noise, OCR reader), so the margin is fixed well
-# below the measured rise rather than at the edge of the noise.
-MARGIN = 0.06
+# The recipe the test runs: the comparison's best algorithm (docs/recipes.md, "The algorithms on the OCR
+# miniature": FlowGRPO), shortened to STEPS steps and a held-out evaluation of 2 seeds per word so that three
+# seeds cost about what one 24-step run with 8 seeds per word cost before. The held-out figure is the fair
+# protocol's: (a) the RL words under seeds no RL step samples and (b) words never trained on, written with RL
+# glyphs only.
+RECIPE = "examples.tiny.recipe:ocr_miniature"
+STEPS = 10
+# Measured on the 2-core CPU machine with this configuration: held-out OCR similarity seed 0: 0.229 -> 0.284
+# (+0.055), seed 1: 0.362 -> 0.443 (+0.081), seed 2: 0.284 -> 0.372 (+0.088); the same figures as step 10 of
+# 20-step runs. Each run is seeded end to end (rollout, noise levels, OCR reader, 2 threads), so the figures
+# repeat and the margin sits below the smallest measured rise.
+MARGIN = 0.04
+
+
+@pytest.fixture(scope="module")
+def reward_server():
+    with RewardServerProcess("ocr", workers=1, max_queue=256, timeout_s=120) as srv:
+        yield srv
 
 
 @pytest.mark.slow
-def test_rl_from_the_shipped_pipeline_raises_held_out_ocr(tmp_path: Path) -> None:
-    """The recipe as a user runs it: FlowGRPO from the shipped pipeline, OCR reward from the reward server in
-    its own process, held-out evaluation (RL words and words RL never sees) with the ODE before and after."""
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_rl_from_the_shipped_pipeline_raises_held_out_ocr(tmp_path: Path, reward_server, seed: int) -> None:
+    """The recipe as a user runs it: the best algorithm from the shipped pipeline, OCR reward from the reward
+    server in its own process, held-out evaluation (RL words at new seeds, unseen words of RL glyphs) with the
+    ODE before and after; RL raises the held-out figure by MARGIN for each of three seeds."""
     run_dir = tmp_path / "run"
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "2", "PYTHONPATH": str(ROOT)}
-    with RewardServerProcess("ocr", workers=1, max_queue=256, timeout_s=120) as srv:
-        proc = subprocess.run(
-            [sys.executable, "-m", "megatron_omni.train", "--recipe", "examples.tiny.recipe:ocr_miniature",
-             "--set", f"run_dir={run_dir}", "--set", f"reward.url={srv.url}", "--set", "logging.tensorboard=false"],
-            cwd=ROOT, env=env, capture_output=True, text=True, timeout=1500)
+    overrides = [f"run_dir={run_dir}", f"reward.url={reward_server.url}", "logging.tensorboard=false",
+                 f"seed={seed}", f"steps={STEPS}", "eval.seeds_per_prompt=2", "eval.transfer_prompts=[]",
+                 "checkpoint.every=0"]
+    argv = [sys.executable, "-m", "megatron_omni.train", "--recipe", RECIPE]
+    proc = subprocess.run(argv + [a for o in overrides for a in ("--set", o)], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=1500)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     config = json.loads((run_dir / "config.json").read_text())
     steps = config["steps"]
     evals = [json.loads(line) for line in (run_dir / "eval.jsonl").read_text().splitlines()]
     assert [e["step"] for e in evals] == [0, steps]
-    keys = [p + k for p in ("", "rollout_sampler_")  # the ODE's and (eval.rollout_sampler) the SDE sampler's
-            for k in ("reward_mean", "seen_reward_mean", "unseen_reward_mean")]
     for e in evals:
-        assert all(math.isfinite(e[k]) and 0.0 <= e[k] <= 1.0 for k in keys), e
+        assert all(math.isfinite(e[k]) and 0.0 <= e[k] <= 1.0 for k in
+                   ("reward_mean", "seen_reward_mean", "unseen_reward_mean", "peak_reward_mean")), e
     before, after = evals[0]["reward_mean"], evals[-1]["reward_mean"]
-    print(f"held-out OCR similarity {before:.3f} -> {after:.3f} after {steps} RL steps "
-          f"(seen {evals[0]['seen_reward_mean']:.3f} -> {evals[-1]['seen_reward_mean']:.3f}, "
-          f"unseen {evals[0]['unseen_reward_mean']:.3f} -> {evals[-1]['unseen_reward_mean']:.3f}); with the "
-          f"rollout's sampler {evals[0]['rollout_sampler_reward_mean']:.3f} -> "
-          f"{evals[-1]['rollout_sampler_reward_mean']:.3f}")
-    assert after >= before + MARGIN, (before, after)
+    print(f"seed {seed}: held-out OCR similarity {before:.3f} -> {after:.3f} after {steps} RL steps "
+          f"((a) RL words {evals[0]['seen_reward_mean']:.3f} -> {evals[-1]['seen_reward_mean']:.3f}, (b) unseen "
+          f"{evals[0]['unseen_reward_mean']:.3f} -> {evals[-1]['unseen_reward_mean']:.3f})")
+    assert after >= before + MARGIN, (seed, before, after)
+    assert evals[-1]["peak_reward_mean"] == max(before, after)
     assert (run_dir / "eval_before_after.png").stat().st_size > 0
     assert sorted(p.name for p in (run_dir / "eval").glob("*.npz")) == ["step_0000.npz", f"step_{steps:04d}.npz"]
-    assert config["reward"]["url"] == srv.url and config["model"]["pipeline"].endswith("text_pipeline")
+    assert config["reward"]["url"] == reward_server.url and config["model"]["pipeline"].endswith("text_pipeline")
+    assert config["algorithm"]["name"] == "flowgrpo"
     assert "held-out eval (ODE)" in proc.stdout
