@@ -77,6 +77,16 @@ def _kill_after_checkpoint(run: Path, step: int, *args: str) -> None:
     assert marker.exists(), f"the run never reached its step-{step} checkpoint"
 
 
+def _resumes_bit_identically(ref: Path, run: Path, kill_at: int, last: int, *args: str) -> None:
+    """A run SIGKILLed after its step-`kill_at` checkpoint and resumed with `--resume auto` ends with the model and
+    optimizer state of the uninterrupted run `ref` at step `last`, bit for bit."""
+    _kill_after_checkpoint(run, kill_at, *args)
+    resumed = _train(run, *args, "--resume", "auto")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "resumed from" in resumed.stdout + resumed.stderr
+    _assert_same_state(_final_state(ref, last), _final_state(run, last))
+
+
 @pytest.mark.slow
 def test_reward_rises_tp1(tmp_path: Path) -> None:
     run = tmp_path / "tp1"
@@ -119,11 +129,7 @@ def test_sigkill_and_resume_is_bit_identical(tmp_path: Path) -> None:
     assert _train(ref, *steps).returncode == 0
 
     run = tmp_path / "killed"
-    _kill_after_checkpoint(run, 2, *steps)
-    resumed = _train(run, *steps, "--resume", "auto")
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert "resumed from" in resumed.stdout + resumed.stderr
-    _assert_same_state(_final_state(ref, 4), _final_state(run, 4))
+    _resumes_bit_identically(ref, run, 2, 4, *steps)
     assert _rewards(ref)[-1] == _rewards(run)[-1]
     model = _final_state(ref, 4)["model"]
     ema = [k for k in model if k.startswith("ema.")]
@@ -170,11 +176,7 @@ def test_fp8_rollout_reward_rises_and_resumes_bit_identically(tmp_path: Path) ->
         assert m["is_truncated_frac"] == 0.0 and m["is_weight_max"] <= 2.0
 
     run = tmp_path / "killed"
-    _kill_after_checkpoint(run, 4, *steps)
-    resumed = _train(run, *steps, "--resume", "auto")
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert "resumed from" in resumed.stdout + resumed.stderr
-    _assert_same_state(_final_state(ref, 8), _final_state(run, 8))
+    _resumes_bit_identically(ref, run, 4, 8, *steps)
     assert _rewards(ref) == _rewards(run)
 
 
