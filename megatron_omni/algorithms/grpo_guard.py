@@ -27,6 +27,7 @@ from megatron_omni.algorithms.loss import (
     clipped_terms,
     policy_loss_with_kl,
     policy_metrics,
+    weighted,
 )
 
 
@@ -41,6 +42,7 @@ def grpo_guard_loss(
     clip_range: float | tuple[float, float],
     beta: float = 0.0,
     kl: torch.Tensor | None = None,
+    is_weights: torch.Tensor | None = None,
 ) -> PolicyLoss:
     """GRPO-Guard's clipped surrogate over B transitions (one row per sample x window step).
 
@@ -54,6 +56,7 @@ def grpo_guard_loss(
         dt: [B] the step `s_next - s` (< 0); its magnitude reweights the row's loss.
         clip_range: eps, or (eps_low, eps_high), applied to the normalised ratio.
         beta: KL weight; when > 0, `kl` ([B], `loss.kl_penalty`) is required.
+        is_weights: optional [B] truncated importance weights multiplying each row's term (no grad); None: 1.
 
     Returns:
         PolicyLoss (float32) whose `ratio` [B] is the normalised ratio; metrics as `flowgrpo_loss`'s (on the
@@ -80,7 +83,7 @@ def grpo_guard_loss(
     old = old_log_probs.float().detach()
     ratio = torch.exp((lp - old + bias) * s)
     terms = clipped_terms(ratio, advantages.float().detach(), low, high)
-    policy_loss = (terms / dt.float().detach().abs()).mean()
+    policy_loss = (weighted(terms, is_weights) / dt.float().detach().abs()).mean()
     metrics = policy_metrics(lp, old, ratio, (low, high))
     metrics["ratio_mean_bias"] = bias.detach().mean()
     return policy_loss_with_kl(policy_loss, beta, kl, ratio, metrics)

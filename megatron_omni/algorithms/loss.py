@@ -5,6 +5,10 @@ Over the trained (window) steps: `ratio = exp(logp_new - logp_old)`,
 `KL = mean over elements of (mean_theta - mean_ref)^2 / (2 std^2)` (flow_grpo's form; std is the step's
 noise coefficient, `SdeCoefficients.std`). Metrics: `approx_kl = 0.5 mean(dlogp^2)`,
 `clipfrac = P(|ratio - 1| > eps)` and ratio statistics.
+
+With a behaviour policy other than the old one (a quantized or asynchronous rollout), each term is multiplied
+by its truncated importance weight `w = min(pi_old / mu, cap)` (`algorithms.importance`, no gradient):
+`L = mean(w max(...)) + beta KL`, the TIS form of the surrogate.
 """
 
 from __future__ import annotations
@@ -76,6 +80,7 @@ def flowgrpo_loss(
     clip_range: float | tuple[float, float],
     beta: float = 0.0,
     kl: torch.Tensor | None = None,
+    is_weights: torch.Tensor | None = None,
 ) -> PolicyLoss:
     """The clipped surrogate over samples x trained steps.
 
@@ -85,6 +90,8 @@ def flowgrpo_loss(
         advantages: [B] (broadcast over steps) or the same shape as log_probs.
         clip_range: eps, or (eps_low, eps_high).
         beta: KL weight; when > 0, `kl` ([B] or [B, S] from `kl_penalty`) is required.
+        is_weights: optional, the log-probs' shape: truncated importance weights multiplying each clipped term
+            (`importance.truncated_importance_weights`; detached here); None: every weight 1.
 
     Returns:
         PolicyLoss with scalar losses and detached metrics.
@@ -99,7 +106,7 @@ def flowgrpo_loss(
             raise ValueError(f"advantages {tuple(adv.shape)} do not match log_probs {tuple(lp.shape)}")
         adv = adv.view(-1, *([1] * (lp.ndim - 1))).expand_as(lp)
     ratio = torch.exp(lp - old_log_probs.float().detach())
-    policy_loss = clipped_terms(ratio, adv, low, high).mean()
+    policy_loss = weighted(clipped_terms(ratio, adv, low, high), is_weights).mean()
     return policy_loss_with_kl(policy_loss, beta, kl, ratio, policy_metrics(lp, old_log_probs, ratio, (low, high)))
 
 
@@ -107,6 +114,16 @@ def clipped_terms(ratio: torch.Tensor, advantages: torch.Tensor, low: float, hig
     """The clipped surrogate's terms `max(-A ratio, -A clip(ratio, 1 - low, 1 + high))`, elementwise (ratio and
     advantages of one shape, float32)."""
     return torch.maximum(-advantages * ratio, -advantages * torch.clamp(ratio, 1.0 - low, 1.0 + high))
+
+
+def weighted(terms: torch.Tensor, is_weights: torch.Tensor | None) -> torch.Tensor:
+    """`terms` (float32, any shape) times the importance weights of the same shape (detached, float32); `terms`
+    itself when there are none. Raises ValueError on a shape mismatch."""
+    if is_weights is None:
+        return terms
+    if is_weights.shape != terms.shape:
+        raise ValueError(f"is_weights {tuple(is_weights.shape)} vs the loss terms {tuple(terms.shape)}")
+    return terms * is_weights.detach().float()
 
 
 def policy_loss_with_kl(policy_loss: torch.Tensor, beta: float, kl: torch.Tensor | None, ratio: torch.Tensor,

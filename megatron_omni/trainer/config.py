@@ -137,6 +137,11 @@ class RolloutConfig:
     # bridge, as full weights), "auto" (adapter where that path has run: diffusers, and vLLM-Omni in the
     # trainer's process on CPU; merge for vLLM-Omni's multi-process GPU engine, whose adapter RPC is unrun).
     lora_sync: str = "auto"
+    # What the engine's copy of the transformer samples in, beside `dtype`: "none" | "fp8" (ModelOpt FP8 weights
+    # per output channel and activations per token on the family's `quantized_linears`, re-quantized at every
+    # sync; docs/quantization.md). The trainer keeps its precision, so the rollout samples a slightly other
+    # policy: `algorithm.is_cap` corrects it. fp8 needs the engine's own copy (rollout.transformer engine or auto).
+    quantization: str = "none"
 
     def sampling_params(self) -> SamplingParams:
         """The rollout's sampler, its fields taken by name (raises ValueError naming the problem: a window that
@@ -203,8 +208,21 @@ class AlgorithmConfig:
     # Largest mean |logp_trainer - logp_rollout| a step may show before the run stops with an error naming the
     # step (a stale or wrongly synced engine shows up here first); None: logged only.
     max_logp_gap: float | None = None
+    # Truncated importance weights for a rollout that samples another policy than the trainer's old one (a
+    # quantized rollout): each transition's term of the clipped surrogate is weighted by
+    # min(exp(logp_old - logp_rollout), is_cap) (`algorithms/importance.py`); None or 0: off. Needs the
+    # recomputed old log-probs (algorithm.old_logprob=recompute) and a rule with log-probs (not diffusionnft).
+    is_cap: float | None = None
+    # The weight's unit: "token" (one per transition), "sample" (the product of a sample's window transitions'
+    # ratios), "geometric" (their geometric mean).
+    is_level: str = "token"
     mixgrpo: MixGRPOConfig = field(default_factory=MixGRPOConfig)
     nft: DiffusionNFTConfig = field(default_factory=DiffusionNFTConfig)
+
+    @property
+    def importance_weighted(self) -> bool:
+        """Whether the loss applies truncated importance weights (`is_cap` set and not 0)."""
+        return bool(self.is_cap)
 
 
 @dataclass
@@ -298,7 +316,13 @@ class JobConfig:
 
     def validate(self, world_size: int) -> None:
         """Check values and the layout against the world size; raises ConfigError naming the field."""
-        from megatron_omni.trainer.config_checks import check_algorithm, check_family, check_fields, check_reward
+        from megatron_omni.trainer.config_checks import (
+            check_algorithm,
+            check_family,
+            check_fields,
+            check_quantization,
+            check_reward,
+        )
 
         # Types, value sets, signs and bounds of every field (one line naming the field), the model family and
         # what it supports, then the reward's scorer and URL, then what depends on several fields at once.
@@ -307,6 +331,7 @@ class JobConfig:
             return _validate_layout(self, world_size)
         check_reward(self)
         check_algorithm(self)
+        check_quantization(self)
         try:
             rollout_params = self.rollout.sampling_params()
         except ValueError as exc:

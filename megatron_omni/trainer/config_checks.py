@@ -16,6 +16,9 @@ import urllib.parse
 from pathlib import Path
 from typing import Any
 
+from megatron_omni.algorithms.importance import IS_LEVELS
+from megatron_omni.rollout.quantization import QUANTIZATION_MODES
+
 # (dotted field, lower bound, lower inclusive, upper bound, upper inclusive); None: unbounded on that side.
 # Optional fields (None allowed) are checked only when set.
 BOUNDS: list[tuple[str, float | None, bool, float | None, bool]] = [
@@ -45,6 +48,7 @@ BOUNDS: list[tuple[str, float | None, bool, float | None, bool]] = [
     ("algorithm.adv_clip", 0, False, None, False),
     ("algorithm.beta", 0, True, None, False),
     ("algorithm.max_logp_gap", 0, False, None, False),
+    ("algorithm.is_cap", 0, True, None, False),  # 0: off; (0, 1) refused by check_quantization
     ("optim.lr", 0, False, None, False),
     ("optim.weight_decay", 0, True, None, False),
     ("optim.adam_beta1", 0, True, 1, False),
@@ -90,6 +94,8 @@ CHOICES: dict[str, tuple[Any, ...]] = {
     "rollout.engine": ("diffusers", "vllm_omni"),
     "rollout.dtype": ("fp32", "bf16"),
     "rollout.lora_sync": ("auto", "adapter", "merge"),
+    "rollout.quantization": QUANTIZATION_MODES,
+    "algorithm.is_level": IS_LEVELS,
     "algorithm.std_mode": ("global", "group"),
     "algorithm.old_logprob": ("recompute", "bypass"),
     "algorithm.name": ("flowgrpo", "mixgrpo", "diffusionnft", "grpo_guard"),
@@ -120,6 +126,9 @@ AR_DIT_UNSUPPORTED: list[tuple[str, Any, str]] = [
     ("rollout.max_batch_size", 16, "the hybrid's rollout samples a step in one batch"),
     ("algorithm.beta", 0.0, "the hybrid has no KL term"),
     ("algorithm.max_logp_gap", None, "the hybrid logs its train/rollout gaps only"),
+    ("rollout.quantization", "none", "the hybrid's rollout samples in fp32 (no quantized rollout)"),
+    ("algorithm.is_cap", None, "the hybrid's loss has no importance weights"),
+    ("algorithm.is_level", "token", "the hybrid's loss has no importance weights"),
     ("optim.warmup_steps", 0, "the hybrid's learning rate is constant"),
     ("optim.micro_batch_size", None, "the hybrid runs each mini-batch in one forward"),
     ("optim.distributed_optimizer", False, "the hybrid's optimizer is not sharded"),
@@ -334,6 +343,47 @@ def check_algorithm(cfg: Any) -> None:
     if a.name == "grpo_guard" and r.sde_type != "sde":
         raise ConfigError(f"rollout.sde_type={r.sde_type!r} with algorithm.name=grpo_guard: its ratio normalisation "
                           "inverts the `sde` step's Gaussian log-prob; use rollout.sde_type=sde")
+
+
+def check_quantization(cfg: Any) -> None:
+    """rollout.quantization and the importance-weight correction against what they combine with: a quantized
+    rollout needs the engine's own copy of the transformer, a model family naming its quantized linears, merged
+    LoRA weights (ModelOpt's FP8 linears take no peft adapters) and, for the evaluation's unquantized
+    comparison, an engine that can sample unquantized (the embedded one); `algorithm.is_cap` needs the trainer's
+    recomputed old log-probs of an SDE rollout, and `algorithm.is_level` a cap."""
+    from megatron_omni.trainer.config import ConfigError
+    from model_providers import get_family
+
+    a, r = cfg.algorithm, cfg.rollout
+    if r.quantization != "none":
+        q = f"rollout.quantization={r.quantization!r}"
+        if r.transformer == "trainer":
+            raise ConfigError(f"{q} with rollout.transformer='trainer': the rollout would sample with the trainer's "
+                              "own module, which is not quantized; use rollout.transformer=engine or auto")
+        if not get_family(cfg.model.family).quantized_linears:
+            raise ConfigError(f"{q} with model.family={cfg.model.family}: the family names no quantized linears "
+                              "(ModelFamily.quantized_linears); use rollout.quantization=none")
+        if cfg.model.lora.enabled and r.lora_sync == "adapter":
+            raise ConfigError(f"{q} with rollout.lora_sync='adapter': the engine's FP8 linears are ModelOpt's (or "
+                              "vLLM's), which take no LoRA adapters; use rollout.lora_sync=merge (or auto)")
+        if r.engine == "vllm_omni" and cfg.eval.prompts:
+            raise ConfigError(f"{q} with rollout.engine=vllm_omni and eval.prompts: each evaluation also samples the "
+                              "prompts unquantized, which vLLM-Omni's FP8 engine (FP8 weights only) cannot; use "
+                              "rollout.engine=diffusers or no eval.prompts")
+    if a.is_cap is None or a.is_cap == 0:
+        if a.is_level != "token":
+            raise ConfigError(f"algorithm.is_level={a.is_level!r} needs algorithm.is_cap (the importance weights "
+                              "are off)")
+        return
+    if a.is_cap < 1:
+        raise ConfigError(f"algorithm.is_cap={a.is_cap!r} must be >= 1 (a cap below 1 down-weights every on-policy "
+                          "transition), or 0 / none (off)")
+    if a.name == "diffusionnft":
+        raise ConfigError(f"algorithm.is_cap={a.is_cap!r} with algorithm.name=diffusionnft: its ODE rollout records "
+                          "no log-probs to weigh")
+    if a.old_logprob == "bypass":
+        raise ConfigError(f"algorithm.is_cap={a.is_cap!r} with algorithm.old_logprob='bypass': the old log-probs "
+                          "are then the rollout's own and every weight would be 1; use algorithm.old_logprob=recompute")
 
 
 def check_reward(cfg: Any) -> None:

@@ -38,6 +38,7 @@ import torch.distributed as dist
 from megatron.core import tensor_parallel
 
 from megatron_omni.algorithms.advantages import group_advantages
+from megatron_omni.algorithms.importance import ImportanceWeights, truncated_importance_weights
 from megatron_omni.algorithms.nft import old_policy_decay
 from megatron_omni.bridge import DistributedTransport, WeightSync
 from megatron_omni.bridge.family_sync import family_plans, sync_mode
@@ -53,7 +54,14 @@ from megatron_omni.parallel import platform
 from megatron_omni.parallel.groups import ParallelGroups
 from megatron_omni.parallel.platform import seed_everything
 from megatron_omni.rollout.base import SamplingParams, Trajectory, WeightSink
-from megatron_omni.rollout.probe import check_probe, probe_tolerance, probe_trajectory
+from megatron_omni.rollout.probe import (
+    QuantizedProbe,
+    check_probe,
+    check_quantized_probe,
+    probe_tolerance,
+    probe_trajectory,
+)
+from megatron_omni.rollout.quantization import QuantizationSpec, probe_relative_tolerance
 from megatron_omni.rollout.registry import EngineSettings, build_engine
 from megatron_omni.trainer.config import JobConfig, ParallelConfig, torch_dtype
 from megatron_omni.trainer.grad_guard import GradGuard
@@ -94,8 +102,12 @@ class FlowGRPOTrainer:
         self.reward_fn = reward_fn
         seed_everything(cfg.seed, tp_rank=groups.tp.rank())
         r = cfg.rollout
+        self.family = get_family(cfg.model.family)
+        # rollout.quantization: the engine's own copy samples quantized on the family's linears; the trainer not.
+        self.quantization = QuantizationSpec(r.quantization, tuple(self.family.quantized_linears))
         self.engine = build_engine(r.engine, pipeline_dir, EngineSettings(tp=r.tp, dtype=torch_dtype(r.dtype),
-                                                                          max_batch_size=r.max_batch_size))
+                                                                          max_batch_size=r.max_batch_size,
+                                                                          quantization=self.quantization))
         self.hf_config = self.engine.transformer_config()
         p = cfg.parallel
         # batched p2p on gloo gave wrong results (docs/design.md section 5)
@@ -105,7 +117,6 @@ class FlowGRPOTrainer:
         elif cfg.model.recompute == "selective":
             overrides.update(recompute_granularity="selective")
         params_dtype = torch_dtype(cfg.model.params_dtype)
-        self.family = get_family(cfg.model.family)
         if self.family.kind != "dit":
             raise ValueError(f"FlowGRPOTrainer trains DiT families; model.family={self.family.name} is "
                              f"{self.family.kind!r} (trainer.run picks the trainer by kind)")
@@ -162,7 +173,7 @@ class FlowGRPOTrainer:
         # the adapters alone (gathered, loaded through the engine's peft loader), or merged weights through
         # the same bridge (`rollout.lora_sync`).
         self.lora_sync = None
-        lora_mode = lora_sync_mode(r.lora_sync, r.engine) if self.lora.enabled else None
+        lora_mode = lora_sync_mode(r.lora_sync, r.engine, self.quantization.enabled) if self.lora.enabled else None
         if lora_mode == "adapter":
             self.lora_sync = LoRAAdapterSync(self.model, self.engine, self.family, self.hf_config, self.lora_linears,
                                              self.lora.rank, self.lora.alpha, groups.tp, groups.mcore.pp,
@@ -192,6 +203,7 @@ class FlowGRPOTrainer:
         self.probe = probe_trajectory(self.hf_config, platform.device())
         self.probe_tolerance = probe_tolerance(mcfg.params_dtype, self.engine.dtype)
         self.syncs = 0
+        self.last_quantized_probe: QuantizedProbe | None = None
         if self.shares_model:
             self.engine.velocity_model = DiffusersForward(self.model)
 
@@ -227,11 +239,46 @@ class FlowGRPOTrainer:
     def check_engine(self, what: str) -> float:
         """The transition means of the fixed probe batch under the engine's transformer against the trainer
         model's; raises `ProbeMismatch` naming the max difference and the tolerance (set by the two dtypes)
-        when they differ by more. Returns the max difference. Collective (the replica and the engine's ranks)."""
+        when they differ by more. Returns the max difference. Collective (the replica and the engine's ranks).
+
+        A quantized engine (`rollout.quantization`) is held to `check_quantized_probe`: its unquantized view
+        within the dtypes' tolerance of the trainer (returned), its quantized means within the quantizer's bound
+        (kept in `last_quantized_probe`); an engine with FP8 weights only, its means within both bounds of the
+        trainer's (returned)."""
         rows = plan_micro_batches(torch.arange(len(self.probe)), self.probe.window_size, None)
         ours = self.pipeline.from_last_stage(self.pipeline.transitions(self.ddp, self.probe, rows,
                                                                        return_means=True).means)
-        return check_probe(self.engine.probe(self.probe), ours, self.probe_tolerance, what)
+        if not self.quantization.enabled:
+            return check_probe(self.engine.probe(self.probe), ours, self.probe_tolerance, what)
+        got = check_quantized_probe(self.engine.probe(self.probe), ours, self.probe, self.probe_tolerance,
+                                    probe_relative_tolerance(self.quantization), what,
+                                    self.engine.probe_unquantized(self.probe))
+        self.last_quantized_probe = got
+        return got.quantization_diff if got.weights_diff is None else got.weights_diff
+
+    def probe_metrics(self, diff: float) -> dict[str, float]:
+        """The step's probe keys after the sync whose max difference is `diff` (`check_engine`): with a quantized
+        engine also the quantizer's move of the probe and its bound."""
+        out = {"sync_probe_max_diff": diff}
+        if self.last_quantized_probe is not None:
+            out.update(sync_probe_quant_diff=self.last_quantized_probe.quantization_diff,
+                       sync_probe_quant_bound=self.last_quantized_probe.bound)
+        return out
+
+    @contextmanager
+    def unquantized_rollout(self) -> Iterator[None]:
+        """Inside, the rollout engine samples with its quantizers off (the same synced weights, unrounded): the
+        evaluation's unquantized comparison. Nothing changes for an unquantized engine. Raises RuntimeError for a
+        quantized engine without that view (vLLM-Omni's FP8 engine holds FP8 weights only)."""
+        if not self.quantization.enabled:
+            yield
+            return
+        quantizer = getattr(self.engine, "quantizer", None)
+        if quantizer is None:
+            raise RuntimeError(f"the {type(self.engine).__name__} holds quantized weights only: it cannot sample "
+                               "unquantized (rollout.engine=diffusers can)")
+        with quantizer.disabled():
+            yield
 
     def close(self) -> None:
         """Release the rollout engine (its workers or its parallel state)."""
@@ -353,8 +400,7 @@ class FlowGRPOTrainer:
 
         gap: dict[str, float] = {}
         if uses_log_probs(cfg.algorithm):
-            objective, dlogp_mean, gap["train_rollout_dlogp_max"] = self.policy_gradient_objective(
-                traj, advantages, step, t)
+            objective, dlogp_mean, gap = self.policy_gradient_objective(traj, advantages, step, t)
         else:
             objective = self.nft_objective(traj, advantages, step, t, old_policy)
             dlogp_mean = float("nan")  # an ODE rollout records no log-probs
@@ -367,7 +413,7 @@ class FlowGRPOTrainer:
         probe = {}
         if not self.shares_model:
             t0 = time.perf_counter()
-            probe["sync_probe_max_diff"] = self.sync_weights()
+            probe = self.probe_metrics(self.sync_weights())
             t["sync"] = time.perf_counter() - t0
 
         metrics = {**step_metrics(all_rewards, adv.zero_std_ratio, dlogp_mean, t, self.groups.layout.world_size),
@@ -376,10 +422,12 @@ class FlowGRPOTrainer:
                           prompts=list(traj.prompts))
 
     def policy_gradient_objective(self, traj: Trajectory, advantages: torch.Tensor, step: int,
-                                  t: dict[str, float]) -> tuple[FlowGRPOObjective, float, float]:
+                                  t: dict[str, float]) -> tuple[FlowGRPOObjective, float, dict[str, float]]:
         """The clipped surrogate of the step (flowgrpo, mixgrpo, grpo_guard) with the old log-probs (recomputed,
-        or the rollout's in bypass mode; GRPO-Guard also the old transition means), the KL's reference means,
-        and the mean and max trainer/rollout log-prob gap. Adds the phases' seconds to `t`."""
+        or the rollout's in bypass mode; GRPO-Guard also the old transition means), the KL's reference means
+        and, with `algorithm.is_cap`, the truncated importance weights of the rollout's transitions; the mean
+        trainer/rollout log-prob gap, and the step's gap metrics (`train_rollout_dlogp_max`, with the weights
+        `importance_metrics`). Adds the phases' seconds to `t`."""
         a = self.cfg.algorithm
         guard = a.name == "grpo_guard"
         t0 = time.perf_counter()
@@ -389,14 +437,38 @@ class FlowGRPOTrainer:
             old = rec.log_probs if a.old_logprob == "recompute" else traj.log_probs
             old_means = rec.means
         dlogp_mean, dlogp_max = self.logp_gap(old, traj.log_probs, step)
+        gap = {"train_rollout_dlogp_max": dlogp_max}
+        weights = None
+        if a.importance_weighted:
+            iw = truncated_importance_weights(old, traj.log_probs, a.is_cap, a.is_level)
+            weights = iw.weights
+            gap.update(self.importance_metrics(iw))
         t["old_logprob"] = time.perf_counter() - t0
         t0 = time.perf_counter()
         ref_means = self.reference_means(traj, step)
         if a.beta > 0:
             t["reference"] = time.perf_counter() - t0
         objective = FlowGRPOObjective(traj, old, advantages, a.clip_range, a.beta, ref_means,
-                                      old_means if guard else None)
-        return objective, dlogp_mean, dlogp_max
+                                      old_means if guard else None, is_weights=weights)
+        return objective, dlogp_mean, gap
+
+    def importance_metrics(self, iw: ImportanceWeights) -> dict[str, float]:
+        """The truncated importance weights' metrics over the step's samples of every data-parallel rank
+        (`iw` of this rank's [N, W] log-probs): `is_weight_mean`, `is_weight_max`, `is_truncated_frac` (of the
+        weighted units: transitions, or samples) and `train_rollout_dlogp_after_is` (the gap the weights leave
+        uncorrected, per transition). Collective over data parallel."""
+        m = iw.metrics
+        entries = float(iw.weights.numel())
+        units = entries if self.cfg.algorithm.is_level == "token" else float(iw.weights.shape[0])
+        sums = torch.stack([m["is_weight_mean"].double() * entries, m["is_truncated_frac"].double() * units,
+                            m["dlogp_abs_mean_after"].double() * units,
+                            torch.tensor(entries, dtype=torch.float64), torch.tensor(units, dtype=torch.float64)])
+        peak = m["is_weight_max"].double().clone()
+        if self.groups.dp.size() > 1:
+            dist.all_reduce(sums, group=self.groups.dp)
+            dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=self.groups.dp)
+        return {"is_weight_mean": float(sums[0] / sums[3]), "is_weight_max": float(peak),
+                "is_truncated_frac": float(sums[1] / sums[4]), "train_rollout_dlogp_after_is": float(sums[2] / sums[4])}
 
     def nft_objective(self, traj: Trajectory, advantages: torch.Tensor, step: int, t: dict[str, float],
                       old_policy: torch.nn.Module | None) -> NftObjective:
@@ -543,7 +615,7 @@ def _sync_mode(sink: WeightSink, p: ParallelConfig) -> str:
 
 def _rollout_uses_trainer_model(cfg: JobConfig, model_dtype: torch.dtype, engine_dtype: torch.dtype) -> bool:
     """Whether the engine samples with the trainer's module (`rollout.transformer`; auto: the diffusers engine
-    at a one-rank replica whose parameters are in the engine's dtype; vLLM-Omni always samples with its own
+    at a one-rank replica whose parameters are in the engine's dtype, unquantized; vLLM-Omni always samples with its own
     transformer). Raises when `trainer` is asked for with the dtypes apart."""
     p = cfg.parallel
     one_rank = p.tp * p.ulysses * p.ring * p.pp == 1 and cfg.rollout.engine == "diffusers"
@@ -551,7 +623,8 @@ def _rollout_uses_trainer_model(cfg: JobConfig, model_dtype: torch.dtype, engine
         raise ValueError(f"rollout.transformer=trainer: the model's parameters are {model_dtype}, the engine "
                          f"samples in {engine_dtype}")
     return cfg.rollout.transformer == "trainer" or (cfg.rollout.transformer == "auto" and one_rank
-                                                     and model_dtype == engine_dtype)
+                                                     and model_dtype == engine_dtype
+                                                     and cfg.rollout.quantization == "none")
 
 
 def _count_stage_replicas_once(model: MMDiTModel, groups: ParallelGroups) -> None:

@@ -65,7 +65,8 @@ def uses_log_probs(algorithm: AlgorithmConfig) -> bool:
 class FlowGRPOObjective:
     """The clipped surrogate over the window's transitions (flowgrpo, mixgrpo; grpo_guard when `old_means` is
     given). traj with W window steps; old_log_probs [N, W]; advantages [N]; ref_means, old_means [N, W, S, C]
-    (read on the last stage; ref_means only when beta > 0)."""
+    (read on the last stage; ref_means only when beta > 0); is_weights [N, W] fp32, the truncated importance
+    weights of the rollout's transitions (`algorithm.is_cap`; None: off)."""
 
     traj: Trajectory
     old_log_probs: torch.Tensor
@@ -74,6 +75,7 @@ class FlowGRPOObjective:
     beta: float = 0.0
     ref_means: torch.Tensor | None = None
     old_means: torch.Tensor | None = None
+    is_weights: torch.Tensor | None = None
 
     @property
     def points(self) -> int:
@@ -90,12 +92,13 @@ class FlowGRPOObjective:
         kl = kl_penalty(step.coeffs.mean, self.ref_means[mb.rows, mb.js], step.coeffs.std) if self.beta > 0 else None
         old = self.old_log_probs[mb.rows, mb.js]
         adv = self.advantages[mb.rows]
+        w = None if self.is_weights is None else self.is_weights[mb.rows, mb.js]
         if self.old_means is None:
-            out = flowgrpo_loss(step.log_prob, old, adv, self.clip_range, beta=self.beta, kl=kl)
+            out = flowgrpo_loss(step.log_prob, old, adv, self.clip_range, beta=self.beta, kl=kl, is_weights=w)
         else:
             out = grpo_guard_loss(step.log_prob, old, adv, step.coeffs.mean, self.old_means[mb.rows, mb.js],
                                   step.coeffs.scale, inputs.sigma_next - inputs.sigma, self.clip_range,
-                                  beta=self.beta, kl=kl)
+                                  beta=self.beta, kl=kl, is_weights=w)
         metrics = {k: float(v) for k, v in out.metrics.items()}
         metrics["loss"] = float(out.loss.detach())
         if kl is not None:

@@ -61,7 +61,7 @@ def run_evaluation(cfg: JobConfig, trainer: FlowGRPOTrainer, run_dir: Path, done
         elif trainer.engine.collective:
             # rank 0's engine peers join each of its generate calls (ODE, then the rollout sampler) with no
             # samples of their own; the other engines' ranks all do, so those calls run nothing
-            for _ in range(1 + int(cfg.eval.rollout_sampler)):
+            for _ in range(1 + int(cfg.eval.rollout_sampler) + int(trainer.quantization.enabled)):
                 trainer.engine.generate([], trainer.sampling_params())
         dist.barrier()
 
@@ -69,7 +69,9 @@ def run_evaluation(cfg: JobConfig, trainer: FlowGRPOTrainer, run_dir: Path, done
 def record_evaluation(cfg: JobConfig, trainer: FlowGRPOTrainer, run_dir: Path, done: int) -> None:
     """Sample the held-out prompts (`cfg.eval`) with the ODE (and with the rollout's sampler when
     `eval.rollout_sampler`), save `eval/step_XXXX.npz` and a grid of the ODE's images, append to `eval.jsonl`;
-    after the last step also draw `eval_before_after.png`."""
+    after the last step also draw `eval_before_after.png`. With a quantized rollout (`rollout.quantization`)
+    the same prompts and seeds are also sampled by the ODE with the engine's quantizers off: `unquantized_*`
+    keys and `quantized_reward_delta` (the quantized held-out figure minus the unquantized one)."""
     e = cfg.eval
     base = trainer.sampling_params()
     guidance = base.guidance_scale if e.guidance_scale is None else e.guidance_scale
@@ -88,6 +90,11 @@ def record_evaluation(cfg: JobConfig, trainer: FlowGRPOTrainer, run_dir: Path, d
     if e.rollout_sampler:
         sde = evaluate(trainer.engine, trainer.reward_fn, prompts, seeds, base, ode=False)
         summary.update({f"rollout_sampler_{k}": v for k, v in sde.summary(seen, transfer).items()})
+    if trainer.quantization.enabled:
+        with trainer.unquantized_rollout():
+            plain = evaluate(trainer.engine, trainer.reward_fn, prompts, seeds, params)
+        summary.update({f"unquantized_{k}": v for k, v in plain.summary(seen, transfer).items()})
+        summary["quantized_reward_delta"] = summary["reward_mean"] - summary["unquantized_reward_mean"]
     summary = with_peak(summary, read_history(run_dir / "eval.jsonl"))
     with open(run_dir / "eval.jsonl", "a") as f:
         f.write(json.dumps(summary) + "\n")

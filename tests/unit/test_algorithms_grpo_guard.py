@@ -99,3 +99,23 @@ def test_kl_term_and_bad_inputs() -> None:
         grpo_guard_loss(lp, lp, f[4], f[0], f[1], f[2], -f[3], 0.1)
     with pytest.raises(ValueError, match=r"\[B\]"):
         grpo_guard_loss(lp[:, None], lp[:, None], f[4], f[0], f[1], f[2], f[3], 0.1)
+
+
+def test_importance_weights_multiply_each_rows_term() -> None:
+    """With truncated importance weights [B] each row's clipped term (over its |dt|) is weighted; loss and
+    gradient against the float64 reference."""
+    old_mean, mean64, x_next, eps, scale, dt, adv = _batch(1, drift=0.05)
+    w = torch.linspace(0.5, 1.5, mean64.shape[0], dtype=torch.float64)
+    ref_param = mean64.clone().requires_grad_(True)
+    ratio = torch.exp(((ref_param - old_mean) * eps).mean(dim=(1, 2)))
+    terms = torch.maximum(-adv * ratio, -adv * ratio.clamp(1 - 0.005, 1 + 0.005))
+    ref_loss = (w * terms / dt.abs()).mean()
+    ref_loss.backward()
+    param = mean64.float().clone().requires_grad_(True)
+    lp = _gaussian_log_prob(x_next.float(), param, scale.float())
+    old_lp = _gaussian_log_prob(x_next.float(), old_mean.float(), scale.float())
+    out = grpo_guard_loss(lp, old_lp, adv.float(), param, old_mean.float(), scale.float(), dt.float(), 0.005,
+                          is_weights=w.float())
+    out.loss.backward()
+    torch.testing.assert_close(out.loss.double(), ref_loss, rtol=2e-5, atol=1e-6)
+    torch.testing.assert_close(param.grad.double(), ref_param.grad, rtol=2e-4, atol=1e-6)

@@ -76,3 +76,36 @@ def test_bad_shapes_raise() -> None:
         flowgrpo_loss(torch.zeros(3, 2), torch.zeros(3, 2), torch.zeros(2), 0.1)
     with pytest.raises(ValueError, match="clip_range"):
         flowgrpo_loss(torch.zeros(3, 2), torch.zeros(3, 2), torch.zeros(3), 0.0)
+
+
+@pytest.mark.parametrize("level", ["token", "sample", "geometric"])
+def test_truncated_importance_weights_reach_the_loss_as_the_float64_reference(level: str) -> None:
+    """A rollout that sampled another policy (logp_rollout != logp_old): the surrogate's terms are weighted by
+    min(exp(logp_old - logp_rollout), cap) (per transition, or one per sample), the gradient too."""
+    from megatron_omni.algorithms.importance import truncated_importance_weights
+
+    g = torch.Generator().manual_seed(3)
+    old = -torch.rand(8, 2, generator=g) - 1.0
+    rollout = old + 0.4 * torch.randn(8, 2, generator=g)  # large enough that the cap truncates some units
+    lp = (old + 0.05 * torch.randn(8, 2, generator=g)).requires_grad_(True)
+    adv = torch.randn(8, generator=g)
+    cap = 1.2
+    iw = truncated_importance_weights(old, rollout, cap, level)
+    out = flowgrpo_loss(lp, old, adv, 0.2, is_weights=iw.weights)
+    out.loss.backward()
+
+    d = (old - rollout).double()
+    unit = {"token": d, "sample": d.sum(1, keepdim=True), "geometric": d.mean(1, keepdim=True)}[level]
+    w = unit.exp().clamp(max=cap).expand_as(d)
+    assert 0 < int((unit.exp() > cap).sum()) < unit.numel(), "the case must truncate some units and not others"
+    ref_lp = lp.detach().double().requires_grad_(True)
+    ratio = torch.exp(ref_lp - old.double())
+    a = adv.double().view(-1, 1)
+    ref = (w * torch.maximum(-a * ratio, -a * ratio.clamp(0.8, 1.2))).mean()
+    ref.backward()
+    torch.testing.assert_close(out.loss.double(), ref, rtol=1e-6, atol=1e-9)
+    torch.testing.assert_close(lp.grad.double(), ref_lp.grad, rtol=1e-5, atol=1e-9)
+    unweighted = flowgrpo_loss(lp.detach(), old, adv, 0.2)
+    assert float(out.loss.detach()) != pytest.approx(float(unweighted.loss), rel=1e-3)
+    with pytest.raises(ValueError, match="is_weights"):
+        flowgrpo_loss(lp.detach(), old, adv, 0.2, is_weights=iw.weights[:, :1])

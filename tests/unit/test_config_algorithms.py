@@ -24,6 +24,18 @@ from megatron_omni.trainer.config import ConfigError, JobConfig, apply_overrides
     (["eval.prompts=[\"a dog\"]", "eval.transfer_prompts=[\"a dog\"]"], "eval.transfer_prompts", "not both"),
     # seed 10's RL seeds start at 10,000,030 and run into the evaluation's 10,010,000 after 9,970 samples
     (["seed=10", "steps=700", "eval.prompts=[\"a dog\"]"], "eval.seeds_per_prompt", "RL steps sample"),
+    # the quantized rollout (rollout.quantization) and its importance-weight correction (algorithm.is_cap)
+    (["rollout.quantization=fp8", "rollout.transformer=trainer"], "rollout.quantization", "trainer's own module"),
+    (["rollout.quantization=fp8", "model.family=wan"], "rollout.quantization", "names no quantized linears"),
+    (["rollout.quantization=fp8", "model.lora.rank=4", "rollout.lora_sync=adapter"], "rollout.quantization",
+     "rollout.lora_sync=merge"),
+    (["rollout.quantization=fp8", "rollout.engine=vllm_omni", "eval.prompts=[\"a dog\"]"], "rollout.quantization",
+     "cannot"),
+    (["algorithm.is_cap=0.5"], "algorithm.is_cap", "must be >= 1"),
+    (["algorithm.name=diffusionnft", "rollout.noise_level=0", "algorithm.is_cap=2"], "algorithm.is_cap",
+     "no log-probs"),
+    (["algorithm.is_cap=2", "algorithm.old_logprob=bypass"], "algorithm.is_cap", "every weight would be 1"),
+    (["algorithm.is_level=sample"], "algorithm.is_level", "needs algorithm.is_cap"),
 ])
 def test_algorithm_combinations_are_refused(overrides: list[str], field_name: str, words: str) -> None:
     cfg = apply_overrides(JobConfig(), overrides)
@@ -39,6 +51,8 @@ def test_algorithm_combinations_are_refused(overrides: list[str], field_name: st
     # a LoRA run keeps the old policy as the model itself when the schedule stays 0 through the run
     ["algorithm.name=diffusionnft", "model.lora.rank=4", "algorithm.nft.decay_cap=0", "rollout.noise_level=0"],
     ["seed=10", "steps=300", "eval.prompts=[\"a dog\"]", "eval.transfer_prompts=[\"a cat\"]"],
+    ["rollout.quantization=fp8", "algorithm.is_cap=2", "algorithm.is_level=geometric", "eval.prompts=[\"a dog\"]"],
+    ["rollout.quantization=fp8", "model.lora.rank=4", "algorithm.name=grpo_guard", "algorithm.is_cap=0"],
 ])
 def test_valid_algorithm_settings_pass(overrides: list[str]) -> None:
     apply_overrides(JobConfig(), overrides).validate(1)

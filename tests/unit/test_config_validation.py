@@ -233,6 +233,8 @@ def test_the_ar_dit_recipe_is_valid_and_maps_onto_the_trainer_settings() -> None
     (["ar_dit.reward=nocolon"], "ar_dit.reward"),
     (["ar_dit.token_weight=0", "ar_dit.window_weight=0"], "ar_dit.token_weight"),
     (["ar_dit.freeze=both"], "ar_dit.freeze"),
+    (["rollout.quantization=fp8"], "rollout.quantization"),
+    (["algorithm.is_cap=2"], "algorithm.is_cap"),
 ])
 def test_ar_dit_refuses_what_it_does_not_implement(overrides: list[str], field_name: str) -> None:
     """A setting the hybrid's trainer would not honour is an error naming it, never silently ignored."""
@@ -273,6 +275,8 @@ def test_adapter_sync_is_taken_by_both_engines_and_auto_picks_it_where_it_has_ru
     monkeypatch.setattr(platform, "rollout_in_process", lambda: False)  # its multi-process engine (GPU): unrun
     assert lora_sync_mode("auto", "vllm_omni") == "merge"
     assert lora_sync_mode("adapter", "vllm_omni") == "adapter"
+    # a quantized engine's FP8 linears take no adapters: auto resolves to merged weights on both engines
+    assert lora_sync_mode("auto", "diffusers", quantized=True) == lora_sync_mode("auto", "vllm_omni", True) == "merge"
 
 
 def test_lora_on_the_ar_dit_hybrid_is_refused() -> None:

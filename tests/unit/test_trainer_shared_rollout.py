@@ -85,7 +85,9 @@ def test_auto_falls_back_to_the_engine_copy() -> None:
     fp32, bf16 = torch.float32, torch.bfloat16
     assert _rollout_uses_trainer_model(cfg, fp32, fp32)
     assert not _rollout_uses_trainer_model(cfg, bf16, fp32)  # a bf16 model and an fp32 engine: engine copy
-    cfg.parallel.tp = 2
+    cfg.rollout.quantization = "fp8"  # a quantized rollout samples with the engine's own (quantized) copy
+    assert not _rollout_uses_trainer_model(cfg, fp32, fp32)
+    cfg.rollout.quantization, cfg.parallel.tp = "none", 2
     assert not _rollout_uses_trainer_model(cfg, fp32, fp32)
     cfg.parallel.tp, cfg.rollout.transformer = 1, "engine"
     assert not _rollout_uses_trainer_model(cfg, fp32, fp32)
