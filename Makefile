@@ -5,7 +5,8 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 # Re-install whenever the project's requirements change.
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | md5sum | cut -c1-12)
-PYTEST_ARGS ?=
+# The slowest cases are printed so that the suite's time can be kept under its budget (40 minutes in CI).
+PYTEST_ARGS ?= --durations=40
 
 .PHONY: install demo test lint env-check clean-venv
 

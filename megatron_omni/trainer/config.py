@@ -333,7 +333,9 @@ class JobConfig:
         check_algorithm(self)
         check_quantization(self)
         try:
-            rollout_params = self.rollout.sampling_params()
+            # Validates the sampling settings; eval.rollout_sampler's stochastic rollout is check_algorithm's
+            # (the policy-gradient rules need the SDE window, DiffusionNFT refuses the rollout sampler).
+            self.rollout.sampling_params()
         except ValueError as exc:
             raise ConfigError(f"rollout: {exc}") from None
         m, r = self.model, self.rollout
@@ -353,8 +355,6 @@ class JobConfig:
             (not self.logging.wandb or module_importable("wandb"), "logging.wandb",
              "= true needs the wandb package, which is not importable here"),
             (len(self.prompts) >= 1, "prompts", "needs at least one prompt"),
-            (not self.eval.rollout_sampler or rollout_params.stochastic,
-             "eval.rollout_sampler", "needs a stochastic rollout (rollout.noise_level > 0, rollout.window_size > 0)"),
             (not self.eval.transfer_prompts or self.eval.prompts, "eval.transfer_prompts",
              "needs eval.prompts (the held-out figure they are reported beside)"),
             (not set(self.eval.transfer_prompts) & set(self.eval.prompts), "eval.transfer_prompts",
