@@ -216,6 +216,15 @@ class RolloutClient:
         del self._in_flight[step]
         return done
 
+    def abandon(self) -> None:
+        """After a lost or failed rank: ask every rollout rank still reachable to stop, without waiting for anyone
+        (the trainer is about to raise)."""
+        for r in self.ranks:
+            try:
+                send_object(Stop(), r, self.groups.requests[r])
+            except RuntimeError:
+                pass  # that rank is gone: nothing to stop
+
     def close(self) -> dict[int, dict[str, Any]]:
         """Stop every rollout rank and wait (bounded) for their goodbyes; returns their counters by rank."""
         if self._in_flight:
