@@ -145,10 +145,11 @@ def recv_object(src: int, group: dist.ProcessGroup, timeout_s: float) -> Any:
         dist.irecv(payload, src, group=group).wait(datetime.timedelta(seconds=timeout_s))
     except RuntimeError as e:
         text = str(e)
-        if "timed out" in text.lower() or "timeout" in text.lower():
+        low = text.lower()
+        if "timed out" in low or "application timeout" in low:
             reason = "no message within the liveness timeout"
-        elif "closed" in text.lower():
-            reason = "connection closed (the process died?)"
+        elif any(k in low for k in ("closed", "reset by peer", "broken pipe", "end of file")):
+            reason = f"connection closed (the process died?): {text}"
         else:
             reason = f"receive failed: {text}"
         raise ChannelLost(src, time.monotonic() - t0, reason) from e

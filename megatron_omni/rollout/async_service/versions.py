@@ -86,5 +86,5 @@ def staleness_histogram(lag: torch.Tensor, max_staleness: int) -> dict[str, floa
     """The share of samples at each lag 0..max_staleness (metric keys `staleness_<k>`) and the mean lag."""
     n = max(1, lag.numel())
     out = {f"staleness_{k}": float((lag == k).sum()) / n for k in range(max_staleness + 1)}
-    out["staleness_mean"] = float(lag.float().mean()) if lag.numel() else 0.0
+    out["staleness_mean"] = float(lag.double().mean()) if lag.numel() else 0.0
     return out
