@@ -107,7 +107,7 @@ def flowgrpo_update(model: torch.nn.Module, optimizer: torch.optim.Optimizer, tr
         out = flowgrpo_loss(lp, traj.log_probs, adv, clip_range=1e-3)
         out.loss.backward()
     optimizer.step()
-    return {"loss": float(out.loss), "reward": float(rewards.mean())}
+    return {"loss": float(out.loss.detach()), "reward": float(rewards.mean())}
 
 
 def step_rows(step: int, prompts_per_step: int, group_size: int) -> tuple[list[str], list[int]]:

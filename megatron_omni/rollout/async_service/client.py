@@ -78,6 +78,9 @@ class RolloutClient:
         self._attempts: dict[int, int] = {}
         self.last_heartbeat: dict[int, Heartbeat] = {}
         self.wait_s = 0.0  # time spent blocked in collect (the trainer's idle time)
+        # per rank: seconds generating / swapping for the last collected step (Result.seconds / .swap_seconds)
+        self.last_seconds: dict[int, float] = {}
+        self.last_swap_seconds: dict[int, float] = {}
         self.rollout_stats: dict[int, dict[str, Any]] = {}
         self._closed: set[int] = set()
         self._threads = [threading.Thread(target=self._receive, args=(r,), name=f"client-from-{r}", daemon=True)
@@ -177,6 +180,8 @@ class RolloutClient:
                 raise RolloutRankLost(rank, step, "it stopped", 0.0)
             self._file(rank, msg)
         del self._in_flight[step]
+        self.last_seconds = {r: res.seconds for r, res in f.results.items()}
+        self.last_swap_seconds = {r: res.swap_seconds for r, res in f.results.items()}
         parts = [f.results[r].trajectory for r in sorted(f.results)]
         return parts[0] if len(parts) == 1 else Trajectory.concat(parts)
 
