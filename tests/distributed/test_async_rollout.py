@@ -16,6 +16,7 @@ import json
 import os
 import signal
 import time
+from dataclasses import replace
 
 import pytest
 import torch
@@ -60,40 +61,72 @@ def _equal(a, b) -> bool:
 
 
 # ------------------------------------------------------------------------------------------ one step ahead
-def _one_step_ahead(rank: int, world_size: int, pipeline: str, steps: int) -> dict:
+def _synchronous_reference(pair, pipeline: str, steps: int) -> tuple[list, dict]:
+    """Today's colocated loop on the trainer rank: rollout, update, in-process sync, step after step."""
+    model, opt, _ = trainer_model(pair, pipeline)
+    engine = DiffusersRolloutEngine(pipeline)
+    sync = WeightSync(pair.plan, sources=megatron_sources(model), target=DiffusersTarget(engine.transformer))
+    trajs = []
+    for k in range(steps):
+        rows, seeds = step_rows(k, 2, GROUP)
+        trajs.append(engine.generate(rows, PARAMS, group_size=1, seeds=seeds))
+        flowgrpo_update(model, opt, trajs[-1], GROUP)
+        sync.sync()
+    return trajs, {k: v.detach().clone() for k, v in model.state_dict().items() if torch.is_tensor(v)}
+
+
+def _one_step_ahead(rank: int, world_size: int, pipeline: str, steps: int, staleness: int) -> dict:
     pair = build_pair(pipeline, world_size)
     if pair.role == "rollout":
+        assert pair.trainer_groups is None  # the Megatron grid spans the trainer ranks only
         service, _ = rollout_service(pair, pipeline, SETTINGS)
         stats = service.serve()
         return {"stats": stats, "probe_diff": service.receiver.last_probe_diff}
+    assert pair.trainer_groups.layout.dp == 1 and pair.trainer_groups.rank_lists["dp"] == [0]
     model, opt, sync = trainer_model(pair, pipeline)
-    client = RolloutClient(pair.groups, SETTINGS)
-    s = SETTINGS.max_staleness
+    settings = replace(SETTINGS, max_staleness=staleness)
+    client = RolloutClient(pair.groups, settings)
     rows, seeds = step_rows(0, 2, GROUP)
-    client.request(0, behaviour_version(0, s), rows, seeds, PARAMS)
-    versions, lags, rewards = [], [], []
+    client.request(0, behaviour_version(0, staleness), rows, seeds, PARAMS)
+    versions, lags, trajs = [], [], []
     for k in range(steps):
-        if k + 1 < steps:  # step k+1 is asked for before step k trains
+        if k + 1 < steps and staleness > 0:  # step k+1 is asked for before step k trains
             rows, seeds = step_rows(k + 1, 2, GROUP)
-            client.request(k + 1, behaviour_version(k + 1, s), rows, seeds, PARAMS)
-        traj = client.collect(k)
-        lags.append(check_staleness(traj, k, s, k).tolist())
-        versions.append(traj.policy_version.tolist())
-        rewards.append(flowgrpo_update(model, opt, traj, GROUP)["reward"])
+            client.request(k + 1, behaviour_version(k + 1, staleness), rows, seeds, PARAMS)
+        trajs.append(client.collect(k))
+        lags.append(check_staleness(trajs[-1], k, staleness, k).tolist())
+        versions.append(trajs[-1].policy_version.tolist())
+        flowgrpo_update(model, opt, trajs[-1], GROUP)
         if k + 1 < steps:
             push_weights(k + 1, sync, probe_means(model, pair.hf_config), client)
-    stats = client.close()
-    return {"versions": versions, "lags": lags, "idle_s": client.wait_s, "rollout": stats}
+            if staleness == 0:  # on-policy: step k+1 is asked for once the weights that sample it are pushed
+                rows, seeds = step_rows(k + 1, 2, GROUP)
+                client.request(k + 1, k + 1, rows, seeds, PARAMS)
+    out = {"versions": versions, "lags": lags, "rollout": client.close()}
+    if staleness == 0:
+        ref_trajs, ref_weights = _synchronous_reference(pair, pipeline, steps)
+        out["same_trajectories"] = [all(torch.equal(getattr(a, f), getattr(b, f)) for f in
+                                        ("latents", "next_latents", "log_probs", "images"))
+                                    for a, b in zip(trajs, ref_trajs)]
+        out["same_weights"] = all(torch.equal(v, ref_weights[k]) for k, v in model.state_dict().items()
+                                  if torch.is_tensor(v))
+    return out
 
 
 def test_rollout_one_step_ahead_within_the_staleness_bound(tiny_pipeline: str) -> None:
-    trainer, rollout = run_ranks(_one_step_ahead, 2, tiny_pipeline, 3, timeout_s=240)
+    trainer, rollout = run_ranks(_one_step_ahead, 2, tiny_pipeline, 3, 1, timeout_s=240)
     # step k is sampled with version max(0, k - 1): [0, 0, 1], every sample stamped
     assert trainer["versions"] == [[0] * 4, [0] * 4, [1] * 4], trainer
     assert max(max(lag) for lag in trainer["lags"]) == 1
     assert rollout["stats"]["requests"] == 3 and rollout["stats"]["weights_received"] == 2
     assert rollout["stats"]["swaps"] == 1  # version 1 swapped in before step 2; version 2 never needed
     assert rollout["probe_diff"] is not None and rollout["probe_diff"] < 1e-4
+
+
+def test_staleness_zero_equals_the_synchronous_colocated_loop(tiny_pipeline: str) -> None:
+    trainer, rollout = run_ranks(_one_step_ahead, 2, tiny_pipeline, 3, 0, timeout_s=240)
+    assert trainer["versions"] == [[0] * 4, [1] * 4, [2] * 4] and rollout["stats"]["swaps"] == 2
+    assert trainer["same_trajectories"] == [True] * 3 and trainer["same_weights"], trainer
 
 
 # ------------------------------------------------------------------------------------------ tearing and regeneration
