@@ -76,7 +76,7 @@ def _synchronous_reference(pair, pipeline: str, steps: int) -> tuple[list, dict]
 
 
 def _one_step_ahead(rank: int, world_size: int, pipeline: str, steps: int, staleness: int) -> dict:
-    pair = build_pair(pipeline, world_size)
+    pair = build_pair(pipeline, world_size, rollout_ranks=world_size - 1)
     if pair.role == "rollout":
         assert pair.trainer_groups is None  # the Megatron grid spans the trainer ranks only
         service, _ = rollout_service(pair, pipeline, SETTINGS)
@@ -113,14 +113,16 @@ def _one_step_ahead(rank: int, world_size: int, pipeline: str, steps: int, stale
     return out
 
 
-def test_rollout_one_step_ahead_within_the_staleness_bound(tiny_pipeline: str) -> None:
-    trainer, rollout = run_ranks(_one_step_ahead, 2, tiny_pipeline, 3, 1, timeout_s=240)
-    # step k is sampled with version max(0, k - 1): [0, 0, 1], every sample stamped
+@pytest.mark.parametrize("world_size", [2, 3], ids=["one-rollout-rank", "two-rollout-ranks"])
+def test_rollout_one_step_ahead_within_the_staleness_bound(tiny_pipeline: str, world_size: int) -> None:
+    trainer, *rollouts = run_ranks(_one_step_ahead, world_size, tiny_pipeline, 3, 1, timeout_s=240)
+    # step k is sampled with version max(0, k - 1): [0, 0, 1], every sample stamped (two ranks: two shares of 2)
     assert trainer["versions"] == [[0] * 4, [0] * 4, [1] * 4], trainer
     assert max(max(lag) for lag in trainer["lags"]) == 1
-    assert rollout["stats"]["requests"] == 3 and rollout["stats"]["weights_received"] == 2
-    assert rollout["stats"]["swaps"] == 1  # version 1 swapped in before step 2; version 2 never needed
-    assert rollout["probe_diff"] is not None and rollout["probe_diff"] < 1e-4
+    for rollout in rollouts:
+        assert rollout["stats"]["requests"] == 3 and rollout["stats"]["weights_received"] == 2
+        assert rollout["stats"]["swaps"] == 1  # version 1 swapped in before step 2; version 2 never needed
+        assert rollout["probe_diff"] is not None and rollout["probe_diff"] < 1e-4
 
 
 def test_staleness_zero_equals_the_synchronous_colocated_loop(tiny_pipeline: str) -> None:
