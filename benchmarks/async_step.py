@@ -41,14 +41,7 @@ from megatron_omni.rollout.async_service import (  # noqa: E402
     check_staleness,
     push_weights,
 )
-from megatron_omni.rollout.diffusers_engine import DiffusersRolloutEngine  # noqa: E402
-from megatron_omni.rollout.probe import check_probe, probe_trajectory  # noqa: E402
-from model_providers.qwen_image.tiny_pipeline import (  # noqa: E402
-    SMALL_TRANSFORMER,
-    TinyPipelineConfig,
-    make_tiny_pipeline,
-)
-from tests.distributed.async_pair import (  # noqa: E402
+from megatron_omni.rollout.async_service.harness import (  # noqa: E402
     PARAMS,
     build_pair,
     flowgrpo_update,
@@ -56,6 +49,13 @@ from tests.distributed.async_pair import (  # noqa: E402
     rollout_service,
     step_rows,
     trainer_model,
+)
+from megatron_omni.rollout.diffusers_engine import DiffusersRolloutEngine  # noqa: E402
+from megatron_omni.rollout.probe import check_probe, probe_trajectory  # noqa: E402
+from model_providers.qwen_image.tiny_pipeline import (  # noqa: E402
+    SMALL_TRANSFORMER,
+    TinyPipelineConfig,
+    make_tiny_pipeline,
 )
 
 SETTINGS = AsyncSettings(max_staleness=1, liveness_timeout_s=120.0, heartbeat_s=2.0)

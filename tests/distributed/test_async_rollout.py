@@ -33,9 +33,7 @@ from megatron_omni.rollout.async_service import (
     check_staleness,
     push_weights,
 )
-from megatron_omni.rollout.diffusers_engine import DiffusersRolloutEngine
-from model_providers.qwen_image.tiny_pipeline import make_tiny_pipeline
-from tests.distributed.async_pair import (
+from megatron_omni.rollout.async_service.harness import (
     PARAMS,
     build_pair,
     flowgrpo_update,
@@ -44,6 +42,8 @@ from tests.distributed.async_pair import (
     step_rows,
     trainer_model,
 )
+from megatron_omni.rollout.diffusers_engine import DiffusersRolloutEngine
+from model_providers.qwen_image.tiny_pipeline import make_tiny_pipeline
 
 SETTINGS = AsyncSettings(max_staleness=1, liveness_timeout_s=30.0, heartbeat_s=0.5)
 FAULT_SETTINGS = AsyncSettings(max_staleness=1, liveness_timeout_s=3.0, heartbeat_s=0.5)

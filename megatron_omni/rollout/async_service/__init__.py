@@ -4,7 +4,8 @@
 - `channel`: the messages between the trainer root and a rollout rank over gloo pairs, with a bounded wait;
 - `weights`: the rollout side's double-buffered weights (received while sampling, swapped between requests, probe
   checked on every swap) and the trainer side's push through the bridge;
-- `service`: the rollout rank's request loop; `client`: the trainer root's requests, results and liveness.
+- `service`: the rollout rank's request loop; `client`: the trainer root's requests, results and liveness;
+- `harness`: a disaggregated pair on a tiny pipeline for the tests and the benchmark (imported by them only).
 
 The placement (which ranks train, which roll out) and its process groups are `parallel.placement`'s.
 """

@@ -1,8 +1,9 @@
-"""One trainer rank and rollout ranks of a disaggregated placement over the tiny pipeline, built on each rank inside
-`run_ranks` (the asynchronous-RL tests and `benchmarks/async_step.py`): the placement's groups, the trainer's
-Megatron model loaded from the pipeline's transformer, the bridge's full-mode plan into a diffusers engine, the
-rollout service with its double-buffered receiver, and a real FlowGRPO update (Megatron forward through the
-diffusers interface, clipped loss, Adam)."""
+"""A trainer rank and rollout ranks of a disaggregated placement over a tiny pipeline folder, built on each rank
+inside `parallel.rank_pool.run_ranks`, for the asynchronous-RL tests and `benchmarks/async_step.py` (as
+`rank_pool` serves both): the placement's groups, the trainer's Megatron model loaded from the pipeline's
+transformer (tp 1), the bridge's full-mode plan into a diffusers engine, the rollout service with its
+double-buffered receiver, and a real FlowGRPO update (Megatron forward through the diffusers interface, group
+advantages, the clipped loss, Adam) standing in for the trainer's until phase 2 (docs/async.md)."""
 
 from __future__ import annotations
 
