@@ -28,6 +28,7 @@ from megatron_omni.parallel.rank_pool import RankFailed, run_ranks
 from megatron_omni.rollout.async_service import (
     AsyncSettings,
     RolloutClient,
+    RolloutRankFailed,
     RolloutRankLost,
     behaviour_version,
     check_staleness,
@@ -207,6 +208,14 @@ def _rollout_fault(rank: int, world_size: int, pipeline: str, fault: str, report
             return {"rollout_error": type(e).__name__}
         return {"rollout_error": None}
     client = RolloutClient(pair.groups, FAULT_SETTINGS)
+    if fault == "error":  # the engine refuses the request (texts longer than text_length): its error comes back
+        client.request(0, 0, rows, seeds, replace(PARAMS, text_length=1))
+        try:
+            client.collect(0)
+            return {"error": None}
+        except RolloutRankFailed as e:
+            client.abandon()
+            return {"error": str(e), "rank": e.rank, "step": e.step}
     client.request(0, 0, rows, seeds, PARAMS)
     client.wait_progress(0, 1)
     os.kill(pids[1], signal.SIGSTOP if fault == "stop" else signal.SIGKILL)
@@ -223,6 +232,14 @@ def _rollout_fault(rank: int, world_size: int, pipeline: str, fault: str, report
         os.kill(pids[1], signal.SIGCONT)
         client.abandon()
     return out
+
+
+def test_an_engine_error_on_a_rollout_rank_reaches_the_trainer(tiny_pipeline: str, tmp_path) -> None:
+    trainer, rollout = run_ranks(_rollout_fault, 2, tiny_pipeline, "error", str(tmp_path / "report"), timeout_s=120)
+    assert trainer["rank"] == 1 and trainer["step"] == 0, trainer
+    assert "rollout rank 1 failed serving step 0" in trainer["error"], trainer
+    assert "more than text_length=1" in trainer["error"], trainer  # the engine's own traceback
+    assert rollout == {"rollout_error": "ValueError"}
 
 
 @pytest.mark.parametrize("fault", ["stop", "kill"])

@@ -128,6 +128,7 @@ class RolloutService:
         sender = threading.Thread(target=self._sender, name=f"rollout{self.rank}-sender", daemon=True)
         control.start()
         sender.start()
+        step = None  # the step being served, for the failure report
         try:
             while True:
                 t0 = time.perf_counter()
@@ -137,9 +138,11 @@ class RolloutService:
                     raise item
                 if isinstance(item, Stop):
                     break
+                step = item.step
                 self._serve_one(item)
+                step = None
         except BaseException:
-            self._outbox.put(Failed(self.rank, self._step, traceback.format_exc()))
+            self._outbox.put(Failed(self.rank, step, traceback.format_exc()))
             raise
         finally:
             self.stats["swaps"] = self.receiver.swaps
