@@ -11,15 +11,17 @@ Two spawned gloo ranks, each pinned to its own CPU core (`os.sched_setaffinity`)
   the rollout's back buffer, swapped in between two requests and probe-checked.
 
 The same prompts, seeds, sampler and update in both. After `--warmup` steps (excluded), it prints the seconds per
-step of each phase, the idle share of each side and, last, images/s async / sync (target >= 1.6; 2.0 is the limit
-for two balanced phases).
-Usage: python benchmarks/async_step.py [--steps 8] [--warmup 2] [--prompts 4] [--group 4] [--size 64]
+step of each phase, the idle share of each side and each pair's ratio; `--repeats` pairs alternate which mode
+goes first (drift in a shared machine's load hits both). Last line: the median of the pairs' images/s async / sync
+(target >= 1.6; 2.0 is the limit for two balanced phases) with its spread.
+Usage: python benchmarks/async_step.py [--steps 8] [--warmup 2] [--prompts 4] [--group 4] [--size 64] [--repeats 3]
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import sys
 import tempfile
 import time
@@ -135,18 +137,18 @@ def _async_trainer(pair, pipeline: str, args) -> dict:
 def _bench(rank: int, world_size: int, pipeline: str, args) -> dict:
     core = _pin(rank)
     pair = build_pair(pipeline, world_size)
-    out: dict = {"core": core}
-    dist.barrier()
-    # 1) synchronous, colocated on rank 0
-    if rank == 0:
-        out["sync"] = _sync_colocated(pair, pipeline, args)
-    dist.barrier()
-    # 2) asynchronous, disaggregated: rank 0 trains, rank 1 rolls out
-    if pair.role == "rollout":
-        service, _ = rollout_service(pair, pipeline, SETTINGS, max_batch_size=args.batch)
-        out["rollout"] = service.serve()
-    else:
-        out["async"] = _async_trainer(pair, pipeline, args)
+    out: dict = {"core": core, "sync": [], "async": []}
+    for i in range(args.repeats):
+        # alternate which goes first, so drift in the machine's load hits both
+        for mode in (("sync", "async") if i % 2 == 0 else ("async", "sync")):
+            dist.barrier()
+            if mode == "sync" and rank == 0:  # synchronous, colocated on rank 0
+                out["sync"].append(_sync_colocated(pair, pipeline, args))
+            elif mode == "async" and pair.role == "rollout":  # asynchronous: rank 1 rolls out, rank 0 trains
+                service, _ = rollout_service(pair, pipeline, SETTINGS, max_batch_size=args.batch)
+                service.serve()
+            elif mode == "async":
+                out["async"].append(_async_trainer(pair, pipeline, args))
     return out
 
 
@@ -159,6 +161,7 @@ def main() -> None:
     ap.add_argument("--size", type=int, default=64, help="image height and width")
     ap.add_argument("--sampling-steps", type=int, default=6)
     ap.add_argument("--batch", type=int, default=8, help="samples per rollout forward")
+    ap.add_argument("--repeats", type=int, default=3, help="sync/async pairs, the order alternating")
     ap.add_argument("--transformer", choices=("tiny", "small"), default="small",
                     help="the tiny pipeline's transformer: its default, or the ~10M-parameter one of train_step.py")
     args = ap.parse_args()
@@ -170,25 +173,30 @@ def main() -> None:
         trainer, rollout = run_ranks(_bench, 2, pipeline, args, timeout_s=1800)
     n = args.steps - args.warmup
     images = n * args.prompts * args.group
-    s, a = trainer["sync"], trainer["async"]
-    r = a["rollout"][1]
     print(f"work: {n} timed steps x {args.prompts * args.group} images ({args.size}x{args.size}, "
-          f"{args.sampling_steps} sampling steps), warm-up {args.warmup}; trainer on core {trainer['core']}, "
-          f"rollout on core {rollout['core']}")
-    print(f"sync colocated : {s['wall'] / n:.2f} s/step = rollout {s['rollout'] / n:.2f} + train {s['train'] / n:.2f} "
-          f"+ sync/probe {s['sync'] / n:.2f}; idle: rollout side {1 - s['rollout'] / s['wall']:.0%}, "
-          f"trainer side {s['rollout'] / s['wall']:.0%}")
-    # the rollout side's busy time in the timed window: the generation of the steps trained in it (Result.seconds)
-    busy = sum(a["generate_s"][k] + a["swap_s"][k] for k in range(args.warmup, args.steps))
-    print(f"async disagg.  : {a['wall'] / n:.2f} s/step; trainer: train {a['train'] / n:.2f} + push "
-          f"{a['push'] / n:.2f} + waiting for rollouts {a['wait'] / n:.2f}; rollout: generate "
-          f"{sum(a['generate_s'][args.warmup:]) / n:.2f} + swap/probe {sum(a['swap_s'][args.warmup:]) / n:.2f}; idle: "
-          f"trainer side {a['wait'] / a['wall']:.0%}, rollout side {max(0.0, 1 - busy / a['wall']):.0%}; staleness "
-          f"max {max(a['lags'])}; rollout requests {r['requests']}, swaps {r['swaps']}")
-    limit = (s["rollout"] + s["train"] + s["sync"]) / max(s["rollout"], s["train"] + s["sync"])
-    print(f"images/s: sync {images / s['wall']:.2f}, async {images / a['wall']:.2f} (the limit for these phases, "
-          f"(rollout + train) / max(rollout, train): {limit:.2f})")
-    print(f"images/s async / sync: {s['wall'] / a['wall']:.2f}")
+          f"{args.sampling_steps} sampling steps), warm-up {args.warmup}, {args.repeats} repeats, order "
+          f"alternating; "
+          f"trainer on core {trainer['core']}, rollout on core {rollout['core']}")
+    ratios = []
+    for i, (s, a) in enumerate(zip(trainer["sync"], trainer["async"])):
+        r = a["rollout"][1]
+        limit = (s["rollout"] + s["train"] + s["sync"]) / max(s["rollout"], s["train"] + s["sync"])
+        print(f"[{i}] sync colocated : {s['wall'] / n:.2f} s/step = rollout {s['rollout'] / n:.2f} + train "
+              f"{s['train'] / n:.2f} + sync/probe {s['sync'] / n:.2f}; idle: rollout side "
+              f"{1 - s['rollout'] / s['wall']:.0%}, trainer side {s['rollout'] / s['wall']:.0%}")
+        # the rollout side's busy time in the timed window: generating the steps trained in it (Result.seconds)
+        busy = sum(a["generate_s"][k] + a["swap_s"][k] for k in range(args.warmup, args.steps))
+        print(f"[{i}] async disagg.  : {a['wall'] / n:.2f} s/step; trainer: train {a['train'] / n:.2f} + push "
+              f"{a['push'] / n:.2f} + waiting for rollouts {a['wait'] / n:.2f}; rollout: generate "
+              f"{sum(a['generate_s'][args.warmup:]) / n:.2f} + swap/probe {sum(a['swap_s'][args.warmup:]) / n:.2f}; "
+              f"idle: trainer side {a['wait'] / a['wall']:.0%}, rollout side {max(0.0, 1 - busy / a['wall']):.0%}; "
+              f"staleness max {max(a['lags'])}; rollout requests {r['requests']}, swaps {r['swaps']}")
+        print(f"[{i}] images/s: sync {images / s['wall']:.2f}, async {images / a['wall']:.2f}; ratio "
+              f"{s['wall'] / a['wall']:.2f} (the limit for these phases, (rollout + train) / max(rollout, train): "
+              f"{limit:.2f})")
+        ratios.append(s["wall"] / a["wall"])
+    print(f"images/s async / sync: {statistics.median(ratios):.2f} (median of {len(ratios)}; "
+          f"min {min(ratios):.2f}, max {max(ratios):.2f})")
 
 
 if __name__ == "__main__":
