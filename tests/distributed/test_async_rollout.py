@@ -24,6 +24,8 @@ import torch.distributed as dist
 
 from megatron_omni.bridge import DiffusersTarget, WeightSync
 from megatron_omni.bridge.qwen_image import megatron_sources
+from megatron_omni.parallel import ParallelLayout, build_parallel_groups
+from megatron_omni.parallel.placement import split_world
 from megatron_omni.parallel.rank_pool import RankFailed, run_ranks
 from megatron_omni.rollout.async_service import (
     AsyncSettings,
@@ -130,6 +132,24 @@ def test_staleness_zero_equals_the_synchronous_colocated_loop(tiny_pipeline: str
     trainer, rollout = run_ranks(_one_step_ahead, 2, tiny_pipeline, 3, 0, timeout_s=240)
     assert trainer["versions"] == [[0] * 4, [1] * 4, [2] * 4] and rollout["stats"]["swaps"] == 2
     assert trainer["same_trajectories"] == [True] * 3 and trainer["same_weights"], trainer
+
+
+def _grid_after_the_rollout_rank(rank: int, world_size: int) -> dict:
+    placement = split_world("disaggregated", world_size, [0])  # rank 0 rolls out, ranks 1-2 train at tp 2
+    groups = build_parallel_groups(ParallelLayout(tp=2), ranks=placement.trainer_range)
+    if groups is None:
+        return {"role": placement.role(rank)}
+    t = torch.tensor([float(rank)])
+    dist.all_reduce(t, group=groups.tp)
+    return {"role": placement.role(rank), "tp": groups.rank_lists["tp"], "tp_rank": groups.coords["tp"],
+            "sum": float(t)}
+
+
+def test_the_megatron_grid_spans_the_trainer_ranks_only() -> None:
+    rollout, first, second = run_ranks(_grid_after_the_rollout_rank, 3, timeout_s=120)
+    assert rollout == {"role": "rollout"}
+    assert first == {"role": "trainer", "tp": [1, 2], "tp_rank": 0, "sum": 3.0}
+    assert second == {"role": "trainer", "tp": [1, 2], "tp_rank": 1, "sum": 3.0}
 
 
 # ------------------------------------------------------------------------------------------ tearing and regeneration
