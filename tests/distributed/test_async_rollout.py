@@ -236,6 +236,19 @@ def _rollout_fault(rank: int, world_size: int, pipeline: str, fault: str, report
         except RolloutRankFailed as e:
             client.abandon()
             return {"error": str(e), "rank": e.rank, "step": e.step}
+    if fault == "probe":  # version 1 announced with the probe means of version 0: the swap must refuse it
+        model, opt, sync = trainer_model(pair, pipeline)
+        stale = probe_means(model, pair.hf_config)
+        client.request(0, 0, rows, seeds, PARAMS)
+        flowgrpo_update(model, opt, client.collect(0), GROUP)
+        push_weights(1, sync, stale, client)
+        client.request(1, 1, rows, seeds, PARAMS)
+        try:
+            client.collect(1)
+            return {"error": None}
+        except RolloutRankFailed as e:
+            client.abandon()
+            return {"error": str(e), "rank": e.rank, "step": e.step}
     client.request(0, 0, rows, seeds, PARAMS)
     client.wait_progress(0, 1)
     os.kill(pids[1], signal.SIGSTOP if fault == "stop" else signal.SIGKILL)
@@ -254,12 +267,17 @@ def _rollout_fault(rank: int, world_size: int, pipeline: str, fault: str, report
     return out
 
 
-def test_an_engine_error_on_a_rollout_rank_reaches_the_trainer(tiny_pipeline: str, tmp_path) -> None:
-    trainer, rollout = run_ranks(_rollout_fault, 2, tiny_pipeline, "error", str(tmp_path / "report"), timeout_s=120)
-    assert trainer["rank"] == 1 and trainer["step"] == 0, trainer
-    assert "rollout rank 1 failed serving step 0" in trainer["error"], trainer
-    assert "more than text_length=1" in trainer["error"], trainer  # the engine's own traceback
-    assert rollout == {"rollout_error": "ValueError"}
+@pytest.mark.parametrize("fault,message,raised", [
+    ("error", "more than text_length=1", "ValueError"),  # the engine's own traceback
+    ("probe", "probe after the swap to policy version 1 on rollout rank 1", "ProbeMismatch"),
+])
+def test_a_rollout_rank_error_reaches_the_trainer(tiny_pipeline: str, tmp_path, fault: str, message: str,
+                                                  raised: str) -> None:
+    trainer, rollout = run_ranks(_rollout_fault, 2, tiny_pipeline, fault, str(tmp_path / "report"), timeout_s=120)
+    step = 0 if fault == "error" else 1
+    assert trainer["rank"] == 1 and trainer["step"] == step, trainer
+    assert f"rollout rank 1 failed serving step {step}" in trainer["error"] and message in trainer["error"], trainer
+    assert rollout == {"rollout_error": raised}
 
 
 @pytest.mark.parametrize("fault", ["stop", "kill"])
