@@ -7,7 +7,7 @@ same plan, so only the bytes travel (one flat buffer per bucket, never more than
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Protocol
 
 import torch
@@ -49,15 +49,24 @@ class DistributedTransport:
 
     Construct on every rank of the job (it creates process groups); `sources[stage]` is the global rank
     that gathers stage `stage` (e.g. tp rank 0 of the first data-parallel replica), `rollout_ranks` the
-    ranks holding a rollout model. `dtype` is the dtype of the trainer's parameters.
+    ranks holding a rollout model. `dtype` is the dtype of the trainer's parameters. `groups`: the broadcast
+    group of each source ({source} + rollout ranks, None on a rank outside it) built by the caller
+    (`parallel.placement.build_placement_groups`); without it they are created here.
     """
 
-    def __init__(self, sources: Sequence[int], rollout_ranks: Sequence[int], dtype: torch.dtype) -> None:
+    def __init__(self, sources: Sequence[int], rollout_ranks: Sequence[int], dtype: torch.dtype,
+                 groups: Mapping[int, dist.ProcessGroup | None] | None = None) -> None:
         self.rank = dist.get_rank()
         self.sources = list(sources)
         self.rollout_ranks = sorted(set(rollout_ranks))
         self.dtype = dtype
         self.groups: dict[int, dist.ProcessGroup | None] = {}
+        if groups is not None:
+            missing = sorted(set(self.sources) - set(groups))
+            if missing:
+                raise ValueError(f"no broadcast group given for source ranks {missing}")
+            self.groups = dict(groups)
+            return
         for src in sorted(set(self.sources)):
             members = sorted({src, *self.rollout_ranks})
             group = dist.new_group(members)  # collective over the whole job, in the same order everywhere

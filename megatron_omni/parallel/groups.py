@@ -93,22 +93,31 @@ def group_rank_lists(layout: ParallelLayout, dims: list[str]) -> list[list[int]]
     return [[r for _, r in sorted(members)] for _, members in sorted(groups.items())]
 
 
-def build_parallel_groups(layout: ParallelLayout) -> ParallelGroups:
+def build_parallel_groups(layout: ParallelLayout, ranks: range | None = None) -> ParallelGroups | None:
     """Create all process groups for `layout` on the already-initialised default group.
 
-    Every rank must call this (group creation is collective). The layout's dp is resolved from the
-    world size; a layout that does not divide the world raises `LayoutError` before any group exists.
+    Every rank of the job must call this (group creation is collective). `ranks`: the contiguous global ranks
+    the layout spans (default: the whole job); a disaggregated placement gives the trainer's
+    (`placement.Placement.trainer_range`), and the ranks outside it (rollout ranks) join the collective creation
+    and get None. The layout's dp is resolved from the number of ranks; a layout that does not divide it raises
+    `LayoutError` before any group exists.
     """
     if not dist.is_initialized():
         raise RuntimeError("torch.distributed is not initialised: call init_distributed() first")
     world_size = dist.get_world_size()
-    layout = layout.resolve(world_size)
+    ranks = range(world_size) if ranks is None else ranks
+    if ranks.step != 1 or not ranks or ranks.start < 0 or ranks.stop > world_size:
+        raise ValueError(f"the grid's ranks {ranks} must be a non-empty contiguous range inside the job's "
+                         f"{world_size} ranks")
+    layout = layout.resolve(len(ranks))
     rank = dist.get_rank()
-    grid = HyperCommGrid(layout.grid_shape(), list(GRID_DIMS))
+    grid = HyperCommGrid(layout.grid_shape(), list(GRID_DIMS), rank_offset=ranks.start)
     pgs = {name: grid.create_pg(dims) for name, dims in _GROUP_DIMS.items()}
     # No experts: DDP still wants an expert data-parallel group. Created collectively here (one group per
     # rank), because Megatron's own fallback calls new_group with a different rank list on every rank.
     singleton, _ = dist.new_subgroups_by_enumeration([[r] for r in range(world_size)])
+    if rank not in ranks:
+        return None
 
     mcore = ProcessGroupCollection(
         tp=pgs["tp"],
@@ -144,6 +153,6 @@ def build_parallel_groups(layout: ParallelLayout) -> ParallelGroups:
         ring=pgs["ring"],
         replica=pgs["replica"],
         grid=grid,
-        coords=layout.coordinates(rank),
+        coords=layout.coordinates(rank - ranks.start),
         rank_lists=rank_lists,
     )

@@ -137,7 +137,9 @@ class Trajectory:
     step); log_probs [N, W] fp32; sigmas [N, T + 1] fp32 (each sample's grid as sampled: MixGRPO-Flash's is
     shorter); window_start [N] long; images [N, 3, H, W] fp32 in [0, 1]; img_shape (1, H / 16, W / 16) the
     transformer's patch grid; final_latents [N, S, C] fp32, the clean latents the sampler ended with (what
-    DiffusionNFT trains on; None from an engine that does not record them).
+    DiffusionNFT trains on; None from an engine that does not record them); policy_version [N] long, the
+    version of the weights that sampled each sample (trainer updates applied before them; set by the
+    asynchronous rollout service, `rollout.async_service`; None from a synchronous rollout).
 
     Video (the Wan engine): S = f * h * w tokens of 3D patches (frames first, then rows and columns) and
     C = c * pt * ph * pw (`models.dit.embeddings.patchify_video`); img_shape = (f, h, w), the patch grid of the
@@ -165,6 +167,7 @@ class Trajectory:
     noise_level: float
     sde_type: str
     final_latents: torch.Tensor | None = None
+    policy_version: torch.Tensor | None = None
 
     def __len__(self) -> int:
         return len(self.prompts)

@@ -1,0 +1,168 @@
+"""Weights without tearing: the rollout side receives a new policy version into a second buffer while it keeps
+sampling with the live one, and swaps the two only between two requests, so no sample is ever drawn with
+half-updated weights; the probe check runs on every swap.
+
+- `DoubleBuffer` is the bridge's `RolloutTarget` over the back buffer of a module's parameters: the bridge
+  (`WeightSync` over `DistributedTransport`) writes full diffusers-named tensors into it and its coverage check
+  covers it like any target; `swap` exchanges each parameter's storage with its back copy (no copy, O(params)).
+- `WeightReceiver` orders receives and swaps: a receive waits while the back buffer holds a version that a request
+  already received still needs (so a version is never overwritten before its requests start), and `ensure(v)`
+  (called by the service between requests) swaps version v in, waiting a bounded time for it to arrive, then
+  checks the engine's probe forward against the trainer's means sent with the version (`probe.check_probe`).
+- `push_weights` is the trainer side: the root announces the version (with its probe means) to every rollout rank,
+  then every trainer rank runs its `WeightSync` (collective: the tp gathers and the broadcast).
+
+The quantized engine (`rollout.quantization=fp8`) is refused for now: its FP8 copy is re-quantized after every
+load, which a back buffer would have to do before the swap.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import Counter
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from megatron_omni.bridge.sync import SyncStats, WeightSync
+from megatron_omni.rollout.async_service.channel import Weights
+from megatron_omni.rollout.probe import check_probe, probe_tolerance, probe_trajectory
+
+
+class DoubleBuffer:
+    """The back buffer of `module`'s parameters as a diffusers-layout bridge target (rollout tp 1)."""
+
+    kind = "diffusers"
+    tp_rank = 0
+    tp_size = 1
+
+    def __init__(self, module: torch.nn.Module) -> None:
+        self.module = module
+        self._live = dict(module.named_parameters())
+        self._back = {n: p.detach().clone() for n, p in self._live.items()}
+
+    def parameters(self) -> dict[str, torch.Tensor]:
+        """The back buffer's tensors by name (what the bridge writes)."""
+        return self._back
+
+    @torch.no_grad()
+    def load_full(self, items: Sequence[tuple[str, torch.Tensor]]) -> set[str]:
+        loaded = set()
+        for name, t in items:
+            dst = self._back.get(name)
+            if dst is None:
+                continue  # the coverage check reports what this leaves unwritten
+            if dst.shape != t.shape:
+                raise ValueError(f"diffusers parameter {name} has shape {tuple(dst.shape)}, got {tuple(t.shape)}")
+            dst.copy_(t)
+            loaded.add(name)
+        return loaded
+
+    @torch.no_grad()
+    def swap(self) -> None:
+        """Make the back buffer live and the live one the back buffer (storage exchange, no copy)."""
+        for name, p in self._live.items():
+            old = p.data
+            p.data = self._back[name]
+            self._back[name] = old
+
+
+def check_async_engine(engine: Any) -> None:
+    """Refuse an engine the asynchronous rollout cannot double-buffer yet, naming the setting."""
+    q = getattr(engine, "quantization", None)
+    if q is not None and q.enabled:
+        raise ValueError(f"rollout.quantization={q.mode!r} is not supported with placement.mode=disaggregated yet: the "
+                         "FP8 copy would have to be re-quantized in the back buffer before each swap; use "
+                         "rollout.quantization=none")
+    sink = engine.weight_sink()
+    if sink.kind != "diffusers" or sink.target is None or not hasattr(sink.target, "module"):
+        raise ValueError(f"the asynchronous rollout double-buffers an embedded diffusers engine's transformer "
+                         f"(rollout.engine=diffusers); this engine's weight sink is {sink.kind!r}")
+
+
+class WeightReceiver:
+    """The rollout rank's side of the weights: `receive` (the service's control thread) and `ensure` (its main
+    thread, between requests). `plan`: the bridge's full-mode plan into a diffusers target at rollout tp 1;
+    `transport`: the `DistributedTransport` over the placement's weights group; `trainer_dtype`: the trainer's
+    parameter dtype (the probe's tolerance is the looser of it and the engine's)."""
+
+    def __init__(self, engine: Any, plan: Any, transport: Any, trainer_dtype: torch.dtype, rank: int,
+                 wait_timeout_s: float) -> None:
+        check_async_engine(engine)
+        self.engine = engine
+        self.rank = rank
+        self.wait_timeout_s = wait_timeout_s
+        self.buffer = DoubleBuffer(engine.weight_sink().target.module)
+        self.sync = WeightSync(plan, sources=None, target=self.buffer, transport=transport, dtype=trainer_dtype)
+        self.probe = probe_trajectory(engine.transformer_config())
+        self.tolerance = probe_tolerance(trainer_dtype, engine.dtype)
+        self.live_version = 0
+        self.back_version: int | None = None
+        self._probe_means: torch.Tensor | None = None
+        self._wanted: Counter[int] = Counter()
+        self._cond = threading.Condition()
+        self.last_sync: SyncStats | None = None
+        self.swaps = 0
+        self.last_probe_diff: float | None = None
+
+    def want(self, version: int) -> None:
+        """A request for `version` was received: keep that version in the back buffer until it is swapped in."""
+        with self._cond:
+            self._wanted[version] += 1
+
+    def release(self, version: int) -> None:
+        """A request for `version` started (after `ensure`) or was cancelled."""
+        with self._cond:
+            self._wanted[version] -= 1
+            if self._wanted[version] <= 0:
+                del self._wanted[version]
+            self._cond.notify_all()
+
+    def receive(self, msg: Weights) -> SyncStats:
+        """Receive policy version `msg.version` into the back buffer (blocking on the bridge's broadcast)."""
+        with self._cond:
+            # A back buffer that a received request still needs is not overwritten: wait for its swap.
+            self._cond.wait_for(lambda: self.back_version is None or self._wanted[self.back_version] == 0)
+            self.back_version = None  # being written
+        stats = self.sync.sync()
+        with self._cond:
+            self.back_version = msg.version
+            self._probe_means = msg.probe_means
+            self.last_sync = stats
+            self._cond.notify_all()
+        return stats
+
+    def ensure(self, version: int) -> float:
+        """Make `version` live (swap it in if it is the back buffer's, waiting up to `wait_timeout_s` for it to
+        arrive) and check the probe; returns the seconds spent. Raises TimeoutError naming the version, and
+        `ProbeMismatch` when the swapped-in weights are not the trainer's."""
+        if version == self.live_version:
+            return 0.0
+        t0 = time.perf_counter()
+        with self._cond:
+            if not self._cond.wait_for(lambda: self.back_version == version, timeout=self.wait_timeout_s):
+                raise TimeoutError(f"rollout rank {self.rank}: policy version {version} did not arrive within "
+                                   f"{self.wait_timeout_s:.0f} s (live {self.live_version}, back "
+                                   f"{self.back_version})")
+            self.buffer.swap()
+            self.live_version, self.back_version = version, None
+            means = self._probe_means
+            self._cond.notify_all()
+        self.last_probe_diff = check_probe(self.engine.probe(self.probe), means, self.tolerance,
+                                           f"after the swap to policy version {version} on rollout rank {self.rank}")
+        self.swaps += 1
+        return time.perf_counter() - t0
+
+
+def push_weights(version: int, weight_sync: WeightSync, probe_means: torch.Tensor | None,
+                 client: Any | None) -> SyncStats:
+    """The trainer side of one weight push, on every trainer rank (collective): the root (`client`, the
+    `RolloutClient`; None on the other trainer ranks) announces `version` with its probe means [1, 1, 4, C], then
+    every trainer rank runs the bridge's sync into the rollout ranks' back buffers."""
+    if client is not None:
+        if probe_means is None:
+            raise ValueError("the trainer root must send the probe means with the weights")
+        client.announce_weights(Weights(version, probe_means.detach().float().cpu()))
+    return weight_sync.sync()
