@@ -24,7 +24,7 @@ def wan_video_demo() -> JobConfig:
     r.group_size = 4
     cfg.reward.scorer = "temporal_consistency"
     cfg.reward.video_frames = 5
-    cfg.optim.lr = 3e-3
+    cfg.optim.lr = 1e-2
     cfg.optim.mini_batches = 2
     cfg.algorithm.clip_range = 0.2
     cfg.logging.image_every = 4
