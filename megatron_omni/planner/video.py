@@ -23,9 +23,8 @@ clip needs, since its activations grow with the tokens per rank.
 from __future__ import annotations
 
 import math
-from typing import Any
-
 from dataclasses import dataclass
+from typing import Any
 
 from megatron_omni.parallel.layout import LayoutError, ParallelLayout
 from megatron_omni.planner.flops import ForwardFlops
