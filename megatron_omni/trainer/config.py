@@ -160,7 +160,7 @@ class RewardConfig:
     url: str | None = None  # a running reward server; None scores in this process
     timeout_s: float = 120.0
     # A video family's samples reach the scorer as a strip of this many frames spread evenly over the video
-    # (first and last included; `reward.video.video_strip`); at most rollout.num_frames.
+    # (first and last included; `reward.video.video_strip`), or of all its frames when it has fewer.
     video_frames: int = 4
 
 

@@ -433,9 +433,6 @@ def check_dit_traits(cfg: Any) -> None:
             raise ConfigError(f"rollout.num_frames={r.num_frames!r} with model.family={name}: num_frames - 1 must be "
                               f"a multiple of {traits.frame_multiple} (the VAE's temporal compression), e.g. "
                               f"{traits.frame_multiple + 1} or {2 * traits.frame_multiple + 1}")
-        if cfg.reward.video_frames > r.num_frames:
-            raise ConfigError(f"reward.video_frames={cfg.reward.video_frames!r} exceeds rollout.num_frames="
-                              f"{r.num_frames} (the frames of each sample the scorer sees)")
     else:
         if r.num_frames != 1:
             raise ConfigError(f"rollout.num_frames={r.num_frames!r} with model.family={name}: the family generates "
