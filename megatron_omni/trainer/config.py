@@ -79,7 +79,7 @@ class ModelConfig:
     # The model family (a folder of model_providers/ with a family.py); its kind picks the trainer: "dit"
     # families train with FlowGRPO, "ar_dit" hybrids with the joint token + window objective (`ar_dit` section).
     family: str = "qwen_image"
-    pipeline: str = "tiny"  # a diffusers Qwen-Image folder, or "tiny": built offline into the run folder
+    pipeline: str = "tiny"  # the family's diffusers pipeline folder, or "tiny": built offline into the run folder
     tiny_seed: int = 0
     backend: str = "local"  # layer spec: "local" | "te" (TransformerEngine linears; needs transformer_engine)
     # Parameters and activations of the Megatron model: "fp32" | "bf16". bf16 is Megatron-LM's mixed precision:

@@ -16,6 +16,9 @@ import pytest
 from tests.e2e.test_flowgrpo_train import _resumes_bit_identically, _rewards, _train
 
 WAN = ["--recipe", "examples.wan.recipe:wan_video_demo", "--set", "steps=8"]
+# The TP=1 run also evaluates held-out prompts before and after (ODE, 2 x 2 clips): video grids in eval/.
+EVAL = ["--set", 'eval.prompts=["a red cat", "a blue ball"]', "--set", "eval.num_steps=6",
+        "--set", "checkpoint.every=4", "--set", "checkpoint.keep=5"]
 MARGIN = 0.005
 
 
@@ -25,9 +28,10 @@ def _rise(r: list[float]) -> float:
 
 @pytest.fixture(scope="module")
 def tp1_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """An uninterrupted TP=1 run of 8 steps, checkpoints after steps 4 and 8 (the resume test's reference)."""
+    """An uninterrupted TP=1 run of 8 steps, checkpoints after steps 4 and 8 (the resume test's reference), with a
+    held-out evaluation before and after."""
     run = tmp_path_factory.mktemp("wan") / "tp1"
-    proc = _train(run, *WAN, "--set", "checkpoint.every=4", "--set", "checkpoint.keep=5")
+    proc = _train(run, *WAN, *EVAL)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return run
 
@@ -44,6 +48,8 @@ def test_video_reward_rises_tp1_and_the_run_folder_holds_videos(tp1_run: Path) -
 
     with Image.open(samples / "step_0007.gif") as gif:
         assert gif.n_frames == 9  # rollout.num_frames
+    for name in ("eval/step_0000.gif", "eval/step_0008.gif", "eval/step_0008.png", "eval_before_after.png"):
+        assert (tp1_run / name).is_file(), name
 
 
 @pytest.mark.slow
@@ -60,7 +66,7 @@ def test_video_reward_rises_cp2_ulysses_with_mp4(tmp_path: Path) -> None:
 
 @pytest.mark.slow
 def test_video_run_resumes_bit_identically(tp1_run: Path, tmp_path: Path) -> None:
-    args = [*WAN, "--set", "checkpoint.every=4", "--set", "checkpoint.keep=5"]
+    args = [*WAN, *EVAL]
     run = tmp_path / "killed"
     _resumes_bit_identically(tp1_run, run, 4, 8, *args)
     assert _rewards(tp1_run) == _rewards(run)
