@@ -81,6 +81,33 @@ class TinyPipeline:
 
 
 @dataclass(frozen=True)
+class DiTTraits:
+    """What a DiT family's pipeline samples and which trainer features it supports, as data: the trainer and the
+    config checks read these (`ModelFamily.traits`) instead of testing the family's name.
+
+    pipeline_class: the `_class_name` of the family's diffusers pipeline `model_index.json` (how a
+        `model.pipeline` folder says which family it holds).
+    video: the pipeline samples videos (frames [F, 3, H, W] per sample): `rollout.num_frames` may exceed 1,
+        rewards get frame strips, the run folder gets video files. False: images (num_frames 1).
+    frame_multiple: `num_frames - 1` must be a multiple of it (the VAE's temporal compression; 1 for images).
+    rollout_engines: the `rollout.engine` values that can sample the family.
+    true_cfg: the rollout and the trainer apply true classifier-free guidance (`rollout.guidance_scale > 1`).
+    flash_tail: the engine re-spaces the ODE tail after the window (MixGRPO-Flash, `algorithm.mixgrpo.flash_ratio`).
+    text_dim_key: the transformer config key of the text states' width (what the probe batch's text has).
+    token_channels: transformer config -> the channels of one packed latent token (the probe batch's latents).
+    """
+
+    pipeline_class: str
+    token_channels: Callable[[dict[str, Any]], int]
+    text_dim_key: str
+    video: bool = False
+    frame_multiple: int = 1
+    rollout_engines: tuple[str, ...] = ("diffusers",)
+    true_cfg: bool = True
+    flash_tail: bool = True
+
+
+@dataclass(frozen=True)
 class ModelFamily:
     """One model family's entry points (each a function of the family's provider module).
 
@@ -114,6 +141,8 @@ class ModelFamily:
     quantized_linears: fnmatch patterns of the diffusers-named linear modules a quantized rollout
         (`rollout.quantization`) runs in low precision: those the serving engine quantizes (empty: the family
         has no quantized rollout).
+    traits: what a DiT family's pipeline samples and which trainer features it supports (`DiTTraits`); None for
+        a family the DiT trainer does not train.
 
     The conversion fields (all None for a family without a diffusers transformer folder of its own):
     diffusers_class: the `_class_name` of the family's diffusers transformer config.json (how a folder says
@@ -142,6 +171,7 @@ class ModelFamily:
     tiny_pipeline: TinyPipeline | None = None
     megatron_module: type | None = None
     quantized_linears: tuple[str, ...] = ()
+    traits: DiTTraits | None = None
     diffusers_class: str | None = None
     arch_config: Callable[[Any], dict[str, Any]] | None = None
     mappings: Callable[[int], list[Any]] | None = None
@@ -191,6 +221,8 @@ def get_family(name: str) -> ModelFamily:
         raise ValueError(f"model_providers/{name}/family.py must define FAMILY = ModelFamily(name={name!r}, ...)")
     if family.kind not in FAMILY_KINDS:
         raise ValueError(f"model_providers/{name}/family.py: kind {family.kind!r} is not one of {FAMILY_KINDS}")
+    if family.kind == "dit" and family.traits is None:
+        raise ValueError(f"model_providers/{name}/family.py: a DiT family declares its traits (DiTTraits)")
     return family
 
 

@@ -117,3 +117,7 @@ class TemporalConsistency(Scorer):
             frames = np.stack([np.asarray(f, dtype=np.float32) / 255.0 for f in strip_frames(im, m)])
             out.append(1.0 - float(np.abs(np.diff(frames, axis=0)).mean()) if len(frames) > 1 else 1.0)
         return out
+
+
+# The scorers that read a frame strip (a video family's samples); an image has no frames to split.
+VIDEO_SCORERS = (VideoOcrScorer.name, TemporalConsistency.name)

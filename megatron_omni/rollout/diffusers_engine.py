@@ -10,7 +10,7 @@ sigma grid, text length, decode) driven by our SDE step.
   with (up to float rounding of batched matmuls). The initial noise equals what `QwenImagePipeline` draws
   for the same seed (`generator=[torch.Generator().manual_seed(s) ...]`).
 - Prompt embeddings are cached by the token ids of the templated prompt (GRPO repeats each prompt G
-  times; the negative prompt is one entry).
+  times; the negative prompt is one entry), each encoded on its own (bit-identical whatever was encoded before).
 - The velocity model is injectable (any callable with the diffusers transformer's forward keywords), so
   the trainer can run the same loop with its own model.
 - MixGRPO-Flash (`SamplingParams.tail_steps`): a sample's grid after its window is re-spaced into fewer steps,
@@ -242,9 +242,12 @@ class DiffusersRolloutEngine:
         missing = list(dict.fromkeys(k for k in keys if k not in self._cache))
         self.stats["cache_hits"] += len(keys) - len(missing)
         self.stats["cache_misses"] += len(missing)
-        if missing:
-            for k, emb in zip(missing, self.encode_token_ids(missing)):
-                self._cache[k] = emb.float().clone()
+        # One prompt per encoder call: an embedding is then a function of its prompt alone, not of which prompts
+        # shared its batch (their padding changes the encoder's rounding: 7e-7 on the tiny UMT5), so what the
+        # cache holds does not depend on the run's history (an evaluation's prompts first, or a resume) and a
+        # resumed run samples bit for bit what the uninterrupted one did.
+        for k in missing:
+            self._cache[k] = self.encode_token_ids([k])[0].float().clone()
         result = []
         for k in keys:
             self._cache.move_to_end(k)

@@ -43,12 +43,16 @@ class ProbeMismatch(RuntimeError):
     """The engine's probe forward disagrees with the trainer's: it does not hold the synced weights."""
 
 
-def probe_trajectory(hf_config: Mapping[str, Any], device: torch.device | None = None) -> Trajectory:
+def probe_trajectory(hf_config: Mapping[str, Any], device: torch.device | None = None, *,
+                     channels: int | None = None, text_dim: int | None = None) -> Trajectory:
     """The fixed probe batch for a transformer with diffusers config `hf_config`: one sample whose one window
-    step goes from sigma 0.8 to 0.5 (latents [1, 1, 4, C], text [1, 3, D], seeded), no CFG."""
+    step goes from sigma 0.8 to 0.5 (latents [1, 1, 4, C], text [1, 3, D], seeded), no CFG. C and D default to
+    Qwen-Image's (`in_channels`, `joint_attention_dim`); another family passes its own (`DiTTraits`: a video
+    family's packed 3D-patch channels and text width)."""
     g = torch.Generator().manual_seed(PROBE_SEED)
     s = PROBE_GRID[0] * PROBE_GRID[1] * PROBE_GRID[2]
-    c, d = int(hf_config["in_channels"]), int(hf_config["joint_attention_dim"])
+    c = int(hf_config["in_channels"]) if channels is None else int(channels)
+    d = int(hf_config["joint_attention_dim"]) if text_dim is None else int(text_dim)
     latents = torch.randn(1, 1, s, c, generator=g)
     traj = Trajectory(
         prompts=["probe"],

@@ -79,7 +79,7 @@ class ModelConfig:
     # The model family (a folder of model_providers/ with a family.py); its kind picks the trainer: "dit"
     # families train with FlowGRPO, "ar_dit" hybrids with the joint token + window objective (`ar_dit` section).
     family: str = "qwen_image"
-    pipeline: str = "tiny"  # a diffusers Qwen-Image folder, or "tiny": built offline into the run folder
+    pipeline: str = "tiny"  # the family's diffusers pipeline folder, or "tiny": built offline into the run folder
     tiny_seed: int = 0
     backend: str = "local"  # layer spec: "local" | "te" (TransformerEngine linears; needs transformer_engine)
     # Parameters and activations of the Megatron model: "fp32" | "bf16". bf16 is Megatron-LM's mixed precision:
@@ -106,6 +106,8 @@ class RolloutConfig:
     # written once; `sampling_params()` takes them over by name. A recipe sets the ones it depends on.
     height: int = SamplingParams.height
     width: int = SamplingParams.width
+    # Frames per sample: 1 for an image family; a video family (its traits) takes 4k + 1 for Wan's VAE.
+    num_frames: int = SamplingParams.num_frames
     num_steps: int = SamplingParams.num_steps
     noise_level: float = SamplingParams.noise_level
     sde_type: str = SamplingParams.sde_type
@@ -114,6 +116,9 @@ class RolloutConfig:
     window_range: list[int] | None = SamplingParams.window_range
     guidance_scale: float = SamplingParams.guidance_scale
     negative_prompt: str | None = SamplingParams.negative_prompt
+    # Text tokens a prompt is cut to; Wan pads every prompt's text to it (text_length when set), so a small
+    # value keeps a tiny video model's cross-attention small.
+    max_sequence_length: int = SamplingParams.max_sequence_length
     prompts_per_step: int = 4
     group_size: int = 4
     max_batch_size: int = 16
@@ -154,6 +159,9 @@ class RewardConfig:
     scorer: str = "jpeg_compressibility"
     url: str | None = None  # a running reward server; None scores in this process
     timeout_s: float = 120.0
+    # A video family's samples reach the scorer as a strip of this many frames spread evenly over the video
+    # (first and last included; `reward.video.video_strip`), or of all its frames when it has fewer.
+    video_frames: int = 4
 
 
 # The update rules `algorithm.name` selects (one trainer, `trainer/flowgrpo.py`; the math in megatron_omni/algorithms).
@@ -256,6 +264,8 @@ class LoggingConfig:
     wandb: bool = False
     wandb_project: str = "megatron-omni"
     image_every: int = 5  # steps between sample grids; 0 = only the last step
+    # A video family's sample grids are also written as videos: "gif" (Pillow) | "mp4" (H.264 through PyAV)
+    video_format: str = "gif"
 
 
 @dataclass
@@ -318,6 +328,7 @@ class JobConfig:
         """Check values and the layout against the world size; raises ConfigError naming the field."""
         from megatron_omni.trainer.config_checks import (
             check_algorithm,
+            check_dit_traits,
             check_family,
             check_fields,
             check_quantization,
@@ -330,6 +341,7 @@ class JobConfig:
         if check_family(self) == "ar_dit":
             return _validate_layout(self, world_size)
         check_reward(self)
+        check_dit_traits(self)
         check_algorithm(self)
         check_quantization(self)
         try:

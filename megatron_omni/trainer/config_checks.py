@@ -9,6 +9,7 @@ below. `test_config_validation.py` walks the table, so a new numeric field needs
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import types
 import typing
@@ -43,6 +44,9 @@ BOUNDS: list[tuple[str, float | None, bool, float | None, bool]] = [
     ("rollout.max_batch_size", 1, True, None, False),
     ("rollout.tp", 1, True, None, False),
     ("rollout.text_length", 1, True, 1024, True),
+    ("rollout.num_frames", 1, True, None, False),
+    ("rollout.max_sequence_length", 1, True, 1024, True),
+    ("reward.video_frames", 1, True, None, False),
     ("reward.timeout_s", 0, False, None, False),
     ("algorithm.clip_range", 0, False, None, False),
     ("algorithm.adv_clip", 0, False, None, False),
@@ -100,6 +104,7 @@ CHOICES: dict[str, tuple[Any, ...]] = {
     "algorithm.old_logprob": ("recompute", "bypass"),
     "algorithm.name": ("flowgrpo", "mixgrpo", "diffusionnft", "grpo_guard"),
     "algorithm.nft.adv_mode": ("all", "positive_only", "negative_only", "binary"),
+    "logging.video_format": ("gif", "mp4"),
     "ar_dit.aggregation": ("token_mean", "seq_mean_token_mean"),
     "ar_dit.freeze": (None, "decoder", "dit"),
 }
@@ -117,6 +122,8 @@ AR_DIT_UNSUPPORTED: list[tuple[str, Any, str]] = [
     ("rollout.dtype", "fp32", "the hybrid's rollout samples in fp32"),
     ("rollout.tp", 1, "the hybrid's rollout is one process per rank"),
     ("rollout.text_length", None, "the hybrid pads plans itself"),
+    ("rollout.num_frames", 1, "the hybrid generates images"),
+    ("rollout.max_sequence_length", 512, "the hybrid pads plans itself"),
     ("rollout.guidance_scale", 1.0, "the hybrid samples without classifier-free guidance"),
     ("rollout.negative_prompt", None, "the hybrid samples without classifier-free guidance"),
     ("reward.url", None, "the hybrid's reward scores trajectories in process (ar_dit.reward)"),
@@ -139,7 +146,7 @@ AR_DIT_UNSUPPORTED: list[tuple[str, Any, str]] = [
 ]
 
 # Scorers whose reward is the text the prompt quotes: every prompt must quote one.
-OCR_SCORERS = ("ocr", "vlm_ocr")
+OCR_SCORERS = ("ocr", "vlm_ocr", "video_ocr")
 
 
 def get_field(cfg: Any, dotted: str) -> Any:
@@ -410,6 +417,45 @@ def check_reward(cfg: Any) -> None:
                                       f"text): {exc}") from None
 
 
+def check_dit_traits(cfg: Any) -> None:
+    """A DiT family's settings against its traits (`model_providers.DiTTraits`): frames, scorers that read frame
+    strips, the rollout engine, true CFG, MixGRPO-Flash's tail. Raises ConfigError naming the field, the value and
+    the family."""
+    from megatron_omni.reward.registry import scorer_names
+    from megatron_omni.reward.video import VIDEO_SCORERS
+    from megatron_omni.trainer.config import ConfigError
+    from model_providers import get_family
+
+    family = get_family(cfg.model.family)
+    traits, r, name = family.traits, cfg.rollout, family.name
+    if traits.video:
+        if (r.num_frames - 1) % traits.frame_multiple:
+            raise ConfigError(f"rollout.num_frames={r.num_frames!r} with model.family={name}: num_frames - 1 must be "
+                              f"a multiple of {traits.frame_multiple} (the VAE's temporal compression), e.g. "
+                              f"{traits.frame_multiple + 1} or {2 * traits.frame_multiple + 1}")
+    else:
+        if r.num_frames != 1:
+            raise ConfigError(f"rollout.num_frames={r.num_frames!r} with model.family={name}: the family generates "
+                              "images (num_frames 1)")
+        video = [n for n in scorer_names(cfg.reward.scorer) if n in VIDEO_SCORERS]
+        if video:
+            raise ConfigError(f"reward.scorer={cfg.reward.scorer!r} with model.family={name}: {video[0]} scores "
+                              "video frame strips and the family generates images")
+    if r.engine not in traits.rollout_engines:
+        raise ConfigError(f"rollout.engine={r.engine!r} is not supported with model.family={name} yet (engines: "
+                          f"{'|'.join(traits.rollout_engines)})")
+    if r.guidance_scale > 1 and not traits.true_cfg:
+        raise ConfigError(f"rollout.guidance_scale={r.guidance_scale!r} is not supported with model.family={name} "
+                          "yet: its rollout samples without true CFG (guidance 1)")
+    if cfg.eval.guidance_scale is not None and cfg.eval.guidance_scale > 1 and not traits.true_cfg:
+        raise ConfigError(f"eval.guidance_scale={cfg.eval.guidance_scale!r} is not supported with model.family="
+                          f"{name} yet: its rollout samples without true CFG (guidance 1)")
+    flash = cfg.algorithm.mixgrpo.flash_ratio
+    if flash is not None and not traits.flash_tail:
+        raise ConfigError(f"algorithm.mixgrpo.flash_ratio={flash!r} is not supported with model.family={name} yet: "
+                          "its engine samples a static-shift grid and has no compressed ODE tail (MixGRPO-Flash)")
+
+
 def check_url(url: str, name: str) -> None:
     """An http(s) URL with a host and, when given, a port in 1..65535; ConfigError naming `name` otherwise."""
     from megatron_omni.trainer.config import ConfigError
@@ -434,15 +480,25 @@ def check_files(cfg: Any) -> None:
     from model_providers import get_family
 
     # Only a DiT family reads a pipeline folder (the AR-DiT hybrid is built from its preset).
-    if cfg.model.pipeline != "tiny" and get_family(cfg.model.family).kind == "dit":
+    family = get_family(cfg.model.family)
+    if cfg.model.pipeline != "tiny" and family.kind == "dit":
         path = Path(cfg.model.pipeline)
+        expected = family.traits.pipeline_class
         if not path.is_dir():
-            raise ConfigError(f"model.pipeline={cfg.model.pipeline!r} is not a folder (a diffusers Qwen-Image "
-                              "pipeline, or 'tiny')")
+            raise ConfigError(f"model.pipeline={cfg.model.pipeline!r} is not a folder (a diffusers {expected} "
+                              "folder, or 'tiny')")
         index = path / "model_index.json"
         if not index.is_file() or not os.access(index, os.R_OK):
             raise ConfigError(f"model.pipeline={cfg.model.pipeline!r} has no readable model_index.json (not a "
                               "diffusers pipeline folder)")
+        try:
+            held = json.loads(index.read_text()).get("_class_name")
+        except (OSError, ValueError, AttributeError):
+            raise ConfigError(f"model.pipeline={cfg.model.pipeline!r}: its model_index.json is not a JSON "
+                              "object") from None
+        if held != expected:
+            raise ConfigError(f"model.pipeline={cfg.model.pipeline!r} holds a {held} and model.family="
+                              f"{family.name} trains a {expected}; set model.family to the folder's family")
     check_writable(Path(cfg.run_dir), "run_dir")
 
 

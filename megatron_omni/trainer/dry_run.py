@@ -24,14 +24,15 @@ from megatron_omni.planner import (
     measured_mfu,
 )
 from megatron_omni.planner.dry_run import dry_run as planner_dry_run
+from megatron_omni.planner.video import VideoWorkload, choose_cp, plan_video
 from megatron_omni.trainer.config import ConfigError, JobConfig, apply_overrides
 from model_providers import get_family
-from model_providers.qwen_image.provider import hf_config
 
 
 def _model_config(cfg: JobConfig) -> tuple[dict[str, Any] | str, str]:
     """The transformer's diffusers config for planning and where it came from: the pipeline folder's
     transformer/config.json when it is at hand, else `model.preset` (so a job can be planned on a laptop)."""
+    hf_config = get_family(cfg.model.family).config
     if cfg.model.pipeline == "tiny":
         return get_family(cfg.model.family).tiny_pipeline.transformer_config(), "tiny pipeline"
     path = Path(cfg.model.pipeline) / "transformer" / "config.json"
@@ -43,7 +44,7 @@ def _model_config(cfg: JobConfig) -> tuple[dict[str, Any] | str, str]:
         return model, str(path)
     if cfg.model.preset is None:
         raise ConfigError(f"model.pipeline={cfg.model.pipeline!r}: no {path} to plan with; point it at a diffusers "
-                          "Qwen-Image folder or set model.preset (e.g. --set model.preset=20b)")
+                          "pipeline folder or set model.preset (e.g. --set model.preset=20b)")
     try:
         hf_config(cfg.model.preset)
     except KeyError as exc:
@@ -94,8 +95,9 @@ def dry_run(cfg: JobConfig, world_size: int, gpu: str, gpus_per_node: int = 8, r
     weights. `mfu_from`: a JSON written by tools/gpu_check.sh whose measured MFU replaces the assumed one.
     Returns 0 when it fits, 3 when it does not (with the changes the planner checked fit); raises ConfigError
     for an invalid config or layout."""
-    if cfg.model.family != "qwen_image":
-        raise ConfigError(f"--dry-run: the planner models the qwen_image family; model.family={cfg.model.family} "
+    family = get_family(cfg.model.family)
+    if family.kind != "dit":
+        raise ConfigError(f"--dry-run: the planner models DiT families; model.family={cfg.model.family} "
                           "has no cost model yet")
     mfu = DEFAULT_MFU
     if mfu_from is not None:
@@ -103,6 +105,9 @@ def dry_run(cfg: JobConfig, world_size: int, gpu: str, gpus_per_node: int = 8, r
             mfu = measured_mfu(mfu_from)
         except ValueError as exc:
             raise ConfigError(f"--mfu-from: {exc}") from None
+
+    if family.traits.video:
+        return video_dry_run(cfg, world_size, gpu, gpus_per_node, reward_gpus, mfu)
 
     def build(c: JobConfig, world: int) -> JobPlan:
         return job_plan(c, world, gpu, gpus_per_node, reward_gpus, mfu, mfu_from)
@@ -116,3 +121,71 @@ def dry_run(cfg: JobConfig, world_size: int, gpu: str, gpus_per_node: int = 8, r
         return planner_dry_run(build(cfg, world_size), replan)
     except LayoutError as exc:
         raise ConfigError(f"layout: {exc}") from exc
+
+
+def video_workload(cfg: JobConfig, world_size: int) -> VideoWorkload:
+    """The planner's view of a video job's step (`planner.video`): Wan pads every prompt to the text length."""
+    r, p = cfg.rollout, cfg.parallel
+    dp = max(world_size // (p.tp * p.ulysses * p.ring * p.pp), 1)
+    per_replica = r.prompts_per_step * r.group_size // cfg.optim.mini_batches // dp
+    return VideoWorkload(frames=r.num_frames, height=r.height, width=r.width,
+                         text_tokens=r.text_length or r.max_sequence_length, sampling_steps=r.num_steps,
+                         window=r.window_size, prompts=r.prompts_per_step, group_size=r.group_size,
+                         mini_batches=cfg.optim.mini_batches,
+                         micro_batch_size=cfg.optim.micro_batch_size or max(per_replica, 1),
+                         recompute_old_logprob=cfg.algorithm.old_logprob == "recompute")
+
+
+def planner_cp(cfg: JobConfig, world_size: int, gpu: str = "H200", max_cp: int = 8, mfu: float = DEFAULT_MFU,
+               model: dict[str, Any] | str | None = None):
+    """The planner's plan (`planner.video.choose_cp`) at the smallest Ulysses degree that fits a video job's clip
+    at its tp, pp, precision and recompute (`model`: its transformer config, default `_model_config`'s); raises
+    LayoutError when none up to `max_cp` fits. What a video recipe sets parallel.ulysses from."""
+    p, r = cfg.parallel, cfg.rollout
+    return choose_cp(model if model is not None else _model_config(cfg)[0], world_size,
+                     video_workload(cfg, world_size), tp=p.tp, pp=p.pp, gpu=gpu,
+                     precision=Precision.of(cfg.model.params_dtype, r.dtype, cfg.optim.distributed_optimizer),
+                     recompute=cfg.model.recompute or "none", mfu=mfu, max_cp=max_cp)
+
+
+def video_dry_run(cfg: JobConfig, world_size: int, gpu: str, gpus_per_node: int, reward_gpus: int,
+                  mfu: float) -> int:
+    """The dry run of a video family (`planner.video`): the clip's tokens, the layout, per-GPU memory and step
+    time at the config's layout, and the Ulysses degree the planner would choose at its tp and pp (the smallest
+    that fits). Returns 0 when the config's layout fits, 3 when not; ConfigError for a layout that cannot run."""
+    model, source = _model_config(cfg)
+    p, r = cfg.parallel, cfg.rollout
+    precision = Precision.of(cfg.model.params_dtype, r.dtype, cfg.optim.distributed_optimizer)
+    recompute = cfg.model.recompute or "none"
+    work = video_workload(cfg, world_size)
+    try:
+        got = plan_video(model, ParallelLayout(tp=p.tp, ulysses=p.ulysses, ring=p.ring, pp=p.pp), world_size, work,
+                         gpu, precision, recompute, mfu)
+    except LayoutError as exc:
+        raise ConfigError(f"layout: {exc}") from exc
+    try:
+        chosen = planner_cp(cfg, world_size, gpu, gpus_per_node, mfu, model)
+        choice = f"ulysses={chosen.layout.ulysses} (the smallest Ulysses degree that fits at tp={p.tp}, pp={p.pp})"
+    except LayoutError as exc:
+        chosen, choice = None, f"none fits: {exc}"
+    lay, m, gib = got.layout, got.memory, 2**30
+    print(f"dry run: world size {world_size} trainer ranks + {reward_gpus} reward GPUs, model from {source} "
+          f"(model.family={cfg.model.family}), {gpu}")
+    print(f"clip: {work.frames} frames {work.height}x{work.width} -> patch grid {'x'.join(map(str, got.grid))} = "
+          f"{got.video_tokens} video tokens, {work.text_tokens} text tokens; {work.videos} clips per step")
+    print(f"layout: tp={lay.tp} ulysses={lay.ulysses} ring={lay.ring} pp={lay.pp} dp={lay.dp}, recompute "
+          f"{recompute}, precision model {cfg.model.params_dtype} / rollout {r.dtype} ({r.engine} engine)")
+    print(f"context parallel chosen by the planner: {choice}")
+    print(f"memory per GPU: {m.total / gib:.1f} GiB of {m.capacity / gib:.1f} (parameters {m.parameters / gib:.1f}, "
+          f"gradients {m.gradients / gib:.1f}, optimizer states {m.optimizer_states / gib:.1f}, activations "
+          f"{m.activations / gib:.1f}, rollout weights {m.rollout_weights / gib:.1f}, rollout activations "
+          f"{m.rollout_activations / gib:.1f}, reserve {m.reserve / gib:.1f})")
+    print(f"step time: {got.step_s:.1f} s (rollout {got.rollout_s:.1f}, old log-probs {got.old_logprob_s:.1f}, train "
+          f"{got.train_s:.1f}) at MFU {mfu:.2f}; {got.videos_per_s_per_gpu(work.videos):.4f} videos/s/GPU")
+    print("not modelled for video yet: collectives, the text encoder and the VAE decode")
+    if m.fits:
+        print("dry run OK: the layout is valid for this world size and fits")
+        return 0
+    print(f"dry run: does not fit in {gpu} memory" + (f"; the planner's choice fits: --set parallel.ulysses="
+                                                      f"{chosen.layout.ulysses}" if chosen is not None else ""))
+    return 3

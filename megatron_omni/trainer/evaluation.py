@@ -20,6 +20,7 @@ import torch
 
 from megatron_omni.rollout.base import SamplingParams
 from megatron_omni.trainer import atomic_files
+from megatron_omni.trainer.metrics import first_frames
 from megatron_omni.trainer.rewards import RewardFunction
 
 
@@ -136,7 +137,7 @@ def save_before_after_grid(before: EvalResult, after: EvalResult, path: Path, co
         r, c = divmod(k, columns)
         for j, (res, tag) in enumerate(((before, "before"), (after, "after"))):
             ax = axes[r][2 * c + j]
-            ax.imshow(res.images[i].clamp(0, 1).permute(1, 2, 0).numpy())
+            ax.imshow(first_frames(res.images)[i].clamp(0, 1).permute(1, 2, 0).numpy())
             ax.set_title(f"{tag} {res.rewards[i]:.2f}\n{res.prompts[i][:18]}", fontsize=6)
     fig.suptitle(f"held-out reward over {len(before.prompts)} samples: before {before.mean():.3f} -> after "
                  f"{after.mean():.3f} (shown: {n})", fontsize=9)

@@ -200,7 +200,9 @@ class FlowGRPOTrainer:
             self.weight_sync = WeightSync(plan, sources=sources, target=sink.target, tp_group=groups.tp,
                                           tp_rank=groups.tp.rank(), stage=groups.coords["pp"], transport=transport)
         self.guard = GradGuard(cfg.optim.max_bad_steps, "optim.max_bad_steps")
-        self.probe = probe_trajectory(self.hf_config, platform.device())
+        traits = self.family.traits
+        self.probe = probe_trajectory(self.hf_config, platform.device(), channels=traits.token_channels(self.hf_config),
+                                      text_dim=int(self.hf_config[traits.text_dim_key]))
         self.probe_tolerance = probe_tolerance(mcfg.params_dtype, self.engine.dtype)
         self.syncs = 0
         self.last_quantized_probe: QuantizedProbe | None = None

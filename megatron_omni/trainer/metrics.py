@@ -1,5 +1,6 @@
 """Metrics sinks (JSONL, TensorBoard, wandb offline unless configured) and the pictures people look at:
-sample grids with prompts and rewards, and the reward curve as PNG. Only rank 0 writes."""
+sample grids with prompts and rewards (for videos a first-frame PNG grid and the grid as a GIF or MP4), and the
+reward curve as PNG. Only rank 0 writes."""
 
 from __future__ import annotations
 
@@ -53,6 +54,25 @@ def read_history(path: Path) -> list[dict[str, Any]]:
     if not path.exists():
         return []
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def first_frames(images: torch.Tensor) -> torch.Tensor:
+    """Samples as still images: images [N, 3, H, W] as they are, videos [N, F, 3, H, W] -> their first frames."""
+    return images[:, 0] if images.dim() == 5 else images
+
+
+def save_samples(images: torch.Tensor, captions: list[str], path: Path, video_format: str = "gif") -> list[Path]:
+    """A captioned PNG grid of the samples at `path` (a video's first frames) and, for videos [N, F, 3, H, W],
+    the grid as a video beside it (`path` with suffix `.gif` | `.mp4`, `video_format`). Atomic writes; returns
+    the files written."""
+    save_image_grid(first_frames(images), captions, path)
+    if images.dim() != 5:
+        return [path]
+    from megatron_omni.rollout.video_files import save_video_grid
+
+    video = path.with_suffix(f".{video_format}")
+    save_video_grid(images, [c.replace("\n", " ") for c in captions], video)
+    return [path, video]
 
 
 def save_image_grid(images: torch.Tensor, captions: list[str], path: Path, columns: int = 4) -> None:

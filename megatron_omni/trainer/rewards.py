@@ -1,4 +1,6 @@
-"""Rewards for the trainer: each image goes to the scorer as soon as the rollout finishes it.
+"""Rewards for the trainer: each image goes to the scorer as soon as the rollout finishes it. A video (a sample's
+frames [F, 3, H, W]) goes as one strip of `video_frames` evenly sampled frames with metadata `{"frames": K}`
+(`reward.video.video_strip`), which the video scorers split back into frames.
 
 With `reward.url` set, images stream to the reward server over HTTP (scoring overlaps generation);
 otherwise the scorer runs in this process. A failed scorer or an unreachable server raises: a reward is
@@ -21,6 +23,7 @@ import torch.distributed as dist
 
 from megatron_omni.reward.client import RewardClient
 from megatron_omni.reward.registry import build_scorer
+from megatron_omni.reward.video import video_strip
 from megatron_omni.rollout.base import FinishedSample
 
 TOKEN_ENV = "REWARD_SERVER_TOKEN"
@@ -93,14 +96,17 @@ def gather_rewards(dp: dist.ProcessGroup, rewards: torch.Tensor,
 class RewardFunction:
     """`begin(n)`, then `on_sample(sample)` per finished sample, then `collect() -> rewards [n]`."""
 
-    def __init__(self, scorer: str, url: str | None = None, timeout_s: float = 120.0) -> None:
+    def __init__(self, scorer: str, url: str | None = None, timeout_s: float = 120.0,
+                 video_frames: int | None = None) -> None:
         self.name = scorer
+        # Frames of a video sample the scorer sees (`reward.video_frames`); None: the trainer samples images.
+        self.video_frames = video_frames
         # The server's bearer token (required when it binds beyond loopback) comes from the environment, as
         # the server's own --token default does, so it never lands in a saved config.
         token = os.environ.get(TOKEN_ENV)
         self.client = RewardClient(url, timeout_s=timeout_s, token=token) if url else None
         self.scorer = None if url else build_scorer(scorer)
-        self._pending: list[tuple[int, np.ndarray, str]] = []
+        self._pending: list[tuple[int, np.ndarray, str, dict[str, Any]]] = []
         self._n = 0
         # The trainer's progress bar (a tqdm): while collect() waits on the server its postfix reads
         # "waiting for rewards: N outstanding". None: nothing shown.
@@ -110,20 +116,32 @@ class RewardFunction:
         self._pending, self._n = [], n
 
     def on_sample(self, sample: FinishedSample) -> None:
-        image = to_uint8_hwc(sample.image)
+        image, metadata = self.scored_image(sample.image)
         if self.client is not None:
-            self.client.submit(sample.index, image, sample.prompt)
+            self.client.submit(sample.index, image, sample.prompt, metadata)
         else:
-            self._pending.append((sample.index, image, sample.prompt))
+            self._pending.append((sample.index, image, sample.prompt, metadata))
+
+    def scored_image(self, sample: torch.Tensor) -> tuple[np.ndarray, dict[str, Any]]:
+        """What the scorer gets for one sample: an image [3, H, W] as uint8 [H, W, 3] with no metadata, a video
+        [F, 3, H, W] as the uint8 strip of `video_frames` of its frames with `{"frames": K}`. Raises ValueError for
+        a video when no `video_frames` was given, or for another shape."""
+        if sample.dim() == 3:
+            return to_uint8_hwc(sample), {}
+        if sample.dim() == 4 and self.video_frames is not None:
+            strip, metadata = video_strip(sample, self.video_frames)
+            return np.asarray(strip), metadata
+        raise ValueError(f"a sample of shape {tuple(sample.shape)} is neither an image [3, H, W] nor a video "
+                         f"[F, 3, H, W] with video_frames set (got {self.video_frames})")
 
     def collect(self) -> torch.Tensor:
         if self.client is not None:
             rewards = self.client.gather(on_wait=self._show_wait)
         else:
             items = sorted(self._pending, key=lambda it: it[0])
-            if [i for i, _, _ in items] != list(range(self._n)):
+            if [it[0] for it in items] != list(range(self._n)):
                 raise RuntimeError(f"rollout finished {len(items)} of {self._n} samples")
-            rewards = self.scorer([im for _, im, _ in items], [p for _, _, p in items])
+            rewards = self.scorer([it[1] for it in items], [it[2] for it in items], [it[3] for it in items])
         if len(rewards) != self._n:
             raise RuntimeError(f"reward for {len(rewards)} of {self._n} samples")
         return torch.tensor(rewards, dtype=torch.float32)

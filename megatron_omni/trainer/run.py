@@ -25,7 +25,7 @@ from megatron_omni.trainer.checkpointing import (
 from megatron_omni.trainer.config import ConfigError, JobConfig, to_dict
 from megatron_omni.trainer.evaluation import EvalResult, eval_samples, evaluate, save_before_after_grid, with_peak
 from megatron_omni.trainer.flowgrpo import FlowGRPOTrainer
-from megatron_omni.trainer.metrics import MetricsWriter, read_history, save_image_grid, save_reward_curve
+from megatron_omni.trainer.metrics import MetricsWriter, read_history, save_reward_curve, save_samples
 from megatron_omni.trainer.preemption import StopRequests, TrainingStopped
 from megatron_omni.trainer.rewards import RewardFunction
 from megatron_omni.trainer.run_folder import RESUME_AUTO, clear_run_dir, new_run_id
@@ -84,7 +84,7 @@ def record_evaluation(cfg: JobConfig, trainer: FlowGRPOTrainer, run_dir: Path, d
     folder.mkdir(exist_ok=True)
     result.save(folder / f"step_{done:04d}.npz")
     caps = [f"{p[:24]}\nr={r:.3g}" for p, r in zip(result.prompts, result.rewards.tolist())]
-    save_image_grid(result.images, caps, folder / f"step_{done:04d}.png")
+    save_samples(result.images, caps, folder / f"step_{done:04d}.png", cfg.logging.video_format)
     seen, transfer = set(cfg.prompts), set(e.transfer_prompts)
     summary = {"step": done, **result.summary(seen, transfer)}
     if e.rollout_sampler:
@@ -136,7 +136,9 @@ def build_trainer(cfg: JobConfig, groups, run_dir: Path) -> tuple[object, Reward
         return ARDiTTrainer(ARDiTTrainConfig.from_job(cfg), groups,
                             load_trajectory_reward(cfg.ar_dit.reward, vocab)), None
     pipeline = prepare_pipeline(cfg, run_dir)
-    reward_fn = RewardFunction(cfg.reward.scorer, cfg.reward.url, cfg.reward.timeout_s)
+    # A video family's samples reach the scorer as strips of reward.video_frames frames (its traits say video).
+    video_frames = cfg.reward.video_frames if family.traits.video else None
+    reward_fn = RewardFunction(cfg.reward.scorer, cfg.reward.url, cfg.reward.timeout_s, video_frames)
     return FlowGRPOTrainer(cfg, groups, pipeline, reward_fn), reward_fn
 
 
@@ -203,7 +205,8 @@ def _run(cfg: JobConfig, overwrite: bool, stops: StopRequests) -> dict:
             every = cfg.logging.image_every
             if step == cfg.steps - 1 or (every and step % every == 0):
                 caps = [f"{pr[:24]}\nr={r:.3g}" for pr, r in zip(result.prompts, result.rewards.tolist())]
-                save_image_grid(result.images, caps, run_dir / "samples" / f"step_{step:04d}.png")
+                save_samples(result.images, caps, run_dir / "samples" / f"step_{step:04d}.png",
+                             cfg.logging.video_format)
         done = step + 1
         # The step boundary: every rank learns whether any rank was signalled, so all stop after this step.
         stop = stops.requested()

@@ -5,7 +5,7 @@ from __future__ import annotations
 from megatron_omni.models.dit.model import MMDiTModel
 from model_providers.qwen_image import mapping, presets, provider
 from model_providers.qwen_image.rollout_layouts import QUANTIZED_LINEARS
-from model_providers.registry import ModelFamily, TinyPipeline
+from model_providers.registry import DiTTraits, ModelFamily, TinyPipeline
 
 FAMILY = ModelFamily(
     name="qwen_image",
@@ -22,6 +22,9 @@ FAMILY = ModelFamily(
     megatron_module=MMDiTModel,
     tiny_pipeline=TinyPipeline(make=provider.make_tiny_pipeline, transformer_config=provider.tiny_transformer_config),
     quantized_linears=QUANTIZED_LINEARS,
+    # Images: the pipeline packs 2 x 2 latent patches, so the transformer's in_channels is already a token's.
+    traits=DiTTraits(pipeline_class="QwenImagePipeline", token_channels=lambda c: int(c["in_channels"]),
+                     text_dim_key="joint_attention_dim", rollout_engines=("diffusers", "vllm_omni")),
     diffusers_class="QwenImageTransformer2DModel",
     arch_config=provider.hf_config,
     mappings=mapping.all_mappings,

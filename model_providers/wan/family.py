@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import math
+
 from megatron_omni.models.dit.wan_model import WanModel
 from model_providers.qwen_image.mapping import hf_to_megatron, megatron_to_hf
-from model_providers.registry import ModelFamily, TinyPipeline
+from model_providers.registry import DiTTraits, ModelFamily, TinyPipeline
 from model_providers.wan import mapping, presets, provider
 
 FAMILY = ModelFamily(
@@ -21,6 +23,12 @@ FAMILY = ModelFamily(
     megatron_sources=provider.megatron_sources,
     megatron_module=WanModel,
     tiny_pipeline=TinyPipeline(make=provider.make_tiny_pipeline, transformer_config=provider.tiny_transformer_config),
+    # Video (4k + 1 frames: Wan's VAE compresses time 4x); what the trainer does not support on Wan yet: the
+    # vLLM-Omni engine (no SDE pipeline class for its Wan2.2 pipeline), true CFG (Wan's guidance has no per-token
+    # rescale) and MixGRPO-Flash's tail (Wan samples a static-shift grid): rollout/wan_engine.py.
+    traits=DiTTraits(pipeline_class="WanPipeline", text_dim_key="text_dim", video=True, frame_multiple=4,
+                     token_channels=lambda c: int(c["in_channels"]) * math.prod(c["patch_size"]),
+                     rollout_engines=("diffusers",), true_cfg=False, flash_tail=False),
     diffusers_class="WanTransformer3DModel",
     arch_config=provider.hf_config,
     mappings=mapping.all_mappings,

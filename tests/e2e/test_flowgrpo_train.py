@@ -22,6 +22,7 @@ from megatron_omni.parallel.rank_pool import free_port
 ROOT = Path(__file__).resolve().parents[2]
 # A short run of the demo recipe: 4 prompts x 4 samples, 6 sampling steps, window 2.
 SHORT = ["--set", "logging.tensorboard=false", "--set", "logging.image_every=0"]
+WAN = ["--recipe", "examples.wan.recipe:wan_video_demo"]  # the tiny video demo (docs/video.md)
 
 
 def _env() -> dict[str, str]:
@@ -229,6 +230,23 @@ def test_bypass_and_recompute_give_the_same_first_update(tmp_path: Path) -> None
         (["--set", "algorithm.clip_range=0"], "algorithm.clip_range=0.0 must be > 0"),
         (["--set", "algorithm.max_logp_gap=-1"], "algorithm.max_logp_gap=-1.0"),
         (["--set", "optim.lr=0"], "optim.lr=0.0 must be > 0"),
+        # What the Wan (video) family does not support yet, by its traits, and frames / scorers / folders that
+        # do not fit the family
+        ([*WAN, "--set", "rollout.guidance_scale=3", "--set", "rollout.negative_prompt= "],
+         "rollout.guidance_scale=3.0 is not supported with model.family=wan"),
+        ([*WAN, "--set", "rollout.engine=vllm_omni"],
+         "rollout.engine='vllm_omni' is not supported with model.family=wan"),
+        ([*WAN, "--set", "algorithm.name=mixgrpo", "--set", "algorithm.mixgrpo.flash_ratio=0.4"],
+         "algorithm.mixgrpo.flash_ratio=0.4 is not supported with model.family=wan"),
+        ([*WAN, "--set", "rollout.quantization=fp8"], "rollout.quantization='fp8' with model.family=wan"),
+        ([*WAN, "--set", "rollout.num_frames=8"], "rollout.num_frames=8 with model.family=wan: num_frames - 1"),
+        ([*WAN, "--set", "reward.video_frames=0"], "reward.video_frames=0 must be >= 1"),
+        ([*WAN, "--set", "model.pipeline=examples/tiny/text_pipeline"],
+         "holds a QwenImagePipeline and model.family=wan trains a WanPipeline"),
+        (["--set", "rollout.num_frames=9"], "rollout.num_frames=9 with model.family=qwen_image"),
+        (["--set", "reward.scorer=temporal_consistency"],
+         "reward.scorer='temporal_consistency' with model.family=qwen_image"),
+        (["--set", "logging.video_format=avi"], "logging.video_format='avi' must be gif|mp4"),
     ],
 )
 def test_bad_config_fails_before_work(tmp_path: Path, args: list[str], message: str, monkeypatch: pytest.MonkeyPatch,

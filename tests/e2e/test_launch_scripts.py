@@ -33,7 +33,13 @@ EXPECTED_WORLD = {
     "examples/qwen_image/train_20b_lora_h800.sh": 3,  # 4 x H800, GPU 3 for the reward
     "examples/tiny/train_tiny.sh": 2,
     "examples/tiny/ocr_miniature.sh": 1,
+    "examples/wan/train_wan.sh": 16,  # SIZE defaults to 14b on NNODES=2
 }
+# What every dry run prints; a video family's plan (planner/video.py) names videos and the planner's CP choice.
+PLAN_PARTS = ("memory per GPU:", "optimizer states", "step time:", "images/s/GPU", "reference (VeRL-Omni", "bridge:",
+              "dry run OK")
+VIDEO_PLAN_PARTS = ("memory per GPU:", "optimizer states", "step time:", "videos/s/GPU",
+                    "context parallel chosen by the planner: ulysses=", "dry run OK")
 TIMEOUT_S = 300
 
 
@@ -61,6 +67,7 @@ BAD = {
                          r"no layout for 3 nodes"),
     "vlm_judge_without_gpus": ("examples/qwen_image/train_20b_1node.sh", [], {"REWARD_KIND": "vlm", "REWARD_GPUS": ""},
                                r"REWARD_KIND=vlm needs REWARD_GPUS"),
+    "wan_unknown_size": ("examples/wan/train_wan.sh", [], {"SIZE": "7b"}, r"SIZE=7b: expected 14b or 5b"),
 }
 # The same checks, in this process (cheap: no interpreter start): (recipe, world size, overrides, rc, pattern).
 BAD_IN_PROCESS = {
@@ -84,7 +91,8 @@ def results() -> dict[str, subprocess.CompletedProcess]:
     """Every dry run of this module (scripts as they are, then the bad layouts), two at a time."""
     jobs = ({s: (s, [], {}) for s in SCRIPTS} | {k: v[:3] for k, v in BAD.items()}
             | {f"train_20b_nnodes_{n}": ("examples/qwen_image/train_20b.sh", [], {"NNODES": str(n)}) for n in (2, 4)}
-            | {"lora_h800_no_reward_gpu": (LORA_H800, [], {"REWARD_ON_GPU": "0"})})
+            | {"lora_h800_no_reward_gpu": (LORA_H800, [], {"REWARD_ON_GPU": "0"})}
+            | {"wan_5b": ("examples/wan/train_wan.sh", [], {"SIZE": "5b"})})
     with ThreadPoolExecutor(max_workers=2) as pool:
         futures = {k: pool.submit(_run, s, *args, extra=env) for k, (s, args, env) in jobs.items()}
         return {k: f.result() for k, f in futures.items()}
@@ -105,8 +113,7 @@ def test_script_dry_run_plans_its_world(script: str, results: dict) -> None:
     assert launched.group(1) == planned.group(1), "the script's world size did not reach the entry point"
     if script in EXPECTED_WORLD:
         assert int(planned.group(1)) == EXPECTED_WORLD[script]
-    for part in ("memory per GPU:", "optimizer states", "step time:", "images/s/GPU", "reference (VeRL-Omni",
-                 "bridge:", "dry run OK"):
+    for part in VIDEO_PLAN_PARTS if script.startswith("examples/wan/") else PLAN_PARTS:
         assert part in out, f"{script}: the plan lacks {part!r}:\n{out[-2000:]}"
     assert "torch.distributed.run" not in proc.stderr  # nothing was launched
 
@@ -247,3 +254,16 @@ def test_a_bad_config_stops_the_launch_with_rc_2_before_anything_starts(tmp_path
     assert not (tmp_path / "logs" / "reward_server.log").exists()
     assert time.monotonic() - start < 60
     assert not (run_dir / "config.json").exists()
+
+
+@pytest.mark.parametrize("case,world,ulysses", [("examples/wan/train_wan.sh", 16, 2), ("wan_5b", 8, 1)])
+def test_wan_dry_run_plans_the_clip_with_the_planners_cp(case: str, world: int, ulysses: int, results: dict) -> None:
+    """Wan2.1-14B's 81-frame 480p clip (32,760 video tokens) does not fit one GPU per replica at 16 GPUs: the
+    planner chooses Ulysses 2 and the layout carries it; Wan2.2-5B's 121-frame 720p clip fits without CP at 8."""
+    proc = results[case]
+    out = proc.stdout
+    assert proc.returncode == 0, f"{case} failed ({proc.returncode}):\n{out[-2000:]}\n{proc.stderr[-3000:]}"
+    assert f"dry run: world size {world} trainer ranks" in out
+    assert f"context parallel chosen by the planner: ulysses={ulysses} " in out
+    assert re.search(rf"layout: tp=1 ulysses={ulysses} ring=1 pp=1 dp={world // ulysses},", out), out[-2000:]
+    assert re.search(r"clip: \d+ frames \d+x\d+ -> patch grid \d+x\d+x\d+ = \d+ video tokens", out), out[-2000:]

@@ -1,0 +1,102 @@
+"""Wan (video) recipes: the tiny video demo on CPU, and the published shapes the launch script plans and runs
+(`examples/wan/train_wan.sh`). docs/video.md, "Training Wan", has the keys, the refusals and the figures."""
+
+from __future__ import annotations
+
+from megatron_omni.trainer.config import JobConfig
+
+
+def wan_video_demo() -> JobConfig:
+    """FlowGRPO on the tiny offline Wan pipeline (`model.pipeline=tiny`, built into the run folder) toward
+    temporal consistency (`1 - mean |frame_{k+1} - frame_k|` over 5 of the 9 frames): 9-frame 32 x 32 clips, a
+    patch grid of 3 x 2 x 2 tokens, 12 RL steps of 16 videos in well under a minute on 2 CPU cores."""
+    cfg = JobConfig(run_dir="runs/wan-video-demo", steps=12, seed=0)
+    cfg.model.family = "wan"
+    cfg.prompts = ["a red cat", "waves on a beach", "a city street at night", "a spinning top"]
+    r = cfg.rollout
+    r.height = r.width = 32
+    r.num_frames = 9  # 3 latent frames (Wan's VAE: 4k + 1 frames)
+    r.num_steps = 6
+    r.noise_level = 1.0
+    r.window_size = 2
+    r.max_sequence_length = 16  # Wan pads every prompt's text to this: short prompts, small cross-attention
+    r.prompts_per_step = 4
+    r.group_size = 4
+    cfg.reward.scorer = "temporal_consistency"
+    cfg.reward.video_frames = 5
+    cfg.optim.lr = 1e-2
+    cfg.optim.mini_batches = 2
+    cfg.algorithm.clip_range = 0.2
+    cfg.logging.image_every = 4
+    cfg.logging.video_format = "gif"
+    cfg.checkpoint.every = 4  # preemption-safe by default: a tiny checkpoint costs well under a second
+    return cfg
+
+
+# The published text-to-video shapes the launch script trains (examples/wan/train_wan.sh SIZE=14b | 5b): the
+# diffusers folder (WAN_PIPELINE, else the default below; a dry run without it plans with the preset), the
+# preset, the clip (Wan2.1: 81 frames at 480 x 832, 16 fps; Wan2.2-TI2V-5B: 121 frames at 704 x 1280, 24 fps).
+SIZES: dict[str, dict] = {
+    "14b": dict(preset="wan2.1-t2v-14b", pipeline="/models/Wan2.1-T2V-14B-Diffusers", frames=81, height=480,
+                width=832),
+    "5b": dict(preset="wan2.2-ti2v-5b", pipeline="/models/Wan2.2-TI2V-5B-Diffusers", frames=121, height=704,
+               width=1280),
+}
+
+
+def wan_video(size: str) -> JobConfig:
+    """FlowGRPO on a published Wan shape (`SIZES`) toward text legible in every frame and a steady video
+    (`video_ocr+0.5*temporal_consistency` on 8 frames per clip), bf16 with full recompute. The Ulysses degree is
+    the planner's (`planner.video.choose_cp`: the smallest that fits this clip at the job's world size,
+    WORLD_SIZE, which torchrun and the launch script's dry run set): long clips need context parallelism."""
+    import os
+
+    from examples.qwen_image.recipe import load_prompts
+    from megatron_omni.trainer.dry_run import planner_cp
+
+    shape = SIZES[size]
+    cfg = JobConfig(run_dir=f"runs/wan-{size}-video-ocr", steps=500, seed=42)
+    cfg.model.family = "wan"
+    cfg.model.preset = shape["preset"]
+    cfg.model.pipeline = os.environ.get("WAN_PIPELINE") or shape["pipeline"]
+    cfg.model.backend = os.environ.get("MODEL_BACKEND") or "te"
+    cfg.model.params_dtype = "bf16"
+    cfg.model.recompute = "full"
+    cfg.prompts = load_prompts(os.environ.get("OCR_PROMPTS") or None)
+    r = cfg.rollout
+    r.num_frames, r.height, r.width = shape["frames"], shape["height"], shape["width"]
+    r.num_steps = 20
+    r.noise_level = 1.0
+    r.window_size = 2
+    r.window_range = [0, 10]
+    r.max_sequence_length = 512  # Wan's own text length
+    r.prompts_per_step = 8
+    r.group_size = 8
+    r.max_batch_size = 1  # one clip per rollout forward
+    r.dtype = "bf16"
+    cfg.reward.scorer = "video_ocr+0.5*temporal_consistency"
+    cfg.reward.video_frames = 8
+    cfg.reward.timeout_s = 900.0
+    cfg.algorithm.clip_range = 1e-4
+    o = cfg.optim
+    o.lr = 1e-5
+    o.mini_batches = 2
+    o.micro_batch_size = 1
+    cfg.checkpoint.every = 10
+    cfg.logging.image_every = 10
+    cfg.logging.video_format = "mp4"
+    # Adam's state sharded over dp x cp (Megatron's distributed optimizer): 14B's would be 160 GiB per GPU unsharded
+    o.distributed_optimizer = True
+    chosen = planner_cp(cfg, int(os.environ.get("WORLD_SIZE", "1")), os.environ.get("GPU_KIND") or "H200")
+    cfg.parallel.ulysses = chosen.layout.ulysses
+    return cfg
+
+
+def wan_14b() -> JobConfig:
+    """Wan2.1-T2V-14B: 81-frame 480p clips."""
+    return wan_video("14b")
+
+
+def wan_5b() -> JobConfig:
+    """Wan2.2-TI2V-5B's shape (text-to-video; its 48-channel VAE compresses 4 x 16 x 16): 121-frame 720p clips."""
+    return wan_video("5b")
