@@ -100,10 +100,11 @@ def templated_token_ids(pipe, text: str) -> tuple[int, ...]:
 
 
 class DiffusersRolloutEngine:
-    """Rollout with diffusers' Qwen-Image components and step-wise continuous batching.
+    """Rollout with a diffusers pipeline's components and step-wise continuous batching: Qwen-Image here, other
+    families through the family hooks a subclass overrides (`rollout.wan_engine.WanRolloutEngine`).
 
     Args:
-        model_path: a diffusers Qwen-Image folder (loaded offline).
+        model_path: a diffusers pipeline folder of the engine's family (loaded offline).
         max_batch_size: samples per transformer forward (CFG samples add a negative row each).
         device: where to compute (default: the platform's device).
         dtype: component dtype (fp32 on CPU; SDE math is fp32 regardless).
