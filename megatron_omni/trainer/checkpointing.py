@@ -215,7 +215,7 @@ def _rng_object(state: Any, world: int, rank: int) -> ShardedObject:
     return ShardedObject(RNG_KEY, state, (world,), (rank,), replica_id=0)
 
 
-def save_checkpoint(run_dir: Path, step: int, model: torch.nn.Module, optimizer: Any, scheduler: Any,
+def save_checkpoint(run_dir: Path, step: int, model: torch.nn.Module | None, optimizer: Any, scheduler: Any,
                     common: dict[str, Any], keep: int, content_metadata: dict[str, Any] | None = None,
                     sharded_state: ModelShardedState = model_sharded_state_dict,
                     ema: torch.nn.Module | None = None, run_id: str | None = None,
@@ -225,7 +225,8 @@ def save_checkpoint(run_dir: Path, step: int, model: torch.nn.Module, optimizer:
     name, as the checkpoint after `step` steps; prune to the last `keep`.
     `sharded_state` gives the model's ShardedStateDict (default: the MMDiT's; the AR-DiT hybrid passes
     `ar_dit_sharded_state_dict`). `run_id`: recorded in the checkpoint; pruning then removes only
-    checkpoints of that run (None: those without a run id).
+    checkpoints of that run (None: those without a run id). `model` None (optimizer and scheduler None too): this
+    rank holds no training state (a rollout rank of a disaggregated job) and joins with its RNG states.
 
     Returns the final folder (complete when this returns on any rank).
     """
@@ -238,17 +239,19 @@ def save_checkpoint(run_dir: Path, step: int, model: torch.nn.Module, optimizer:
         shutil.rmtree(tmp, ignore_errors=True)  # a crash during an earlier save of this step
         tmp.mkdir(parents=True)
     dist.barrier()
-    state = _sharded_training_state(model, optimizer, is_loading=False, sharded_state=sharded_state)
+    # model None: a rank without training state (a rollout rank of a disaggregated job) joins the collective
+    # save with its RNG states only.
+    state = ({} if model is None else
+             _sharded_training_state(model, optimizer, is_loading=False, sharded_state=sharded_state))
     state["rng"] = _rng_object(rng_state(), world, rank)
     for name, copy in _copies(ema, copies).items():
         state[name] = _copy_sharded_state(copy, sharded_state, name)
-    state["scheduler"] = scheduler.state_dict()
     state["world_size"] = world
     # Every rank passes rank 0's copy (the one written): per-rank timings in the metric history would
     # otherwise make Megatron's validation warn that the ranks' common state differs.
-    shared = [common]
+    shared = [common, scheduler.state_dict() if scheduler is not None else None]
     dist.broadcast_object_list(shared, src=0)
-    state["common"] = shared[0]
+    state["common"], state["scheduler"] = shared
     try:
         dist_checkpointing.save(state, str(tmp), content_metadata=content_metadata)
         # Each rank checksums the data files it wrote (torch DCP names them __<rank>_<n>.distcp), in parallel.

@@ -306,6 +306,34 @@ class ARDiTConfig:
     reward: str = "examples.ar_dit.recipe:BrightnessAndLowTokens"
 
 
+PLACEMENT_MODES = ("colocated", "disaggregated")
+
+
+@dataclass
+class PlacementConfig:
+    """Where the rollout runs (`parallel.placement`, docs/async.md): "colocated" (every rank rolls out, then
+    trains) or "disaggregated" (the last `rollout_ranks` ranks run the rollout service, the others train; the
+    rollout of step k + 1 overlaps the update of step k when `async.max_staleness` >= 1)."""
+
+    mode: str = "colocated"
+    rollout_ranks: int = 0  # disaggregated: how many ranks (the last ones) roll out; colocated: 0
+
+
+@dataclass
+class AsyncConfig:
+    """The asynchronous rollout's settings (`rollout.async_service.AsyncSettings`); the config key is `async`
+    (a Python keyword, so the field is `JobConfig.async_`)."""
+
+    max_staleness: int = 0  # updates a trajectory's weights may lag the trainer's (0: on-policy, as colocated)
+    liveness_timeout_s: float = 60.0  # a rollout rank silent this long is reported lost (rank and step named)
+    heartbeat_s: float = 2.0  # how often a rollout rank says it is alive (<= liveness_timeout_s / 3)
+
+
+# Config sections whose key is a Python keyword: key -> dataclass field.
+KEYWORD_FIELDS = {"async": "async_"}
+FIELD_KEYS = {v: k for k, v in KEYWORD_FIELDS.items()}
+
+
 @dataclass
 class JobConfig:
     run_dir: str = "runs/demo"
@@ -323,6 +351,8 @@ class JobConfig:
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     ar_dit: ARDiTConfig = field(default_factory=ARDiTConfig)
+    placement: PlacementConfig = field(default_factory=PlacementConfig)
+    async_: AsyncConfig = field(default_factory=AsyncConfig)  # the `async` section
 
     def validate(self, world_size: int) -> None:
         """Check values and the layout against the world size; raises ConfigError naming the field."""
@@ -331,6 +361,7 @@ class JobConfig:
             check_dit_traits,
             check_family,
             check_fields,
+            check_placement,
             check_quantization,
             check_reward,
         )
@@ -339,6 +370,7 @@ class JobConfig:
         # what it supports, then the reward's scorer and URL, then what depends on several fields at once.
         check_fields(self)
         if check_family(self) == "ar_dit":
+            check_placement(self, world_size)
             return _validate_layout(self, world_size)
         check_reward(self)
         check_dit_traits(self)
@@ -377,7 +409,13 @@ class JobConfig:
         for ok, name, why in checks:
             if not ok:
                 raise ConfigError(f"{name}={_get(self, name)!r} {why}")
-        _validate_layout(self, world_size)
+        check_placement(self, world_size)
+        _validate_layout(self, trainer_world_size(self, world_size))
+
+
+def trainer_world_size(cfg: JobConfig, world_size: int) -> int:
+    """The ranks that train: the world, less the rollout ranks of a disaggregated placement."""
+    return world_size - (cfg.placement.rollout_ranks if cfg.placement.mode == "disaggregated" else 0)
 
 
 def _eval_seeds_unused(cfg: JobConfig) -> bool:
@@ -410,7 +448,7 @@ def _validate_layout(cfg: JobConfig, world_size: int) -> None:
 
 def _get(cfg: Any, dotted: str) -> Any:
     for part in dotted.split("."):
-        cfg = getattr(cfg, part)
+        cfg = getattr(cfg, KEYWORD_FIELDS.get(part, part))
     return cfg
 
 
@@ -450,7 +488,7 @@ def apply_overrides(cfg: JobConfig, overrides: list[str]) -> JobConfig:
         if "=" not in item:
             raise ConfigError(f"--set {item!r}: expected a.b=value")
         name, value = item.split("=", 1)
-        parts = name.strip().split(".")
+        parts = [KEYWORD_FIELDS.get(p, p) for p in name.strip().split(".")]
         target: Any = cfg
         for part in parts[:-1]:
             if not dataclasses.is_dataclass(target) or part not in {f.name for f in dataclasses.fields(target)}:
@@ -480,5 +518,5 @@ def load_recipe(spec: str) -> JobConfig:
 
 
 def to_dict(cfg: JobConfig) -> dict[str, Any]:
-    """The resolved config as plain data (saved with each run)."""
-    return dataclasses.asdict(cfg)
+    """The resolved config as plain data (saved with each run), keyed as the config is written (`async`)."""
+    return {FIELD_KEYS.get(k, k): v for k, v in dataclasses.asdict(cfg).items()}

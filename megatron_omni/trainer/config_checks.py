@@ -86,6 +86,10 @@ BOUNDS: list[tuple[str, float | None, bool, float | None, bool]] = [
     ("ar_dit.token_weight", 0, True, None, False),
     ("ar_dit.window_weight", 0, True, None, False),
     ("ar_dit.decoder_lr_scale", 0, False, None, False),
+    ("placement.rollout_ranks", 0, True, None, False),  # 0 when colocated; check_placement bounds it by the world
+    ("async.max_staleness", 0, True, None, False),  # 0: on-policy
+    ("async.liveness_timeout_s", 0, False, None, False),
+    ("async.heartbeat_s", 0, False, None, False),  # <= liveness_timeout_s / 3: check_placement
 ]
 
 # Fields with a fixed set of values (None listed where the field may be unset).
@@ -107,6 +111,7 @@ CHOICES: dict[str, tuple[Any, ...]] = {
     "logging.video_format": ("gif", "mp4"),
     "ar_dit.aggregation": ("token_mean", "seq_mean_token_mean"),
     "ar_dit.freeze": (None, "decoder", "dit"),
+    "placement.mode": ("colocated", "disaggregated"),
 }
 
 # What the AR-DiT trainer does not implement: each field must keep the JobConfig default (or the value given)
@@ -150,22 +155,27 @@ OCR_SCORERS = ("ocr", "vlm_ocr", "video_ocr")
 
 
 def get_field(cfg: Any, dotted: str) -> Any:
-    """The value of `a.b.c` in a nested dataclass."""
+    """The value of `a.b.c` in a nested dataclass (`async.x` is the field `async_.x`)."""
+    from megatron_omni.trainer.config import KEYWORD_FIELDS
+
     for part in dotted.split("."):
-        cfg = getattr(cfg, part)
+        cfg = getattr(cfg, KEYWORD_FIELDS.get(part, part))
     return cfg
 
 
 def _fields(cfg: Any, prefix: str = "") -> list[tuple[str, Any, Any]]:
     """(dotted name, type hint, value) of every leaf field of a nested dataclass."""
+    from megatron_omni.trainer.config import FIELD_KEYS
+
     out = []
     hints = typing.get_type_hints(type(cfg))
     for f in dataclasses.fields(cfg):
         value = getattr(cfg, f.name)
+        key = FIELD_KEYS.get(f.name, f.name)
         if dataclasses.is_dataclass(value):
-            out += _fields(value, f"{prefix}{f.name}.")
+            out += _fields(value, f"{prefix}{key}.")
         else:
-            out.append((f"{prefix}{f.name}", hints[f.name], value))
+            out.append((f"{prefix}{key}", hints[f.name], value))
     return out
 
 
@@ -454,6 +464,61 @@ def check_dit_traits(cfg: Any) -> None:
     if flash is not None and not traits.flash_tail:
         raise ConfigError(f"algorithm.mixgrpo.flash_ratio={flash!r} is not supported with model.family={name} yet: "
                           "its engine samples a static-shift grid and has no compressed ODE tail (MixGRPO-Flash)")
+
+
+def check_placement(cfg: Any, world_size: int) -> None:
+    """placement.* and async.* against the world and what the asynchronous rollout supports (docs/async.md):
+    the split itself (`parallel.placement.split_world`: at least one rank on each side), the heartbeat inside
+    the liveness bound, staleness only with rollout ranks of its own, and, disaggregated, the settings the
+    rollout service cannot serve yet. Raises ConfigError naming the field and the value."""
+    from megatron_omni.parallel.placement import PlacementError, split_world
+    from megatron_omni.trainer.config import ConfigError
+    from model_providers import get_family
+
+    pl, a = cfg.placement, cfg.async_
+    if a.heartbeat_s > a.liveness_timeout_s / 3:
+        raise ConfigError(f"async.heartbeat_s={a.heartbeat_s!r} must be <= async.liveness_timeout_s / 3 = "
+                          f"{a.liveness_timeout_s / 3:g} (three heartbeats fit in the liveness bound)")
+    if pl.mode == "colocated":
+        if pl.rollout_ranks:
+            raise ConfigError(f"placement.rollout_ranks={pl.rollout_ranks!r} with placement.mode='colocated': every "
+                              "rank rolls out; set placement.mode=disaggregated")
+        if a.max_staleness:
+            raise ConfigError(f"async.max_staleness={a.max_staleness!r} with placement.mode='colocated': a colocated "
+                              "rollout waits for the update (on-policy); set placement.mode=disaggregated")
+        return
+    try:
+        split_world(pl.mode, world_size, pl.rollout_ranks or None)
+    except PlacementError as exc:
+        raise ConfigError(str(exc)) from None
+    family = get_family(cfg.model.family)
+    d = "with placement.mode=disaggregated"
+    unsupported = [
+        (family.kind != "dit", "model.family", cfg.model.family, "the rollout service serves the DiT families"),
+        (family.kind == "dit" and family.traits.video, "model.family", cfg.model.family,
+         "the rollout service's probe and reward stream are built for image families; use placement.mode=colocated"),
+        (cfg.algorithm.name == "diffusionnft", "algorithm.name", cfg.algorithm.name,
+         "its ODE rollout samples with a lagging old policy the rollout ranks do not hold"),
+        (cfg.rollout.quantization != "none", "rollout.quantization", cfg.rollout.quantization,
+         "the FP8 copy would have to be re-quantized in the back buffer before each swap"),
+        (cfg.rollout.engine != "diffusers", "rollout.engine", cfg.rollout.engine,
+         "only the embedded diffusers engine is double-buffered"),
+        (cfg.rollout.transformer == "trainer", "rollout.transformer", cfg.rollout.transformer,
+         "the rollout ranks sample with their own copy; use engine or auto"),
+        (cfg.model.lora.enabled, "model.lora.rank", cfg.model.lora.rank,
+         "the back buffer takes full weights; LoRA adapters are not pushed to it yet"),
+        (world_size - pl.rollout_ranks > 1, "placement.rollout_ranks", pl.rollout_ranks,
+         f"leaves {world_size - pl.rollout_ranks} trainer ranks; the asynchronous trainer runs on one rank for now "
+         "(its root does not scatter the trajectory over data parallel yet)"),
+        (bool(cfg.eval.prompts), "eval.prompts", "[...]", "the held-out evaluation runs colocated only for now"),
+        (cfg.checkpoint.every != 0, "checkpoint.every", cfg.checkpoint.every,
+         "an in-flight step is not checkpointed yet: only the final checkpoint is written; set checkpoint.every=0"),
+        (cfg.checkpoint.resume is not None, "checkpoint.resume", cfg.checkpoint.resume,
+         "resuming an asynchronous run (its in-flight step) is not built yet"),
+    ]
+    for bad, name, value, why in unsupported:
+        if bad:
+            raise ConfigError(f"{name}={value!r} is not supported {d}: {why}")
 
 
 def check_url(url: str, name: str) -> None:

@@ -96,6 +96,9 @@ def dry_run(cfg: JobConfig, world_size: int, gpu: str, gpus_per_node: int = 8, r
     Returns 0 when it fits, 3 when it does not (with the changes the planner checked fit); raises ConfigError
     for an invalid config or layout."""
     family = get_family(cfg.model.family)
+    if cfg.placement.mode == "disaggregated":
+        raise ConfigError("placement.mode='disaggregated' with --dry-run: the planner models colocated jobs only "
+                          "(its disaggregated prediction, max(rollout, train + push) per step, is not built yet)")
     if family.kind != "dit":
         raise ConfigError(f"--dry-run: the planner models DiT families; model.family={cfg.model.family} "
                           "has no cost model yet")

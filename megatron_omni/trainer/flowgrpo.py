@@ -96,7 +96,9 @@ class FlowGRPOTrainer:
     sharded_state = staticmethod(model_sharded_state_dict)
 
     def __init__(self, cfg: JobConfig, groups: ParallelGroups, pipeline_dir: str | Path,
-                 reward_fn: RewardFunction) -> None:
+                 reward_fn: RewardFunction, job_group: dist.ProcessGroup | None = None) -> None:
+        """`job_group`: the trainer's ranks when they are not the whole job (a disaggregated placement's), for
+        the collectives that span every trainer rank; None: the job."""
         self.cfg = cfg
         self.groups = groups
         self.reward_fn = reward_fn
@@ -199,7 +201,7 @@ class FlowGRPOTrainer:
         if self.lora_sync is None:
             self.weight_sync = WeightSync(plan, sources=sources, target=sink.target, tp_group=groups.tp,
                                           tp_rank=groups.tp.rank(), stage=groups.coords["pp"], transport=transport)
-        self.guard = GradGuard(cfg.optim.max_bad_steps, "optim.max_bad_steps")
+        self.guard = GradGuard(cfg.optim.max_bad_steps, "optim.max_bad_steps", job_group)
         traits = self.family.traits
         self.probe = probe_trajectory(self.hf_config, platform.device(), channels=traits.token_channels(self.hf_config),
                                       text_dim=int(self.hf_config[traits.text_dim_key]))
@@ -247,9 +249,7 @@ class FlowGRPOTrainer:
         within the dtypes' tolerance of the trainer (returned), its quantized means within the quantizer's bound
         (kept in `last_quantized_probe`); an engine with FP8 weights only, its means within both bounds of the
         trainer's (returned)."""
-        rows = plan_micro_batches(torch.arange(len(self.probe)), self.probe.window_size, None)
-        ours = self.pipeline.from_last_stage(self.pipeline.transitions(self.ddp, self.probe, rows,
-                                                                       return_means=True).means)
+        ours = self.probe_means()
         if not self.quantization.enabled:
             return check_probe(self.engine.probe(self.probe), ours, self.probe_tolerance, what)
         got = check_quantized_probe(self.engine.probe(self.probe), ours, self.probe, self.probe_tolerance,
@@ -257,6 +257,13 @@ class FlowGRPOTrainer:
                                     self.engine.probe_unquantized(self.probe))
         self.last_quantized_probe = got
         return got.quantization_diff if got.weights_diff is None else got.weights_diff
+
+    def probe_means(self) -> torch.Tensor:
+        """The trainer model's transition means [1, 1, 4, C] of the fixed probe batch (every rank of the replica;
+        what an engine's probe forward must match). Collective over the replica."""
+        rows = plan_micro_batches(torch.arange(len(self.probe)), self.probe.window_size, None)
+        return self.pipeline.from_last_stage(self.pipeline.transitions(self.ddp, self.probe, rows,
+                                                                       return_means=True).means)
 
     def probe_metrics(self, diff: float) -> dict[str, float]:
         """The step's probe keys after the sync whose max difference is `diff` (`check_engine`): with a quantized
@@ -384,18 +391,30 @@ class FlowGRPOTrainer:
     # ------------------------------------------------------------------------------------------- a step
 
     def train_step(self, step: int) -> StepResult:
-        cfg, t = self.cfg, {}
+        """One synchronous RL step: this rank's rollout of step `step`, then `train_on` it (update and sync)."""
+        t: dict[str, float] = {}
         prompts, group_ids, seeds = self.step_prompts(step)
-        gid = torch.tensor([g for g in group_ids for _ in range(cfg.rollout.group_size)], dtype=torch.long)
         # DiffusionNFT with a lagging old policy samples with it (the engine gets the old weights; the update's
         # sync brings the trained ones back).
         old_policy = self.lagging_old_policy()
         t0 = time.perf_counter()
         with self._holding(old_policy, sync_in=not self.shares_model, sync_out=False):
             traj, local_rewards, t["reward"] = self.rollout(prompts, seeds, self.sampling_params(step))
-        traj.group_ids = gid
         self.engine.sleep()  # its memory is the update's until the sync
         t["rollout"] = time.perf_counter() - t0 - t["reward"]
+        return self.train_on(step, traj, local_rewards, group_ids, t, old_policy)
+
+    def train_on(self, step: int, traj: Trajectory, local_rewards: torch.Tensor, group_ids: list[int],
+                 t: dict[str, float], old_policy: torch.nn.Module | None = None, sync: bool = True) -> StepResult:
+        """The step after the rollout, the same for the synchronous and the asynchronous loop: rewards [N] of
+        this rank's trajectory (N = prompts x group_size samples, `group_ids` one per prompt) -> group
+        advantages -> old log-probs (and the truncated importance weights of `algorithm.is_cap`, which also
+        correct an asynchronous rollout's version gap) -> updates -> with `sync`, the weight sync into this
+        rank's engine (the asynchronous loop pushes to the rollout ranks instead). `t`: the phases' seconds so
+        far (more are added). Collective over the trainer's ranks."""
+        cfg = self.cfg
+        gid = traj.group_ids = torch.tensor([g for g in group_ids for _ in range(cfg.rollout.group_size)],
+                                            dtype=torch.long)
         all_rewards, all_gids, offset = gather_rewards(self.groups.dp, local_rewards, gid)
         adv = group_advantages(all_rewards, all_gids, std_mode=cfg.algorithm.std_mode, clip=cfg.algorithm.adv_clip)
         advantages = adv.advantages[offset: offset + len(traj)]
@@ -413,7 +432,7 @@ class FlowGRPOTrainer:
             train_metrics["old_policy_decay"] = self.update_old_policy()
         self.engine.wake_up()
         probe = {}
-        if not self.shares_model:
+        if sync and not self.shares_model:
             t0 = time.perf_counter()
             probe = self.probe_metrics(self.sync_weights())
             t["sync"] = time.perf_counter() - t0

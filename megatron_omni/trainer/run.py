@@ -15,6 +15,8 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 from megatron_omni.parallel import ParallelLayout, build_parallel_groups
+from megatron_omni.parallel.placement import build_placement_groups, split_world
+from megatron_omni.rollout.async_service import RolloutRankFailed, RolloutRankLost
 from megatron_omni.trainer import atomic_files
 from megatron_omni.trainer.checkpointing import (
     latest_checkpoint,
@@ -125,9 +127,9 @@ def _resume_folder(cfg: JobConfig, run_dir: Path) -> Path | None:
     return Path(resume) if resume else None
 
 
-def build_trainer(cfg: JobConfig, groups, run_dir: Path) -> tuple[object, RewardFunction | None]:
+def build_trainer(cfg: JobConfig, groups, run_dir: Path, job_group=None) -> tuple[object, RewardFunction | None]:
     """The trainer of `cfg.model.family`'s kind and the reward client it scores with (None: the trainer scores
-    in process). Collective (every rank)."""
+    in process). Collective (every rank; `job_group`: the trainer's ranks of a disaggregated job)."""
     family = get_family(cfg.model.family)
     if family.kind == "ar_dit":
         from megatron_omni.trainer.ar_dit import ARDiTTrainConfig, ARDiTTrainer, load_trajectory_reward
@@ -139,7 +141,7 @@ def build_trainer(cfg: JobConfig, groups, run_dir: Path) -> tuple[object, Reward
     # A video family's samples reach the scorer as strips of reward.video_frames frames (its traits say video).
     video_frames = cfg.reward.video_frames if family.traits.video else None
     reward_fn = RewardFunction(cfg.reward.scorer, cfg.reward.url, cfg.reward.timeout_s, video_frames)
-    return FlowGRPOTrainer(cfg, groups, pipeline, reward_fn), reward_fn
+    return FlowGRPOTrainer(cfg, groups, pipeline, reward_fn, job_group), reward_fn
 
 
 def _run(cfg: JobConfig, overwrite: bool, stops: StopRequests) -> dict:
@@ -152,8 +154,28 @@ def _run(cfg: JobConfig, overwrite: bool, stops: StopRequests) -> dict:
         (run_dir / "samples").mkdir(exist_ok=True)
     dist.barrier()
     p = cfg.parallel
-    groups = build_parallel_groups(ParallelLayout(tp=p.tp, ulysses=p.ulysses, ring=p.ring, pp=p.pp))
-    trainer, reward_fn = build_trainer(cfg, groups, run_dir)
+    layout = ParallelLayout(tp=p.tp, ulysses=p.ulysses, ring=p.ring, pp=p.pp)
+    placement = split_world(cfg.placement.mode, dist.get_world_size(), cfg.placement.rollout_ranks or None)
+    loop = None
+    if placement.disaggregated:
+        # Every rank creates every group (collective), then each side goes its way: the rollout ranks serve until
+        # the trainer stops them; the trainer's grid spans the trainer ranks only.
+        pgroups = build_placement_groups(placement)
+        groups = build_parallel_groups(layout, ranks=placement.trainer_range)
+        if placement.role(rank) == "rollout":
+            from megatron_omni.trainer.async_loop import serve_rollout
+
+            serve_rollout(cfg, pgroups, prepare_pipeline(cfg, run_dir))
+            return {"run_dir": str(run_dir), "role": "rollout"}
+        trainer, reward_fn = build_trainer(cfg, groups, run_dir, pgroups.trainer)
+        from megatron_omni.trainer.async_loop import AsyncLoop
+
+        loop = AsyncLoop(cfg, trainer, pgroups)
+        job = pgroups.trainer  # the trainer's own collectives (the rollout ranks join only the closing ones)
+    else:
+        groups = build_parallel_groups(layout)
+        trainer, reward_fn = build_trainer(cfg, groups, run_dir)
+        job = None
 
     start = 0
     folder = _resume_folder(cfg, run_dir)
@@ -161,7 +183,7 @@ def _run(cfg: JobConfig, overwrite: bool, stops: StopRequests) -> dict:
     shared = [run_id_of(folder) if folder is not None else None]
     if shared[0] is None:
         shared = [new_run_id()]
-        dist.broadcast_object_list(shared, src=0)
+        dist.broadcast_object_list(shared, src=0, group=job)
     run_id = shared[0]
     if rank == 0:
         atomic_files.write_text(run_dir / "config.json", json.dumps({"run_id": run_id, **to_dict(cfg)}, indent=2))
@@ -197,8 +219,14 @@ def _run(cfg: JobConfig, overwrite: bool, stops: StopRequests) -> dict:
                dynamic_ncols=True)
     if reward_fn is not None:
         reward_fn.progress = bar  # its postfix shows "waiting for rewards: N outstanding" while the server scores
+    if loop is not None:
+        loop.start(start)
     for step in bar:
-        result = trainer.train_step(step)
+        try:
+            result = trainer.train_step(step) if loop is None else loop.train_step(step)
+        except (RolloutRankLost, RolloutRankFailed):
+            loop.abandon()
+            raise
         if rank == 0:
             writer.log(step, result.metrics)
             bar.set_postfix({k: f"{result.metrics[k]:.3g}" for k in SHOWN if k in result.metrics})
@@ -209,7 +237,10 @@ def _run(cfg: JobConfig, overwrite: bool, stops: StopRequests) -> dict:
                              cfg.logging.video_format)
         done = step + 1
         # The step boundary: every rank learns whether any rank was signalled, so all stop after this step.
-        stop = stops.requested()
+        stop = stops.requested(job)
+        if loop is not None and (stop or done == cfg.steps):
+            # The rollout ranks stop and join the checkpoint's collective save (their RNG states only).
+            loop.finish(save_step=done, barrier=not (stop and done < cfg.steps))
         if stop or (cfg.checkpoint.every and done % cfg.checkpoint.every == 0) or done == cfg.steps:
             common = {"step": done, "data": {"next_step": done, "prompts_seen": done * cfg.rollout.prompts_per_step},
                       "bad_steps": trainer.guard.bad_steps, "identity": trainer.checkpoint_identity,

@@ -23,6 +23,8 @@ ROOT = Path(__file__).resolve().parents[2]
 # A short run of the demo recipe: 4 prompts x 4 samples, 6 sampling steps, window 2.
 SHORT = ["--set", "logging.tensorboard=false", "--set", "logging.image_every=0"]
 WAN = ["--recipe", "examples.wan.recipe:wan_video_demo"]  # the tiny video demo (docs/video.md)
+# A disaggregated placement of 1 trainer + 1 rollout rank (the bad-config table sets WORLD_SIZE=2 for it).
+ASYNC = ["--set", "placement.mode=disaggregated", "--set", "placement.rollout_ranks=1", "--set", "checkpoint.every=0"]
 
 
 def _env() -> dict[str, str]:
@@ -247,6 +249,27 @@ def test_bypass_and_recompute_give_the_same_first_update(tmp_path: Path) -> None
         (["--set", "reward.scorer=temporal_consistency"],
          "reward.scorer='temporal_consistency' with model.family=qwen_image"),
         (["--set", "logging.video_format=avi"], "logging.video_format='avi' must be gif|mp4"),
+        # The asynchronous rollout (docs/async.md): the placement, its bounds, and what it cannot serve yet
+        (["--set", "placement.mode=split"], "placement.mode='split' must be colocated|disaggregated"),
+        (["--set", "async.max_staleness=1"], "async.max_staleness=1 with placement.mode='colocated'"),
+        (["--set", "placement.rollout_ranks=1"], "placement.rollout_ranks=1 with placement.mode='colocated'"),
+        ([*ASYNC, "--set", "placement.rollout_ranks=0"], "placement.rollout_ranks is required"),
+        (["--set", "placement.mode=disaggregated", "--set", "placement.rollout_ranks=1"],
+         "placement.rollout_ranks=1: a count must be in [1, 0] for 1 ranks"),
+        (["--set", "async.heartbeat_s=30"], "async.heartbeat_s=30.0 must be <= async.liveness_timeout_s / 3"),
+        (["--set", "async.liveness_timeout_s=0"], "async.liveness_timeout_s=0.0 must be > 0"),
+        ([*ASYNC, "--set", "algorithm.name=diffusionnft", "--set", "rollout.noise_level=0"],
+         "algorithm.name='diffusionnft' is not supported with placement.mode=disaggregated"),
+        ([*ASYNC, "--set", "rollout.quantization=fp8"],
+         "rollout.quantization='fp8' is not supported with placement.mode=disaggregated"),
+        ([*ASYNC, "--set", "rollout.engine=vllm_omni"],
+         "rollout.engine='vllm_omni' is not supported with placement.mode=disaggregated"),
+        ([*ASYNC, "--set", "rollout.transformer=trainer"],
+         "rollout.transformer='trainer' is not supported with placement.mode=disaggregated"),
+        ([*ASYNC, "--set", "model.lora.rank=4"], "model.lora.rank=4 is not supported with placement.mode=disagg"),
+        ([*WAN, *ASYNC], "model.family='wan' is not supported with placement.mode=disaggregated"),
+        ([*ASYNC, "--set", "checkpoint.every=4"], "checkpoint.every=4 is not supported with placement.mode=disagg"),
+        ([*ASYNC, "--dry-run"], "placement.mode='disaggregated' with --dry-run: the planner models colocated"),
     ],
 )
 def test_bad_config_fails_before_work(tmp_path: Path, args: list[str], message: str, monkeypatch: pytest.MonkeyPatch,
@@ -263,6 +286,8 @@ def test_bad_config_fails_before_work(tmp_path: Path, args: list[str], message: 
     monkeypatch.setattr(platform, "init_distributed", started)
     for name in ("WORLD_SIZE", "RANK", "LOCAL_RANK"):
         monkeypatch.delenv(name, raising=False)
+    if args[:len(ASYNC)] == ASYNC or args[len(WAN):len(WAN) + len(ASYNC)] == ASYNC:
+        monkeypatch.setenv("WORLD_SIZE", "2")  # one trainer rank and one rollout rank
     monkeypatch.chdir(ROOT)
     run = tmp_path / "bad"
     assert train.main(["--set", f"run_dir={run}", *SHORT, *args]) == 2

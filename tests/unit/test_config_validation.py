@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from megatron_omni import train
-from megatron_omni.trainer.config import ConfigError, JobConfig, apply_overrides
+from megatron_omni.trainer.config import KEYWORD_FIELDS, ConfigError, JobConfig, apply_overrides
 from megatron_omni.trainer.config_checks import BOUNDS, CHOICES, _fields, read_prompts_file
 
 
@@ -44,7 +44,7 @@ def _set(cfg: JobConfig, dotted: str, value: typing.Any) -> None:
     *parents, leaf = dotted.split(".")
     target = cfg
     for p in parents:
-        target = getattr(target, p)
+        target = getattr(target, KEYWORD_FIELDS.get(p, p))  # `async` is the field async_
     setattr(target, leaf, value)
 
 
