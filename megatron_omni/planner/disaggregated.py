@@ -122,12 +122,14 @@ class DisaggregatedReport:
             f"  step                {self.step_s:8.1f} s ({self.bound}-bound) -> {self.images_per_s_per_gpu:.3f} "
             f"images/s/GPU",
         ]
+        n = self.trainer_gpus + self.rollout_gpus
         if self.colocated is None:
-            lines.append(f"colocated on {self.trainer_gpus + self.rollout_gpus} GPUs: not plannable with this "
-                         f"layout ({self.colocated_error})")
+            lines.append(f"colocated on {n} GPUs: no plan fits ({self.colocated_error})")
         else:
             c = self.colocated
-            lines.append(f"colocated on {c.gpus} GPUs (same layout): {c.memory.total / GIB:.1f} GiB per GPU "
+            same = ("same layout" if self.colocated_error is None
+                    else f"tp={c.layout.tp}: the trainer's layout does not run on {n} GPUs")
+            lines.append(f"colocated on {n} GPUs ({same}): {c.memory.total / GIB:.1f} GiB per GPU "
                          f"({'fits' if c.memory.fits else 'DOES NOT FIT'}), {c.time.step_s:.1f} s/step -> "
                          f"{c.time.images_per_s_per_gpu:.3f} images/s/GPU; disaggregated/colocated = "
                          f"{self.images_per_s_per_gpu / c.time.images_per_s_per_gpu:.2f}")
@@ -179,11 +181,23 @@ def plan_disaggregated(
     one_node = trainer_gpus + rollout_gpus <= gpus_per_node
     push_bw = (gpu_spec.link_bytes_per_s if one_node else gpu_spec.internode_bytes_per_s) * link_efficiency
     colocated, error = None, None
+    together = replace(rollout, colocated=True, gpus=None)
     try:
-        colocated = plan(model, layout, trainer_gpus + rollout_gpus, gpu, workload,
-                         rollout=replace(rollout, colocated=True, gpus=None), **kw)
+        colocated = plan(model, layout, trainer_gpus + rollout_gpus, gpu, workload, rollout=together, **kw)
     except LayoutError as exc:
         error = str(exc)
+        # The trainer's layout does not run on T + R GPUs (e.g. tp=6 on 8): the fastest fitting colocated plan at
+        # another tp (the same cp and pp), so that the comparison is still on as many GPUs.
+        tried = []
+        for tp in range(1, cfg["num_attention_heads"] + 1):
+            try:
+                tried.append(plan(model, replace(layout, tp=tp, dp=None), trainer_gpus + rollout_gpus, gpu, workload,
+                                  rollout=together, **kw))
+            except LayoutError:
+                continue
+        fitting = [r for r in tried if r.memory.fits]
+        if fitting:
+            colocated = max(fitting, key=lambda r: r.time.images_per_s_per_gpu)
     return DisaggregatedReport(trainer=trainer, trainer_gpus=trainer_gpus, rollout_gpus=rollout_gpus,
                                reward_gpus=reward_gpus, rollout_memory=rollout_memory, push_s=shard / push_bw,
                                colocated=colocated, colocated_error=error)

@@ -28,9 +28,10 @@ def dry_run(job: JobPlan, replan: Callable[[tuple[str, ...], int], JobPlan]) -> 
     sync = qwen_image_plan(job.model, trainer_tp=job.layout.tp, trainer_pp=job.layout.pp,
                            rollout_kind=job.rollout_engine, rollout_tp=rollout.tp, mode=mode)
     elements = sync.numel_per_rollout_rank()[0]
-    rollout_ranks = f" + {job.rollout_gpus} rollout ranks (disaggregated)" if split is not None else ""
-    print(f"dry run: world size {job.world_size} trainer ranks{rollout_ranks} + {job.reward_gpus} reward GPUs, "
-          f"model from {job.model_source}")
+    ranks = (f"world size {job.world_size} trainer ranks" if split is None else
+             f"world size {job.world_size + job.rollout_gpus} = {job.world_size} trainer ranks + {job.rollout_gpus} "
+             "rollout ranks (disaggregated)")
+    print(f"dry run: {ranks} + {job.reward_gpus} reward GPUs, model from {job.model_source}")
     print(f"precision: model {job.params_dtype} ({job.backend} layer spec), rollout {job.rollout_engine} engine "
           f"in {job.rollout_dtype} at tp={rollout.tp}"
           + (f"; MFU {job.mfu:.3f} from {job.mfu_source}" if job.mfu_source else ""))
