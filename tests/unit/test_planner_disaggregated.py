@@ -38,14 +38,14 @@ def test_rollout_side_scales_with_its_gpus_and_the_trainer_side_does_not() -> No
 
 def test_a_balanced_split_ties_the_colocated_job_and_a_lopsided_one_loses() -> None:
     """The overlap hides the shorter side, but the colocated job already uses every GPU for both phases: at
-    balance the two tie (within the communication the smaller trainer saves or pays); a rollout-bound split
+    balance the two tie (within what the smaller trainer saves or pays in communication); a rollout-bound split
     leaves its trainer GPUs idle most of the step."""
     balanced = plan_disaggregated("20b", PP2, 4, 4, "H200", recompute="full")
     assert abs(balanced.rollout_s - balanced.train_s) < 0.25 * balanced.step_s
     colocated = balanced.colocated
     assert colocated is not None and balanced.colocated_error is None and colocated.gpus == 8
     ratio = balanced.images_per_s_per_gpu / colocated.time.images_per_s_per_gpu
-    assert 0.85 < ratio < 1.15, ratio
+    assert 0.97 < ratio < 1.03, ratio  # 1.002 at tp1 pp2, full recompute
     lopsided = plan_disaggregated("20b", ParallelLayout(tp=3), 6, 2, "H200", recompute="full")
     assert lopsided.bound == "rollout" and lopsided.rollout_s > 2 * lopsided.train_s
     assert lopsided.images_per_s_per_gpu < 0.6 * lopsided.colocated.time.images_per_s_per_gpu
