@@ -65,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
         cfg = apply_overrides(load_recipe(args.recipe), args.overrides)
         if args.resume is not None:
             cfg.checkpoint.resume = args.resume
-        cfg.validate(world_size)
+        cfg.validate(world_size, planning=args.dry_run)
         if args.check and args.dry_run:
             raise ConfigError("--check and --dry-run are two different stops: give one")
         if args.mfu_from is not None and not args.dry_run:

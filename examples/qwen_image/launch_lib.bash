@@ -7,6 +7,11 @@
 #                      Trainer ranks per node = GPUS_PER_NODE - count(REWARD_GPUS), so that torchrun's
 #                      --nproc-per-node is the same on every node; world size = NNODES * that. Only node 0
 #                      runs the reward server on its carved GPUs (the others leave theirs idle).
+#   ROLLOUT_GPUS       n > 0: the last n ranks of the world roll out on GPUs of their own while the others train
+#                      (placement.mode=disaggregated, placement.rollout_ranks=n, docs/async.md); the dry run then
+#                      prints the disaggregated plan next to the colocated one. "" or 0: colocated (default).
+#   MAX_STALENESS      async.max_staleness with ROLLOUT_GPUS (default 1: the rollout one step ahead; an explicit
+#                      --set async.max_staleness=... among the script's arguments wins, it comes later)
 #   REWARD_KIND        server (our reward server with REWARD_SCORER, on REWARD_GPUS or on CPU workers)
 #                      | vlm (vllm serve JUDGE_MODEL on REWARD_GPUS + our server with the vlm_ocr scorer as its
 #                      client) | url (an already running server at REWARD_URL) | none (score inside the trainer)
@@ -177,7 +182,17 @@ launch() {  # the one call of the entry point: a dry run (DRY_RUN=1) or torchrun
     if [[ -n "${REWARD_SERVER_TOKEN:-}" ]]; then export REWARD_SERVER_TOKEN; fi
     ENTRY_ARGS=(--recipe "$RECIPE" --set "run_dir=${RUN_DIR}")
     if [[ -n "${PIPELINE_DIR:-}" ]]; then ENTRY_ARGS+=(--set "model.pipeline=${PIPELINE_DIR}"); fi
-    echo "launch: $NNODES node(s) x $NPROC_PER_NODE trainer ranks = world size $world" \
+    local rollout_gpus="${ROLLOUT_GPUS:-0}" split=""
+    [[ "$rollout_gpus" =~ ^[0-9]+$ ]] || die "ROLLOUT_GPUS=$rollout_gpus: expected a number of GPUs (0 = colocated)"
+    if (( rollout_gpus > 0 )); then
+        (( rollout_gpus < world )) || die "ROLLOUT_GPUS=$rollout_gpus leaves no trainer rank in world size $world"
+        local staleness="${MAX_STALENESS:-1}"
+        [[ "$staleness" =~ ^[0-9]+$ ]] || die "MAX_STALENESS=$staleness: expected a number of updates"
+        ENTRY_ARGS+=(--set placement.mode=disaggregated --set "placement.rollout_ranks=${rollout_gpus}"
+                     --set "async.max_staleness=${staleness}")
+        split=" ($(( world - rollout_gpus )) train + $rollout_gpus roll out: ROLLOUT_GPUS, staleness $staleness)"
+    fi
+    echo "launch: $NNODES node(s) x $NPROC_PER_NODE trainer ranks = world size $world$split" \
          "(+ $n_reward reward GPU(s) per node: '${REWARD_GPUS}'), node rank $NODE_RANK, recipe $RECIPE"
 
     if [[ "$DRY_RUN" == 1 ]]; then

@@ -10,6 +10,8 @@
 # prints the commands (and the reward token each would see, as a fingerprint) instead of starting them.
 # Exit status: the entry point's (0 ok, 2 config, 3 dry run does not fit, 4 log-prob gap), and 5 when a SIGTERM
 # or SIGINT stopped the run after it wrote a checkpoint: start it again with --resume auto.
+# ROLLOUT_GPUS=n: the last n ranks roll out on their own GPUs while the others train (disaggregated, staleness
+# MAX_STALENESS=1; docs/async.md); with DRY_RUN=1 it prints that plan next to the colocated one.
 # Knobs are described in launch_lib.bash, the layouts in docs/parallelism.md.
 set -euo pipefail
 

@@ -3,7 +3,8 @@ the advice it checks before giving it. No GPU, no process group, no trainer: it 
 
 Modules: `specs` (GPU kinds, workload, rollout engine, precision), `flops` (FLOPs of one forward), `memory`
 (per-GPU bytes), `plan` (validation and the time model), `report` (what is printed), `job` (one job as plain
-values), `advice` (changes that fit, each planned again), `dry_run` (the printout and exit status).
+values), `advice` (changes that fit, each planned again), `dry_run` (the printout and exit status),
+`disaggregated` (trainer and rollout on GPUs of their own, overlapped at staleness 1).
 """
 
 from megatron_omni.planner.job import JobPlan, StateCopy, plan_job

@@ -8,7 +8,7 @@ from collections.abc import Callable
 
 from megatron_omni.bridge.qwen_image import qwen_image_plan, sync_mode
 from megatron_omni.planner.advice import suggest
-from megatron_omni.planner.job import JobPlan, copy_bytes, fits, plan_job
+from megatron_omni.planner.job import JobPlan, copy_bytes, fits, plan_disaggregated_job, plan_job
 
 FITS, DOES_NOT_FIT = 0, 3  # exit statuses of `python -m megatron_omni.train --dry-run`
 
@@ -16,8 +16,11 @@ FITS, DOES_NOT_FIT = 0, 3  # exit statuses of `python -m megatron_omni.train --d
 def dry_run(job: JobPlan, replan: Callable[[tuple[str, ...], int], JobPlan]) -> int:
     """Print the plan of `job` and return 0 when it fits, 3 (and the checked advice) when it does not.
     `replan(overrides, world_size)`: the job those `--set` overrides and that world size give (see
-    `planner.advice.suggest`). Raises LayoutError for a layout that cannot run."""
-    report = plan_job(job)
+    `planner.advice.suggest`). A disaggregated job (rollout_gpus > 0) prints its trainer ranks' table, then the
+    disaggregated figures next to the colocated job on as many GPUs (no advice: it searches colocated changes).
+    Raises LayoutError for a layout that cannot run."""
+    split = plan_disaggregated_job(job) if job.rollout_gpus else None
+    report = split.trainer if split is not None else plan_job(job)
     rollout = job.rollout
     # On the cluster vLLM-Omni's workers are processes of their own: its sync is full mode (bucketed RPCs).
     vllm = job.rollout_engine == "vllm_omni"
@@ -25,8 +28,10 @@ def dry_run(job: JobPlan, replan: Callable[[tuple[str, ...], int], JobPlan]) -> 
     sync = qwen_image_plan(job.model, trainer_tp=job.layout.tp, trainer_pp=job.layout.pp,
                            rollout_kind=job.rollout_engine, rollout_tp=rollout.tp, mode=mode)
     elements = sync.numel_per_rollout_rank()[0]
-    print(f"dry run: world size {job.world_size} trainer ranks + {job.reward_gpus} reward GPUs, model from "
-          f"{job.model_source}")
+    ranks = (f"world size {job.world_size} trainer ranks" if split is None else
+             f"world size {job.world_size + job.rollout_gpus} = {job.world_size} trainer ranks + {job.rollout_gpus} "
+             "rollout ranks (disaggregated)")
+    print(f"dry run: {ranks} + {job.reward_gpus} reward GPUs, model from {job.model_source}")
     print(f"precision: model {job.params_dtype} ({job.backend} layer spec), rollout {job.rollout_engine} engine "
           f"in {job.rollout_dtype} at tp={rollout.tp}"
           + (f"; MFU {job.mfu:.3f} from {job.mfu_source}" if job.mfu_source else ""))
@@ -41,6 +46,20 @@ def dry_run(job: JobPlan, replan: Callable[[tuple[str, ...], int], JobPlan]) -> 
         total += nbytes
         print(f"{copy.label}: + {nbytes / 2**30:.1f} GiB per GPU -> {total / 2**30:.1f} GiB of "
               f"{m.capacity / 2**30:.1f} GiB")
+    if split is not None:
+        print("(the table's step runs the phases one after the other; the disaggregated step overlaps them:)")
+        print(split.table())
+        for limit in job.limits:
+            print(f"not runnable yet: {limit}")
+        if fits(job, report) and split.rollout_memory.fits:
+            print("dry run OK: the disaggregated layout is valid for this world size and fits" if not job.limits else
+                  "dry run: the disaggregated layout is valid for this world size and fits, but the trainer cannot "
+                  "run this job yet (see 'not runnable yet' above)")
+            return FITS
+        side = "trainer" if not fits(job, report) else "rollout"
+        print(f"plan error: the {side} GPUs do not fit in {job.gpu} memory (see above): change the trainer layout "
+              "or recompute (trainer side), or use a GPU with more memory (rollout side)", file=sys.stderr)
+        return DOES_NOT_FIT
     if fits(job, report):
         print("dry run OK: the layout is valid for this world size and fits")
         return FITS

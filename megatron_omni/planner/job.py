@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from megatron_omni.parallel.layout import ParallelLayout
+from megatron_omni.planner.disaggregated import DisaggregatedReport, plan_disaggregated
 from megatron_omni.planner.plan import plan
 from megatron_omni.planner.report import PlanReport
 from megatron_omni.planner.specs import DEFAULT_MFU, LoRASpec, Precision, RolloutSpec, Workload
@@ -26,7 +27,10 @@ class JobPlan:
     """Everything a dry run plans with, as plain values. model: a preset name or diffusers config;
     model_source: where it came from (printed); gpu: a key of `GPUS`; world_size: trainer ranks; the names
     (`rollout_engine`, dtypes, `backend`) are printed and select the bridge plan; lora: adapters on a frozen
-    base (None: full fine-tuning; its KL reference is no state copy)."""
+    base (None: full fine-tuning; its KL reference is no state copy); rollout_gpus > 0: a disaggregated job whose
+    `world_size` trainer ranks train while that many rollout ranks of their own roll out
+    (`planner.disaggregated`); limits: what the trainer cannot run yet with this job (printed after the plan;
+    the dry run then refuses it)."""
 
     model: str | dict[str, Any]
     model_source: str
@@ -47,6 +51,16 @@ class JobPlan:
     rollout_dtype: str = "bf16"
     backend: str = "local"
     lora: LoRASpec | None = None
+    rollout_gpus: int = 0
+    limits: tuple[str, ...] = ()
+
+
+def plan_disaggregated_job(job: JobPlan) -> DisaggregatedReport:
+    """The planner's disaggregated report for `job` (rollout_gpus > 0); raises LayoutError as `plan_job`."""
+    return plan_disaggregated(job.model, job.layout, job.world_size, job.rollout_gpus, job.gpu, job.workload,
+                              rollout=job.rollout, precision=job.precision, recompute=job.recompute,
+                              gpus_per_node=job.gpus_per_node, reward_gpus=job.reward_gpus, mfu=job.mfu,
+                              lora=job.lora)
 
 
 def plan_job(job: JobPlan) -> PlanReport:

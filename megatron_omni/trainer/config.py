@@ -354,8 +354,10 @@ class JobConfig:
     placement: PlacementConfig = field(default_factory=PlacementConfig)
     async_: AsyncConfig = field(default_factory=AsyncConfig)  # the `async` section
 
-    def validate(self, world_size: int) -> None:
-        """Check values and the layout against the world size; raises ConfigError naming the field."""
+    def validate(self, world_size: int, planning: bool = False) -> None:
+        """Check values and the layout against the world size; raises ConfigError naming the field. `planning`
+        (a dry run): what the disaggregated trainer cannot run yet is refused after the plan is printed
+        (`config_checks.placement_limits`), not here."""
         from megatron_omni.trainer.config_checks import (
             check_algorithm,
             check_dit_traits,
@@ -409,7 +411,7 @@ class JobConfig:
         for ok, name, why in checks:
             if not ok:
                 raise ConfigError(f"{name}={_get(self, name)!r} {why}")
-        check_placement(self, world_size)
+        check_placement(self, world_size, planning)
         _validate_layout(self, trainer_world_size(self, world_size))
 
 

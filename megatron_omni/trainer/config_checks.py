@@ -466,11 +466,12 @@ def check_dit_traits(cfg: Any) -> None:
                           "its engine samples a static-shift grid and has no compressed ODE tail (MixGRPO-Flash)")
 
 
-def check_placement(cfg: Any, world_size: int) -> None:
+def check_placement(cfg: Any, world_size: int, planning: bool = False) -> None:
     """placement.* and async.* against the world and what the asynchronous rollout supports (docs/async.md):
     the split itself (`parallel.placement.split_world`: at least one rank on each side), the heartbeat inside
     the liveness bound, staleness only with rollout ranks of its own, and, disaggregated, the settings the
-    rollout service cannot serve yet. Raises ConfigError naming the field and the value."""
+    rollout service cannot serve yet (`placement_limits`; `planning`: a dry run plans such a job and refuses
+    it after its printout). Raises ConfigError naming the field and the value."""
     from megatron_omni.parallel.placement import PlacementError, split_world
     from megatron_omni.trainer.config import ConfigError
     from model_providers import get_family
@@ -492,11 +493,23 @@ def check_placement(cfg: Any, world_size: int) -> None:
     except PlacementError as exc:
         raise ConfigError(str(exc)) from None
     family = get_family(cfg.model.family)
+    for bad, why in ((family.kind != "dit", "the rollout service serves the DiT families"),
+                     (family.kind == "dit" and family.traits.video, "the rollout service's probe and reward stream "
+                      "are built for image families; use placement.mode=colocated")):
+        if bad:
+            raise ConfigError(f"model.family={cfg.model.family!r} is not supported with placement.mode="
+                              f"disaggregated: {why}")
+    limits = placement_limits(cfg, world_size)
+    if limits and not planning:
+        raise ConfigError(limits[0])
+
+
+def placement_limits(cfg: Any, world_size: int) -> list[str]:
+    """What the disaggregated trainer cannot run yet with this image-family config (one message per setting,
+    naming the field and the value; empty when it runs). A dry run plans such a job, then refuses it."""
+    pl = cfg.placement
     d = "with placement.mode=disaggregated"
     unsupported = [
-        (family.kind != "dit", "model.family", cfg.model.family, "the rollout service serves the DiT families"),
-        (family.kind == "dit" and family.traits.video, "model.family", cfg.model.family,
-         "the rollout service's probe and reward stream are built for image families; use placement.mode=colocated"),
         (cfg.algorithm.name == "diffusionnft", "algorithm.name", cfg.algorithm.name,
          "its ODE rollout samples with a lagging old policy the rollout ranks do not hold"),
         (cfg.rollout.quantization != "none", "rollout.quantization", cfg.rollout.quantization,
@@ -516,9 +529,7 @@ def check_placement(cfg: Any, world_size: int) -> None:
         (cfg.checkpoint.resume is not None, "checkpoint.resume", cfg.checkpoint.resume,
          "resuming an asynchronous run (its in-flight step) is not built yet"),
     ]
-    for bad, name, value, why in unsupported:
-        if bad:
-            raise ConfigError(f"{name}={value!r} is not supported {d}: {why}")
+    return [f"{name}={value!r} is not supported {d}: {why}" for bad, name, value, why in unsupported if bad]
 
 
 def check_url(url: str, name: str) -> None:

@@ -25,7 +25,8 @@ from megatron_omni.planner import (
 )
 from megatron_omni.planner.dry_run import dry_run as planner_dry_run
 from megatron_omni.planner.video import VideoWorkload, choose_cp, plan_video
-from megatron_omni.trainer.config import ConfigError, JobConfig, apply_overrides
+from megatron_omni.trainer.config import ConfigError, JobConfig, apply_overrides, trainer_world_size
+from megatron_omni.trainer.config_checks import placement_limits
 from model_providers import get_family
 
 
@@ -55,11 +56,16 @@ def _model_config(cfg: JobConfig) -> tuple[dict[str, Any] | str, str]:
 def job_plan(cfg: JobConfig, world_size: int, gpu: str, gpus_per_node: int = 8, reward_gpus: int = 0,
              mfu: float = DEFAULT_MFU, mfu_source: str | None = None) -> JobPlan:
     """What the trainer does (trainer/flowgrpo.py), as the planner's plain values: the engine is colocated with
-    the trainer and every rollout group of rollout.tp ranks rolls out its share of the images. The embedded
-    diffusers engine keeps its full weights resident; vLLM-Omni sleeps during the update. The tiny pipeline's
-    text encoder and VAE are negligible."""
+    the trainer and every rollout group of rollout.tp ranks rolls out its share of the images; disaggregated
+    (placement.mode), `world_size` less placement.rollout_ranks train and those roll out (`JobPlan.rollout_gpus`).
+    The embedded diffusers engine keeps its full weights resident; vLLM-Omni sleeps during the update. The tiny
+    pipeline's text encoder and VAE are negligible."""
     model, source = _model_config(cfg)
     r, p = cfg.rollout, cfg.parallel
+    # Disaggregated: the planner's world is the trainer ranks; the last placement.rollout_ranks roll out.
+    rollout_gpus = cfg.placement.rollout_ranks if cfg.placement.mode == "disaggregated" else 0
+    limits = tuple(placement_limits(cfg, world_size)) if rollout_gpus else ()
+    world_size = trainer_world_size(cfg, world_size)
     dp = world_size // (p.tp * p.ulysses * p.ring * p.pp)
     vllm = r.engine == "vllm_omni"
     rollout = RolloutSpec(tp=r.tp, sleeps=vllm, in_process=not vllm,
@@ -86,7 +92,8 @@ def job_plan(cfg: JobConfig, world_size: int, gpu: str, gpus_per_node: int = 8, 
                    gpus_per_node=gpus_per_node, reward_gpus=reward_gpus, state_copies=tuple(copies),
                    rollout_engine=r.engine, params_dtype=cfg.model.params_dtype, rollout_dtype=r.dtype,
                    backend=cfg.model.backend,
-                   lora=LoRASpec(lora.rank, tuple(lora.target_patterns()), lora.alpha) if lora.enabled else None)
+                   lora=LoRASpec(lora.rank, tuple(lora.target_patterns()), lora.alpha) if lora.enabled else None,
+                   rollout_gpus=rollout_gpus, limits=limits)
 
 
 def dry_run(cfg: JobConfig, world_size: int, gpu: str, gpus_per_node: int = 8, reward_gpus: int = 0,
@@ -96,9 +103,6 @@ def dry_run(cfg: JobConfig, world_size: int, gpu: str, gpus_per_node: int = 8, r
     Returns 0 when it fits, 3 when it does not (with the changes the planner checked fit); raises ConfigError
     for an invalid config or layout."""
     family = get_family(cfg.model.family)
-    if cfg.placement.mode == "disaggregated":
-        raise ConfigError("placement.mode='disaggregated' with --dry-run: the planner models colocated jobs only "
-                          "(its disaggregated prediction, max(rollout, train + push) per step, is not built yet)")
     if family.kind != "dit":
         raise ConfigError(f"--dry-run: the planner models DiT families; model.family={cfg.model.family} "
                           "has no cost model yet")
@@ -120,10 +124,14 @@ def dry_run(cfg: JobConfig, world_size: int, gpu: str, gpus_per_node: int = 8, r
         changed.validate(world)
         return build(changed, world)
 
+    job = build(cfg, world_size)
     try:
-        return planner_dry_run(build(cfg, world_size), replan)
+        status = planner_dry_run(job, replan)
     except LayoutError as exc:
         raise ConfigError(f"layout: {exc}") from exc
+    if job.limits:  # planned and printed; the trainer cannot run it yet (config_checks.placement_limits)
+        raise ConfigError(f"{job.limits[0]} (the dry run above plans it; a launch refuses it)")
+    return status
 
 
 def video_workload(cfg: JobConfig, world_size: int) -> VideoWorkload:

@@ -92,7 +92,10 @@ def results() -> dict[str, subprocess.CompletedProcess]:
     jobs = ({s: (s, [], {}) for s in SCRIPTS} | {k: v[:3] for k, v in BAD.items()}
             | {f"train_20b_nnodes_{n}": ("examples/qwen_image/train_20b.sh", [], {"NNODES": str(n)}) for n in (2, 4)}
             | {"lora_h800_no_reward_gpu": (LORA_H800, [], {"REWARD_ON_GPU": "0"})}
-            | {"wan_5b": ("examples/wan/train_wan.sh", [], {"SIZE": "5b"})})
+            | {"wan_5b": ("examples/wan/train_wan.sh", [], {"SIZE": "5b"})}
+            | {"rollout_gpus": ("examples/qwen_image/train_20b_1node.sh", [], {"REWARD_GPUS": "", "ROLLOUT_GPUS": "2"}),
+               "rollout_gpus_all": ("examples/qwen_image/train_20b_1node.sh", [],
+                                    {"REWARD_GPUS": "", "ROLLOUT_GPUS": "8"})})
     with ThreadPoolExecutor(max_workers=2) as pool:
         futures = {k: pool.submit(_run, s, *args, extra=env) for k, (s, args, env) in jobs.items()}
         return {k: f.result() for k, f in futures.items()}
@@ -267,3 +270,27 @@ def test_wan_dry_run_plans_the_clip_with_the_planners_cp(case: str, world: int, 
     assert f"context parallel chosen by the planner: ulysses={ulysses} " in out
     assert re.search(rf"layout: tp=1 ulysses={ulysses} ring=1 pp=1 dp={world // ulysses},", out), out[-2000:]
     assert re.search(r"clip: \d+ frames \d+x\d+ -> patch grid \d+x\d+x\d+ = \d+ video tokens", out), out[-2000:]
+
+
+def test_rollout_gpus_plans_the_disaggregated_layout(results: dict) -> None:
+    """ROLLOUT_GPUS=2 on one node of 8 (no reward GPUs): placement.mode=disaggregated with the last 2 ranks rolling
+    out and staleness 1; the dry run prints both sides' memory and the disaggregated step next to the colocated one
+    on 8 GPUs, then refuses (rc 2, after the plan) what the asynchronous trainer cannot run yet with this recipe."""
+    proc = results["rollout_gpus"]
+    out, err = proc.stdout, proc.stderr
+    assert "world size 8 (6 train + 2 roll out: ROLLOUT_GPUS, staleness 1)" in out, out[-2000:]
+    assert "dry run: world size 8 = 6 trainer ranks + 2 rollout ranks (disaggregated)" in out, out[-2000:]
+    assert "rollout tp=1 (2 own GPUs)" in out
+    for part in ("disaggregated: 6 trainer + 2 rollout GPUs, staleness 1", "trainer GPU memory", "rollout GPU memory",
+                 "no optimizer state", "colocated on 8 GPUs", "disaggregated/colocated = ",
+                 "assumption: disaggregated model", "not runnable yet: placement.rollout_ranks=2"):
+        assert part in out, f"the plan lacks {part!r}:\n{out[-3000:]}"
+    step = re.search(r"  step +([\d.]+) s \((rollout|trainer)-bound\) -> ([\d.]+) images/s/GPU", out)
+    rollout = re.search(r"rollout side +([\d.]+) s on 2 GPUs", out)
+    trainer = re.search(r"trainer side +([\d.]+) s on 6 GPUs", out)
+    assert step and rollout and trainer, out[-3000:]
+    assert float(step.group(1)) == pytest.approx(max(float(rollout.group(1)), float(trainer.group(1))), abs=0.06)
+    assert proc.returncode == 2 and "a launch refuses it" in err, err[-2000:]
+    assert "Traceback" not in err and "torch.distributed.run" not in err
+    lost = results["rollout_gpus_all"]
+    assert lost.returncode == 2 and "ROLLOUT_GPUS=8 leaves no trainer rank in world size 8" in lost.stderr
