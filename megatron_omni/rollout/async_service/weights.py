@@ -21,52 +21,33 @@ from __future__ import annotations
 import threading
 import time
 from collections import Counter
-from collections.abc import Sequence
 from typing import Any
 
 import torch
 
 from megatron_omni.bridge.sync import SyncStats, WeightSync
+from megatron_omni.bridge.targets import DiffusersTarget
 from megatron_omni.rollout.async_service.channel import Weights
 from megatron_omni.rollout.probe import check_probe, probe_tolerance, probe_trajectory
 
 
-class DoubleBuffer:
-    """The back buffer of `module`'s parameters as a diffusers-layout bridge target (rollout tp 1)."""
-
-    kind = "diffusers"
-    tp_rank = 0
-    tp_size = 1
+class DoubleBuffer(DiffusersTarget):
+    """The back buffer of `module`'s parameters as a diffusers-layout bridge target (rollout tp 1): the bridge
+    writes into the back copies (`parameters`, `load_full` are the diffusers target's over them) while the
+    engine samples with the live ones."""
 
     def __init__(self, module: torch.nn.Module) -> None:
         self.module = module
         self._live = dict(module.named_parameters())
-        self._back = {n: p.detach().clone() for n, p in self._live.items()}
-
-    def parameters(self) -> dict[str, torch.Tensor]:
-        """The back buffer's tensors by name (what the bridge writes)."""
-        return self._back
-
-    @torch.no_grad()
-    def load_full(self, items: Sequence[tuple[str, torch.Tensor]]) -> set[str]:
-        loaded = set()
-        for name, t in items:
-            dst = self._back.get(name)
-            if dst is None:
-                continue  # the coverage check reports what this leaves unwritten
-            if dst.shape != t.shape:
-                raise ValueError(f"diffusers parameter {name} has shape {tuple(dst.shape)}, got {tuple(t.shape)}")
-            dst.copy_(t)
-            loaded.add(name)
-        return loaded
+        self._params = {n: p.detach().clone() for n, p in self._live.items()}
 
     @torch.no_grad()
     def swap(self) -> None:
         """Make the back buffer live and the live one the back buffer (storage exchange, no copy)."""
         for name, p in self._live.items():
             old = p.data
-            p.data = self._back[name]
-            self._back[name] = old
+            p.data = self._params[name]
+            self._params[name] = old
 
 
 def check_async_engine(engine: Any) -> None:
