@@ -17,9 +17,19 @@ log-probs recorded at rollout. The step's metrics add the staleness histogram (`
 synchronous loop's `train_rollout_dlogp`, here also the version gap), `time_rollout_wait` (the trainer idle,
 waiting for the step) and `push_s`.
 
+Nothing lost at a checkpoint: the steps asked for ahead (up to s, sampled with versions the trainer no longer holds
+once it has updated) are collected first and saved in the checkpoint by the trainer root
+(`checkpointing.ASYNC_IN_FLIGHT`), and the rollout ranks join the collective save (`Checkpoint` message; their RNG
+states). A resume trains on those saved steps and asks for the following ones exactly as the uninterrupted run does,
+after pushing the version it loaded, so a SIGKILLed and resumed run equals the uninterrupted one bit for bit. A
+checkpoint that holds no in-flight steps (a colocated run's) is continued with the versions the trainer holds: a
+step whose behaviour version is older than the loaded one is sampled with the loaded one (lag 0).
+
+The trainer's own engine copy (built for the probe and the plan) samples the held-out evaluation: it is synced
+before each one (`evaluation_sync`).
+
 Left for later (docs/async.md): more than one trainer rank (the root would scatter the trajectory over data
-parallel), checkpointing the in-flight step, the trainer's own engine copy (built for the probe and the plan;
-unused for sampling).
+parallel).
 """
 
 from __future__ import annotations
@@ -46,7 +56,9 @@ from megatron_omni.rollout.async_service import (
 )
 from megatron_omni.rollout.base import FinishedSample, Trajectory
 from megatron_omni.rollout.registry import EngineSettings, build_engine
+from megatron_omni.trainer.checkpointing import ASYNC_IN_FLIGHT, load_checkpoint, resume_folder, save_checkpoint
 from megatron_omni.trainer.config import JobConfig, torch_dtype
+from megatron_omni.trainer.preemption import TrainingStopped
 from megatron_omni.trainer.skeleton import StepResult
 from model_providers import get_family
 
@@ -81,12 +93,18 @@ def transport(cfg: JobConfig, groups: PlacementGroups) -> DistributedTransport:
 
 
 def serve_rollout(cfg: JobConfig, groups: PlacementGroups, pipeline_dir: Path) -> dict[str, Any]:
-    """A rollout rank's whole run: the engine (its transformer double-buffered), the service until the trainer
-    stops it, then the job's closing collectives (`finish`'s). Returns the service's counters."""
+    """A rollout rank's whole run: the job's collectives of the set-up (the optimizer build's, the resume's), the
+    engine (its transformer double-buffered), the service until the trainer stops it (joining each checkpoint's
+    save), then the job's closing collectives (`finish`'s). Returns the service's counters. Raises
+    `TrainingStopped` when the trainer stopped on a signal (every rank of the job exits with the stop status)."""
     # Megatron-Core's get_megatron_optimizer gathers the parameter-group keys over the default (whole-job) group,
     # once for the dense and once for the expert parameters; the rollout ranks hold none and join both gathers.
     for _ in range(MEGATRON_OPTIMIZER_WORLD_GATHERS):
         dist.all_gather_object([None] * dist.get_world_size(), [])
+    run_dir = Path(cfg.run_dir)
+    folder = resume_folder(cfg.checkpoint.resume, run_dir)  # collective: the ranks verify it together
+    if folder is not None:
+        load_checkpoint(folder, None, None, None)  # this rank's RNG states (the trainer loads the rest)
     r = cfg.rollout
     engine = build_engine(r.engine, pipeline_dir, EngineSettings(tp=1, dtype=torch_dtype(r.dtype),
                                                                  max_batch_size=r.max_batch_size))
@@ -94,20 +112,20 @@ def serve_rollout(cfg: JobConfig, groups: PlacementGroups, pipeline_dir: Path) -
     _, plan = rollout_plan(cfg, engine.transformer_config())
     receiver = WeightReceiver(engine, plan, transport(cfg, groups), torch_dtype(cfg.model.params_dtype),
                               groups.rank, wait_timeout_s=settings.liveness_timeout_s)
+    def join_checkpoint(step: int) -> Path:
+        return save_checkpoint(run_dir, step, None, None, None, {}, cfg.checkpoint.keep)
+
     try:
-        stats = RolloutService(engine, groups, receiver, settings).serve()
+        stats = RolloutService(engine, groups, receiver, settings, on_checkpoint=join_checkpoint).serve()
     finally:
         engine.close()
     closing: list[Any] = [None]
     dist.broadcast_object_list(closing, src=groups.placement.trainer_root)  # `AsyncLoop.finish`'s
-    save_step, barrier = closing[0]
-    if save_step is not None:
-        from megatron_omni.trainer.checkpointing import save_checkpoint
-
-        save_checkpoint(Path(cfg.run_dir), save_step, None, None, None, {}, cfg.checkpoint.keep)
-    if barrier:
-        dist.barrier()
-    return stats
+    stopped = closing[0]
+    if stopped is None:
+        dist.barrier()  # the run's final barrier
+        return stats
+    raise TrainingStopped(*stopped)
 
 
 class AsyncLoop:
@@ -125,19 +143,33 @@ class AsyncLoop:
                                       tp_group=tg.tp, tp_rank=tg.tp.rank(), stage=tg.coords["pp"],
                                       transport=transport(cfg, groups))
         self.version = 0  # optimizer steps (RL steps) applied: the policy the trainer holds
+        self.first_version = 0  # the oldest version this run can push (the one it started or resumed with)
         self.next_request = 0
         self.pushes = 0
+        self.collected: dict[int, Trajectory] = {}  # steps collected ahead of their turn (a checkpoint's)
 
-    def start(self, step: int) -> None:
-        """The run starts (or resumes) at `step`, holding policy version `step`."""
-        self.version = self.next_request = step
+    def start(self, step: int, in_flight: dict[int, Trajectory] | None = None) -> None:
+        """The run starts (or resumes) at `step`, holding policy version `step`; `in_flight`: the steps a resumed
+        checkpoint saved ahead (consecutive from `step`). A resumed run pushes its version to the rollout ranks,
+        which start from the pipeline's weights."""
+        in_flight = dict(in_flight or {})
+        if sorted(in_flight) != list(range(step, step + len(in_flight))):
+            raise ValueError(f"resuming at step {step}: the checkpoint's in-flight steps {sorted(in_flight)} do not "
+                             "follow it")
+        self.version = self.first_version = step
+        self.collected = in_flight
+        self.next_request = step + len(in_flight)
+        if step > 0 and self.next_request < self.cfg.steps:
+            self.push()
 
     def _request_ahead(self, step: int) -> None:
         """Ask for every step up to `step` + s the trainer can ask for now: its version is <= the one held."""
         s = self.settings.max_staleness
         while self.next_request < self.cfg.steps and self.next_request <= step + s:
             k = self.next_request
-            version = behaviour_version(k, s)
+            # A resumed run holds no version older than the one it loaded (none older is asked for when the
+            # checkpoint saved its in-flight steps; a colocated run's checkpoint saved none).
+            version = max(behaviour_version(k, s), self.first_version)
             if version > self.version:  # not pushed yet (cannot happen with the bound; kept as a guard)
                 break
             prompts, group_ids, seeds = self.trainer.step_prompts(k)
@@ -162,7 +194,7 @@ class AsyncLoop:
         t: dict[str, float] = {}
         self._request_ahead(step)
         t0 = time.perf_counter()
-        traj = self.client.collect(step)
+        traj = self.collected.pop(step) if step in self.collected else self.client.collect(step)
         t["rollout_wait"] = time.perf_counter() - t0
         lag = check_staleness(traj, self.version, self.settings.max_staleness, step)
         prompts, group_ids, seeds = self.trainer.step_prompts(step)
@@ -172,10 +204,7 @@ class AsyncLoop:
         self.version += 1
         push = 0.0
         if self.next_request < self.cfg.steps:  # a step still to ask for samples with this version
-            t0 = time.perf_counter()
-            push_weights(self.version, self.weight_sync, self.trainer.probe_means(), self.client)
-            self.pushes += 1
-            push = time.perf_counter() - t0
+            push = self.push()
         result.metrics.update(staleness_histogram(lag, self.settings.max_staleness),
                               policy_version_min=int(versions.min()), policy_version_max=int(versions.max()),
                               push_s=push)
@@ -183,13 +212,35 @@ class AsyncLoop:
             result.metrics["behaviour_dlogp"] = result.metrics["train_rollout_dlogp"]
         return result
 
-    def finish(self, save_step: int | None, barrier: bool) -> None:
-        """Stop the rollout ranks (dropping a step asked for ahead) and tell them the closing collectives: the
-        checkpoint after `save_step` (None: none) and the run's final barrier. Every trainer rank calls it."""
+    def push(self) -> float:
+        """Push the version the trainer holds into the rollout ranks' back buffers (with its probe means);
+        returns the seconds it took. Every trainer rank calls it."""
+        t0 = time.perf_counter()
+        push_weights(self.version, self.weight_sync, self.trainer.probe_means(), self.client)
+        self.pushes += 1
+        return time.perf_counter() - t0
+
+    def checkpoint(self, done: int) -> dict[str, Any]:
+        """Before the job's checkpoint after `done` RL steps: collect every step asked for ahead (kept for their
+        turn) and tell the rollout ranks to join the save. Returns the objects the trainer root saves:
+        {ASYNC_IN_FLIGHT: {step: Trajectory}}."""
+        for k in sorted(self.client.in_flight()):
+            self.collected[k] = self.client.collect(k)
+        self.client.checkpoint(done)
+        return {ASYNC_IN_FLIGHT: dict(self.collected)}
+
+    def finish(self, stopped: tuple[str, int, str] | None) -> None:
+        """Stop the rollout ranks (dropping a step asked for ahead) and tell them how the run ends: None, the
+        final barrier; `stopped` (signal name, step, checkpoint folder), they raise `TrainingStopped` with it.
+        Every trainer rank calls it."""
         for k in sorted(self.client.in_flight()):
             self.client.cancel(k)
         self.client.close()
-        dist.broadcast_object_list([(save_step, barrier)], src=self.root)
+        dist.broadcast_object_list([stopped], src=self.root)
+
+    def evaluation_sync(self) -> None:
+        """Bring the trainer's own engine copy (which samples the held-out evaluation) to the trained weights."""
+        self.trainer.sync_weights()
 
     def abandon(self) -> None:
         """After a lost or failed rollout rank: stop those still reachable (the trainer is about to raise)."""

@@ -523,11 +523,6 @@ def placement_limits(cfg: Any, world_size: int) -> list[str]:
         (world_size - pl.rollout_ranks > 1, "placement.rollout_ranks", pl.rollout_ranks,
          f"leaves {world_size - pl.rollout_ranks} trainer ranks; the asynchronous trainer runs on one rank for now "
          "(its root does not scatter the trajectory over data parallel yet)"),
-        (bool(cfg.eval.prompts), "eval.prompts", "[...]", "the held-out evaluation runs colocated only for now"),
-        (cfg.checkpoint.every != 0, "checkpoint.every", cfg.checkpoint.every,
-         "an in-flight step is not checkpointed yet: only the final checkpoint is written; set checkpoint.every=0"),
-        (cfg.checkpoint.resume is not None, "checkpoint.resume", cfg.checkpoint.resume,
-         "resuming an asynchronous run (its in-flight step) is not built yet"),
     ]
     return [f"{name}={value!r} is not supported {d}: {why}" for bad, name, value, why in unsupported if bad]
 
