@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -192,3 +193,49 @@ def test_sigterm_stops_every_rank_with_the_stop_status_and_resumes_equal(uninter
         assert q.returncode == 5, err[-3000:]
         assert "stopped by SIGTERM after step" in err, err[-3000:]
     _assert_resumed_equal(uninterrupted, run)
+
+
+@pytest.mark.slow
+def test_a_resume_with_a_smaller_bound_samples_the_saved_steps_again(uninterrupted: Path, tmp_path: Path) -> None:
+    """The staleness-1 run's step-2 checkpoint (step 2 saved, sampled with version 1) resumed with
+    `async.max_staleness=0`: that step is sampled again with version 2 (said on the console), and every later step
+    is on-policy."""
+    run = tmp_path / "smaller_bound"
+    shutil.copytree(uninterrupted, run)
+    for late in ("step_000004", "step_000005"):
+        shutil.rmtree(run / "checkpoints" / late)
+    p = _train(run, *RESUMABLE, "--set", "async.max_staleness=0", "--resume", "auto", nproc=2)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "the checkpoint's steps [2] were sampled with older policy versions" in p.stdout + p.stderr
+    m = _metrics(run)
+    assert [x["policy_version_max"] for x in m] == [0, 0, 2, 3, 4]
+    assert [x["policy_version_min"] for x in m] == [0, 0, 2, 3, 4]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", ["parallel.tp=1", "parallel.tp=2"], ids=["dp2", "tp2"])
+def test_two_trainer_ranks_train_and_resume_equal(layout: str, uninterrupted: Path, tmp_path: Path) -> None:
+    """Two trainer ranks (data parallel 2, or tensor parallel 2) and one rollout rank, staleness 1: the root asks
+    for whole steps and scatters each data-parallel share, so step 0 (version 0) scores the same samples as the one-
+    trainer-rank run (its reward figures equal up to the order of the float sum); every step's versions are k - 1;
+    a resume from the step-2 checkpoint (the later one removed, as a job killed after it would leave) ends with the
+    uninterrupted run's metrics and model and optimizer state, bit for bit."""
+    args = ["--set", "steps=4", *ASYNC, "--set", layout,
+            "--set", "async.max_staleness=1", "--set", "checkpoint.every=2", "--set", "checkpoint.keep=5"]
+    ref = tmp_path / "ref"
+    p = _train(ref, *args, nproc=3)
+    assert p.returncode == 0, p.stderr[-3000:]
+    m = _metrics(ref)
+    one = _metrics(uninterrupted)[0]
+    assert m[0]["reward_mean"] == pytest.approx(one["reward_mean"], abs=1e-6)
+    assert m[0]["reward_std"] == pytest.approx(one["reward_std"], abs=1e-6)
+    assert [x["policy_version_max"] for x in m] == [x["policy_version_min"] for x in m] == [0, 0, 1, 2]
+    run = tmp_path / "resumed"
+    shutil.copytree(ref, run)
+    shutil.rmtree(run / "checkpoints" / "step_000004")
+    resumed = _train(run, *args, "--resume", "auto", nproc=3)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    for k, (x, y) in enumerate(zip(m, _metrics(run), strict=True)):
+        same = {n: x[n] for n in x if not n.startswith(("time_", "images_per_s", "push_s"))}
+        assert same == {n: y[n] for n in same}, f"step {k}"
+    _assert_same_state(_final_state(ref, 4), _final_state(run, 4))
