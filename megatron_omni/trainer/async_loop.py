@@ -30,8 +30,8 @@ before each one (`evaluation_sync`).
 
 Several trainer ranks: the root asks for whole steps (every data-parallel rank's prompts and seeds), scores them
 and scatters each data-parallel rank's share to the ranks of its replica (`AsyncLoop._shares`); the weights are
-pushed from the root's replica (tensor-parallel shards gathered by the bridge). Left for later (docs/async.md):
-pipeline-parallel trainers (each stage would push its own blocks over groups the placement does not build yet).
+pushed from the root's replica: the bridge gathers the tensor-parallel shards, and each pipeline stage's first
+rank broadcasts its stage's blocks to the rollout ranks over its own weights group.
 """
 
 from __future__ import annotations
@@ -89,9 +89,9 @@ def rollout_plan(cfg: JobConfig, hf_config: dict[str, Any]) -> Any:
 
 
 def transport(cfg: JobConfig, groups: PlacementGroups) -> DistributedTransport:
-    """The weights' broadcast from the trainer root to the rollout ranks over the placement's weights group."""
-    pl = groups.placement
-    return DistributedTransport(sources=[pl.trainer_root], rollout_ranks=pl.rollout_ranks,
+    """The weights' broadcast to the rollout ranks from each pipeline stage's first trainer rank (the root alone
+    without pipeline parallelism) over the placement's weights groups."""
+    return DistributedTransport(sources=list(groups.weight_sources), rollout_ranks=groups.placement.rollout_ranks,
                                 dtype=torch_dtype(cfg.model.params_dtype), groups=groups.weights)
 
 

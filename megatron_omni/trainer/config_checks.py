@@ -519,9 +519,6 @@ def placement_limits(cfg: Any) -> list[str]:
          "the rollout ranks sample with their own copy; use engine or auto"),
         (cfg.model.lora.enabled, "model.lora.rank", cfg.model.lora.rank,
          "the back buffer takes full weights; LoRA adapters are not pushed to it yet"),
-        (cfg.parallel.pp > 1, "parallel.pp", cfg.parallel.pp,
-         "each pipeline stage would push its own blocks to the rollout ranks over groups the placement does not "
-         "build yet; use tensor or data parallelism on the trainer ranks"),
     ]
     return [f"{name}={value!r} is not supported {d}: {why}" for bad, name, value, why in unsupported if bad]
 

@@ -151,7 +151,8 @@ def _run(cfg: JobConfig, overwrite: bool, stops: StopRequests) -> dict:
     if placement.disaggregated:
         # Every rank creates every group (collective), then each side goes its way: the rollout ranks serve until
         # the trainer stops them; the trainer's grid spans the trainer ranks only.
-        pgroups = build_placement_groups(placement)
+        sources = layout.resolve(len(placement.trainer_ranks)).stage_roots(placement.trainer_root)
+        pgroups = build_placement_groups(placement, weight_sources=sources)
         groups = build_parallel_groups(layout, ranks=placement.trainer_range)
         if placement.role(rank) == "rollout":
             from megatron_omni.trainer.async_loop import serve_rollout

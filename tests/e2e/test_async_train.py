@@ -213,14 +213,16 @@ def test_a_resume_with_a_smaller_bound_samples_the_saved_steps_again(uninterrupt
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("layout", ["parallel.tp=1", "parallel.tp=2"], ids=["dp2", "tp2"])
-def test_two_trainer_ranks_train_and_resume_equal(layout: str, uninterrupted: Path, tmp_path: Path) -> None:
-    """Two trainer ranks (data parallel 2, or tensor parallel 2) and one rollout rank, staleness 1: the root asks
-    for whole steps and scatters each data-parallel share, so step 0 (version 0) scores the same samples as the one-
-    trainer-rank run (its reward figures equal up to the order of the float sum); every step's versions are k - 1;
-    a resume from the step-2 checkpoint (the later one removed, as a job killed after it would leave) ends with the
-    uninterrupted run's metrics and model and optimizer state, bit for bit."""
-    args = ["--set", "steps=4", *ASYNC, "--set", layout,
+@pytest.mark.parametrize("layout", [["parallel.tp=1"], ["parallel.tp=2"],
+                                    ["parallel.pp=2", "optim.micro_batch_size=4"]], ids=["dp2", "tp2", "pp2"])
+def test_two_trainer_ranks_train_and_resume_equal(layout: list[str], uninterrupted: Path, tmp_path: Path) -> None:
+    """Two trainer ranks (data parallel 2, tensor parallel 2, or pipeline parallel 2: each stage's first rank
+    pushes its blocks) and one rollout rank, staleness 1: the root asks for whole steps and scatters each
+    data-parallel share, so step 0 (version 0) scores the same samples as the one-trainer-rank run (its reward
+    figures equal up to the order of the float sum); every step's versions are k - 1 (each swap passed the probe
+    check); a resume from the step-2 checkpoint (the later one removed, as a job killed after it would leave) ends
+    with the uninterrupted run's metrics and model and optimizer state, bit for bit."""
+    args = ["--set", "steps=4", *ASYNC, *[a for kv in layout for a in ("--set", kv)],
             "--set", "async.max_staleness=1", "--set", "checkpoint.every=2", "--set", "checkpoint.keep=5"]
     ref = tmp_path / "ref"
     p = _train(ref, *args, nproc=3)

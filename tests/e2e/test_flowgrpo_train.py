@@ -268,7 +268,6 @@ def test_bypass_and_recompute_give_the_same_first_update(tmp_path: Path) -> None
          "rollout.transformer='trainer' is not supported with placement.mode=disaggregated"),
         ([*ASYNC, "--set", "model.lora.rank=4"], "model.lora.rank=4 is not supported with placement.mode=disagg"),
         ([*WAN, *ASYNC], "model.family='wan' is not supported with placement.mode=disaggregated"),
-        ([*ASYNC, "--set", "parallel.pp=2"], "parallel.pp=2 is not supported with placement.mode=disaggregated"),
         ([*ASYNC, "--set", "model.lora.rank=4", "--dry-run"],
          "model.lora.rank=4 is not supported with placement.mode=disaggregated: the back buffer takes full weights; "
          "LoRA adapters are not pushed to it yet (the dry run above plans it; a launch refuses it)"),
