@@ -94,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from megatron_omni.parallel import platform
     from megatron_omni.reward.errors import RewardServiceError
-    from megatron_omni.rollout.async_service import RolloutRankFailed, RolloutRankLost
+    from megatron_omni.rollout.async_service import RolloutRankFailed, RolloutRankLost, StalenessError
     from megatron_omni.trainer.flowgrpo import LogpGapError
     from megatron_omni.trainer.preemption import STOPPED_EXIT, TrainingStopped
     from megatron_omni.trainer.run import run
@@ -114,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
     except RewardServiceError as exc:  # the server stopped answering: named, never a traceback or a reward of 0
         print(f"reward server error: {exc}", file=sys.stderr, flush=True)
         return 1
-    except (RolloutRankLost, RolloutRankFailed) as exc:  # names the rollout rank and the step (docs/async.md)
+    except (RolloutRankLost, RolloutRankFailed, StalenessError) as exc:  # names the rank or the step (docs/async.md)
         print(f"rollout error: {exc}", file=sys.stderr, flush=True)
         return 1
     finally:

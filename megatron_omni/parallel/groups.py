@@ -36,6 +36,7 @@ class ParallelGroups:
     grid: HyperCommGrid
     coords: dict[str, int] = field(default_factory=dict)
     rank_lists: dict[str, list[int]] = field(default_factory=dict)
+    first_rank: int = 0  # the global rank of the grid's rank 0 (a disaggregated job's trainer root)
 
     @property
     def tp(self) -> dist.ProcessGroup:
@@ -155,4 +156,5 @@ def build_parallel_groups(layout: ParallelLayout, ranks: range | None = None) ->
         grid=grid,
         coords=layout.coordinates(rank - ranks.start),
         rank_lists=rank_lists,
+        first_rank=ranks.start,
     )

@@ -77,6 +77,13 @@ class ParallelLayout:
         """Sizes in `GRID_DIMS` order."""
         return [self.tp, self.ulysses, self.ring, self.world_size // self.model_parallel_size, self.pp]
 
+    def stage_roots(self, first_rank: int = 0) -> list[int]:
+        """The global rank of each pipeline stage's first rank in the first replica (tp, cp and dp coordinates 0),
+        stage by stage, for a grid whose ranks start at `first_rank`: the ranks that send each stage's weights."""
+        first = self.coordinates(0)
+        return [first_rank + next(r for r in range(self.world_size) if self.coordinates(r) == {**first, "pp": s})
+                for s in range(self.pp)]
+
     def coordinates(self, rank: int) -> dict[str, int]:
         """This rank's index along each dimension of the grid."""
         if not 0 <= rank < self.world_size:

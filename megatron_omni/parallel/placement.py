@@ -13,8 +13,10 @@ rollout service and the bridge as one object, never read from globals:
 - `requests[r]` / `results[r]`: two gloo pairs {trainer root, rollout rank r} for the control messages (small
   pickled objects on CPU tensors, so gloo even on GPU), one per direction so that each is used by one thread on
   each side (a gloo pair is not shared between threads);
-- `weights`: the bridge's broadcast group {trainer root} + rollout ranks on the job's collective backend (NCCL on
-  GPU: the weights are device tensors), given to `bridge.DistributedTransport(groups=...)`.
+- `weights`: the bridge's broadcast groups, one per weight source (the trainer root; with pipeline parallelism each
+  stage's first rank, `ParallelLayout.stage_roots`): {source} + rollout ranks on the job's collective backend (NCCL
+  on GPU: the weights are device tensors), given to `bridge.DistributedTransport(groups=...)` with
+  `weight_sources` (stage order).
 """
 
 from __future__ import annotations
@@ -124,11 +126,13 @@ class PlacementGroups:
     requests: dict[int, dist.ProcessGroup | None] = field(default_factory=dict)
     results: dict[int, dist.ProcessGroup | None] = field(default_factory=dict)
     weights: dict[int, dist.ProcessGroup | None] = field(default_factory=dict)
+    weight_sources: tuple[int, ...] = ()  # the trainer ranks that send the weights, stage by stage
 
 
-def build_placement_groups(placement: Placement) -> PlacementGroups:
+def build_placement_groups(placement: Placement, weight_sources: Sequence[int] | None = None) -> PlacementGroups:
     """Create the groups of `placement` on the initialised default group; every rank calls it, in the same order
-    (group creation is collective over the job)."""
+    (group creation is collective over the job). `weight_sources`: the trainer ranks that send each pipeline
+    stage's weights (default: the trainer root alone)."""
     if not dist.is_initialized():
         raise RuntimeError("torch.distributed is not initialised: call init_distributed() first")
     if dist.get_world_size() != placement.world_size:
@@ -147,5 +151,9 @@ def build_placement_groups(placement: Placement) -> PlacementGroups:
     root = placement.trainer_root
     requests = {r: member((root, r), CONTROL_BACKEND) for r in placement.rollout_ranks}
     results = {r: member((root, r), CONTROL_BACKEND) for r in placement.rollout_ranks}
-    weights = {root: member((root, *placement.rollout_ranks), platform.backend())}
-    return PlacementGroups(placement, rank, trainer, rollout, requests, results, weights)
+    sources = tuple(weight_sources) if weight_sources else (root,)
+    outside = [r for r in sources if r not in placement.trainer_ranks]
+    if outside:
+        raise PlacementError(f"weight sources {outside} are not trainer ranks of {placement}")
+    weights = {src: member((src, *placement.rollout_ranks), platform.backend()) for src in dict.fromkeys(sources)}
+    return PlacementGroups(placement, rank, trainer, rollout, requests, results, weights, sources)

@@ -17,14 +17,27 @@ log-probs recorded at rollout. The step's metrics add the staleness histogram (`
 synchronous loop's `train_rollout_dlogp`, here also the version gap), `time_rollout_wait` (the trainer idle,
 waiting for the step) and `push_s`.
 
-Left for later (docs/async.md): more than one trainer rank (the root would scatter the trajectory over data
-parallel), checkpointing the in-flight step, the trainer's own engine copy (built for the probe and the plan;
-unused for sampling).
+Nothing lost at a checkpoint: the steps asked for ahead (up to s, sampled with versions the trainer no longer holds
+once it has updated) are collected first and saved in the checkpoint by the trainer root
+(`checkpointing.ASYNC_IN_FLIGHT`), and the rollout ranks join the collective save (`Checkpoint` message; their RNG
+states). A resume trains on those saved steps and asks for the following ones exactly as the uninterrupted run does,
+after pushing the version it loaded, so a SIGKILLed and resumed run equals the uninterrupted one bit for bit. A
+checkpoint that holds no in-flight steps (a colocated run's) is continued with the versions the trainer holds: a
+step whose behaviour version is older than the loaded one is sampled with the loaded one (lag 0).
+
+The trainer's own engine copy (built for the probe and the plan) samples the held-out evaluation: it is synced
+before each one (`evaluation_sync`).
+
+Several trainer ranks: the root asks for whole steps (every data-parallel rank's prompts and seeds), scores them
+and scatters each data-parallel rank's share to the ranks of its replica (`AsyncLoop._shares`); the weights are
+pushed from the root's replica: the bridge gathers the tensor-parallel shards, and each pipeline stage's first
+rank broadcasts its stage's blocks to the rollout ranks over its own weights group.
 """
 
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -46,8 +59,10 @@ from megatron_omni.rollout.async_service import (
 )
 from megatron_omni.rollout.base import FinishedSample, Trajectory
 from megatron_omni.rollout.registry import EngineSettings, build_engine
+from megatron_omni.trainer.checkpointing import ASYNC_IN_FLIGHT, load_checkpoint, resume_folder, save_checkpoint
 from megatron_omni.trainer.config import JobConfig, torch_dtype
-from megatron_omni.trainer.skeleton import StepResult
+from megatron_omni.trainer.preemption import TrainingStopped
+from megatron_omni.trainer.skeleton import StepResult, step_prompts
 from model_providers import get_family
 
 # The whole-job all_gather_object calls of megatron.core.optimizer.get_megatron_optimizer (megatron-core 0.16:
@@ -74,19 +89,25 @@ def rollout_plan(cfg: JobConfig, hf_config: dict[str, Any]) -> Any:
 
 
 def transport(cfg: JobConfig, groups: PlacementGroups) -> DistributedTransport:
-    """The weights' broadcast from the trainer root to the rollout ranks over the placement's weights group."""
-    pl = groups.placement
-    return DistributedTransport(sources=[pl.trainer_root], rollout_ranks=pl.rollout_ranks,
+    """The weights' broadcast to the rollout ranks from each pipeline stage's first trainer rank (the root alone
+    without pipeline parallelism) over the placement's weights groups."""
+    return DistributedTransport(sources=list(groups.weight_sources), rollout_ranks=groups.placement.rollout_ranks,
                                 dtype=torch_dtype(cfg.model.params_dtype), groups=groups.weights)
 
 
 def serve_rollout(cfg: JobConfig, groups: PlacementGroups, pipeline_dir: Path) -> dict[str, Any]:
-    """A rollout rank's whole run: the engine (its transformer double-buffered), the service until the trainer
-    stops it, then the job's closing collectives (`finish`'s). Returns the service's counters."""
+    """A rollout rank's whole run: the job's collectives of the set-up (the optimizer build's, the resume's), the
+    engine (its transformer double-buffered), the service until the trainer stops it (joining each checkpoint's
+    save), then the job's closing collectives (`finish`'s). Returns the service's counters. Raises
+    `TrainingStopped` when the trainer stopped on a signal (every rank of the job exits with the stop status)."""
     # Megatron-Core's get_megatron_optimizer gathers the parameter-group keys over the default (whole-job) group,
     # once for the dense and once for the expert parameters; the rollout ranks hold none and join both gathers.
     for _ in range(MEGATRON_OPTIMIZER_WORLD_GATHERS):
         dist.all_gather_object([None] * dist.get_world_size(), [])
+    run_dir = Path(cfg.run_dir)
+    folder = resume_folder(cfg.checkpoint.resume, run_dir)  # collective: the ranks verify it together
+    if folder is not None:
+        load_checkpoint(folder, None, None, None)  # this rank's RNG states (the trainer loads the rest)
     r = cfg.rollout
     engine = build_engine(r.engine, pipeline_dir, EngineSettings(tp=1, dtype=torch_dtype(r.dtype),
                                                                  max_batch_size=r.max_batch_size))
@@ -94,56 +115,122 @@ def serve_rollout(cfg: JobConfig, groups: PlacementGroups, pipeline_dir: Path) -
     _, plan = rollout_plan(cfg, engine.transformer_config())
     receiver = WeightReceiver(engine, plan, transport(cfg, groups), torch_dtype(cfg.model.params_dtype),
                               groups.rank, wait_timeout_s=settings.liveness_timeout_s)
+
+    def join_checkpoint(step: int) -> Path:
+        return save_checkpoint(run_dir, step, None, None, None, {}, cfg.checkpoint.keep)
+
     try:
-        stats = RolloutService(engine, groups, receiver, settings).serve()
+        stats = RolloutService(engine, groups, receiver, settings, on_checkpoint=join_checkpoint).serve()
     finally:
         engine.close()
     closing: list[Any] = [None]
     dist.broadcast_object_list(closing, src=groups.placement.trainer_root)  # `AsyncLoop.finish`'s
-    save_step, barrier = closing[0]
-    if save_step is not None:
-        from megatron_omni.trainer.checkpointing import save_checkpoint
+    stopped = closing[0]
+    if stopped is None:
+        dist.barrier()  # the run's final barrier
+        return stats
+    raise TrainingStopped(*stopped)
 
-        save_checkpoint(Path(cfg.run_dir), save_step, None, None, None, {}, cfg.checkpoint.keep)
-    if barrier:
-        dist.barrier()
-    return stats
+
+def _rows(traj: Trajectory, first: int, end: int) -> Trajectory:
+    """Samples first..end-1 of `traj` (itself when that is all of it)."""
+    return traj if (first, end) == (0, len(traj)) else traj.select(list(range(first, end)))
 
 
 class AsyncLoop:
-    """The trainer side of the asynchronous loop, on the trainer root (the only trainer rank for now)."""
+    """The trainer side of the asynchronous loop, on every trainer rank. The trainer root talks to the rollout
+    ranks (`client`; None elsewhere): it asks for whole steps (every data-parallel rank's prompts), scores what comes
+    back and scatters each data-parallel rank's share to the ranks of its replica; every trainer rank trains on its
+    share and joins the weight push (the tensor-parallel gathers of the bridge)."""
 
     def __init__(self, cfg: JobConfig, trainer: Any, groups: PlacementGroups) -> None:
         self.cfg = cfg
         self.trainer = trainer
         self.root = groups.placement.trainer_root
+        self.is_root = groups.rank == self.root
+        self.trainer_group = groups.trainer
+        self.trainer_ranks = list(groups.placement.trainer_ranks)
         self.settings = async_settings(cfg)
-        self.client = RolloutClient(groups, self.settings)
+        self.client = RolloutClient(groups, self.settings) if self.is_root else None
+        self.split_rollout = len(groups.placement.rollout_ranks) > 1
         part, plan = rollout_plan(cfg, trainer.hf_config)
         tg = trainer.groups
         self.weight_sync = WeightSync(plan, sources=trainer.family.megatron_sources(trainer.model)[part], target=None,
                                       tp_group=tg.tp, tp_rank=tg.tp.rank(), stage=tg.coords["pp"],
                                       transport=transport(cfg, groups))
+        # The data-parallel rank of every trainer rank (the share of a step it trains on), in trainer-rank order.
+        self.dp_of_rank: list[int] = [0] * len(self.trainer_ranks)
+        if len(self.trainer_ranks) > 1:
+            dist.all_gather_object(self.dp_of_rank, tg.dp.rank(), group=self.trainer_group)
+        self.dp_size = tg.dp.size()
         self.version = 0  # optimizer steps (RL steps) applied: the policy the trainer holds
+        self.first_version = 0  # the oldest version this run can push (the one it started or resumed with)
         self.next_request = 0
         self.pushes = 0
+        self.collected: dict[int, Trajectory] = {}  # steps collected ahead of their turn (a checkpoint's)
 
-    def start(self, step: int) -> None:
-        """The run starts (or resumes) at `step`, holding policy version `step`."""
-        self.version = self.next_request = step
+    def _from_root(self, value: Any) -> Any:
+        """The root's `value` on every trainer rank."""
+        if len(self.trainer_ranks) == 1:
+            return value
+        box = [value]
+        dist.broadcast_object_list(box, src=self.root, group=self.trainer_group)
+        return box[0]
+
+    def start(self, step: int, in_flight: dict[int, Trajectory] | None = None) -> None:
+        """The run starts (or resumes) at `step`, holding policy version `step`; `in_flight` (the root's): the
+        steps a resumed checkpoint saved ahead (consecutive from `step`). A resumed run pushes its version to the
+        rollout ranks, which start from the pipeline's weights. Every trainer rank calls it."""
+        in_flight = dict(in_flight or {})
+        if sorted(in_flight) != list(range(step, step + len(in_flight))):
+            raise ValueError(f"resuming at step {step}: the checkpoint's in-flight steps {sorted(in_flight)} do not "
+                             "follow it")
+        # Saved steps older than this job's bound (a resume with a smaller async.max_staleness) are sampled again.
+        s = self.settings.max_staleness
+        kept = 0
+        while step + kept in in_flight and step + kept - int(in_flight[step + kept].policy_version.min()) <= s:
+            kept += 1
+        if kept < len(in_flight):
+            print(f"resuming with async.max_staleness={s}: the checkpoint's steps {sorted(in_flight)[kept:]} were "
+                  "sampled with older policy versions than the bound allows; they are sampled again", flush=True)
+        self.version = self.first_version = step
+        self.collected = {k: in_flight[k] for k in range(step, step + kept)}
+        in_flight = self.collected
+        self.next_request = step + self._from_root(len(in_flight))
+        if step > 0 and self.next_request < self.cfg.steps:
+            self.push()
+
+    def step_samples(self, step: int) -> tuple[list[str], list[int], list[tuple[int, int]]]:
+        """RL step `step`'s samples over every data-parallel rank, in dp-rank order: prompts (groups expanded) and
+        seeds [N], and each dp rank's (first, end) rows."""
+        r = self.cfg.rollout
+        prompts, seeds, rows = [], [], []
+        for d in range(self.dp_size):
+            mine, _, mine_seeds = step_prompts(self.cfg.prompts, self.cfg.seed, step, r.prompts_per_step,
+                                               r.group_size, d, self.dp_size)
+            rows.append((len(seeds), len(seeds) + len(mine_seeds)))
+            prompts += [p for p in mine for _ in range(r.group_size)]
+            seeds += mine_seeds
+        return prompts, seeds, rows
 
     def _request_ahead(self, step: int) -> None:
-        """Ask for every step up to `step` + s the trainer can ask for now: its version is <= the one held."""
+        """Ask for every step up to `step` + s the trainer can ask for now: its version is <= the one held. Every
+        trainer rank advances the count (the push after an update depends on it); the root sends."""
         s = self.settings.max_staleness
         while self.next_request < self.cfg.steps and self.next_request <= step + s:
             k = self.next_request
-            version = behaviour_version(k, s)
+            # A resumed run holds no version older than the one it loaded (none older is asked for when the
+            # checkpoint saved its in-flight steps; a colocated run's checkpoint saved none).
+            version = max(behaviour_version(k, s), self.first_version)
             if version > self.version:  # not pushed yet (cannot happen with the bound; kept as a guard)
                 break
-            prompts, group_ids, seeds = self.trainer.step_prompts(k)
-            g = self.cfg.rollout.group_size
-            self.client.request(k, version, [p for p in prompts for _ in range(g)], seeds,
-                                self.trainer.sampling_params(k))
+            if self.is_root:
+                prompts, seeds, _ = self.step_samples(k)
+                params = self.trainer.sampling_params(k)
+                if self.split_rollout and params.text_length is None:
+                    # every rollout rank's share padded to one text length, as one engine call over the step would
+                    params = replace(params, text_length=self.trainer.common_text_length(prompts, params))
+                self.client.request(k, version, prompts, seeds, params)
             self.next_request += 1
 
     def scored(self, traj: Trajectory, seeds: list[int]) -> tuple[torch.Tensor, float]:
@@ -156,41 +243,82 @@ class AsyncLoop:
             reward_fn.on_sample(FinishedSample(i, prompt, i, seed, traj.images[i]))
         return reward_fn.collect(), time.perf_counter() - t0
 
+    def _shares(self, step: int) -> tuple[Trajectory, torch.Tensor, dict[str, float]]:
+        """The root collects step `step` (or takes it from a checkpoint's), checks its versions against the bound
+        and scores it; every trainer rank gets its data-parallel rank's share [n] of the trajectory and rewards and
+        the step's whole-step figures (staleness, versions, waits)."""
+        out: list[Any] = [None]
+        if self.is_root:
+            t0 = time.perf_counter()
+            traj = self.collected.pop(step) if step in self.collected else self.client.collect(step)
+            wait = time.perf_counter() - t0
+            lag = check_staleness(traj, self.version, self.settings.max_staleness, step)
+            _, seeds, rows = self.step_samples(step)
+            rewards, reward_s = self.scored(traj, seeds)
+            versions = traj.policy_version
+            figures = {"rollout_wait": wait, "reward": reward_s,
+                       **staleness_histogram(lag, self.settings.max_staleness),
+                       "policy_version_min": int(versions.min()), "policy_version_max": int(versions.max())}
+            shares = [(_rows(traj, *rows[d]), rewards[rows[d][0]:rows[d][1]], figures) for d in self.dp_of_rank]
+            if len(self.trainer_ranks) == 1:
+                return shares[0]
+            dist.scatter_object_list(out, shares, src=self.root, group=self.trainer_group)
+        else:
+            dist.scatter_object_list(out, None, src=self.root, group=self.trainer_group)
+        return out[0]
+
     def train_step(self, step: int) -> StepResult:
         """RL step `step`: ask ahead, collect the step, check its versions against the bound, score it, train on
-        it with the synchronous loop's step, push the new version."""
-        t: dict[str, float] = {}
+        this rank's share with the synchronous loop's step, push the new version. Every trainer rank calls it."""
         self._request_ahead(step)
-        t0 = time.perf_counter()
-        traj = self.client.collect(step)
-        t["rollout_wait"] = time.perf_counter() - t0
-        lag = check_staleness(traj, self.version, self.settings.max_staleness, step)
-        prompts, group_ids, seeds = self.trainer.step_prompts(step)
-        rewards, t["reward"] = self.scored(traj, seeds)
-        versions = traj.policy_version
+        traj, rewards, figures = self._shares(step)
+        t = {"rollout_wait": figures.pop("rollout_wait"), "reward": figures.pop("reward")}
+        _, group_ids, _ = self.trainer.step_prompts(step)
         result = self.trainer.train_on(step, traj, rewards, group_ids, t, sync=False)
         self.version += 1
         push = 0.0
         if self.next_request < self.cfg.steps:  # a step still to ask for samples with this version
-            t0 = time.perf_counter()
-            push_weights(self.version, self.weight_sync, self.trainer.probe_means(), self.client)
-            self.pushes += 1
-            push = time.perf_counter() - t0
-        result.metrics.update(staleness_histogram(lag, self.settings.max_staleness),
-                              policy_version_min=int(versions.min()), policy_version_max=int(versions.max()),
-                              push_s=push)
+            push = self.push()
+        result.metrics.update(figures, push_s=push)
         if "train_rollout_dlogp" in result.metrics:
             result.metrics["behaviour_dlogp"] = result.metrics["train_rollout_dlogp"]
         return result
 
-    def finish(self, save_step: int | None, barrier: bool) -> None:
-        """Stop the rollout ranks (dropping a step asked for ahead) and tell them the closing collectives: the
-        checkpoint after `save_step` (None: none) and the run's final barrier. Every trainer rank calls it."""
+    def push(self) -> float:
+        """Push the version the trainer holds into the rollout ranks' back buffers (with its probe means);
+        returns the seconds it took. Every trainer rank calls it."""
+        t0 = time.perf_counter()
+        push_weights(self.version, self.weight_sync, self.trainer.probe_means(), self.client)
+        self.pushes += 1
+        return time.perf_counter() - t0
+
+    def checkpoint(self, done: int) -> dict[str, Any] | None:
+        """Before the job's checkpoint after `done` RL steps: the root collects every step asked for ahead (kept
+        for their turn) and tells the rollout ranks to join the save. Returns the objects the root saves,
+        {ASYNC_IN_FLIGHT: {step: Trajectory}} (None on the other trainer ranks)."""
+        if not self.is_root:
+            return None
         for k in sorted(self.client.in_flight()):
-            self.client.cancel(k)
-        self.client.close()
-        dist.broadcast_object_list([(save_step, barrier)], src=self.root)
+            self.collected[k] = self.client.collect(k)
+        self.client.checkpoint(done)
+        return {ASYNC_IN_FLIGHT: dict(self.collected)}
+
+    def finish(self, stopped: tuple[str, int, str] | None) -> None:
+        """Stop the rollout ranks (dropping a step asked for ahead) and tell every rank how the run ends: None, the
+        final barrier; `stopped` (signal name, step, checkpoint folder), the rollout ranks raise `TrainingStopped`
+        with it. Every trainer rank calls it."""
+        if self.is_root:
+            for k in sorted(self.client.in_flight()):
+                self.client.cancel(k)
+            self.client.close()
+        dist.broadcast_object_list([stopped], src=self.root)
+
+    def evaluation_sync(self) -> None:
+        """Bring the trainer's own engine copy (which samples the held-out evaluation) to the trained weights.
+        Every trainer rank calls it."""
+        self.trainer.sync_weights()
 
     def abandon(self) -> None:
         """After a lost or failed rollout rank: stop those still reachable (the trainer is about to raise)."""
-        self.client.abandon()
+        if self.client is not None:
+            self.client.abandon()

@@ -14,7 +14,9 @@ A checkpoint is one `dist_checkpointing` folder, `checkpoints/step_XXXXXX`, hold
 - with `optim.ema_decay`, the EMA of the weights: the model's sharded tensors under `ema.` + name (so
   `mcore-to-hf --prefix ema.` exports it as a diffusers transformer); other frozen copies a trainer keeps
   (DiffusionNFT's lagging old policy) likewise under their own name + `.`;
-- common state written once: scheduler, step, data position, metric history, world size.
+- common state written once: scheduler, step, data position, metric history, world size;
+- objects one rank alone holds (`objects=`: the asynchronous trainer root's in-flight steps, `ASYNC_IN_FLIGHT`),
+  each one `ShardedObject` under its key.
 
 It is written into `step_XXXXXX.tmp` and renamed when every rank has finished. Before the rename the
 folder gets `RUN_ID` (the run that wrote it), `MANIFEST.json` (every file's size and CRC-32, see
@@ -58,6 +60,9 @@ RUN_ID = "RUN_ID"
 # supports the gather-free "fully_sharded_model_space"; "dp_reshardable" cannot change TP.)
 OPTIMIZER_SHARDING = "fully_reshardable"
 RNG_KEY = "trainer.rng_state"
+# The asynchronous trainer root's steps sampled ahead of the checkpoint ({step: Trajectory}): a resume trains on
+# them instead of sampling them again with a policy version it no longer holds.
+ASYNC_IN_FLIGHT = "async.in_flight"
 EMA_PREFIX = "ema."
 
 
@@ -215,11 +220,30 @@ def _rng_object(state: Any, world: int, rank: int) -> ShardedObject:
     return ShardedObject(RNG_KEY, state, (world,), (rank,), replica_id=0)
 
 
+def _own_object(key: str, value: Any) -> ShardedObject:
+    """An object that one rank alone holds (the whole of it, one shard)."""
+    return ShardedObject(key, value, (1,), (0,), replica_id=0)
+
+
+def resume_folder(resume: str | None, run_dir: Path) -> Path | None:
+    """The checkpoint `checkpoint.resume` names (collective for "auto" / "auto-or-new": the ranks verify the
+    candidates together), or None to start anew. Raises ConfigError for "auto" on a folder without an intact
+    checkpoint."""
+    if resume in ("auto", "auto-or-new"):
+        folder = latest_checkpoint(run_dir)
+        if folder is None and resume == "auto":
+            raise ConfigError(f"--resume auto: run_dir={run_dir} holds no intact checkpoint (see above); start "
+                              f"it anew with --resume auto-or-new, or choose another run_dir")
+        return folder
+    return Path(resume) if resume else None
+
+
 def save_checkpoint(run_dir: Path, step: int, model: torch.nn.Module | None, optimizer: Any, scheduler: Any,
                     common: dict[str, Any], keep: int, content_metadata: dict[str, Any] | None = None,
                     sharded_state: ModelShardedState = model_sharded_state_dict,
                     ema: torch.nn.Module | None = None, run_id: str | None = None,
-                    copies: dict[str, torch.nn.Module] | None = None) -> Path:
+                    copies: dict[str, torch.nn.Module] | None = None,
+                    objects: dict[str, Any] | None = None) -> Path:
     """Collective: save model, optimizer, scheduler, RNG states, `common` (step, data position, metric
     history: rank 0's copy is written), the `ema` copy of the model if given and the other frozen `copies` by
     name, as the checkpoint after `step` steps; prune to the last `keep`.
@@ -246,6 +270,8 @@ def save_checkpoint(run_dir: Path, step: int, model: torch.nn.Module | None, opt
     state["rng"] = _rng_object(rng_state(), world, rank)
     for name, copy in _copies(ema, copies).items():
         state[name] = _copy_sharded_state(copy, sharded_state, name)
+    for key, value in (objects or {}).items():
+        state[key] = _own_object(key, value)
     state["world_size"] = world
     # Every rank passes rank 0's copy (the one written): per-rank timings in the metric history would
     # otherwise make Megatron's validation warn that the ranks' common state differs.
@@ -286,16 +312,20 @@ def save_checkpoint(run_dir: Path, step: int, model: torch.nn.Module | None, opt
 
 
 @torch.no_grad()
-def load_checkpoint(folder: Path, model: torch.nn.Module, optimizer: Any, scheduler: Any,
+def load_checkpoint(folder: Path, model: torch.nn.Module | None, optimizer: Any, scheduler: Any,
                     sharded_state: ModelShardedState = model_sharded_state_dict,
                     ema: torch.nn.Module | None = None, identity: dict[str, Any] | None = None,
-                    copies: dict[str, torch.nn.Module] | None = None) -> dict[str, Any]:
+                    copies: dict[str, torch.nn.Module] | None = None,
+                    objects: tuple[str, ...] = ()) -> dict[str, Any]:
     """Collective: load a complete checkpoint saved at any layout into this rank's model and optimizer
     shards, the scheduler, the `ema` copy and the other frozen `copies` if given (the checkpoint must hold
     them); restore the RNG states
     when the world size matches. Returns `common`. `sharded_state`: as for `save_checkpoint` (the one the
     checkpoint was saved with). `identity`: what the checkpoint's `common["identity"]` must equal (a LoRA
-    run's settings and base, `check_identity`), checked before any tensor is read."""
+    run's settings and base, `check_identity`), checked before any tensor is read. `model` None (optimizer and
+    scheduler None too): a rank without training state (a disaggregated job's rollout rank) joins for its RNG
+    states. `objects`: keys saved with `save_checkpoint(objects=...)` that this rank reads; they come back under
+    the returned dict's "objects" (the checkpoint must hold them)."""
     folder = Path(folder)
     if not (folder / COMPLETE).is_file():
         raise FileNotFoundError(f"{folder} is not a complete checkpoint (no {COMPLETE} marker)")
@@ -306,10 +336,13 @@ def load_checkpoint(folder: Path, model: torch.nn.Module, optimizer: Any, schedu
     saved = dist_checkpointing.load_common_state_dict(str(folder))
     if identity is not None:
         check_identity(saved["common"].get("identity"), identity, folder)
-    state = _sharded_training_state(model, optimizer, is_loading=True, sharded_state=sharded_state)
+    state = ({} if model is None else
+             _sharded_training_state(model, optimizer, is_loading=True, sharded_state=sharded_state))
     same_world = saved["world_size"] == world
     if same_world:
         state["rng"] = _rng_object(None, world, rank)
+    for key in objects:
+        state[key] = _own_object(key, None)
     held = _copies(ema, copies)
     for name, copy in held.items():
         state[name] = _copy_sharded_state(copy, sharded_state, name)
@@ -327,6 +360,10 @@ def load_checkpoint(folder: Path, model: torch.nn.Module, optimizer: Any, schedu
         raise RuntimeError(f"{folder} lacks {len(missing)} tensors this job needs, e.g. {missing[:4]} (saved with "
                            f"another optim.distributed_optimizer setting or another model?)")
     loaded = dist_checkpointing.load(state, str(folder))
+    if model is None:
+        if same_world:
+            set_rng_state(loaded["rng"])
+        return {**saved["common"], "objects": {key: loaded[key] for key in objects}}
     for name, module in (("model", model), *held.items()):
         result = module.load_state_dict({k: loaded[name][k] for k in state[name]}, strict=False)
         # A LoRA run's sharded state holds the adapters only: its frozen base comes from the pipeline folder
@@ -344,7 +381,12 @@ def load_checkpoint(folder: Path, model: torch.nn.Module, optimizer: Any, schedu
     elif rank == 0:
         print(f"{folder} was saved by {saved['world_size']} ranks, this job has {world}: weights and optimizer "
               f"state resharded, random streams start fresh")
-    return loaded["common"]
+    return {**loaded["common"], "objects": {key: loaded[key] for key in objects}}
+
+
+def read_common(folder: Path) -> dict[str, Any]:
+    """A checkpoint's common state (step, data position, metric history, ...), read on this rank alone."""
+    return dist_checkpointing.load_common_state_dict(str(folder))["common"]
 
 
 def check_identity(saved: dict[str, Any] | None, current: dict[str, Any], folder: Path) -> None:

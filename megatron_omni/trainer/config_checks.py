@@ -499,15 +499,14 @@ def check_placement(cfg: Any, world_size: int, planning: bool = False) -> None:
         if bad:
             raise ConfigError(f"model.family={cfg.model.family!r} is not supported with placement.mode="
                               f"disaggregated: {why}")
-    limits = placement_limits(cfg, world_size)
+    limits = placement_limits(cfg)
     if limits and not planning:
         raise ConfigError(limits[0])
 
 
-def placement_limits(cfg: Any, world_size: int) -> list[str]:
+def placement_limits(cfg: Any) -> list[str]:
     """What the disaggregated trainer cannot run yet with this image-family config (one message per setting,
     naming the field and the value; empty when it runs). A dry run plans such a job, then refuses it."""
-    pl = cfg.placement
     d = "with placement.mode=disaggregated"
     unsupported = [
         (cfg.algorithm.name == "diffusionnft", "algorithm.name", cfg.algorithm.name,
@@ -520,14 +519,6 @@ def placement_limits(cfg: Any, world_size: int) -> list[str]:
          "the rollout ranks sample with their own copy; use engine or auto"),
         (cfg.model.lora.enabled, "model.lora.rank", cfg.model.lora.rank,
          "the back buffer takes full weights; LoRA adapters are not pushed to it yet"),
-        (world_size - pl.rollout_ranks > 1, "placement.rollout_ranks", pl.rollout_ranks,
-         f"leaves {world_size - pl.rollout_ranks} trainer ranks; the asynchronous trainer runs on one rank for now "
-         "(its root does not scatter the trajectory over data parallel yet)"),
-        (bool(cfg.eval.prompts), "eval.prompts", "[...]", "the held-out evaluation runs colocated only for now"),
-        (cfg.checkpoint.every != 0, "checkpoint.every", cfg.checkpoint.every,
-         "an in-flight step is not checkpointed yet: only the final checkpoint is written; set checkpoint.every=0"),
-        (cfg.checkpoint.resume is not None, "checkpoint.resume", cfg.checkpoint.resume,
-         "resuming an asynchronous run (its in-flight step) is not built yet"),
     ]
     return [f"{name}={value!r} is not supported {d}: {why}" for bad, name, value, why in unsupported if bad]
 

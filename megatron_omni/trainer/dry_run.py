@@ -64,7 +64,7 @@ def job_plan(cfg: JobConfig, world_size: int, gpu: str, gpus_per_node: int = 8, 
     r, p = cfg.rollout, cfg.parallel
     # Disaggregated: the planner's world is the trainer ranks; the last placement.rollout_ranks roll out.
     rollout_gpus = cfg.placement.rollout_ranks if cfg.placement.mode == "disaggregated" else 0
-    limits = tuple(placement_limits(cfg, world_size)) if rollout_gpus else ()
+    limits = tuple(placement_limits(cfg)) if rollout_gpus else ()
     world_size = trainer_world_size(cfg, world_size)
     dp = world_size // (p.tp * p.ulysses * p.ring * p.pp)
     vllm = r.engine == "vllm_omni"

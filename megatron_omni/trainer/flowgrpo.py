@@ -189,11 +189,13 @@ class FlowGRPOTrainer:
         (part, plan), = plans.items()
         transport = None
         if p.pp > 1:
-            layout = groups.layout
-            roots = [next(r for r in range(layout.world_size)
-                          if layout.coordinates(r) == {**layout.coordinates(0), "pp": s}) for s in range(p.pp)]
-            transport = DistributedTransport(sources=roots, rollout_ranks=range(layout.world_size),
-                                             dtype=mcfg.params_dtype)
+            # Every rank's engine gets every stage's blocks from the stage's first rank. The trainer's ranks of a
+            # disaggregated job broadcast over their own group (the job's rollout ranks take no part).
+            first = groups.first_rank
+            roots = groups.layout.stage_roots(first)
+            members = range(first, first + groups.layout.world_size)
+            transport = DistributedTransport(sources=roots, rollout_ranks=members, dtype=mcfg.params_dtype,
+                                             groups=None if job_group is None else dict.fromkeys(roots, job_group))
         sources = self.family.megatron_sources(self.model)[part]
         if lora_mode == "merge":
             sources = MergedSources(sources, merged_linears(self.model, self.model.global_name))

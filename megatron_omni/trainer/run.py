@@ -16,11 +16,13 @@ from tqdm import tqdm
 
 from megatron_omni.parallel import ParallelLayout, build_parallel_groups
 from megatron_omni.parallel.placement import build_placement_groups, split_world
-from megatron_omni.rollout.async_service import RolloutRankFailed, RolloutRankLost
+from megatron_omni.rollout.async_service import RolloutRankFailed, RolloutRankLost, StalenessError
 from megatron_omni.trainer import atomic_files
 from megatron_omni.trainer.checkpointing import (
-    latest_checkpoint,
+    ASYNC_IN_FLIGHT,
     load_checkpoint,
+    read_common,
+    resume_folder,
     run_id_of,
     save_checkpoint,
 )
@@ -30,7 +32,7 @@ from megatron_omni.trainer.flowgrpo import FlowGRPOTrainer
 from megatron_omni.trainer.metrics import MetricsWriter, read_history, save_reward_curve, save_samples
 from megatron_omni.trainer.preemption import StopRequests, TrainingStopped
 from megatron_omni.trainer.rewards import RewardFunction
-from megatron_omni.trainer.run_folder import RESUME_AUTO, clear_run_dir, new_run_id
+from megatron_omni.trainer.run_folder import clear_run_dir, new_run_id
 from model_providers import get_family
 
 SHOWN = ("reward_mean", "clipfrac", "approx_kl", "grad_norm", "images_per_s_per_rank")
@@ -54,9 +56,10 @@ def prepare_pipeline(cfg: JobConfig, run_dir: Path) -> Path:
     return path
 
 
-def run_evaluation(cfg: JobConfig, trainer: FlowGRPOTrainer, run_dir: Path, done: int) -> None:
+def run_evaluation(cfg: JobConfig, trainer: FlowGRPOTrainer, run_dir: Path, done: int, job=None) -> None:
     """Held-out evaluation after `done` RL steps (`record_evaluation` on rank 0), with the EMA of the weights
-    when `optim.ema_decay` is set. Collective (every rank)."""
+    when `optim.ema_decay` is set. Collective over the trainer's ranks (`job`: their group when they are not the
+    whole job)."""
     with trainer.evaluation_weights():
         if dist.get_rank() == 0:
             record_evaluation(cfg, trainer, run_dir, done)
@@ -65,7 +68,7 @@ def run_evaluation(cfg: JobConfig, trainer: FlowGRPOTrainer, run_dir: Path, done
             # samples of their own; the other engines' ranks all do, so those calls run nothing
             for _ in range(1 + int(cfg.eval.rollout_sampler) + int(trainer.quantization.enabled)):
                 trainer.engine.generate([], trainer.sampling_params())
-        dist.barrier()
+        dist.barrier(group=job)
 
 
 def record_evaluation(cfg: JobConfig, trainer: FlowGRPOTrainer, run_dir: Path, done: int) -> None:
@@ -115,18 +118,6 @@ def run(cfg: JobConfig, overwrite: bool = False) -> dict:
         return _run(cfg, overwrite, stops)
 
 
-def _resume_folder(cfg: JobConfig, run_dir: Path) -> Path | None:
-    """The checkpoint to resume from (collective: the ranks verify it together), or None to start anew."""
-    resume = cfg.checkpoint.resume
-    if resume in RESUME_AUTO:
-        folder = latest_checkpoint(run_dir)
-        if folder is None and resume == "auto":
-            raise ConfigError(f"--resume auto: run_dir={run_dir} holds no intact checkpoint (see above); start "
-                              f"it anew with --resume auto-or-new, or choose another run_dir")
-        return folder
-    return Path(resume) if resume else None
-
-
 def build_trainer(cfg: JobConfig, groups, run_dir: Path, job_group=None) -> tuple[object, RewardFunction | None]:
     """The trainer of `cfg.model.family`'s kind and the reward client it scores with (None: the trainer scores
     in process). Collective (every rank; `job_group`: the trainer's ranks of a disaggregated job)."""
@@ -160,7 +151,8 @@ def _run(cfg: JobConfig, overwrite: bool, stops: StopRequests) -> dict:
     if placement.disaggregated:
         # Every rank creates every group (collective), then each side goes its way: the rollout ranks serve until
         # the trainer stops them; the trainer's grid spans the trainer ranks only.
-        pgroups = build_placement_groups(placement)
+        sources = layout.resolve(len(placement.trainer_ranks)).stage_roots(placement.trainer_root)
+        pgroups = build_placement_groups(placement, weight_sources=sources)
         groups = build_parallel_groups(layout, ranks=placement.trainer_range)
         if placement.role(rank) == "rollout":
             from megatron_omni.trainer.async_loop import serve_rollout
@@ -178,7 +170,8 @@ def _run(cfg: JobConfig, overwrite: bool, stops: StopRequests) -> dict:
         job = None
 
     start = 0
-    folder = _resume_folder(cfg, run_dir)
+    in_flight: dict = {}
+    folder = resume_folder(cfg.checkpoint.resume, run_dir)  # collective (the rollout ranks join)
     # The run id: the resumed checkpoint's (one run continues), else a new one (rank 0's, shared).
     shared = [run_id_of(folder) if folder is not None else None]
     if shared[0] is None:
@@ -188,10 +181,14 @@ def _run(cfg: JobConfig, overwrite: bool, stops: StopRequests) -> dict:
     if rank == 0:
         atomic_files.write_text(run_dir / "config.json", json.dumps({"run_id": run_id, **to_dict(cfg)}, indent=2))
     if folder is not None:
+        # An asynchronous run's root reads the steps its checkpoint saved ahead (when it saved any).
+        ahead = ((ASYNC_IN_FLIGHT,) if loop is not None and rank == loop.root
+                 and read_common(folder)["data"].get("in_flight") else ())
         common = load_checkpoint(folder, trainer.model, trainer.optimizer, trainer.scheduler,
                                  sharded_state=trainer.sharded_state, ema=trainer.ema,
-                                 identity=trainer.checkpoint_identity, copies=trainer.extra_copies)
+                                 identity=trainer.checkpoint_identity, copies=trainer.extra_copies, objects=ahead)
         start = common["step"]
+        in_flight = common["objects"].get(ASYNC_IN_FLIGHT, {})
         trainer.guard.bad_steps = int(common.get("bad_steps", 0))
         trainer.sync_weights()
         if rank == 0:
@@ -210,8 +207,26 @@ def _run(cfg: JobConfig, overwrite: bool, stops: StopRequests) -> dict:
     if rank == 0:
         writer = MetricsWriter(run_dir, cfg.logging.tensorboard, cfg.logging.wandb, cfg.logging.wandb_project,
                                to_dict(cfg))
-    if cfg.eval.prompts and start == 0:
-        run_evaluation(cfg, trainer, run_dir, 0)
+
+    def evaluation(done: int) -> None:
+        if loop is not None:
+            loop.evaluation_sync()  # the trainer's own engine samples it: bring it to the trained weights
+        run_evaluation(cfg, trainer, run_dir, done, job)
+
+    def evaluation_due(done: int) -> bool:
+        every = cfg.eval.every
+        return bool(cfg.eval.prompts) and (done in (0, cfg.steps) or bool(every and done % every == 0))
+
+    if evaluation_due(start):
+        # A resumed run redoes the evaluation its checkpoint's step owed when the job died before recording it
+        # (the evaluation follows the checkpoint).
+        owed = [True]
+        if start > 0:
+            if rank == 0:
+                owed = [not any(e["step"] == start for e in read_history(run_dir / "eval.jsonl"))]
+            dist.broadcast_object_list(owed, src=0, group=job)
+        if owed[0]:
+            evaluation(start)
     # the bar names the update rule (algorithm.name) of the DiT trainer, the trainer otherwise
     name = (cfg.algorithm.name if isinstance(trainer, FlowGRPOTrainer)
             else type(trainer).__name__.removesuffix("Trainer"))
@@ -220,11 +235,11 @@ def _run(cfg: JobConfig, overwrite: bool, stops: StopRequests) -> dict:
     if reward_fn is not None:
         reward_fn.progress = bar  # its postfix shows "waiting for rewards: N outstanding" while the server scores
     if loop is not None:
-        loop.start(start)
+        loop.start(start, in_flight)
     for step in bar:
         try:
             result = trainer.train_step(step) if loop is None else loop.train_step(step)
-        except (RolloutRankLost, RolloutRankFailed):
+        except (RolloutRankLost, RolloutRankFailed, StalenessError):
             loop.abandon()
             raise
         if rank == 0:
@@ -238,27 +253,31 @@ def _run(cfg: JobConfig, overwrite: bool, stops: StopRequests) -> dict:
         done = step + 1
         # The step boundary: every rank learns whether any rank was signalled, so all stop after this step.
         stop = stops.requested(job)
-        if loop is not None and (stop or done == cfg.steps):
-            # The rollout ranks stop and join the checkpoint's collective save (their RNG states only).
-            loop.finish(save_step=done, barrier=not (stop and done < cfg.steps))
         if stop or (cfg.checkpoint.every and done % cfg.checkpoint.every == 0) or done == cfg.steps:
-            common = {"step": done, "data": {"next_step": done, "prompts_seen": done * cfg.rollout.prompts_per_step},
+            # An asynchronous run saves the steps sampled ahead, and its rollout ranks join the save.
+            objects = loop.checkpoint(done) if loop is not None else None
+            ahead = sorted(objects[ASYNC_IN_FLIGHT]) if objects else []
+            common = {"step": done, "data": {"next_step": done, "prompts_seen": done * cfg.rollout.prompts_per_step,
+                                             "in_flight": ahead},
                       "bad_steps": trainer.guard.bad_steps, "identity": trainer.checkpoint_identity,
                       "metrics_history": read_history(run_dir / "metrics.jsonl") if rank == 0 else []}
             saved = save_checkpoint(run_dir, done, trainer.model, trainer.optimizer, trainer.scheduler, common,
                                     cfg.checkpoint.keep, content_metadata=trainer.content_metadata(done),
                                     sharded_state=trainer.sharded_state, ema=trainer.ema, run_id=run_id,
-                                    copies=trainer.extra_copies)
-        if stop and done < cfg.steps:  # a signal during the last step: the run is complete anyway
+                                    copies=trainer.extra_copies, objects=objects)
+        stopped = (stops.signame, done, str(saved)) if stop and done < cfg.steps else None
+        if loop is not None and (stopped or done == cfg.steps):
+            loop.finish(stopped)  # the rollout ranks stop (with the trainer's stop, when it stops on a signal)
+        if stopped:  # a signal during the last step: the run is complete anyway
             bar.close()
             if writer is not None:
                 writer.close()
             if reward_fn is not None:
                 reward_fn.close()
             trainer.close()
-            raise TrainingStopped(stops.signame, done, str(saved))
-        if cfg.eval.prompts and (done == cfg.steps or (cfg.eval.every and done % cfg.eval.every == 0)):
-            run_evaluation(cfg, trainer, run_dir, done)
+            raise TrainingStopped(*stopped)
+        if evaluation_due(done):
+            evaluation(done)
     if reward_fn is not None:
         reward_fn.close()
     trainer.close()
@@ -272,6 +291,6 @@ def _run(cfg: JobConfig, overwrite: bool, stops: StopRequests) -> dict:
                        steps=len(history))
         if len(evals) >= 2 and evals[0]["step"] == 0:
             summary.update(eval_before=evals[0], eval_after=evals[-1])
-    dist.barrier()
+    dist.barrier()  # the whole job's (a disaggregated job's rollout ranks wait here after `finish`)
     return summary
 

@@ -300,3 +300,44 @@ def test_a_lost_rollout_rank_is_reported_within_the_bound(tiny_pipeline: str, tm
         assert bound - 1.0 < out["seconds"] < bound + 3.0, out
         assert "no message" in out["error"], out
 
+
+
+def _optimizer_world_gathers(rank: int, world_size: int, pipeline: str) -> dict[bool, int]:
+    """How many whole-job all_gather_object calls megatron-core's optimizer build makes (the rollout ranks of a
+    disaggregated job join that many: `trainer.async_loop.MEGATRON_OPTIMIZER_WORLD_GATHERS`), with and without the
+    distributed optimizer. The real collective runs; the wrapper only counts."""
+    from megatron_omni.trainer.training_state import OptimizerSettings, build_ddp_and_optimizer
+    from model_providers.qwen_image import provider
+
+    hf_config = json.loads(open(os.path.join(pipeline, "transformer", "config.json")).read())
+    hf_config = {k: v for k, v in hf_config.items() if not k.startswith("_")}
+    groups = build_parallel_groups(ParallelLayout())
+    real = dist.all_gather_object
+    counts = {}
+    for distributed in (False, True):
+        config = provider.transformer_config(hf_config, tp=1)
+        model = provider.build_model(config, groups)
+        calls = 0
+
+        def counting(out, obj, group=None):
+            nonlocal calls
+            calls += group is None or group is dist.group.WORLD
+            return real(out, obj, group=group)
+
+        dist.all_gather_object = counting
+        try:
+            build_ddp_and_optimizer(model, config, groups.mcore,
+                                    OptimizerSettings(lr=1e-3, distributed_optimizer=distributed))
+        finally:
+            dist.all_gather_object = real
+        counts[distributed] = calls
+    return counts
+
+
+def test_the_rollout_ranks_join_as_many_optimizer_gathers_as_megatron_core_makes(tiny_pipeline: str) -> None:
+    """The rollout ranks mirror the optimizer build's whole-job gathers (megatron-core passes no group); a
+    megatron-core whose count differs would hang a disaggregated job until the gloo timeout, so this fails first."""
+    from megatron_omni.trainer.async_loop import MEGATRON_OPTIMIZER_WORLD_GATHERS
+
+    counts, = run_ranks(_optimizer_world_gathers, 1, tiny_pipeline, timeout_s=120)
+    assert counts == {False: MEGATRON_OPTIMIZER_WORLD_GATHERS, True: MEGATRON_OPTIMIZER_WORLD_GATHERS}, counts

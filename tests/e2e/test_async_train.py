@@ -1,12 +1,14 @@
 """The asynchronous trainer end to end (`placement.mode=disaggregated`, docs/async.md), as users run it: one
 trainer rank and one rollout rank under torchrun. Staleness 0 is the synchronous colocated trainer bit for bit;
 staleness 1 learns, with every trajectory's policy version within the bound; a killed rollout rank stops the
-trainer with its rank and step named, within the liveness bound."""
+trainer with its rank and step named, within the liveness bound; the whole job SIGKILLed after a checkpoint and
+resumed with `--resume auto` ends equal to the uninterrupted run (the step sampled ahead is in the checkpoint)."""
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -18,7 +20,7 @@ import pytest
 from megatron_omni.parallel.rank_pool import free_port
 from tests.e2e.test_flowgrpo_train import ROOT, SHORT, _assert_same_state, _env, _final_state, _rewards, _train
 
-# One trainer rank + one rollout rank; checkpoints only at the end (the in-flight step is not checkpointed yet).
+# One trainer rank + one rollout rank; checkpoints only at the end unless a test asks for more.
 ASYNC = ["--set", "placement.mode=disaggregated", "--set", "placement.rollout_ranks=1", "--set", "checkpoint.every=0"]
 # The metrics that depend on timing or exist on one side only (the colocated sync's probe is the rollout rank's
 # swap probe here, checked there).
@@ -28,6 +30,27 @@ NOT_COMPARABLE = ("time_", "images_per_s", "staleness_", "policy_version_", "pus
 
 def _metrics(run: Path) -> list[dict]:
     return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+def _start_ranks(run: Path, *args: str, world: int = 2) -> list[subprocess.Popen]:
+    """The ranks of a job started as torchrun starts them (env://), each in its own session (killed whole by the
+    caller)."""
+    port = free_port()
+    cmd = [sys.executable, "-m", "megatron_omni.train", "--set", f"run_dir={run}", *SHORT, *args]
+    procs = []
+    for rank in range(world):
+        env = {**_env(), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank),
+               "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_WORLD_SIZE": str(world)}
+        procs.append(subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                      text=True, start_new_session=True))
+    return procs
+
+
+def _kill_all(procs: list[subprocess.Popen]) -> None:
+    for p in procs:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+        p.communicate()
 
 
 @pytest.mark.slow
@@ -75,15 +98,9 @@ def test_staleness_one_learns_within_the_bound(tmp_path: Path) -> None:
 def test_a_killed_rollout_rank_stops_the_trainer_naming_rank_and_step(tmp_path: Path) -> None:
     """Both ranks started as torchrun would (env://), the rollout rank SIGKILLed after the first step: the
     trainer exits 1 within the liveness bound with a message naming rollout rank 1 and the step."""
-    run, port, bound = tmp_path / "killed", free_port(), 20.0
-    cmd = [sys.executable, "-m", "megatron_omni.train", "--set", f"run_dir={run}", *SHORT, "--set", "steps=6",
-           *ASYNC, "--set", "async.max_staleness=1", "--set", f"async.liveness_timeout_s={bound}"]
-    procs = []
-    for rank in (0, 1):
-        env = {**_env(), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank),
-               "LOCAL_RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2"}
-        procs.append(subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                      text=True, start_new_session=True))
+    run, bound = tmp_path / "killed", 20.0
+    procs = _start_ranks(run, "--set", "steps=6", *ASYNC, "--set", "async.max_staleness=1",
+                         "--set", f"async.liveness_timeout_s={bound}")
     trainer, rollout = procs
     try:
         deadline = time.monotonic() + 300
@@ -95,11 +112,137 @@ def test_a_killed_rollout_rank_stops_the_trainer_naming_rank_and_step(tmp_path: 
         _, err = trainer.communicate(timeout=bound + 60)
         waited = time.monotonic() - killed
     finally:
-        for p in procs:
-            if p.poll() is None:
-                os.killpg(p.pid, signal.SIGKILL)
-            p.communicate()
+        _kill_all(procs)
     print(f"trainer exited {trainer.returncode} {waited:.1f} s after the kill:", err.strip().splitlines()[-1])
     assert trainer.returncode == 1, err[-3000:]
     assert "rollout error: rollout rank 1 lost while step" in err, err[-3000:]
     assert waited < bound + 30, waited
+
+
+# Staleness 1, checkpoints after steps 2 and 4, a held-out evaluation every 2 steps (sampled by the trainer's own
+# engine copy).
+RESUMABLE = ["--set", "steps=5", *ASYNC, "--set", "checkpoint.every=2", "--set", "checkpoint.keep=5",
+             "--set", "async.max_staleness=1", "--set", 'eval.prompts=["a red circle","a blue square"]',
+             "--set", "eval.seeds_per_prompt=1", "--set", "eval.num_steps=4", "--set", "eval.every=2"]
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The reference run of the resume tests (never modified)."""
+    run = tmp_path_factory.mktemp("async") / "uninterrupted"
+    p = _train(run, *RESUMABLE, nproc=2)
+    assert p.returncode == 0, p.stderr[-3000:]
+    return run
+
+
+def _assert_resumed_equal(ref: Path, run: Path) -> None:
+    """`run`, resumed with `--resume auto`, ends with the metrics, the evaluations and the final model and
+    optimizer state of `ref`, bit for bit, every step sampled with version k - 1."""
+    resumed = _train(run, *RESUMABLE, "--resume", "auto", nproc=2)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "resumed from" in resumed.stdout + resumed.stderr
+    a, b = _metrics(ref), _metrics(run)
+    assert len(a) == len(b) == 5
+    for k, (x, y) in enumerate(zip(a, b)):
+        same = {m: x[m] for m in x if not m.startswith(("time_", "images_per_s", "push_s"))}
+        assert same == {m: y[m] for m in same}, f"step {k}"
+        assert y["policy_version_min"] == y["policy_version_max"] == max(0, k - 1)
+    evals = [[json.loads(line) for line in (r / "eval.jsonl").read_text().splitlines()] for r in (ref, run)]
+    assert [e["step"] for e in evals[1]] == [0, 2, 4, 5]
+    assert evals[0] == evals[1]
+    _assert_same_state(_final_state(ref, 5), _final_state(run, 5))
+
+
+@pytest.mark.slow
+def test_sigkill_and_resume_equals_the_uninterrupted_run(uninterrupted: Path, tmp_path: Path) -> None:
+    """Both ranks SIGKILLed once the step-2 checkpoint is complete (step 2, sampled ahead with version 1, is in it;
+    the evaluation after step 2 is not recorded yet and is redone), then `--resume auto`: equal to the
+    uninterrupted run, no step lost or sampled again with another version."""
+    run = tmp_path / "killed"
+    procs = _start_ranks(run, *RESUMABLE)
+    marker = run / "checkpoints" / "step_000002" / "COMPLETE"
+    try:
+        deadline = time.monotonic() + 300
+        while not marker.exists():
+            assert all(q.poll() is None for q in procs) and time.monotonic() < deadline, "no step-2 checkpoint"
+            time.sleep(0.02)
+    finally:
+        _kill_all(procs)
+    _assert_resumed_equal(uninterrupted, run)
+
+
+@pytest.mark.slow
+def test_sigterm_stops_every_rank_with_the_stop_status_and_resumes_equal(uninterrupted: Path,
+                                                                         tmp_path: Path) -> None:
+    """SIGTERM to both ranks (as torchrun forwards it) after the first step: the step finishes, the checkpoint
+    (with the step sampled ahead) is written, the trainer and the rollout rank both exit 5; `--resume auto` then
+    ends equal to the uninterrupted run."""
+    run = tmp_path / "stopped"
+    procs = _start_ranks(run, *RESUMABLE)
+    try:
+        deadline = time.monotonic() + 300
+        while not ((run / "metrics.jsonl").exists() and (run / "metrics.jsonl").read_text().strip()):
+            assert all(q.poll() is None for q in procs) and time.monotonic() < deadline, "no step finished"
+            time.sleep(0.02)
+        for q in procs:
+            q.send_signal(signal.SIGTERM)
+        outs = [q.communicate(timeout=300) for q in procs]
+    finally:
+        _kill_all(procs)
+    for q, (_, err) in zip(procs, outs):
+        assert q.returncode == 5, err[-3000:]
+        assert "stopped by SIGTERM after step" in err, err[-3000:]
+    _assert_resumed_equal(uninterrupted, run)
+
+
+@pytest.mark.slow
+def test_a_resume_with_a_smaller_bound_samples_the_saved_steps_again(uninterrupted: Path, tmp_path: Path) -> None:
+    """The staleness-1 run's step-2 checkpoint (step 2 saved, sampled with version 1) resumed with
+    `async.max_staleness=0`: that step is sampled again with version 2 (said on the console), and every later step
+    is on-policy."""
+    run = tmp_path / "smaller_bound"
+    shutil.copytree(uninterrupted, run)
+    for late in ("step_000004", "step_000005"):
+        shutil.rmtree(run / "checkpoints" / late)
+    p = _train(run, *RESUMABLE, "--set", "async.max_staleness=0", "--resume", "auto", nproc=2)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "the checkpoint's steps [2] were sampled with older policy versions" in p.stdout + p.stderr
+    m = _metrics(run)
+    assert [x["policy_version_max"] for x in m] == [0, 0, 2, 3, 4]
+    assert [x["policy_version_min"] for x in m] == [0, 0, 2, 3, 4]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout,resume", [(["parallel.tp=1"], True), (["parallel.tp=2"], False),
+                                           (["parallel.pp=2", "optim.micro_batch_size=4"], True)],
+                         ids=["dp2", "tp2", "pp2"])
+def test_two_trainer_ranks_train_and_resume_equal(layout: list[str], resume: bool, uninterrupted: Path,
+                                                  tmp_path: Path) -> None:
+    """Two trainer ranks (data parallel 2, tensor parallel 2, or pipeline parallel 2: each stage's first rank
+    pushes its blocks) and one rollout rank, staleness 1: the root asks for whole steps and scatters each
+    data-parallel share, so step 0 (version 0) scores the same samples as the one-trainer-rank run (its reward
+    figures equal up to the order of the float sum); every step's versions are k - 1 (each swap passed the probe
+    check). dp2 and pp2 (the in-flight count told to every trainer rank; each stage's push after the resume): a
+    resume from the step-2 checkpoint (the later one removed, as a job killed after it would leave) ends with the
+    uninterrupted run's metrics and model and optimizer state, bit for bit."""
+    args = ["--set", "steps=4", *ASYNC, *[a for kv in layout for a in ("--set", kv)],
+            "--set", "async.max_staleness=1", "--set", "checkpoint.every=2", "--set", "checkpoint.keep=5"]
+    ref = tmp_path / "ref"
+    p = _train(ref, *args, nproc=3)
+    assert p.returncode == 0, p.stderr[-3000:]
+    m = _metrics(ref)
+    one = _metrics(uninterrupted)[0]
+    assert m[0]["reward_mean"] == pytest.approx(one["reward_mean"], abs=1e-6)
+    assert m[0]["reward_std"] == pytest.approx(one["reward_std"], abs=1e-6)
+    assert [x["policy_version_max"] for x in m] == [x["policy_version_min"] for x in m] == [0, 0, 1, 2]
+    if not resume:
+        return
+    run = tmp_path / "resumed"
+    shutil.copytree(ref, run)
+    shutil.rmtree(run / "checkpoints" / "step_000004")
+    resumed = _train(run, *args, "--resume", "auto", nproc=3)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    for k, (x, y) in enumerate(zip(m, _metrics(run), strict=True)):
+        same = {n: x[n] for n in x if not n.startswith(("time_", "images_per_s", "push_s"))}
+        assert same == {n: y[n] for n in same}, f"step {k}"
+    _assert_same_state(_final_state(ref, 4), _final_state(run, 4))

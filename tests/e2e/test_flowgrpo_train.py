@@ -268,11 +268,9 @@ def test_bypass_and_recompute_give_the_same_first_update(tmp_path: Path) -> None
          "rollout.transformer='trainer' is not supported with placement.mode=disaggregated"),
         ([*ASYNC, "--set", "model.lora.rank=4"], "model.lora.rank=4 is not supported with placement.mode=disagg"),
         ([*WAN, *ASYNC], "model.family='wan' is not supported with placement.mode=disaggregated"),
-        ([*ASYNC, "--set", "checkpoint.every=4"], "checkpoint.every=4 is not supported with placement.mode=disagg"),
-        ([*ASYNC, "--set", "checkpoint.every=4", "--dry-run"],
-         "checkpoint.every=4 is not supported with placement.mode=disaggregated: an in-flight step is not "
-         "checkpointed yet: only the final checkpoint is written; set checkpoint.every=0 (the dry run above plans "
-         "it; a launch refuses it)"),
+        ([*ASYNC, "--set", "model.lora.rank=4", "--dry-run"],
+         "model.lora.rank=4 is not supported with placement.mode=disaggregated: the back buffer takes full weights; "
+         "LoRA adapters are not pushed to it yet (the dry run above plans it; a launch refuses it)"),
     ],
 )
 def test_bad_config_fails_before_work(tmp_path: Path, args: list[str], message: str, monkeypatch: pytest.MonkeyPatch,

@@ -52,3 +52,16 @@ def test_coordinates_follow_megatron_order() -> None:
     assert layout.coordinates(8)["pp"] == 1
     with pytest.raises(LayoutError, match="rank 16 is outside"):
         layout.coordinates(16)
+
+
+@pytest.mark.parametrize("kwargs", [dict(pp=2), dict(tp=2, pp=2), dict(tp=2, ulysses=2, pp=2), dict(pp=4)])
+def test_stage_roots_are_rank_0s_pipeline_group(kwargs: dict) -> None:
+    """Each stage's sender is the stage's rank in rank 0's pipeline group (Megatron's enumeration), shifted to
+    where the grid starts (a disaggregated job's trainer ranks)."""
+    from megatron_omni.parallel import group_rank_lists
+
+    layout = ParallelLayout(**kwargs).resolve(2 * ParallelLayout(**kwargs).model_parallel_size)
+    first_pipeline = next(g for g in group_rank_lists(layout, ["pp"]) if 0 in g)
+    assert layout.stage_roots() == first_pipeline
+    assert layout.stage_roots(3) == [3 + r for r in first_pipeline]
+    assert ParallelLayout(tp=2).resolve(4).stage_roots(1) == [1]

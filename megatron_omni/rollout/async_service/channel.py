@@ -62,6 +62,13 @@ class Cancel:
 
 
 @dataclass(frozen=True)
+class Checkpoint:
+    """Join the job's checkpoint after `step` RL steps (a collective save); sent when no step is in flight."""
+
+    step: int
+
+
+@dataclass(frozen=True)
 class Stop:
     """Finish: no more requests."""
 

@@ -22,6 +22,7 @@ from megatron_omni.rollout.async_service.channel import (
     Bye,
     Cancel,
     ChannelLost,
+    Checkpoint,
     Failed,
     Heartbeat,
     Interrupted,
@@ -133,6 +134,15 @@ class RolloutClient:
         (`weights.push_weights` then runs the bridge)."""
         for r in self.ranks:
             self._send(r, msg)
+
+    def checkpoint(self, step: int) -> None:
+        """Tell every rollout rank to join the job's checkpoint after `step` RL steps (their collective save); only
+        with nothing in flight (collect every step first: a rollout rank serves one message at a time)."""
+        if self._in_flight:
+            raise RuntimeError(f"checkpoint after step {step} with steps {sorted(self._in_flight)} in flight: collect "
+                               "them first")
+        for r in self.ranks:
+            self._send(r, Checkpoint(step))
 
     def in_flight(self) -> dict[int, int]:
         """Steps requested and not yet collected, with the policy version each was asked with."""

@@ -8,7 +8,8 @@ Three threads, each owning one channel (a gloo pair is never shared between thre
 - sender (sends on `results[rank]`): results, failures and progress as they come, and a heartbeat whenever
   nothing was sent for `heartbeat_s`.
 - main (`serve`): pops a request, swaps its policy version in (`WeightReceiver.ensure`, between two requests only),
-  generates, stamps the version on the trajectory and hands it to the sender. An engine error is sent to the
+  generates, stamps the version on the trajectory and hands it to the sender; a `Checkpoint` (sent when nothing is
+  in flight) joins the job's collective save (`on_checkpoint`). An engine error is sent to the
   trainer with its traceback and re-raised here, never swallowed (verl-omni #433).
 
 A cancelled step is abandoned after the sample in progress; the trainer regenerates it later from the same seeds
@@ -21,12 +22,14 @@ import queue
 import threading
 import time
 import traceback
+from collections.abc import Callable
 from typing import Any
 
 from megatron_omni.parallel.placement import PlacementGroups
 from megatron_omni.rollout.async_service.channel import (
     Bye,
     Cancel,
+    Checkpoint,
     Failed,
     Heartbeat,
     Interrupted,
@@ -53,7 +56,10 @@ class _Cancelled(Exception):
 class RolloutService:
     """Serve RL steps on one rollout rank of a disaggregated placement until the trainer stops it."""
 
-    def __init__(self, engine: Any, groups: PlacementGroups, receiver: WeightReceiver, settings: AsyncSettings) -> None:
+    def __init__(self, engine: Any, groups: PlacementGroups, receiver: WeightReceiver, settings: AsyncSettings,
+                 on_checkpoint: Callable[[int], Any] | None = None) -> None:
+        """`on_checkpoint(step)`: this rank's part of the job's checkpoint after `step` RL steps (collective with the
+        trainer's save); None: a `Checkpoint` message is an error."""
         placement = groups.placement
         if placement.role(groups.rank) != "rollout":
             raise ValueError(f"rank {groups.rank} is not a rollout rank of {placement}")
@@ -64,6 +70,7 @@ class RolloutService:
         self.results_group = groups.results[self.rank]
         self.receiver = receiver
         self.settings = settings
+        self.on_checkpoint = on_checkpoint
         self._inbox: queue.Queue = queue.Queue()
         self._outbox: queue.Queue = queue.Queue()
         self._cancelled: set[int] = set()
@@ -87,6 +94,8 @@ class RolloutService:
                 elif isinstance(msg, Cancel):
                     with self._lock:
                         self._cancelled.add(msg.key)
+                elif isinstance(msg, Checkpoint):
+                    self._inbox.put(msg)
                 elif isinstance(msg, Stop):
                     self._inbox.put(msg)
                     return
@@ -138,6 +147,13 @@ class RolloutService:
                     raise item
                 if isinstance(item, Stop):
                     break
+                if isinstance(item, Checkpoint):
+                    if self.on_checkpoint is None:
+                        raise RuntimeError(f"rollout rank {self.rank} was asked to join the checkpoint after step "
+                                           f"{item.step} but serves without checkpoints")
+                    self.on_checkpoint(item.step)
+                    self.stats["checkpoints"] = self.stats.get("checkpoints", 0) + 1
+                    continue
                 step = item.step
                 self._serve_one(item)
                 step = None
