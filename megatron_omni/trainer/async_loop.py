@@ -73,7 +73,7 @@ MEGATRON_OPTIMIZER_WORLD_GATHERS = 2
 def async_settings(cfg: JobConfig) -> AsyncSettings:
     """The `async.*` keys as the service's settings."""
     a = cfg.async_
-    return AsyncSettings(a.max_staleness, a.liveness_timeout_s, a.heartbeat_s)
+    return AsyncSettings(a.max_staleness, a.liveness_timeout_s, a.heartbeat_s, a.stall_timeout_s)
 
 
 def rollout_plan(cfg: JobConfig, hf_config: dict[str, Any]) -> Any:

@@ -327,6 +327,9 @@ class AsyncConfig:
     max_staleness: int = 0  # updates a trajectory's weights may lag the trainer's (0: on-policy, as colocated)
     liveness_timeout_s: float = 60.0  # a rollout rank silent this long is reported lost (rank and step named)
     heartbeat_s: float = 2.0  # how often a rollout rank says it is alive (<= liveness_timeout_s / 3)
+    # a rollout rank that owes samples and finishes none this long is reported lost although it still answers (a
+    # stuck engine); longer than one batch of samples takes
+    stall_timeout_s: float = 600.0
 
 
 # Config sections whose key is a Python keyword: key -> dataclass field.

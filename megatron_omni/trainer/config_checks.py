@@ -90,6 +90,7 @@ BOUNDS: list[tuple[str, float | None, bool, float | None, bool]] = [
     ("async.max_staleness", 0, True, None, False),  # 0: on-policy
     ("async.liveness_timeout_s", 0, False, None, False),
     ("async.heartbeat_s", 0, False, None, False),  # <= liveness_timeout_s / 3: check_placement
+    ("async.stall_timeout_s", 0, False, None, False),
 ]
 
 # Fields with a fixed set of values (None listed where the field may be unset).

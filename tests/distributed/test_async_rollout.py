@@ -50,6 +50,8 @@ from model_providers.qwen_image.tiny_pipeline import make_tiny_pipeline
 
 SETTINGS = AsyncSettings(max_staleness=1, liveness_timeout_s=30.0, heartbeat_s=0.5)
 FAULT_SETTINGS = AsyncSettings(max_staleness=1, liveness_timeout_s=3.0, heartbeat_s=0.5)
+STALL_SETTINGS = replace(FAULT_SETTINGS, stall_timeout_s=2.0)
+STUCK_S = 6.0  # how long the stalled engine hangs (then it finishes, after the trainer has given up)
 GROUP = 2
 
 
@@ -221,13 +223,31 @@ def _rollout_fault(rank: int, world_size: int, pipeline: str, fault: str, report
     dist.all_gather_object(pids, os.getpid())
     rows, seeds = step_rows(0, 4, GROUP)
     if pair.role == "rollout":
-        service, _ = rollout_service(pair, pipeline, FAULT_SETTINGS, max_batch_size=2)
+        service, engine = rollout_service(pair, pipeline, FAULT_SETTINGS, max_batch_size=2)
+        if fault == "stall":  # the engine hangs for a while; the rank's own threads keep answering meanwhile
+            generate = engine.generate
+
+            def stuck(*args, **kwargs):
+                time.sleep(STUCK_S)
+                return generate(*args, **kwargs)
+
+            engine.generate = stuck
         try:
             service.serve()
         except Exception as e:  # noqa: BLE001 - the trainer gave up on this rank: its channels are closed
             return {"rollout_error": type(e).__name__}
         return {"rollout_error": None}
-    client = RolloutClient(pair.groups, FAULT_SETTINGS)
+    client = RolloutClient(pair.groups, STALL_SETTINGS if fault == "stall" else FAULT_SETTINGS)
+    if fault == "stall":
+        client.request(0, 0, rows, seeds, PARAMS)
+        t0 = time.monotonic()
+        try:
+            client.collect(0)
+            out = {"error": None}
+        except RolloutRankLost as e:
+            out = {"error": str(e), "rank": e.rank, "step": e.step, "seconds": time.monotonic() - t0}
+        client.abandon()
+        return out
     if fault == "error":  # the engine refuses the request (texts longer than text_length): its error comes back
         client.request(0, 0, rows, seeds, replace(PARAMS, text_length=1))
         try:
@@ -278,6 +298,19 @@ def test_a_rollout_rank_error_reaches_the_trainer(tiny_pipeline: str, tmp_path, 
     assert trainer["rank"] == 1 and trainer["step"] == step, trainer
     assert f"rollout rank 1 failed serving step {step}" in trainer["error"] and message in trainer["error"], trainer
     assert rollout == {"rollout_error": raised}
+
+
+def test_a_stuck_engine_is_reported_within_the_stall_bound(tiny_pipeline: str, tmp_path) -> None:
+    """The rollout rank's engine hangs while its control and heartbeat threads keep answering: the liveness bound
+    never fires, the stall bound does (no sample finished for `stall_timeout_s`), naming the rank and the step."""
+    trainer, rollout = run_ranks(_rollout_fault, 2, tiny_pipeline, "stall", str(tmp_path / "report"),
+                                 timeout_s=120)
+    assert trainer["rank"] == 1 and trainer["step"] == 0, trainer
+    assert "rollout rank 1 lost while step 0 was in flight: it answers but finished no sample" in trainer["error"]
+    bound = STALL_SETTINGS.stall_timeout_s
+    assert bound < trainer["seconds"] < bound + 2 * STALL_SETTINGS.heartbeat_s + 1.0, trainer
+    assert trainer["seconds"] < STUCK_S, trainer
+    assert rollout == {"rollout_error": None}  # the engine came back later and the rank stopped when told
 
 
 @pytest.mark.parametrize("fault", ["stop", "kill"])

@@ -258,6 +258,7 @@ def test_bypass_and_recompute_give_the_same_first_update(tmp_path: Path) -> None
          "placement.rollout_ranks=1: a count must be in [1, 0] for 1 ranks"),
         (["--set", "async.heartbeat_s=30"], "async.heartbeat_s=30.0 must be <= async.liveness_timeout_s / 3"),
         (["--set", "async.liveness_timeout_s=0"], "async.liveness_timeout_s=0.0 must be > 0"),
+        (["--set", "async.stall_timeout_s=-1"], "async.stall_timeout_s=-1.0 must be > 0"),
         ([*ASYNC, "--set", "algorithm.name=diffusionnft", "--set", "rollout.noise_level=0"],
          "algorithm.name='diffusionnft' is not supported with placement.mode=disaggregated"),
         ([*ASYNC, "--set", "rollout.quantization=fp8"],

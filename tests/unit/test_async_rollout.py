@@ -99,6 +99,7 @@ def test_versions_survive_select_and_concat_and_staleness_is_refused() -> None:
     ({"max_staleness": 1.5}, "async.max_staleness=1.5"),
     ({"liveness_timeout_s": 0}, "async.liveness_timeout_s=0"),
     ({"liveness_timeout_s": 3.0, "heartbeat_s": 2.0}, "async.heartbeat_s=2.0"),
+    ({"stall_timeout_s": 0}, "async.stall_timeout_s=0"),
 ])
 def test_async_settings_errors_name_the_key(kwargs, message) -> None:
     with pytest.raises(ValueError, match=message):

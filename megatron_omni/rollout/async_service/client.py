@@ -6,7 +6,10 @@ concatenated trajectory with each sample's policy version. One receiver thread p
 channel with the liveness bound (`async.liveness_timeout_s`): the rollout ranks send a heartbeat every
 `async.heartbeat_s`, so a rank that dies is reported at once (its connection closes) and one that stops answering
 within the bound, as `RolloutRankLost` naming the rank and the step in flight; an engine error on a rollout rank
-comes back with its traceback as `RolloutRankFailed`. Nothing here waits without a bound.
+comes back with its traceback as `RolloutRankFailed`. A rank that still answers but whose engine is stuck (it owes
+samples and its heartbeats report none finished for `async.stall_timeout_s`) is reported lost too: heartbeats come
+from their own thread, so liveness alone would let a hung engine keep the trainer waiting forever. Nothing here
+waits without a bound.
 """
 
 from __future__ import annotations
@@ -84,6 +87,10 @@ class RolloutClient:
         self.last_swap_seconds: dict[int, float] = {}
         self.rollout_stats: dict[int, dict[str, Any]] = {}
         self._closed: set[int] = set()
+        # Progress, by rank: when it last finished a sample, started a request or was given work while it owed none
+        # (monotonic receive times), and the (step, finished samples) its last heartbeat reported.
+        self._progress_at: dict[int, float] = {}
+        self._last_work: dict[int, tuple[int | None, int]] = {}
         self._threads = [threading.Thread(target=self._receive, args=(r,), name=f"client-from-{r}", daemon=True)
                          for r in self.ranks]
         for t in self._threads:
@@ -94,9 +101,9 @@ class RolloutClient:
             try:
                 msg = recv_object(rank, self.groups.results[rank], self.settings.liveness_timeout_s)
             except ChannelLost as e:
-                self._events.put((rank, e))
+                self._events.put((rank, e, time.monotonic()))
                 return
-            self._events.put((rank, msg))
+            self._events.put((rank, msg, time.monotonic()))
             if isinstance(msg, Bye):
                 return
 
@@ -125,6 +132,8 @@ class RolloutClient:
         for i, r in enumerate(self.ranks):
             lo, hi = i * n // k, (i + 1) * n // k
             if hi > lo:  # a rank without a share is not asked
+                if self._owed_step(r) is None:  # idle until now: its stall clock starts with this request
+                    self._progress_at[r] = time.monotonic()
                 shares[r] = hi - lo
                 self._send(r, Request(step, version, prompts[lo:hi], seeds[lo:hi], params, attempt))
         self._in_flight[step] = _InFlight(version, attempt, shares)
@@ -149,16 +158,49 @@ class RolloutClient:
         return {s: f.version for s, f in self._in_flight.items()}
 
     # ------------------------------------------------------------------------------------------ waiting
+    def _check_stalls(self) -> None:
+        """Raise `RolloutRankLost` for a rank that owes samples and has shown no progress for
+        `async.stall_timeout_s` (called with every received event filed, so the progress times are current)."""
+        now = time.monotonic()
+        for rank in self.ranks:
+            owed = self._owed_step(rank)
+            idle = now - self._progress_at.get(rank, now)
+            if owed is not None and rank not in self._closed and idle > self.settings.stall_timeout_s:
+                raise RolloutRankLost(rank, owed, f"it answers but finished no sample for {idle:.1f} s "
+                                      "(async.stall_timeout_s): its engine is stuck", idle)
+
+    def _note_progress(self, rank: int, msg: Any, at: float) -> None:
+        if isinstance(msg, Heartbeat):
+            work = (msg.step, msg.done)
+            if msg.step is not None and work != self._last_work.get(rank):  # started a request or finished samples
+                self._progress_at[rank] = at
+            self._last_work[rank] = work
+        elif isinstance(msg, (Result, Interrupted)):
+            self._progress_at[rank] = at
+
     def _next_event(self, step: int | None) -> tuple[int, Any]:
         # The receiver threads bound each rank's silence; this bound only catches a receiver that died itself.
         bound = 2 * self.settings.liveness_timeout_s + 5.0
         t0 = time.perf_counter()
+        deadline = time.monotonic() + bound
         try:
-            rank, msg = self._events.get(timeout=bound)
-        except queue.Empty:
-            raise RolloutRankLost(-1, step, "no rollout rank's receiver reported", bound) from None
+            while True:
+                try:
+                    rank, msg, at = self._events.get_nowait()
+                    break
+                except queue.Empty:
+                    self._check_stalls()  # every event so far is filed: no stale verdict after a long update
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise RolloutRankLost(-1, step, "no rollout rank's receiver reported", bound)
+                try:  # heartbeats arrive every heartbeat_s; waking as often keeps the stall check on time
+                    rank, msg, at = self._events.get(timeout=min(remaining, self.settings.heartbeat_s))
+                    break
+                except queue.Empty:
+                    continue
         finally:
             self.wait_s += time.perf_counter() - t0
+        self._note_progress(rank, msg, at)
         if isinstance(msg, ChannelLost):
             self._closed.add(rank)
             raise RolloutRankLost(rank, self._owed_step(rank), msg.reason, msg.waited_s)

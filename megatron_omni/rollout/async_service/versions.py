@@ -28,18 +28,23 @@ class AsyncSettings:
 
     max_staleness: how many updates a trajectory's weights may lag the trainer's (0: on-policy);
     liveness_timeout_s: a rollout rank that sends nothing (no heartbeat, no result) for this long is reported lost;
-    heartbeat_s: how often a rollout rank tells the trainer it is alive (well below the timeout).
+    heartbeat_s: how often a rollout rank tells the trainer it is alive (well below the timeout);
+    stall_timeout_s: a rollout rank that owes samples and finishes none for this long is reported lost even though
+    it still answers (its engine is stuck: a hung collective, a deadlock), longer than one batch of samples takes.
     """
 
     max_staleness: int = 1
     liveness_timeout_s: float = 60.0
     heartbeat_s: float = 2.0
+    stall_timeout_s: float = 600.0
 
     def __post_init__(self) -> None:
         if isinstance(self.max_staleness, bool) or not isinstance(self.max_staleness, int) or self.max_staleness < 0:
             raise ValueError(f"async.max_staleness={self.max_staleness!r}: expected an integer >= 0")
         if not self.liveness_timeout_s > 0:
             raise ValueError(f"async.liveness_timeout_s={self.liveness_timeout_s!r}: expected a number > 0")
+        if not self.stall_timeout_s > 0:
+            raise ValueError(f"async.stall_timeout_s={self.stall_timeout_s!r}: expected a number > 0")
         if not 0 < self.heartbeat_s <= self.liveness_timeout_s / 3:
             raise ValueError(f"async.heartbeat_s={self.heartbeat_s!r}: expected a number in (0, liveness_timeout_s / 3"
                              f" = {self.liveness_timeout_s / 3:g}] (three heartbeats fit in the timeout)")
