@@ -46,6 +46,7 @@ import torch.distributed as dist
 
 from megatron_omni.bridge import DistributedTransport, WeightSync
 from megatron_omni.bridge.family_sync import family_plans
+from megatron_omni.bridge.lora_sync import MergedSources, merged_linears
 from megatron_omni.parallel.placement import PlacementGroups
 from megatron_omni.rollout.async_service import (
     AsyncSettings,
@@ -155,9 +156,11 @@ class AsyncLoop:
         self.split_rollout = len(groups.placement.rollout_ranks) > 1
         part, plan = rollout_plan(cfg, trainer.hf_config)
         tg = trainer.groups
-        self.weight_sync = WeightSync(plan, sources=trainer.family.megatron_sources(trainer.model)[part], target=None,
-                                      tp_group=tg.tp, tp_rank=tg.tp.rank(), stage=tg.coords["pp"],
-                                      transport=transport(cfg, groups))
+        sources = trainer.family.megatron_sources(trainer.model)[part]
+        if trainer.lora.enabled:  # the back buffer takes full weights: the adapters merged in (lora_sync=merge's)
+            sources = MergedSources(sources, merged_linears(trainer.model, trainer.model.global_name))
+        self.weight_sync = WeightSync(plan, sources=sources, target=None, tp_group=tg.tp, tp_rank=tg.tp.rank(),
+                                      stage=tg.coords["pp"], transport=transport(cfg, groups))
         # The data-parallel rank of every trainer rank (the share of a step it trains on), in trainer-rank order.
         self.dp_of_rank: list[int] = [0] * len(self.trainer_ranks)
         if len(self.trainer_ranks) > 1:
@@ -289,6 +292,8 @@ class AsyncLoop:
         returns the seconds it took. Every trainer rank calls it."""
         t0 = time.perf_counter()
         push_weights(self.version, self.weight_sync, self.trainer.probe_means(), self.client)
+        if isinstance(self.weight_sync.sources, MergedSources):
+            self.weight_sync.sources.forget()  # the next push merges the updated adapters
         self.pushes += 1
         return time.perf_counter() - t0
 

@@ -518,8 +518,8 @@ def placement_limits(cfg: Any) -> list[str]:
          "only the embedded diffusers engine is double-buffered"),
         (cfg.rollout.transformer == "trainer", "rollout.transformer", cfg.rollout.transformer,
          "the rollout ranks sample with their own copy; use engine or auto"),
-        (cfg.model.lora.enabled, "model.lora.rank", cfg.model.lora.rank,
-         "the back buffer takes full weights; LoRA adapters are not pushed to it yet"),
+        (cfg.model.lora.enabled and cfg.rollout.lora_sync == "adapter", "rollout.lora_sync", cfg.rollout.lora_sync,
+         "the rollout ranks' back buffer takes the adapters merged into full weights; use auto or merge"),
     ]
     return [f"{name}={value!r} is not supported {d}: {why}" for bad, name, value, why in unsupported if bad]
 

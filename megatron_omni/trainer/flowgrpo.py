@@ -132,7 +132,7 @@ class FlowGRPOTrainer:
         # checkpoints then hold the adapters and record the base they were trained on.
         self.lora = cfg.model.lora
         self.lora_linears = attach_lora(self.model, self.lora, cfg.seed, groups.mcore.pp) if self.lora.enabled else []
-        self.checkpoint_identity = ({"lora": lora_identity(self.lora, self.lora_linears, pipeline_dir)}
+        self.checkpoint_identity = ({"lora": lora_identity(self.lora, self.lora_linears, pipeline_dir, job_group)}
                                     if self.lora.enabled else {})
         if self.lora.enabled:
             self.sharded_state = lora_sharded_state_dict

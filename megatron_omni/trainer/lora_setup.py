@@ -55,11 +55,14 @@ def lora_sync_mode(lora_sync: str, engine: str, quantized: bool = False) -> str:
     return "merge"
 
 
-def lora_identity(lora: LoRAConfig, linears: list[str], pipeline_dir: str | Path) -> dict[str, Any]:
+def lora_identity(lora: LoRAConfig, linears: list[str], pipeline_dir: str | Path,
+                  group: dist.ProcessGroup | None = None) -> dict[str, Any]:
     """What a LoRA checkpoint records (content metadata `lora`, and the identity a resume checks): the
     settings, the number of adapted linears and the base pipeline's identity (`base_identity`). Reads the
-    base's transformer files once, on rank 0 of the job, and shares the result. Collective."""
-    found = [base_identity(pipeline_dir) if dist.get_rank() == 0 else None]
-    dist.broadcast_object_list(found, src=0)
+    base's transformer files once, on the first rank of `group` (the trainer's ranks; None: the job), and shares
+    the result. Collective over `group`."""
+    root = 0 if group is None else dist.get_global_rank(group, 0)
+    found = [base_identity(pipeline_dir) if dist.get_rank() == root else None]
+    dist.broadcast_object_list(found, src=root, group=group)
     return {"rank": lora.rank, "alpha": lora.alpha, "dropout": lora.dropout, "targets": lora.target_patterns(),
             "modules": len(linears), "base": found[0]}

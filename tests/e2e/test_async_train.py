@@ -213,13 +213,14 @@ def test_a_resume_with_a_smaller_bound_samples_the_saved_steps_again(uninterrupt
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("layout,resume", [(["parallel.tp=1"], True), (["parallel.tp=2"], False),
+@pytest.mark.parametrize("layout,resume", [(["parallel.tp=1"], True), (["parallel.tp=2", "model.lora.rank=4"], False),
                                            (["parallel.pp=2", "optim.micro_batch_size=4"], True)],
-                         ids=["dp2", "tp2", "pp2"])
+                         ids=["dp2", "tp2-lora", "pp2"])
 def test_two_trainer_ranks_train_and_resume_equal(layout: list[str], resume: bool, uninterrupted: Path,
                                                   tmp_path: Path) -> None:
-    """Two trainer ranks (data parallel 2, tensor parallel 2, or pipeline parallel 2: each stage's first rank
-    pushes its blocks) and one rollout rank, staleness 1: the root asks for whole steps and scatters each
+    """Two trainer ranks (data parallel 2, tensor parallel 2 training LoRA adapters: the push merges them into
+    full weights, or pipeline parallel 2: each stage's first rank pushes its blocks) and one rollout rank,
+    staleness 1: the root asks for whole steps and scatters each
     data-parallel share, so step 0 (version 0) scores the same samples as the one-trainer-rank run (its reward
     figures equal up to the order of the float sum); every step's versions are k - 1 (each swap passed the probe
     check). dp2 and pp2 (the in-flight count told to every trainer rank; each stage's push after the resume): a

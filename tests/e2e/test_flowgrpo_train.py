@@ -267,11 +267,12 @@ def test_bypass_and_recompute_give_the_same_first_update(tmp_path: Path) -> None
          "rollout.engine='vllm_omni' is not supported with placement.mode=disaggregated"),
         ([*ASYNC, "--set", "rollout.transformer=trainer"],
          "rollout.transformer='trainer' is not supported with placement.mode=disaggregated"),
-        ([*ASYNC, "--set", "model.lora.rank=4"], "model.lora.rank=4 is not supported with placement.mode=disagg"),
+        ([*ASYNC, "--set", "model.lora.rank=4", "--set", "rollout.lora_sync=adapter"],
+         "rollout.lora_sync='adapter' is not supported with placement.mode=disaggregated"),
         ([*WAN, *ASYNC], "model.family='wan' is not supported with placement.mode=disaggregated"),
-        ([*ASYNC, "--set", "model.lora.rank=4", "--dry-run"],
-         "model.lora.rank=4 is not supported with placement.mode=disaggregated: the back buffer takes full weights; "
-         "LoRA adapters are not pushed to it yet (the dry run above plans it; a launch refuses it)"),
+        ([*ASYNC, "--set", "rollout.quantization=fp8", "--set", "algorithm.is_cap=2", "--dry-run"],
+         "rollout.quantization='fp8' is not supported with placement.mode=disaggregated: the FP8 copy would have to "
+         "be re-quantized in the back buffer before each swap (the dry run above plans it; a launch refuses it)"),
     ],
 )
 def test_bad_config_fails_before_work(tmp_path: Path, args: list[str], message: str, monkeypatch: pytest.MonkeyPatch,
