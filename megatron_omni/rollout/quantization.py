@@ -87,10 +87,13 @@ def modelopt_config(spec: QuantizationSpec) -> dict[str, Any]:
     def matcher(kind: str):
         return lambda name: name.endswith(f".{kind}") and spec.quantizes(name.rsplit(".", 1)[0])
 
+    # No distributed sync of the scales: every rank calibrates the same weights to the same maxima, and ModelOpt's
+    # sync all-reduces over the whole job, which a disaggregated job's trainer and rollout ranks reach at different
+    # times (a hang).
     return {"quant_cfg": {"default": {"enable": False},
                           matcher("weight_quantizer"): {**base["*weight_quantizer"], "enable": True},
                           matcher("input_quantizer"): {**base["*input_quantizer"], "enable": True}},
-            "algorithm": "max"}
+            "algorithm": {"method": "max", "distributed_sync": False}}
 
 
 @dataclass

@@ -59,6 +59,7 @@ from megatron_omni.rollout.async_service import (
     staleness_histogram,
 )
 from megatron_omni.rollout.base import FinishedSample, Trajectory
+from megatron_omni.rollout.quantization import QuantizationSpec
 from megatron_omni.rollout.registry import EngineSettings, build_engine
 from megatron_omni.trainer.checkpointing import ASYNC_IN_FLIGHT, load_checkpoint, resume_folder, save_checkpoint
 from megatron_omni.trainer.config import JobConfig, torch_dtype
@@ -110,8 +111,11 @@ def serve_rollout(cfg: JobConfig, groups: PlacementGroups, pipeline_dir: Path) -
     if folder is not None:
         load_checkpoint(folder, None, None, None)  # this rank's RNG states (the trainer loads the rest)
     r = cfg.rollout
+    # rollout.quantization: the engine samples quantized on the family's linears, as the colocated engine does
+    quantization = QuantizationSpec(r.quantization, tuple(get_family(cfg.model.family).quantized_linears))
     engine = build_engine(r.engine, pipeline_dir, EngineSettings(tp=1, dtype=torch_dtype(r.dtype),
-                                                                 max_batch_size=r.max_batch_size))
+                                                                 max_batch_size=r.max_batch_size,
+                                                                 quantization=quantization))
     settings = async_settings(cfg)
     _, plan = rollout_plan(cfg, engine.transformer_config())
     receiver = WeightReceiver(engine, plan, transport(cfg, groups), torch_dtype(cfg.model.params_dtype),

@@ -512,8 +512,6 @@ def placement_limits(cfg: Any) -> list[str]:
     unsupported = [
         (cfg.algorithm.name == "diffusionnft", "algorithm.name", cfg.algorithm.name,
          "its ODE rollout samples with a lagging old policy the rollout ranks do not hold"),
-        (cfg.rollout.quantization != "none", "rollout.quantization", cfg.rollout.quantization,
-         "the FP8 copy would have to be re-quantized in the back buffer before each swap"),
         (cfg.rollout.engine != "diffusers", "rollout.engine", cfg.rollout.engine,
          "only the embedded diffusers engine is double-buffered"),
         (cfg.rollout.transformer == "trainer", "rollout.transformer", cfg.rollout.transformer,

@@ -247,3 +247,19 @@ def test_two_trainer_ranks_train_and_resume_equal(layout: list[str], resume: boo
         same = {n: x[n] for n in x if not n.startswith(("time_", "images_per_s", "push_s"))}
         assert same == {n: y[n] for n in same}, f"step {k}"
     _assert_same_state(_final_state(ref, 4), _final_state(run, 4))
+
+
+@pytest.mark.slow
+def test_fp8_rollout_ranks_sample_quantized_and_pass_every_swap_probe(uninterrupted: Path, tmp_path: Path) -> None:
+    """`rollout.quantization=fp8` on the rollout rank (staleness 1, `algorithm.is_cap=2`): each swap re-quantizes
+    the weights swapped in and passes the quantized probe check (the run fails otherwise); step 0 samples quantized:
+    its reward differs from the unquantized run's by little, and the behaviour/trainer gap is > 0 where the
+    unquantized run's is 0."""
+    run = tmp_path / "fp8"
+    p = _train(run, "--set", "steps=4", *ASYNC, "--set", "async.max_staleness=1", "--set", "rollout.quantization=fp8",
+               "--set", "algorithm.is_cap=2", nproc=2)
+    assert p.returncode == 0, p.stderr[-3000:]
+    m, plain = _metrics(run), _metrics(uninterrupted)[0]
+    assert m[0]["reward_mean"] != plain["reward_mean"] and abs(m[0]["reward_mean"] - plain["reward_mean"]) < 0.05
+    assert plain["behaviour_dlogp"] == 0 and all(x["behaviour_dlogp"] > 0 for x in m), m
+    assert [x["policy_version_max"] for x in m] == [x["policy_version_min"] for x in m] == [0, 0, 1, 2]

@@ -261,8 +261,6 @@ def test_bypass_and_recompute_give_the_same_first_update(tmp_path: Path) -> None
         (["--set", "async.stall_timeout_s=-1"], "async.stall_timeout_s=-1.0 must be > 0"),
         ([*ASYNC, "--set", "algorithm.name=diffusionnft", "--set", "rollout.noise_level=0"],
          "algorithm.name='diffusionnft' is not supported with placement.mode=disaggregated"),
-        ([*ASYNC, "--set", "rollout.quantization=fp8"],
-         "rollout.quantization='fp8' is not supported with placement.mode=disaggregated"),
         ([*ASYNC, "--set", "rollout.engine=vllm_omni"],
          "rollout.engine='vllm_omni' is not supported with placement.mode=disaggregated"),
         ([*ASYNC, "--set", "rollout.transformer=trainer"],
@@ -270,9 +268,9 @@ def test_bypass_and_recompute_give_the_same_first_update(tmp_path: Path) -> None
         ([*ASYNC, "--set", "model.lora.rank=4", "--set", "rollout.lora_sync=adapter"],
          "rollout.lora_sync='adapter' is not supported with placement.mode=disaggregated"),
         ([*WAN, *ASYNC], "model.family='wan' is not supported with placement.mode=disaggregated"),
-        ([*ASYNC, "--set", "rollout.quantization=fp8", "--set", "algorithm.is_cap=2", "--dry-run"],
-         "rollout.quantization='fp8' is not supported with placement.mode=disaggregated: the FP8 copy would have to "
-         "be re-quantized in the back buffer before each swap (the dry run above plans it; a launch refuses it)"),
+        ([*ASYNC, "--set", "rollout.engine=vllm_omni", "--dry-run"],
+         "rollout.engine='vllm_omni' is not supported with placement.mode=disaggregated: only the embedded diffusers "
+         "engine is double-buffered (the dry run above plans it; a launch refuses it)"),
     ],
 )
 def test_bad_config_fails_before_work(tmp_path: Path, args: list[str], message: str, monkeypatch: pytest.MonkeyPatch,

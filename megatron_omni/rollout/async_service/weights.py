@@ -12,8 +12,10 @@ half-updated weights; the probe check runs on every swap.
 - `push_weights` is the trainer side: the root announces the version (with its probe means) to every rollout rank,
   then every trainer rank runs its `WeightSync` (collective: the tp gathers and the broadcast).
 
-The quantized engine (`rollout.quantization=fp8`) is refused for now: its FP8 copy is re-quantized after every
-load, which a back buffer would have to do before the swap.
+A quantized engine (`rollout.quantization=fp8`, ModelOpt's fake quantization in the embedded engine) is
+re-quantized right after each swap, in the main thread between two requests, and held to the quantized probe check
+(`probe.check_quantized_probe`: its unquantized view within the dtypes' tolerance of the trainer's, its quantized
+means within the quantizer's bound), as the colocated engine after each sync.
 """
 
 from __future__ import annotations
@@ -28,7 +30,8 @@ import torch
 from megatron_omni.bridge.sync import SyncStats, WeightSync
 from megatron_omni.bridge.targets import DiffusersTarget
 from megatron_omni.rollout.async_service.channel import Weights
-from megatron_omni.rollout.probe import check_probe, probe_tolerance, probe_trajectory
+from megatron_omni.rollout.probe import check_probe, check_quantized_probe, probe_tolerance, probe_trajectory
+from megatron_omni.rollout.quantization import probe_relative_tolerance
 
 
 class DoubleBuffer(DiffusersTarget):
@@ -52,11 +55,6 @@ class DoubleBuffer(DiffusersTarget):
 
 def check_async_engine(engine: Any) -> None:
     """Refuse an engine the asynchronous rollout cannot double-buffer yet, naming the setting."""
-    q = getattr(engine, "quantization", None)
-    if q is not None and q.enabled:
-        raise ValueError(f"rollout.quantization={q.mode!r} is not supported with placement.mode=disaggregated yet: the "
-                         "FP8 copy would have to be re-quantized in the back buffer before each swap; use "
-                         "rollout.quantization=none")
     sink = engine.weight_sink()
     if sink.kind != "diffusers" or sink.target is None or not hasattr(sink.target, "module"):
         raise ValueError(f"the asynchronous rollout double-buffers an embedded diffusers engine's transformer "
@@ -79,6 +77,9 @@ class WeightReceiver:
         self.sync = WeightSync(plan, sources=None, target=self.buffer, transport=transport, dtype=trainer_dtype)
         self.probe = probe_trajectory(engine.transformer_config())
         self.tolerance = probe_tolerance(trainer_dtype, engine.dtype)
+        quantization = getattr(engine, "quantization", None)
+        self.quantized = quantization is not None and quantization.enabled
+        self.relative_tolerance = probe_relative_tolerance(quantization) if self.quantized else 0.0
         self.live_version = 0
         self.back_version: int | None = None
         self._probe_means: torch.Tensor | None = None
@@ -131,8 +132,14 @@ class WeightReceiver:
             self.live_version, self.back_version = version, None
             means = self._probe_means
             self._cond.notify_all()
-        self.last_probe_diff = check_probe(self.engine.probe(self.probe), means, self.tolerance,
-                                           f"after the swap to policy version {version} on rollout rank {self.rank}")
+        what = f"after the swap to policy version {version} on rollout rank {self.rank}"
+        if self.quantized:
+            self.engine.requantize()  # the FP8 scales of the weights just swapped in
+            got = check_quantized_probe(self.engine.probe(self.probe), means, self.probe, self.tolerance,
+                                        self.relative_tolerance, what, self.engine.probe_unquantized(self.probe))
+            self.last_probe_diff = got.quantization_diff if got.weights_diff is None else got.weights_diff
+        else:
+            self.last_probe_diff = check_probe(self.engine.probe(self.probe), means, self.tolerance, what)
         self.swaps += 1
         return time.perf_counter() - t0
 
