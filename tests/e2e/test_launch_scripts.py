@@ -275,7 +275,8 @@ def test_wan_dry_run_plans_the_clip_with_the_planners_cp(case: str, world: int, 
 def test_rollout_gpus_plans_the_disaggregated_layout(results: dict) -> None:
     """ROLLOUT_GPUS=2 on one node of 8 (no reward GPUs): placement.mode=disaggregated with the last 2 ranks rolling
     out and staleness 1; the dry run prints both sides' memory and the disaggregated step next to the colocated one
-    on 8 GPUs, then refuses (rc 2, after the plan) what the asynchronous trainer cannot run yet with this recipe."""
+    on 8 GPUs, then refuses (rc 2, after the plan) what the asynchronous trainer cannot run yet with this recipe (its
+    vLLM-Omni engine; 6 trainer ranks and intermediate checkpoints run)."""
     proc = results["rollout_gpus"]
     out, err = proc.stdout, proc.stderr
     assert "world size 8 (6 train + 2 roll out: ROLLOUT_GPUS, staleness 1)" in out, out[-2000:]
@@ -283,7 +284,7 @@ def test_rollout_gpus_plans_the_disaggregated_layout(results: dict) -> None:
     assert "rollout tp=1 (2 own GPUs)" in out
     for part in ("disaggregated: 6 trainer + 2 rollout GPUs, staleness 1", "trainer GPU memory", "rollout GPU memory",
                  "no optimizer state", "colocated on 8 GPUs", "disaggregated/colocated = ",
-                 "assumption: disaggregated model", "not runnable yet: placement.rollout_ranks=2"):
+                 "assumption: disaggregated model", "not runnable yet: rollout.engine='vllm_omni'"):
         assert part in out, f"the plan lacks {part!r}:\n{out[-3000:]}"
     step = re.search(r"  step +([\d.]+) s \((rollout|trainer)-bound\) -> ([\d.]+) images/s/GPU", out)
     rollout = re.search(r"rollout side +([\d.]+) s on 2 GPUs", out)
