@@ -324,8 +324,8 @@ def load_checkpoint(folder: Path, model: torch.nn.Module | None, optimizer: Any,
     checkpoint was saved with). `identity`: what the checkpoint's `common["identity"]` must equal (a LoRA
     run's settings and base, `check_identity`), checked before any tensor is read. `model` None (optimizer and
     scheduler None too): a rank without training state (a disaggregated job's rollout rank) joins for its RNG
-    states. `objects`: keys saved with `save_checkpoint(objects=...)` that this rank reads; they come back under
-    the returned dict's "objects" (the checkpoint must hold them)."""
+    states. `objects`: keys saved with `save_checkpoint(objects=...)` that this rank reads; when given they come back
+    under the returned dict's "objects" (the checkpoint must hold them)."""
     folder = Path(folder)
     if not (folder / COMPLETE).is_file():
         raise FileNotFoundError(f"{folder} is not a complete checkpoint (no {COMPLETE} marker)")
@@ -360,10 +360,11 @@ def load_checkpoint(folder: Path, model: torch.nn.Module | None, optimizer: Any,
         raise RuntimeError(f"{folder} lacks {len(missing)} tensors this job needs, e.g. {missing[:4]} (saved with "
                            f"another optim.distributed_optimizer setting or another model?)")
     loaded = dist_checkpointing.load(state, str(folder))
+    asked = {"objects": {key: loaded[key] for key in objects}} if objects else {}
     if model is None:
         if same_world:
             set_rng_state(loaded["rng"])
-        return {**saved["common"], "objects": {key: loaded[key] for key in objects}}
+        return {**saved["common"], **asked}
     for name, module in (("model", model), *held.items()):
         result = module.load_state_dict({k: loaded[name][k] for k in state[name]}, strict=False)
         # A LoRA run's sharded state holds the adapters only: its frozen base comes from the pipeline folder
@@ -381,7 +382,7 @@ def load_checkpoint(folder: Path, model: torch.nn.Module | None, optimizer: Any,
     elif rank == 0:
         print(f"{folder} was saved by {saved['world_size']} ranks, this job has {world}: weights and optimizer "
               f"state resharded, random streams start fresh")
-    return {**loaded["common"], "objects": {key: loaded[key] for key in objects}}
+    return {**loaded["common"], **asked}
 
 
 def read_common(folder: Path) -> dict[str, Any]:

@@ -188,7 +188,7 @@ def _run(cfg: JobConfig, overwrite: bool, stops: StopRequests) -> dict:
                                  sharded_state=trainer.sharded_state, ema=trainer.ema,
                                  identity=trainer.checkpoint_identity, copies=trainer.extra_copies, objects=ahead)
         start = common["step"]
-        in_flight = common["objects"].get(ASYNC_IN_FLIGHT, {})
+        in_flight = common.get("objects", {}).get(ASYNC_IN_FLIGHT, {})
         trainer.guard.bad_steps = int(common.get("bad_steps", 0))
         trainer.sync_weights()
         if rank == 0:
