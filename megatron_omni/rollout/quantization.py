@@ -224,6 +224,22 @@ def probe_relative_tolerance(spec: QuantizationSpec) -> float:
     return 2 * u + u * u
 
 
+def check_engine_probe(engine: Any, spec: QuantizationSpec, traj: Any, trainer_means: torch.Tensor,
+                       tolerance: float, what: str) -> tuple[float, Any]:
+    """An engine's probe forward of the probe batch `traj` against the trainer model's means [N, W, S, C]:
+    `probe.check_probe` within `tolerance` (the two dtypes'), or for an engine that samples quantized (`spec`)
+    `probe.check_quantized_probe` with the quantizer's bound (`probe_relative_tolerance`). Raises `ProbeMismatch`
+    naming `what`. Returns the figure a sync reports (the unquantized view's difference from the trainer, else the
+    quantized means') and the quantized measurement (`QuantizedProbe`; None for an unquantized engine)."""
+    from megatron_omni.rollout.probe import check_probe, check_quantized_probe
+
+    if not spec.enabled:
+        return check_probe(engine.probe(traj), trainer_means, tolerance, what), None
+    got = check_quantized_probe(engine.probe(traj), trainer_means, traj, tolerance, probe_relative_tolerance(spec),
+                                what, engine.probe_unquantized(traj))
+    return (got.quantization_diff if got.weights_diff is None else got.weights_diff), got
+
+
 def quantized_names(names: Iterable[str], spec: QuantizationSpec) -> set[str]:
     """The `<m>.weight` names among `names` (diffusers tensor names, prefix `transformer.` optional) of the linears
     the spec quantizes."""

@@ -56,12 +56,10 @@ from megatron_omni.parallel.platform import seed_everything
 from megatron_omni.rollout.base import SamplingParams, Trajectory, WeightSink
 from megatron_omni.rollout.probe import (
     QuantizedProbe,
-    check_probe,
-    check_quantized_probe,
     probe_tolerance,
     probe_trajectory,
 )
-from megatron_omni.rollout.quantization import QuantizationSpec, probe_relative_tolerance
+from megatron_omni.rollout.quantization import QuantizationSpec, check_engine_probe
 from megatron_omni.rollout.registry import EngineSettings, build_engine
 from megatron_omni.trainer.config import JobConfig, ParallelConfig, torch_dtype
 from megatron_omni.trainer.grad_guard import GradGuard
@@ -251,14 +249,11 @@ class FlowGRPOTrainer:
         within the dtypes' tolerance of the trainer (returned), its quantized means within the quantizer's bound
         (kept in `last_quantized_probe`); an engine with FP8 weights only, its means within both bounds of the
         trainer's (returned)."""
-        ours = self.probe_means()
-        if not self.quantization.enabled:
-            return check_probe(self.engine.probe(self.probe), ours, self.probe_tolerance, what)
-        got = check_quantized_probe(self.engine.probe(self.probe), ours, self.probe, self.probe_tolerance,
-                                    probe_relative_tolerance(self.quantization), what,
-                                    self.engine.probe_unquantized(self.probe))
-        self.last_quantized_probe = got
-        return got.quantization_diff if got.weights_diff is None else got.weights_diff
+        diff, got = check_engine_probe(self.engine, self.quantization, self.probe, self.probe_means(),
+                                       self.probe_tolerance, what)
+        if got is not None:
+            self.last_quantized_probe = got
+        return diff
 
     def probe_means(self) -> torch.Tensor:
         """The trainer model's transition means [1, 1, 4, C] of the fixed probe batch (every rank of the replica;

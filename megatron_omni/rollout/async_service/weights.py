@@ -30,8 +30,8 @@ import torch
 from megatron_omni.bridge.sync import SyncStats, WeightSync
 from megatron_omni.bridge.targets import DiffusersTarget
 from megatron_omni.rollout.async_service.channel import Weights
-from megatron_omni.rollout.probe import check_probe, check_quantized_probe, probe_tolerance, probe_trajectory
-from megatron_omni.rollout.quantization import probe_relative_tolerance
+from megatron_omni.rollout.probe import probe_tolerance, probe_trajectory
+from megatron_omni.rollout.quantization import QuantizationSpec, check_engine_probe
 
 
 class DoubleBuffer(DiffusersTarget):
@@ -77,9 +77,7 @@ class WeightReceiver:
         self.sync = WeightSync(plan, sources=None, target=self.buffer, transport=transport, dtype=trainer_dtype)
         self.probe = probe_trajectory(engine.transformer_config())
         self.tolerance = probe_tolerance(trainer_dtype, engine.dtype)
-        quantization = getattr(engine, "quantization", None)
-        self.quantized = quantization is not None and quantization.enabled
-        self.relative_tolerance = probe_relative_tolerance(quantization) if self.quantized else 0.0
+        self.quantization = getattr(engine, "quantization", None) or QuantizationSpec()
         self.live_version = 0
         self.back_version: int | None = None
         self._probe_means: torch.Tensor | None = None
@@ -132,14 +130,11 @@ class WeightReceiver:
             self.live_version, self.back_version = version, None
             means = self._probe_means
             self._cond.notify_all()
-        what = f"after the swap to policy version {version} on rollout rank {self.rank}"
-        if self.quantized:
+        if self.quantization.enabled:
             self.engine.requantize()  # the FP8 scales of the weights just swapped in
-            got = check_quantized_probe(self.engine.probe(self.probe), means, self.probe, self.tolerance,
-                                        self.relative_tolerance, what, self.engine.probe_unquantized(self.probe))
-            self.last_probe_diff = got.quantization_diff if got.weights_diff is None else got.weights_diff
-        else:
-            self.last_probe_diff = check_probe(self.engine.probe(self.probe), means, self.tolerance, what)
+        self.last_probe_diff, _ = check_engine_probe(self.engine, self.quantization, self.probe, means,
+                                                     self.tolerance, f"after the swap to policy version {version} "
+                                                     f"on rollout rank {self.rank}")
         self.swaps += 1
         return time.perf_counter() - t0
 
