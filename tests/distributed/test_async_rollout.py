@@ -217,6 +217,17 @@ def test_swap_without_tearing_and_bit_identical_regeneration(tiny_pipeline: str)
 
 
 # ------------------------------------------------------------------------------------------ liveness
+def _collect_until_lost(client: RolloutClient, step: int) -> dict:
+    """Collect `step` expecting `RolloutRankLost`: its message, rank, step and the seconds until it was raised
+    ({"error": None} when the step came back instead)."""
+    t0 = time.monotonic()
+    try:
+        client.collect(step)
+        return {"error": None}
+    except RolloutRankLost as e:
+        return {"error": str(e), "rank": e.rank, "step": e.step, "seconds": time.monotonic() - t0}
+
+
 def _rollout_fault(rank: int, world_size: int, pipeline: str, fault: str, report: str) -> dict:
     pair = build_pair(pipeline, world_size)
     pids = [None] * world_size
@@ -240,12 +251,7 @@ def _rollout_fault(rank: int, world_size: int, pipeline: str, fault: str, report
     client = RolloutClient(pair.groups, STALL_SETTINGS if fault == "stall" else FAULT_SETTINGS)
     if fault == "stall":
         client.request(0, 0, rows, seeds, PARAMS)
-        t0 = time.monotonic()
-        try:
-            client.collect(0)
-            out = {"error": None}
-        except RolloutRankLost as e:
-            out = {"error": str(e), "rank": e.rank, "step": e.step, "seconds": time.monotonic() - t0}
+        out = _collect_until_lost(client, 0)
         client.abandon()
         return out
     if fault == "error":  # the engine refuses the request (texts longer than text_length): its error comes back
@@ -272,12 +278,7 @@ def _rollout_fault(rank: int, world_size: int, pipeline: str, fault: str, report
     client.request(0, 0, rows, seeds, PARAMS)
     client.wait_progress(0, 1)
     os.kill(pids[1], signal.SIGSTOP if fault == "stop" else signal.SIGKILL)
-    t0 = time.monotonic()
-    try:
-        client.collect(0)
-        out = {"error": None}
-    except RolloutRankLost as e:
-        out = {"error": str(e), "rank": e.rank, "step": e.step, "seconds": time.monotonic() - t0}
+    out = _collect_until_lost(client, 0)
     with open(report + ".tmp", "w") as f:  # before the pool notices a killed rank and ends this one
         json.dump(out, f)
     os.replace(report + ".tmp", report)
