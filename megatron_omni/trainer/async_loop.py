@@ -202,8 +202,7 @@ class AsyncLoop:
                   "sampled with older policy versions than the bound allows; they are sampled again", flush=True)
         self.version = self.first_version = step
         self.collected = {k: in_flight[k] for k in range(step, step + kept)}
-        in_flight = self.collected
-        self.next_request = step + self._from_root(len(in_flight))
+        self.next_request = step + self._from_root(kept)
         if step > 0 and self.next_request < self.cfg.steps:
             self.push()
 
