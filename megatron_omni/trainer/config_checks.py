@@ -195,6 +195,9 @@ def _type_ok(value: Any, hint: Any) -> bool:
     if origin is list:
         (item,) = typing.get_args(hint)
         return isinstance(value, list) and all(_type_ok(x, item) for x in value)
+    if origin is dict:
+        key, item = typing.get_args(hint)
+        return isinstance(value, dict) and all(_type_ok(k, key) and _type_ok(v, item) for k, v in value.items())
     return isinstance(value, hint)
 
 

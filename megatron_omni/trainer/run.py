@@ -131,7 +131,8 @@ def build_trainer(cfg: JobConfig, groups, run_dir: Path, job_group=None) -> tupl
     pipeline = prepare_pipeline(cfg, run_dir)
     # A video family's samples reach the scorer as strips of reward.video_frames frames (its traits say video).
     video_frames = cfg.reward.video_frames if family.traits.video else None
-    reward_fn = RewardFunction(cfg.reward.scorer, cfg.reward.url, cfg.reward.timeout_s, video_frames)
+    reward_fn = RewardFunction(cfg.reward.scorer, cfg.reward.url, cfg.reward.timeout_s, video_frames,
+                               cfg.reward.options)
     return FlowGRPOTrainer(cfg, groups, pipeline, reward_fn, job_group), reward_fn
 
 
