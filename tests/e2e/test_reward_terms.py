@@ -11,6 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from megatron_omni.reward.errors import RewardServiceError
@@ -77,3 +78,27 @@ def test_missing_weights_stop_the_server_with_exit_2(tmp_path: Path) -> None:
         _server(missing).start()
     msg = str(info.value)
     assert "exited with 2" in msg and missing in msg and "PickScore_v1" in msg, msg
+
+
+def test_failed_optional_term_is_named_required_one_fails_the_request() -> None:
+    from megatron_omni.reward.client import RewardClient
+    from megatron_omni.reward.errors import RewardServiceError as ServiceError
+
+    opt, req = "tests.unit.test_reward_terms:flaky_optional", "tests.unit.test_reward_terms:flaky_required"
+    srv = RewardServerProcess("jpeg_compressibility@cpu", extra_args=[
+        "--scorer", f"{opt}@cpu", "--scorer", f"{req}@cpu", "--reward", f"0.5*jpeg_compressibility+2*{opt}?+{req}"])
+    image = np.full((16, 16, 3), 255, np.uint8)
+    with srv, RewardClient(srv.url, timeout_s=30) as client:
+        jpeg = client.score([image], [""])[0] - 2.0 - 1.0  # all terms up: 0.5*jpeg + 2*1.0 + 1.0
+        client.submit(0, image, "", {"fail_optional": True})
+        client.submit(1, image, "")
+        r = client.gather()
+        failed, ok = client.last_details
+        assert "flaky_optional asked to fail" in failed["failed"][opt] and opt not in failed["terms"]
+        assert r[0] == pytest.approx(jpeg + 1.0) and r[1] == pytest.approx(jpeg + 3.0) and ok["failed"] == {}
+        assert ok["terms"][opt] == 1.0 and ok["weights"] == {"jpeg_compressibility": 0.5, opt: 2.0, req: 1.0}
+        with pytest.raises(ServiceError, match="500 scorer .*flaky_required failed"):
+            client.score([image], [""], [{"fail_required": True}])
+        health = srv.health()
+    assert health["pending"] == 0 and health["stats"]["errors"] == 1
+    assert set(health["scorers"]) == {"jpeg_compressibility", opt, req}
