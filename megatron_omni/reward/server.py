@@ -475,8 +475,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[ServerConfig, str | None]
         kwargs = {}
     elif isinstance(scorer, str) and scorer.lstrip().startswith("{"):
         scorer = json.loads(scorer)
-    elif isinstance(scorer, str) and ("+" in scorer or "*" in scorer) and kwargs:
-        options, kwargs = kwargs, {}  # a weighted spec takes options per term name
+    elif isinstance(scorer, str) and kwargs and _per_name(scorer, kwargs):
+        options, kwargs = kwargs, {}  # {name: options}: a weighted spec's terms, or the one scorer by name
     devices = [d.strip() for d in a.devices.split(",") if d.strip()] if a.devices else None
     cpus = None
     if a.cpus is not None:
@@ -511,6 +511,18 @@ def parse_args(argv: list[str] | None = None) -> tuple[ServerConfig, str | None]
         options=options,
     )
     return cfg, a.port_file
+
+
+def _per_name(scorer: str, kwargs: dict) -> bool:
+    """Whether --scorer-kwargs is {scorer name: options} for the names `scorer` uses (else: the options of the one
+    scorer)."""
+    from megatron_omni.reward.registry import scorer_names
+
+    try:
+        names = set(scorer_names(scorer))
+    except RewardInputError:
+        return False
+    return all(isinstance(v, dict) for v in kwargs.values()) and set(kwargs) <= names
 
 
 def _multi(a: argparse.Namespace, kwargs: dict) -> tuple[dict[str, list[str | None]], str | None, dict]:
