@@ -90,6 +90,7 @@ register_scorer("pickscore", lazy("megatron_omni.reward.clip_scorers:PickScore")
 register_scorer("clipscore", lazy("megatron_omni.reward.clip_scorers:ClipScore"))
 register_scorer("aesthetic", lazy("megatron_omni.reward.clip_scorers:Aesthetic"))
 register_scorer("hpsv2", lazy("megatron_omni.reward.clip_scorers:HPSv2"))
+register_scorer("imagereward", lazy("megatron_omni.reward.imagereward:ImageReward"))
 
 
 def _accepts(factory: Callable[..., Any], name: str) -> bool:

@@ -106,3 +106,54 @@ def open_clip_state_dict(arch: dict = TINY_ARCH, seed: int = 0) -> dict[str, tor
                        b + "mlp.c_fc.bias": r(4 * w), b + "mlp.c_proj.weight": r(w, 4 * w, s=0.1),
                        b + "mlp.c_proj.bias": r(w)})
     return sd
+
+
+def save_bert_tokenizer(folder: str) -> int:
+    """A lowercasing WordPiece tokenizer (bert-base-uncased's layout: vocab.txt) of the specials, a-z and 0-9;
+    returns its size."""
+    from transformers import BertTokenizerFast
+
+    os.makedirs(folder, exist_ok=True)
+    words = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *"abcdefghijklmnopqrstuvwxyz0123456789",
+             *[f"##{c}" for c in "abcdefghijklmnopqrstuvwxyz0123456789"]]
+    with open(os.path.join(folder, "vocab.txt"), "w") as f:
+        f.write("\n".join(words) + "\n")
+    BertTokenizerFast(os.path.join(folder, "vocab.txt"), do_lower_case=True).save_pretrained(folder)
+    return len(words)
+
+
+def imagereward_state_dict(vocab: int, seed: int = 0) -> tuple[dict[str, torch.Tensor], dict, object, object]:
+    """A tiny ImageReward.pt state dict (BLIP timm-style ViT names, BLIP BERT names, mlp.layers.*) made from random
+    transformers BlipVisionModel / BlipTextModel (returned too, with the arch, for reference computations)."""
+    from transformers import BlipTextConfig, BlipTextModel, BlipVisionConfig, BlipVisionModel
+
+    torch.manual_seed(seed)
+    arch = {"vision_heads": 2, "text_heads": 2, "vision_eps": 1e-6, "text_eps": 1e-12, "vision_width": 32,
+            "vision_layers": 2, "text_width": 24, "text_layers": 2}
+    vision = BlipVisionModel(BlipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                              num_attention_heads=2, image_size=32, patch_size=8,
+                                              layer_norm_eps=1e-6)).eval()
+    text = BlipTextModel(BlipTextConfig(vocab_size=vocab, hidden_size=24, encoder_hidden_size=32, intermediate_size=48,
+                                        num_hidden_layers=2, num_attention_heads=2, max_position_embeddings=64,
+                                        is_decoder=True, bos_token_id=None, sep_token_id=None, pad_token_id=0),
+                         add_pooling_layer=False).eval()
+    v = vision.state_dict()
+    sd = {"blip.visual_encoder.cls_token": v["embeddings.class_embedding"],
+          "blip.visual_encoder.pos_embed": v["embeddings.position_embedding"],
+          "blip.visual_encoder.patch_embed.proj.weight": v["embeddings.patch_embedding.weight"],
+          "blip.visual_encoder.patch_embed.proj.bias": v["embeddings.patch_embedding.bias"],
+          "blip.visual_encoder.norm.weight": v["post_layernorm.weight"],
+          "blip.visual_encoder.norm.bias": v["post_layernorm.bias"]}
+    names = {"norm1": "layer_norm1", "norm2": "layer_norm2", "attn.qkv": "self_attn.qkv",
+             "attn.proj": "self_attn.projection", "mlp.fc1": "mlp.fc1", "mlp.fc2": "mlp.fc2"}
+    for i in range(2):
+        for a, b in names.items():
+            for t in ("weight", "bias"):
+                sd[f"blip.visual_encoder.blocks.{i}.{a}.{t}"] = v[f"encoder.layers.{i}.{b}.{t}"]
+    sd.update({f"blip.text_encoder.{k}": t for k, t in text.state_dict().items()})
+    sd["blip.text_proj.weight"] = torch.zeros(4, 24)  # a BLIP_Pretrain tensor the scorer does not use
+    g = torch.Generator().manual_seed(seed + 1)
+    for i, (o, n) in zip((0, 2, 4, 6, 7), ((1024, 24), (128, 1024), (64, 128), (16, 64), (1, 16))):
+        sd[f"mlp.layers.{i}.weight"] = torch.randn(o, n, generator=g) / n ** 0.5
+        sd[f"mlp.layers.{i}.bias"] = torch.randn(o, generator=g) * 0.1
+    return sd, arch, vision, text

@@ -200,3 +200,33 @@ def test_missing_or_wrong_weights_are_refused_naming_the_path(folders: dict, tmp
     with pytest.raises(RewardWeightsError) as info:
         build_scorer(spec)
     assert path in str(info.value), str(info.value)
+
+
+def test_imagereward_checkpoint_layout_and_normalisation(tmp_path, images: list) -> None:
+    from transformers import BertTokenizerFast
+
+    from tests.unit.reward_models import imagereward_state_dict, save_bert_tokenizer
+
+    vocab = save_bert_tokenizer(str(tmp_path / "bert"))
+    sd, arch, vision, text = imagereward_state_dict(vocab, seed=4)
+    torch.save(sd, tmp_path / "ImageReward.pt")
+    scorer = build_scorer({"name": "imagereward", "kwargs": {"model": str(tmp_path / "ImageReward.pt"),
+                                                             "tokenizer": str(tmp_path / "bert"), "arch": arch}})
+    got = torch.tensor(scorer(images, PROMPTS))
+    # ImageReward.score: ViT tokens, BERT [CLS] with cross-attention to them (35 tokens), MLP, (x - mean) / std.
+    px = torch.stack([ref_pixels(im) for im in images])
+    tok = BertTokenizerFast.from_pretrained(str(tmp_path / "bert"))(PROMPTS, padding="max_length", truncation=True,
+                                                                   max_length=35, return_tensors="pt")
+    with torch.no_grad():
+        emb = vision(pixel_values=px).last_hidden_state
+        cls = text(input_ids=tok["input_ids"], attention_mask=tok["attention_mask"], encoder_hidden_states=emb,
+                   encoder_attention_mask=torch.ones(emb.shape[:2], dtype=torch.long),
+                   is_decoder=False).last_hidden_state[:, 0]
+    h = cls
+    for i in (0, 2, 4, 6, 7):
+        h = h @ sd[f"mlp.layers.{i}.weight"].t() + sd[f"mlp.layers.{i}.bias"]
+    want = (h.squeeze(-1) - 0.16717362830052426) / 1.0333394966054072
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)
+    with pytest.raises(RewardWeightsError, match="vision_width 32 \\(expected 1024\\)"):  # the published arch
+        build_scorer({"name": "imagereward", "kwargs": {"model": str(tmp_path / "ImageReward.pt"),
+                                                        "tokenizer": str(tmp_path / "bert")}})
