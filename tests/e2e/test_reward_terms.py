@@ -56,6 +56,7 @@ def test_weighted_reward_through_the_server_logs_each_term(clip_folder: str, tmp
         with pytest.raises(RewardPreflightError, match=r"serves the reward 0.7\*pickscore\+0.3\*ocr but"):
             preflight(srv.url, scorer="0.5*pickscore+0.5*ocr")
         assert preflight(srv.url, scorer=SPEC)["status"] == "ok"
+    assert (tmp_path / "run" / "reward_curve.png").exists() and list((tmp_path / "run" / "samples").glob("*.png"))
     rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert len(rows) == 2
     for r in rows:

@@ -116,3 +116,29 @@ def test_server_cli_several_scorers_and_config_file(tmp_path, capsys: pytest.Cap
         with pytest.raises(SystemExit) as info:
             parse_args(argv)
         assert info.value.code == 2 and msg in capsys.readouterr().err, argv
+
+
+def test_eval_grid_and_curve_show_every_term(tmp_path) -> None:
+    from PIL import Image
+
+    from megatron_omni.trainer.evaluation import EvalResult
+    from megatron_omni.trainer.metrics import reward_captions, save_reward_curve
+
+    terms = RewardTerms(["pickscore", "ocr"], [0.7, 0.3],
+                        torch.tensor([[20.0, 0.5], [22.0, float("nan")], [18.0, 1.0]], dtype=torch.float64))
+    res = EvalResult(["a", "b", "c"], [1, 2, 3], torch.rand(3, 3, 8, 8), torch.tensor([1.0, 2.0, 3.0]), terms)
+    summary = res.summary(seen={"a"})
+    assert summary["reward_term/pickscore_mean"] == 20.0 and summary["reward_term/ocr_mean"] == 0.75
+    res.save(tmp_path / "e.npz")
+    back = EvalResult.load(tmp_path / "e.npz")
+    assert back.terms.names == terms.names and torch.equal(back.terms.values.isnan(), terms.values.isnan())
+    caps = reward_captions(res.prompts, res.rewards.tolist(), terms)
+    assert caps[0] == "a\nr=1\npickscore=20 ocr=0.5" and caps[1].endswith("ocr=-")
+    assert reward_captions(["a"], [1.0]) == ["a\nr=1"]
+    history = [{"step": s, "reward_mean": 0.1 * s, "reward_std": 0.1, "reward_term/pickscore_mean": 20 + s,
+                "reward_term/pickscore_std": 1.0, "reward_term/ocr_mean": 0.1 * s, "reward_term/ocr_std": 0.0}
+               for s in range(3)]
+    save_reward_curve(history, tmp_path / "with.png", [{"step": 2, "reward_mean": 0.3, "reward_term/ocr_mean": 0.2}])
+    save_reward_curve([{k: h[k] for k in ("step", "reward_mean", "reward_std")} for h in history], tmp_path / "no.png")
+    # One panel per term below the combined reward's.
+    assert Image.open(tmp_path / "with.png").height > 2 * Image.open(tmp_path / "no.png").height
