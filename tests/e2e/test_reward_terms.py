@@ -50,7 +50,8 @@ def test_weighted_reward_through_the_server_logs_each_term(clip_folder: str, tmp
         assert health["scorers"]["pickscore"]["ready"] and health["scorers"]["ocr"]["devices"] == ["cpu"]
         assert health["terms"] == {"pickscore": {"weight": 0.7, "required": True},
                                    "ocr": {"weight": 0.3, "required": True}}
-        proc = _train(tmp_path / "run", srv.url, "--set", "logging.tensorboard=true")
+        proc = _train(tmp_path / "run", srv.url, "--set", "logging.tensorboard=true",
+                      "--set", "reward.term_advantages=true")  # GDPO advantages on the trainer's path
         assert proc.returncode == 0, proc.stderr[-3000:]
         # The trainer's preflight refuses a server whose terms differ from its reward.scorer.
         with pytest.raises(RewardPreflightError, match=r"serves the reward 0.7\*pickscore\+0.3\*ocr but"):
