@@ -144,6 +144,14 @@ class RewardTerms:
         return RewardTerms(parts[0].names, parts[0].weights, torch.cat([p.values for p in parts]),
                            {k: m for p in parts for k, m in p.failed.items()})
 
+    def rows(self, lo: int, hi: int) -> RewardTerms:
+        """The terms of samples lo..hi-1 (a data-parallel rank's share); `failed` names only the failures seen in
+        them (the values are nan there)."""
+        values = self.values[lo:hi]
+        return RewardTerms(self.names, self.weights, values,
+                           {k: m for k, m in self.failed.items() if bool(values[:, self.names.index(k)].isnan().any())}
+                           if values.numel() else {})
+
     def excluded(self) -> list[str]:
         """Terms left out of this batch's reward: optional terms that failed on any of its samples."""
         return [k for j, k in enumerate(self.names) if k in self.failed or bool(self.values[:, j].isnan().any())]
