@@ -68,6 +68,9 @@ def test_reward_terms_exclude_a_failed_term_for_every_sample() -> None:
     m = t.metrics(t.excluded())
     assert m["reward_term/a_mean"] == 2.0 and m["reward_term/a_std"] == 1.0 and m["reward_term/b_mean"] == 0.5
     assert m["reward_term/b_failed"] == 1.0 and m["reward_term/a_failed"] == 0.0
+    first, second = t.rows(0, 1), t.rows(1, 2)  # the asynchronous loop's shares per data-parallel rank
+    assert first.failed == {} and second.failed == {"b": "RuntimeError: down"} and first.excluded() == []
+    assert RewardTerms.concat([first, second]).excluded() == ["b"]  # gathered again: left out everywhere
     both = RewardTerms.concat([t, RewardTerms.from_details(details[:1])])
     assert both.values.shape == (3, 2) and RewardTerms.from_details([{"terms": {}, "weights": {}}]) is None
 
