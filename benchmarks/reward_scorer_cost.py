@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import tempfile
 import time
 
 import numpy as np
@@ -32,43 +31,53 @@ def clip_config(vw: int, vl: int, vh: int, patch: int, tw: int, tl: int, th: int
                                      "hidden_act": act}, projection_dim=proj)
 
 
-def embedder(cfg, tok_dir: str):  # noqa: ANN001, ANN201
-    from transformers import CLIPImageProcessor, CLIPModel, CLIPTokenizerFast
+def word_tokenizer(max_length: int):  # noqa: ANN201
+    """A word-level tokenizer: prompts are padded to the model's context either way, so the towers' cost is that
+    of the published tokenizers."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    words = "a photograph of red bicycle leaning against brick wall golden hour".split()
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(["[PAD]", "[UNK]", *words])}, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="[PAD]", unk_token="[UNK]",
+                                   model_max_length=max_length)
+
+
+def random_mlp(d_in: int) -> dict[str, torch.Tensor]:
+    """The aesthetic / ImageReward head's state dict (layers.{0,2,4,6,7}) with random values."""
+    dims = [d_in, 1024, 128, 64, 16, 1]
+    return {f"layers.{i}.{t}": v for i, (a, b) in zip((0, 2, 4, 6, 7), zip(dims, dims[1:]))
+            for t, v in torch.nn.Linear(a, b).state_dict().items()}
+
+
+def embedder(cfg):  # noqa: ANN001, ANN201
+    from transformers import CLIPImageProcessor, CLIPModel
 
     from megatron_omni.reward.clip_scorers import CLIP_MEAN, CLIP_STD, ClipEmbedder
 
     proc = CLIPImageProcessor(size={"shortest_edge": 224}, crop_size={"height": 224, "width": 224},
                               image_mean=list(CLIP_MEAN), image_std=list(CLIP_STD), resample=3)
-    tok = CLIPTokenizerFast.from_pretrained(tok_dir, model_max_length=77)
-    return ClipEmbedder(CLIPModel(cfg).eval(), proc, tok, torch.device("cpu"), torch.float32, 16)
+    return ClipEmbedder(CLIPModel(cfg).eval(), proc, word_tokenizer(77), torch.device("cpu"), torch.float32, 16)
 
 
-def build(name: str, tmp: str):  # noqa: ANN201
+def build(name: str):  # noqa: ANN201
     from megatron_omni.reward import clip_scorers, imagereward
-    from tests.unit.reward_models import save_bert_tokenizer, save_clip_tokenizer
 
-    save_clip_tokenizer(f"{tmp}/clip_tok", context=77)
     vit_h = clip_config(1280, 32, 16, 14, 1024, 24, 16, 1024, "gelu")  # PickScore_v1 / HPSv2.1 (ViT-H-14)
     vit_l = clip_config(1024, 24, 16, 14, 768, 12, 12, 768, "quick_gelu")  # openai/clip-vit-large-patch14
-    if name in ("pickscore", "hpsv2", "clipscore"):
-        s = {"pickscore": clip_scorers.PickScore, "hpsv2": clip_scorers.HPSv2,
-             "clipscore": clip_scorers.ClipScore}[name].__new__({"pickscore": clip_scorers.PickScore,
-                                                                 "hpsv2": clip_scorers.HPSv2,
-                                                                 "clipscore": clip_scorers.ClipScore}[name])
+    classes = {"pickscore": clip_scorers.PickScore, "hpsv2": clip_scorers.HPSv2, "clipscore": clip_scorers.ClipScore,
+               "aesthetic": clip_scorers.Aesthetic}
+    if name in classes:  # the scorer object around a model built here (no weights folder to load)
+        s = classes[name].__new__(classes[name])
         s.w = 2.5
-        s.clip = embedder(vit_l if name == "clipscore" else vit_h, f"{tmp}/clip_tok")
+        s.clip = embedder(vit_h if name in ("pickscore", "hpsv2") else vit_l)
+        if name == "aesthetic":
+            s.mlp = clip_scorers.aesthetic_mlp(random_mlp(768), "bench")
         return s
-    if name == "aesthetic":
-        from tests.unit.reward_models import save_aesthetic_mlp
+    if name == "imagereward":  # the checkpoint's layout through our loader (ImageRewardModel), from memory
+        from transformers import BlipTextConfig, BlipTextModel, BlipVisionConfig, BlipVisionModel, CLIPImageProcessor
 
-        s = clip_scorers.Aesthetic.__new__(clip_scorers.Aesthetic)
-        s.clip = embedder(vit_l, f"{tmp}/clip_tok")
-        s.mlp = clip_scorers.aesthetic_mlp(save_aesthetic_mlp(f"{tmp}/a.pth", d_in=768), "bench")
-        return s
-    if name == "imagereward":
-        from transformers import BlipTextConfig, BlipTextModel, BlipVisionConfig, BlipVisionModel
-
-        save_bert_tokenizer(f"{tmp}/bert")
         vision = BlipVisionModel(BlipVisionConfig(hidden_size=1024, intermediate_size=4096, num_hidden_layers=24,
                                                   num_attention_heads=16, image_size=224, patch_size=16))
         text = BlipTextModel(BlipTextConfig(vocab_size=30524, hidden_size=768, encoder_hidden_size=1024,
@@ -86,12 +95,16 @@ def build(name: str, tmp: str):  # noqa: ANN201
             for a, b in imagereward._VISION.items():
                 for t in ("weight", "bias"):
                     sd[f"blip.visual_encoder.blocks.{i}.{a}.{t}"] = v[f"encoder.layers.{i}.{b}.{t}"]
-        from tests.unit.reward_models import save_aesthetic_mlp
-
-        sd.update({f"mlp.{k}": t for k, t in save_aesthetic_mlp(f"{tmp}/m.pth", d_in=768).items()})
-        torch.save(sd, f"{tmp}/ImageReward.pt")
-        del vision, text, sd, v
-        return imagereward.ImageReward(model=f"{tmp}/ImageReward.pt", tokenizer=f"{tmp}/bert")
+        sd.update({f"mlp.{k}": t for k, t in random_mlp(768).items()})
+        del vision, text, v
+        scorer = imagereward.ImageReward.__new__(imagereward.ImageReward)
+        scorer.model = imagereward.ImageRewardModel(sd, imagereward.ARCHS["ImageReward-v1.0"], "bench")
+        scorer.tokenizer, scorer.device, scorer.dtype, scorer.batch_size = word_tokenizer(35), torch.device("cpu"), \
+            torch.float32, 16
+        scorer.processor = CLIPImageProcessor(size={"shortest_edge": 224}, crop_size={"height": 224, "width": 224},
+                                              image_mean=list(clip_scorers.CLIP_MEAN),
+                                              image_std=list(clip_scorers.CLIP_STD), resample=3)
+        return scorer
     raise ValueError(name)
 
 
@@ -109,19 +122,18 @@ def main() -> None:
     prompts = ["a photograph of a red bicycle leaning against a brick wall, golden hour"] * a.batch
     rows = []
     for name in a.scorers.split(","):
-        with tempfile.TemporaryDirectory() as tmp:
-            scorer = build(name, tmp)
-            scorer(images, prompts)  # warm-up
-            times = []
-            for _ in range(a.reps):
-                t0 = time.perf_counter()
-                scorer(images, prompts)
-                times.append(time.perf_counter() - t0)
-            per = statistics.median(times) / a.batch
-            rows.append((name, per))
-            print(f"{name:12s} {per * 1000:8.0f} ms/image (median of {a.reps} x {a.batch} images {a.size}px, "
-                  f"{a.threads} thread(s))", flush=True)
-            del scorer
+        scorer = build(name)
+        scorer(images, prompts)  # warm-up
+        times = []
+        for _ in range(a.reps):
+            t0 = time.perf_counter()
+            scorer(images, prompts)
+            times.append(time.perf_counter() - t0)
+        per = statistics.median(times) / a.batch
+        rows.append((name, per))
+        print(f"{name:12s} {per * 1000:8.0f} ms/image (median of {a.reps} x {a.batch} images {a.size}px, "
+              f"{a.threads} thread(s))", flush=True)
+        del scorer
     print("scorer costs (s/image): " + ", ".join(f"{n} {t:.2f}" for n, t in rows))
 
 

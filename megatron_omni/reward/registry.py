@@ -178,8 +178,8 @@ def build_scorer(spec: str | Mapping[str, Any], *, device: str | None = None,
             return WeightedSum(terms)
         if "name" not in spec:
             raise RewardInputError(f"scorer spec {dict(spec)!r} needs 'name' or 'weighted'")
-        return build_scorer(spec["name"], device=device, options=options,
-                            **{**dict(spec.get("kwargs", {})), **kwargs})
+        kw = {**dict(spec.get("kwargs", {})), **kwargs}
+        return build_scorer(spec["name"], device=kw.pop("device", device), options=options, **kw)
     if not isinstance(spec, str) or not spec.strip():
         raise RewardInputError(f"scorer spec must be a non-empty string or dict, got {spec!r}")
     spec = spec.strip()
@@ -194,6 +194,7 @@ def build_scorer(spec: str | Mapping[str, Any], *, device: str | None = None,
     elif spec in _REGISTRY:
         factory = _REGISTRY[spec]
         kwargs = {**dict((options or {}).get(spec, {})), **kwargs}
+        device = kwargs.pop("device", device)  # a device in the options wins over the server's
         if device is not None and _accepts(factory, "device"):
             kwargs = {**kwargs, "device": device}
         scorer = factory(**kwargs)

@@ -12,18 +12,27 @@ from typing import Any
 
 import torch
 
-from megatron_omni.parallel.devices import torch_device_of
 from megatron_omni.reward.errors import RewardWeightsError
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def scorer_device(scorer: str, device: str | None) -> torch.device:
-    """The torch device of `device` (None: the CPU); RewardWeightsError naming the scorer when it is absent."""
+    """The torch device a worker's device string names (None or "cpu": the CPU, "type:index": that accelerator);
+    RewardWeightsError naming the scorer when torch does not know it or this machine lacks it, so a scorer never
+    silently computes elsewhere. Asks torch.accelerator, so no device type is named here (megatron_omni/parallel
+    owns those) and the reward worker does not import the trainer's platform (megatron-core)."""
+    if device is None or device == "cpu":
+        return torch.device("cpu")
     try:
-        return torch_device_of(device)
-    except ValueError as exc:
-        raise RewardWeightsError(f"{scorer}: {exc}") from None
+        dev = torch.device(device)
+    except (RuntimeError, ValueError):
+        raise RewardWeightsError(f"{scorer}: device {device!r} is not a torch device ('cpu' or 'type:index')") from None
+    present = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
+    if present is None or dev.type != present.type or (dev.index or 0) >= torch.accelerator.device_count():
+        have = f"{torch.accelerator.device_count()} x {present.type}" if present is not None else "no accelerator"
+        raise RewardWeightsError(f"{scorer}: device {device!r} is not on this machine ({have})")
+    return dev
 
 
 def scorer_dtype(scorer: str, dtype: str) -> torch.dtype:

@@ -76,8 +76,10 @@ def test_weighted_reward_through_the_server_logs_each_term(clip_folder: str, tmp
 
 def test_missing_weights_stop_the_server_with_exit_2(tmp_path: Path) -> None:
     missing = str(tmp_path / "no_such_folder")
+    server = RewardServerProcess("pickscore@cpu", extra_args=[  # one worker: only the failing scorer is built
+        "--scorer-kwargs", json.dumps({"pickscore": {"model": missing}})])
     with pytest.raises(RewardServiceError) as info:
-        _server(missing).start()
+        server.start()
     msg = str(info.value)
     assert "exited with 2" in msg and missing in msg and "PickScore_v1" in msg, msg
 

@@ -174,7 +174,7 @@ def test_hpsv2_open_clip_checkpoint_is_cosine(folders: dict, images: list) -> No
     torch.testing.assert_close(torch.tensor(scorer(images, PROMPTS)), (img * txt).sum(-1), atol=2e-5, rtol=1e-4)
 
 
-@pytest.mark.parametrize("case", ["missing", "no_spec", "wrong_type", "blip_mlp", "hps_arch", "mlp_width"])
+@pytest.mark.parametrize("case", ["missing", "no_spec", "wrong_type", "blip_mlp", "hps_arch", "mlp_width", "device"])
 def test_missing_or_wrong_weights_are_refused_naming_the_path(folders: dict, tmp_path, case: str) -> None:
     import json
 
@@ -193,6 +193,8 @@ def test_missing_or_wrong_weights_are_refused_naming_the_path(folders: dict, tmp
     elif case == "hps_arch":  # the tiny checkpoint given as the published ViT-H-14
         spec = {"name": "hpsv2", "kwargs": {"model": folders["hps"], "tokenizer": folders["tok"]}}
         path = "vision_width 32 (expected 1280)"
+    elif case == "device":  # an accelerator this machine does not have: refused, never the CPU instead
+        spec, path = {"name": "clipscore", "kwargs": {"model": folders["clip"], "device": "cuda:999"}}, "'cuda:999'"
     else:  # an MLP for 16-wide embeddings on a CLIP giving 24
         save_aesthetic_mlp(str(tmp_path / "a16.pth"), d_in=16)
         spec = {"name": "aesthetic", "kwargs": {"model": str(tmp_path / "a16.pth"), "clip": folders["clip"]}}
