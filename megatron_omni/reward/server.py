@@ -559,6 +559,16 @@ def _multi(a: argparse.Namespace, kwargs: dict) -> tuple[dict[str, list[str | No
                 raise RewardInputError(f"{name!r} is not one scorer (combine several with --reward)")
         except RewardInputError as exc:
             _fail(f"--scorer {name}: {exc}")
+    if reward:
+        from megatron_omni.reward.registry import parse_terms
+
+        try:
+            names = [t[0] for t in parse_terms(reward)]
+        except RewardInputError as exc:
+            _fail(f"--reward {reward!r}: {exc}")
+        if sorted(names) != sorted(scorers) or len(set(names)) != len(names):
+            _fail(f"--reward {reward!r} names the terms {names}, but the scorers served are {sorted(scorers)}: "
+                  "each scorer must be one term")
     return scorers, reward, options
 
 

@@ -115,7 +115,8 @@ def test_server_cli_several_scorers_and_config_file(tmp_path, capsys: pytest.Cap
     assert cfg.scorers == {"pickscore": ["type:1"], "ocr": [None]} and cfg.options["pickscore"] == {"model": "/m"}
     for argv, msg in ((["--scorer", "0.5*ocr+0.5*pickscore@cpu"], "is not one scorer"),
                       (["--scorer", "nosuch@cpu"], "unknown scorer 'nosuch'"),
-                      (["--scorer", "ocr@cpu", "--scorer", "ocr@cpu"], "given twice")):
+                      (["--scorer", "ocr@cpu", "--scorer", "ocr@cpu"], "given twice"),
+                      (["--scorer", "ocr@cpu", "--reward", "0.5*ocr+0.5*pickscore"], "names the terms")):
         with pytest.raises(SystemExit) as info:
             parse_args(argv)
         assert info.value.code == 2 and msg in capsys.readouterr().err, argv
