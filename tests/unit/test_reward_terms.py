@@ -146,3 +146,33 @@ def test_eval_grid_and_curve_show_every_term(tmp_path) -> None:
     save_reward_curve([{k: h[k] for k in ("step", "reward_mean", "reward_std")} for h in history], tmp_path / "no.png")
     # One panel per term below the combined reward's.
     assert Image.open(tmp_path / "with.png").height > 2 * Image.open(tmp_path / "no.png").height
+
+
+@pytest.mark.parametrize("per_term", [False, True])
+def test_trainer_leaves_a_failed_optional_term_out_of_the_step(per_term: bool) -> None:
+    from types import SimpleNamespace
+
+    from megatron_omni.trainer.config import JobConfig
+    from megatron_omni.trainer.flowgrpo import FlowGRPOTrainer
+
+    cfg = JobConfig()
+    cfg.reward.term_advantages = per_term
+    g = torch.Generator().manual_seed(1)
+    values = torch.stack([20 + torch.randn(8, generator=g, dtype=torch.float64),
+                          torch.rand(8, generator=g, dtype=torch.float64)], dim=1)
+    values[3, 1] = float("nan")  # the optional OCR term failed on one sample's batch
+    terms = RewardTerms(["pickscore", "ocr"], [0.7, 0.3], values, {"ocr": "RuntimeError: down"})
+    one_rank = SimpleNamespace(size=lambda: 1)
+    trainer = SimpleNamespace(cfg=cfg, reward_fn=SimpleNamespace(terms=terms), groups=SimpleNamespace(dp=one_rank))
+    gids = torch.arange(2).repeat_interleave(4)
+    served = torch.zeros(8)  # what the server summed per sample; the step recombines without the failed term
+    adv, rewards, metrics = FlowGRPOTrainer.advantages_of(trainer, served, served, gids)
+    torch.testing.assert_close(rewards, (0.7 * values[:, 0]).float())
+    assert metrics["reward_term/ocr_failed"] == 1.0 and metrics["reward_term/pickscore_failed"] == 0.0
+    want = (term_advantages(values[:, :1], torch.tensor([0.7]), gids) if per_term
+            else group_advantages(rewards, gids))
+    torch.testing.assert_close(adv.advantages, want.advantages)
+    # Without terms (one scorer) the gathered rewards are used as they are.
+    trainer.reward_fn.terms = None
+    adv, rewards, metrics = FlowGRPOTrainer.advantages_of(trainer, served + 1, served + 1, gids)
+    assert metrics == {} and torch.equal(rewards, served + 1)
