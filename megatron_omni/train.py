@@ -80,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
 
         if not args.check:  # a launch script checks before it starts the reward server
             try:
-                preflight(cfg.reward.url)
+                preflight(cfg.reward.url, scorer=cfg.reward.scorer)
             except RewardPreflightError as exc:
                 raise ConfigError(str(exc)) from None
         check_run_dir(cfg, args.overwrite)  # reads only
@@ -93,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
         return _config_error(exc)
 
     from megatron_omni.parallel import platform
-    from megatron_omni.reward.errors import RewardServiceError
+    from megatron_omni.reward.errors import RewardServiceError, RewardWeightsError
     from megatron_omni.rollout.async_service import RolloutRankFailed, RolloutRankLost, StalenessError
     from megatron_omni.trainer.flowgrpo import LogpGapError
     from megatron_omni.trainer.preemption import STOPPED_EXIT, TrainingStopped
@@ -111,6 +111,9 @@ def main(argv: list[str] | None = None) -> int:
     except LogpGapError as exc:  # every rank raises it at the same step (the gap is reduced over data parallel)
         print(f"train/rollout mismatch: {exc}", file=sys.stderr)
         return 4
+    except RewardWeightsError as exc:  # the scorer's weights are missing or foreign: found building it, before training
+        print(f"error: {exc}", file=sys.stderr, flush=True)
+        return 2
     except RewardServiceError as exc:  # the server stopped answering: named, never a traceback or a reward of 0
         print(f"reward server error: {exc}", file=sys.stderr, flush=True)
         return 1

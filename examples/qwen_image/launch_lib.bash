@@ -16,6 +16,11 @@
 #                      | vlm (vllm serve JUDGE_MODEL on REWARD_GPUS + our server with the vlm_ocr scorer as its
 #                      client) | url (an already running server at REWARD_URL) | none (score inside the trainer)
 #   REWARD_SCORER REWARD_HOST REWARD_PORT REWARD_URL REWARD_WORKERS REWARD_DEVICE_KIND JUDGE_MODEL JUDGE_PORT
+#   REWARD_SCORERS     with REWARD_KIND=server: space-separated NAME@DEVICES, one scorer each on its own devices in
+#                      ONE server ("pickscore@cuda:0,cuda:1 ocr@cpu"; device indices count within REWARD_GPUS);
+#                      REWARD_SCORER is then how their terms combine ("0.7*pickscore+0.3*ocr?", docs/rewards.md).
+#                      Unset: REWARD_SCORER (one scorer or a weighted sum) runs whole on every reward device.
+#   REWARD_OPTIONS     JSON {scorer name: constructor options}, e.g. '{"pickscore": {"model": "/models/PickScore_v1"}}'
 #   RECIPE PIPELINE_DIR RUN_DIR PYTHON GPU_KIND DRY_RUN HEALTH_TIMEOUT_S MFU_FROM
 #   MODEL_BACKEND      the layer spec the 20B recipes read (default te: TransformerEngine). A dry run where
 #                      transformer_engine is not importable (a laptop, a CPU login node) plans with local and
@@ -112,11 +117,19 @@ start_reward() {  # node 0: start the reward side on REWARD_GPUS; every node: wa
             server+=(--scorer vlm_ocr --workers "$REWARD_WORKERS" --scorer-kwargs
                      "{\"base_url\": \"http://127.0.0.1:${JUDGE_PORT}/v1\", \"model\": \"${JUDGE_MODEL}\"}")
             CUDA_VISIBLE_DEVICES="" start_bg "$LOG_DIR/reward_server.log" "${server[@]}"
+        elif [[ -n "${REWARD_SCORERS:-}" ]]; then  # several scorers, each on its own devices, one server
+            local one
+            for one in $REWARD_SCORERS; do server+=(--scorer "$one"); done
+            server+=(--reward "$REWARD_SCORER")
+            if [[ -n "${REWARD_OPTIONS:-}" ]]; then server+=(--scorer-kwargs "$REWARD_OPTIONS"); fi
+            CUDA_VISIBLE_DEVICES="$REWARD_GPUS" start_bg "$LOG_DIR/reward_server.log" "${server[@]}"
         elif (( n_gpu > 0 )); then
             server+=(--scorer "$REWARD_SCORER" --devices "$(IFS=,; echo "${devices[*]}")")
+            if [[ -n "${REWARD_OPTIONS:-}" ]]; then server+=(--scorer-kwargs "$REWARD_OPTIONS"); fi
             CUDA_VISIBLE_DEVICES="$REWARD_GPUS" start_bg "$LOG_DIR/reward_server.log" "${server[@]}"
         else
             server+=(--scorer "${REWARD_SCORER}" --workers "$REWARD_WORKERS")
+            if [[ -n "${REWARD_OPTIONS:-}" ]]; then server+=(--scorer-kwargs "$REWARD_OPTIONS"); fi
             CUDA_VISIBLE_DEVICES="" start_bg "$LOG_DIR/reward_server.log" "${server[@]}"
         fi
         if [[ "$LAUNCH_ECHO" != 1 ]]; then

@@ -17,6 +17,10 @@ REWARD_SCORER="${REWARD_SCORER:-jpeg_compressibility}"  # must be what the recip
 REWARD_HOST="${REWARD_HOST:-127.0.0.1}"
 REWARD_PORT="${REWARD_PORT:-8000}"
 REWARD_WORKERS="${REWARD_WORKERS:-1}"
+# Several scorers in the one server, each with its own workers ("pickscore@cpu ocr@cpu"; REWARD_SCORER then
+# weights them: "0.7*pickscore+0.3*ocr") and their options ('{"pickscore": {"model": "/models/PickScore_v1"}}').
+REWARD_SCORERS="${REWARD_SCORERS:-}"
+REWARD_OPTIONS="${REWARD_OPTIONS:-}"
 RECIPE="${RECIPE:-examples.tiny.recipe:jpeg_demo}"
 RUN_DIR="${RUN_DIR:-runs/tiny}"
 DRY_RUN="${DRY_RUN:-0}"

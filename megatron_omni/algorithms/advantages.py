@@ -80,3 +80,39 @@ def group_advantages(
         group_std=group_std,
         zero_std_ratio=zero_std_ratio,
     )
+
+
+def term_advantages(
+    terms: torch.Tensor,
+    weights: torch.Tensor,
+    group_ids: torch.Tensor,
+    std_mode: str = "global",
+    eps: float = 1e-4,
+    clip: float | None = 5.0,
+) -> Advantages:
+    """GDPO-style advantages of a weighted reward: each term normalised on its own, then summed.
+
+    `A_k = group_advantages(R_k)` (unclipped, `std_mode` as for one reward), `S = sum_k w_k A_k`, then
+    `A = (S - mean(S)) / (std(S) + eps)` over the whole batch, clipped to [-clip, clip]. A term on a large
+    scale (PickScore ~20) then cannot drown one on a small scale (OCR in [0, 1]) through the shared std.
+
+    Args:
+        terms: [N, K] rewards per term (finite).
+        weights: [K] term weights.
+        group_ids: [N] integer prompt-group ids.
+    Returns:
+        Advantages with `advantages` [N] as above; group_mean / group_std / zero_std_ratio are those of the
+        weighted sum `sum_k w_k R_k`.
+    """
+    if terms.ndim != 2 or weights.shape != (terms.shape[1],):
+        raise ValueError(f"terms {tuple(terms.shape)} must be [N, K] and weights {tuple(weights.shape)} [K]")
+    w = weights.to(torch.float64)
+    parts = [group_advantages(terms[:, k], group_ids, std_mode, eps, clip=None).advantages.to(torch.float64)
+             for k in range(terms.shape[1])]
+    s = sum(wk * a for wk, a in zip(w, parts))
+    adv = (s - s.mean()) / (s.std(correction=0) + eps)
+    if clip is not None:
+        adv = adv.clamp(-clip, clip)
+    whole = group_advantages((terms.to(torch.float64) * w).sum(dim=1), group_ids, std_mode, eps, clip)
+    return Advantages(advantages=adv.to(torch.float32), group_ids=whole.group_ids, group_mean=whole.group_mean,
+                      group_std=whole.group_std, zero_std_ratio=whole.zero_std_ratio)

@@ -4,6 +4,7 @@ Two faces over one implementation:
 - `AsyncRewardClient`, for code already running an event loop:
       client.submit(i, image, prompt)      # schedules the HTTP request now, returns at once
       rewards = await client.gather()      # rewards[i] for i in 0..n-1, in sample order
+      client.last_details                  # per sample: {"reward", "terms", "failed", "weights"} of that gather
 - `RewardClient`, for the (blocking, torch-bound) rollout loop: the same API, with the event loop in a
   background thread so requests go out while the caller keeps generating.
 
@@ -61,6 +62,9 @@ class AsyncRewardClient:
         self._prefix = uuid.uuid4().hex[:12]
         self._seq = 0
         self.retries = 0  # attempts that were retried (for metrics)
+        # Per sample of the last gather(): {"reward", "terms": {term: reward}, "failed": {term: message},
+        # "weights": {term: w}} (terms empty for a single plain scorer).
+        self.last_details: list[dict[str, Any]] = []
 
     async def __aenter__(self) -> AsyncRewardClient:
         return self
@@ -110,6 +114,18 @@ class AsyncRewardClient:
         label: str = "sample",
     ) -> float:
         """Reward of one image, with retries until the deadline; RewardServiceError on failure."""
+        return (await self.score_one_details(image, prompt, metadata, label=label))["reward"]
+
+    async def score_one_details(
+        self,
+        image: ImageLike,
+        prompt: str,
+        metadata: Mapping[str, Any] | None = None,
+        *,
+        label: str = "sample",
+    ) -> dict[str, Any]:
+        """{"reward", "terms", "failed", "weights"} of one image (see last_details), with retries until the
+        deadline; RewardServiceError on failure."""
         deadline = time.monotonic() + self.timeout_s
         self._seq += 1
         item_id = f"{self._prefix}-{self._seq}"
@@ -145,7 +161,10 @@ class AsyncRewardClient:
                                 f"reward server {self.url} answered {label} with ids {data.get('ids')!r}, "
                                 f"expected [{item_id!r}]"
                             )
-                        return float(data["rewards"][0])
+                        return {"reward": float(data["rewards"][0]),
+                                "terms": dict((data.get("terms") or [{}])[0]),
+                                "failed": dict((data.get("failed") or [{}])[0]),
+                                "weights": dict(data.get("weights") or {})}
                     message = data.get("error", data) if isinstance(data, dict) else data
                     if resp.status not in RETRY_STATUSES:
                         raise RewardServiceError(
@@ -179,7 +198,7 @@ class AsyncRewardClient:
         if isinstance(image, np.ndarray):
             image = image.copy()  # encoded later; the caller may reuse its buffer for the next sample
         self._tasks[index] = asyncio.get_running_loop().create_task(
-            self.score_one(image, prompt, metadata, label=f"sample {index}")
+            self.score_one_details(image, prompt, metadata, label=f"sample {index}")
         )
 
     async def gather(self) -> list[float]:
@@ -197,7 +216,8 @@ class AsyncRewardClient:
         order = [tasks[i] for i in range(n)]
         self._gathering = order
         try:
-            return list(await asyncio.gather(*order))
+            self.last_details = list(await asyncio.gather(*order))
+            return [d["reward"] for d in self.last_details]
         except RewardServiceError as exc:
             left = self.outstanding
             await self._cancel(order)
@@ -299,6 +319,11 @@ class RewardClient:
     def outstanding(self) -> int:
         """Requests submitted and not yet answered."""
         return self._client.outstanding
+
+    @property
+    def last_details(self) -> list[dict[str, Any]]:
+        """Per sample of the last gather: {"reward", "terms", "failed", "weights"}."""
+        return self._client.last_details
 
     def score(
         self,

@@ -24,3 +24,11 @@ class RewardScorerError(RewardError):
 
 class RewardServiceError(RewardError):
     """The reward service could not deliver rewards: unreachable, dead, timed out, or refused the request."""
+
+
+class RewardWeightsError(RewardInputError):
+    """A scorer's weights folder or file is missing or holds another architecture than the scorer expects.
+
+    Raised while the scorer is built, before any training step: the server and the trainer exit 2 with the
+    message, which names the path and what was expected. Never answered by falling back to another model.
+    """

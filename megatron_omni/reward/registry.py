@@ -4,8 +4,10 @@ A spec is one of:
 - a registered name: "ocr", "vlm_ocr", "jpeg_compressibility", "jpeg_incompressibility", and for videos sent as
   frame strips (video.video_strip) "video_ocr", "temporal_consistency";
 - a user scorer by import path: "my_pkg.rewards:aesthetic" (see scorers.import_scorer);
-- a weighted sum: "0.8*ocr+0.2*jpeg_compressibility" (weights default to 1: "ocr+jpeg_compressibility");
-- a dict: {"name": spec, "kwargs": {...}} or {"weighted": [{"scorer": spec, "weight": w}, ...]}.
+- a weighted sum: "0.8*ocr+0.2*jpeg_compressibility" (weights default to 1: "ocr+jpeg_compressibility"); a term
+  ending in "?" is optional ("0.7*pickscore+0.3*ocr?": a failing ocr is left out, reported, not fatal);
+- a dict: {"name": spec, "kwargs": {...}} or {"weighted": [{"scorer": spec, "weight": w, "required": bool,
+  "kwargs": {...}}, ...]}.
 
 `kwargs` go to the scorer's constructor (for "ocr": reader options; for "vlm_ocr": base_url, model, ...).
 `device` ("cpu" or "type:index", given to the server) reaches the scorers that can use it.
@@ -13,6 +15,7 @@ A spec is one of:
 
 from __future__ import annotations
 
+import importlib
 import inspect
 import re
 from collections.abc import Callable, Mapping
@@ -66,12 +69,28 @@ def _video_ocr(**kwargs: Any) -> Scorer:
     return VideoOcrScorer(**kwargs)
 
 
+def lazy(path: str) -> ScorerFactory:
+    """A factory that imports "module:Class" only when the scorer is built (torch/transformers load on demand)."""
+
+    def factory(**kwargs: Any) -> Scorer:
+        module, _, attr = path.partition(":")
+        return getattr(importlib.import_module(module), attr)(**kwargs)
+
+    factory.__name__ = path
+    return factory
+
+
 register_scorer("ocr", _ocr)
 register_scorer("vlm_ocr", _vlm_ocr)
 register_scorer("video_ocr", _video_ocr)
 register_scorer("temporal_consistency", TemporalConsistency)
 register_scorer("jpeg_compressibility", JpegCompressibility)
 register_scorer("jpeg_incompressibility", JpegIncompressibility)
+register_scorer("pickscore", lazy("megatron_omni.reward.clip_scorers:PickScore"))
+register_scorer("clipscore", lazy("megatron_omni.reward.clip_scorers:ClipScore"))
+register_scorer("aesthetic", lazy("megatron_omni.reward.clip_scorers:Aesthetic"))
+register_scorer("hpsv2", lazy("megatron_omni.reward.clip_scorers:HPSv2"))
+register_scorer("imagereward", lazy("megatron_omni.reward.imagereward:ImageReward"))
 
 
 def _accepts(factory: Callable[..., Any], name: str) -> bool:
@@ -82,7 +101,7 @@ def _accepts(factory: Callable[..., Any], name: str) -> bool:
     return name in params or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
 
 
-def _parse_weighted(spec: str) -> list[tuple[str, float]]:
+def _parse_weighted(spec: str) -> list[tuple[str, float, bool]]:
     terms = []
     for part in spec.split("+"):
         m = _TERM.match(part)
@@ -94,8 +113,16 @@ def _parse_weighted(spec: str) -> list[tuple[str, float]]:
                 weight = float(m.group(1))
             except ValueError as exc:
                 raise RewardInputError(f"bad weight {m.group(1)!r} in scorer spec {spec!r}") from exc
-        terms.append((m.group(2), weight))
+        name = m.group(2)
+        terms.append((name.removesuffix("?"), weight, not name.endswith("?")))
     return terms
+
+
+def parse_terms(spec: str) -> list[tuple[str, float, bool]]:
+    """(name, weight, required) of each term of a weighted string spec ("0.7*pickscore+0.3*ocr?"); a plain name
+    is one required term of weight 1."""
+    spec = spec.strip()
+    return _parse_weighted(spec) if ("+" in spec or "*" in spec or spec.endswith("?")) else [(spec, 1.0, True)]
 
 
 def scorer_names(spec: str | Mapping[str, Any]) -> list[str]:
@@ -113,8 +140,8 @@ def scorer_names(spec: str | Mapping[str, Any]) -> list[str]:
     if not isinstance(spec, str) or not spec.strip():
         raise RewardInputError(f"scorer spec must be a non-empty string or dict, got {spec!r}")
     spec = spec.strip()
-    if "+" in spec or "*" in spec:
-        return [n for name, _ in _parse_weighted(spec) for n in scorer_names(name)]
+    if "+" in spec or "*" in spec or spec.endswith("?"):
+        return [n for name, _, _ in _parse_weighted(spec) for n in scorer_names(name)]
     if ":" in spec:
         module = spec.split(":", 1)[0]
         try:
@@ -131,8 +158,11 @@ def scorer_names(spec: str | Mapping[str, Any]) -> list[str]:
     return [spec]
 
 
-def build_scorer(spec: str | Mapping[str, Any], *, device: str | None = None, **kwargs: Any) -> Scorer:
-    """A Scorer from a spec (see the module docstring); `kwargs` are constructor options."""
+def build_scorer(spec: str | Mapping[str, Any], *, device: str | None = None,
+                 options: Mapping[str, Mapping[str, Any]] | None = None, **kwargs: Any) -> Scorer:
+    """A Scorer from a spec (see the module docstring); `kwargs` are constructor options; `options` maps a
+    registered name to its constructor options wherever it appears in the spec (so "0.7*pickscore+0.3*ocr" can
+    carry pickscore's weights folder: {"pickscore": {"model": PATH}})."""
     if isinstance(spec, Mapping):
         if "weighted" in spec:
             if kwargs:
@@ -143,23 +173,28 @@ def build_scorer(spec: str | Mapping[str, Any], *, device: str | None = None, **
                     raise RewardInputError(
                         f"weighted term {t!r} needs a 'scorer' key (and optional 'weight')"
                     )
-                sub = build_scorer(t["scorer"], device=device, **dict(t.get("kwargs", {})))
-                terms.append((sub, float(t.get("weight", 1.0))))
+                sub = build_scorer(t["scorer"], device=device, options=options, **dict(t.get("kwargs", {})))
+                terms.append((sub, float(t.get("weight", 1.0)), bool(t.get("required", True))))
             return WeightedSum(terms)
         if "name" not in spec:
             raise RewardInputError(f"scorer spec {dict(spec)!r} needs 'name' or 'weighted'")
-        return build_scorer(spec["name"], device=device, **{**dict(spec.get("kwargs", {})), **kwargs})
+        kw = {**dict(spec.get("kwargs", {})), **kwargs}
+        return build_scorer(spec["name"], device=kw.pop("device", device), options=options, **kw)
     if not isinstance(spec, str) or not spec.strip():
         raise RewardInputError(f"scorer spec must be a non-empty string or dict, got {spec!r}")
     spec = spec.strip()
-    if "+" in spec or "*" in spec:
+    if "+" in spec or "*" in spec or spec.endswith("?"):
         if kwargs:
-            raise RewardInputError(f"options cannot be given to the weighted spec {spec!r}; use a dict spec")
-        return WeightedSum([(build_scorer(name, device=device), w) for name, w in _parse_weighted(spec)])
+            raise RewardInputError(f"options cannot be given to the weighted spec {spec!r}; use a dict spec or "
+                                   "per-name options")
+        return WeightedSum([(build_scorer(name, device=device, options=options), w, req)
+                            for name, w, req in _parse_weighted(spec)])
     if ":" in spec:
         scorer = import_scorer(spec, device=device, **kwargs)
     elif spec in _REGISTRY:
         factory = _REGISTRY[spec]
+        kwargs = {**dict((options or {}).get(spec, {})), **kwargs}
+        device = kwargs.pop("device", device)  # a device in the options wins over the server's
         if device is not None and _accepts(factory, "device"):
             kwargs = {**kwargs, "device": device}
         scorer = factory(**kwargs)

@@ -112,28 +112,66 @@ class JpegIncompressibility(Scorer):
 
 
 class WeightedSum(Scorer):
-    """sum_k w_k * scorer_k(images); every term is computed on the same batch."""
+    """sum_k w_k * scorer_k(images); every term is computed on the same batch.
+
+    A term is required (default) or optional: a required term that fails raises, an optional one that fails
+    is left out of the sum and reported by `term_scores` (the trainer then leaves it out of the whole step).
+    Term names are the scorers' names (a repeated name gets '#2', '#3', ...).
+    """
 
     name = "weighted"
 
-    def __init__(self, terms: Sequence[tuple[Scorer, float]]):
+    def __init__(self, terms: Sequence[tuple[Scorer, float] | tuple[Scorer, float, bool]]):
         if not terms:
             raise RewardInputError("a weighted sum needs at least one (scorer, weight) term")
-        for s, w in terms:
+        self.terms: list[tuple[Scorer, float]] = []
+        self.required: dict[str, bool] = {}
+        self.weights: dict[str, float] = {}
+        self.term_names: list[str] = []
+        for t in terms:
+            s, w, req = (*t, True) if len(t) == 2 else t
             if not isinstance(s, Scorer):
                 raise RewardInputError(f"weighted sum term {s!r} is not a Scorer")
             if not math.isfinite(float(w)):
                 raise RewardInputError(f"weighted sum weight {w!r} is not finite")
-        self.terms = [(s, float(w)) for s, w in terms]
-        self.name = "+".join(f"{w:g}*{s.name}" for s, w in self.terms)
+            name, k = s.name, 2
+            while name in self.weights:
+                name, k = f"{s.name}#{k}", k + 1
+            self.terms.append((s, float(w)))
+            self.term_names.append(name)
+            self.weights[name], self.required[name] = float(w), bool(req)
+        self.name = "+".join(f"{w:g}*{s.name}{'' if self.required[n] else '?'}"
+                             for (s, w), n in zip(self.terms, self.term_names))
+
+    def term_scores(self, images: list[Image.Image], prompts: list[str],
+                    metadata: list[dict]) -> tuple[dict[str, list[float]], dict[str, str]]:
+        """({term: N rewards} of the terms that scored, {term: error message} of the optional terms that failed).
+        A failing required term raises; so does bad input (RewardInputError), whichever term meets it."""
+        values: dict[str, list[float]] = {}
+        failed: dict[str, str] = {}
+        for (s, _), name in zip(self.terms, self.term_names):
+            try:
+                values[name] = s(images, prompts, metadata)
+            except RewardInputError:
+                raise
+            except Exception as exc:
+                if self.required[name]:
+                    raise
+                failed[name] = f"{type(exc).__name__}: {exc}"
+        return values, failed
+
+    def combine(self, values: Mapping[str, Sequence[float]], n: int) -> list[float]:
+        """sum_k w_k * values[k] over the terms present in `values` (failed optional terms are absent)."""
+        total = [0.0] * n
+        for name, v in values.items():
+            for i, r in enumerate(v):
+                total[i] += self.weights[name] * r
+        return total
 
     def score(self, images: list[Image.Image], prompts: list[str], metadata: list[dict]) -> list[float]:
-        """Weighted sum of the terms' rewards."""
-        total = [0.0] * len(images)
-        for s, w in self.terms:
-            for i, r in enumerate(s(images, prompts, metadata)):
-                total[i] += w * r
-        return total
+        """Weighted sum of the terms' rewards (failed optional terms left out)."""
+        values, _ = self.term_scores(images, prompts, metadata)
+        return self.combine(values, len(images))
 
     def warmup(self) -> None:
         """Warm up every term."""

@@ -1,6 +1,9 @@
 """The reward server: scorers in worker processes behind an aiohttp HTTP API.
 
     python -m megatron_omni.reward.server --scorer ocr [--host 127.0.0.1] [--port 8000] [--workers 1]
+    python -m megatron_omni.reward.server --scorer pickscore@type:6,type:7 --scorer ocr@cpu \
+        --reward "0.7*pickscore+0.3*ocr?" --scorer-kwargs '{"pickscore": {"model": "/models/PickScore_v1"}}'
+    python -m megatron_omni.reward.server --config reward.json     # the same as a file (see load_config)
         [--devices type:0,type:1] [--max-queue 256] [--max-batch 16] [--batch-wait-ms 0] [--timeout 60]
         [--token T | env REWARD_SERVER_TOKEN] [--scorer-kwargs JSON] [--port-file PATH] [--cpus 1]
 
@@ -8,10 +11,17 @@
 GPUs"): without it, a rollout and an OCR worker on the same cores slow each other and overlap saves less.
 
 API (JSON):
-- GET /health -> 200 {"status": "ok", "scorer", "workers", "pending", "max_queue", "stats"} once every
-  worker has built its scorer; 503 {"status": "starting"} before.
+- GET /health -> 200 {"status": "ok", "scorer", "workers", "pending", "max_queue", "stats", "scorers": {name:
+  {"ready", "devices", "error"}}, "terms": {term: {"weight", "required"}}} once every worker has built its
+  scorer; 503 {"status": "starting", ...} before (each scorer's readiness shown).
 - POST /score {"items": [{"id": any, "image": base64 PNG, "prompt": str, "metadata": {...}}, ...]}
-  -> 200 {"ids": [...], "rewards": [...]} in item order.
+  -> 200 {"ids": [...], "rewards": [...], "terms": [{term: reward}, ...], "failed": [{term: message}, ...],
+  "weights": {term: w}} in item order: each reward is sum_k w_k * term_k over the terms that scored; a failed
+  optional term is left out and named in "failed"; a failed required term answers 500.
+
+Several scorers (`--scorer NAME@DEVICES` repeated, or a --config file) each get their own workers (one per
+device of their list), queue and batches; every item goes to every scorer and the terms are combined with the
+weights of `--reward` (default: each scorer with weight 1, required).
   400 malformed request, 401 missing/wrong bearer token, 413 more items than the queue holds, 422 an item
   the scorer cannot score (e.g. no target text), 429 queue full (Retry-After), 503 not ready
   (Retry-After), 504 not scored within --timeout, 500 scorer failure. Errors are {"error": message}.
@@ -39,7 +49,7 @@ from typing import Any
 
 from aiohttp import web
 
-from megatron_omni.reward.errors import RewardInputError
+from megatron_omni.reward.errors import RewardInputError, RewardWeightsError
 from megatron_omni.reward.images import decode_b64, decode_png
 from megatron_omni.reward.workers import ScorerWorker
 
@@ -64,6 +74,24 @@ class ServerConfig:
     token: str | None = None
     cpus: set[int] | None = None  # pin the server and its workers (workers inherit the affinity)
     max_body_bytes: int = 64 * 1024 * 1024
+    # Several scorers, each on its own devices: {name: [device, ...]} (a device None: a CPU worker). Empty: the
+    # one `scorer` above on `devices`/`workers`.
+    scorers: dict[str, list[str | None]] = field(default_factory=dict)
+    reward: str | None = None  # how the scorers' terms combine ("0.7*pickscore+0.3*ocr?"); None: each weight 1
+    options: dict[str, dict] = field(default_factory=dict)  # per scorer name: constructor options
+
+
+@dataclass
+class _Group:
+    """One scorer's workers and queue; `name` None for the single-scorer form (its own terms, if any)."""
+
+    name: str | None
+    workers: list[ScorerWorker]
+    weight: float = 1.0
+    required: bool = True
+    queue: asyncio.Queue | None = None
+    ready: bool = False
+    error: str | None = None
 
 
 @dataclass
@@ -72,6 +100,7 @@ class _Pending:
     prompt: str
     metadata: dict
     future: asyncio.Future
+    left: list[int] | None = None  # groups yet to take the item (shared by its copies); pending drops at 0
 
 
 @dataclass
@@ -93,20 +122,16 @@ class RewardServer:
     def __init__(self, cfg: ServerConfig):
         if cfg.max_queue < 1 or cfg.max_batch < 1 or cfg.timeout_s <= 0:
             raise ValueError("max_queue and max_batch must be >= 1 and timeout > 0")
-        devices = cfg.devices or [None] * cfg.workers
-        if not devices:
-            raise ValueError("need at least one worker or device")
         self.cfg = cfg
-        self.workers = [
-            ScorerWorker(cfg.scorer, cfg.scorer_kwargs, device=d, threads=cfg.threads) for d in devices
-        ]
+        self.groups = self._groups(cfg)
+        self.workers = [w for g in self.groups for w in g.workers]
         self.scorer_name: str | None = None
         self.ready = False
         self.fatal: str | None = None
+        self.fatal_status = 1
         self.on_fatal: Callable[[], None] = lambda: None
         self.pending = 0
         self.stats = _Stats()
-        self._queue: asyncio.Queue[_Pending] | None = None
         self._tasks: list[asyncio.Task] = []
         self.app = web.Application(client_max_size=cfg.max_body_bytes)
         self.app.router.add_get("/health", self.handle_health)
@@ -114,26 +139,70 @@ class RewardServer:
         self.app.on_startup.append(self._on_startup)
         self.app.on_cleanup.append(self._on_cleanup)
 
+    @staticmethod
+    def _groups(cfg: ServerConfig) -> list[_Group]:
+        if not cfg.scorers:
+            devices = cfg.devices or [None] * cfg.workers
+            if not devices:
+                raise ValueError("need at least one worker or device")
+            return [_Group(None, [ScorerWorker(cfg.scorer, cfg.scorer_kwargs, device=d, threads=cfg.threads,
+                                               options=cfg.options) for d in devices])]
+        from megatron_omni.reward.registry import parse_terms
+
+        terms = parse_terms(cfg.reward) if cfg.reward else [(n, 1.0, True) for n in cfg.scorers]
+        names = [t[0] for t in terms]
+        if sorted(names) != sorted(cfg.scorers) or len(set(names)) != len(names):
+            raise ValueError(f"--reward {cfg.reward!r} names the terms {names}, but the scorers served are "
+                             f"{sorted(cfg.scorers)}: each scorer must be one term")
+        groups = []
+        for name, weight, required in terms:
+            devices = cfg.scorers[name] or [None]
+            workers = [ScorerWorker(name, dict(cfg.options.get(name, {})), device=d, threads=cfg.threads)
+                       for d in devices]
+            groups.append(_Group(name, workers, weight, required))
+        return groups
+
     # ------------------------------------------------------------------ lifecycle
 
     async def _on_startup(self, app: web.Application) -> None:
-        self._queue = asyncio.Queue()
+        for g in self.groups:
+            g.queue = asyncio.Queue()
         self._tasks.append(asyncio.create_task(self._start_workers()))
+
+    async def _start_group(self, g: _Group) -> list[str]:
+        try:
+            names = await asyncio.gather(*(w.start() for w in g.workers))
+        except BaseException as exc:
+            g.error = f"{type(exc).__name__}: {exc}"
+            raise
+        g.ready = True
+        return names
 
     async def _start_workers(self) -> None:
         try:
-            names = await asyncio.gather(*(w.start() for w in self.workers))
+            names = await asyncio.gather(*(self._start_group(g) for g in self.groups))
         except BaseException as exc:
-            # A scorer that cannot be built is fatal: exit rather than serve 503 forever.
-            self.fatal = f"building scorer {self.cfg.scorer!r} failed: {type(exc).__name__}: {exc}"
+            # A scorer that cannot be built is fatal: exit rather than serve 503 forever; missing or foreign
+            # weights exit 2 (as a bad config does), naming the path.
+            which = self.cfg.scorer if not self.cfg.scorers else [g.name for g in self.groups if g.error]
+            self.fatal = f"building scorer {which!r} failed: {type(exc).__name__}: {exc}"
+            self.fatal_status = 2 if isinstance(exc, RewardWeightsError) else 1
             print(f"reward server: {self.fatal}", file=sys.stderr, flush=True)
             self.on_fatal()
             raise
-        self.scorer_name = names[0]
-        for w in self.workers:
-            self._tasks.append(asyncio.create_task(self._dispatch(w)))
+        self.scorer_name = names[0][0] if not self.cfg.scorers else (self.cfg.reward or "+".join(self.cfg.scorers))
+        for g in self.groups:
+            for w in g.workers:
+                self._tasks.append(asyncio.create_task(self._dispatch(w, g)))
         self.ready = True
         print(f"reward server: scorer {self.scorer_name} ready on {len(self.workers)} worker(s)", flush=True)
+
+    def term_info(self) -> dict[str, dict[str, Any]]:
+        """{term: {"weight", "required"}} of the combined reward (empty for a single plain scorer)."""
+        if self.cfg.scorers:
+            return {g.name: {"weight": g.weight, "required": g.required} for g in self.groups}
+        info = self.groups[0].workers[0].info if self.ready else {}
+        return {k: {"weight": w, "required": info["required"][k]} for k, w in info.get("weights", {}).items()}
 
     async def _on_cleanup(self, app: web.Application) -> None:
         for t in self._tasks:
@@ -144,16 +213,27 @@ class RewardServer:
 
     # ------------------------------------------------------------------ batching
 
-    async def _dispatch(self, worker: ScorerWorker) -> None:
-        assert self._queue is not None
+    def _done(self, items: list[_Pending]) -> None:
+        """An item leaves `pending` when the last of its groups has answered (or dropped) it."""
+        for p in items:
+            if p.left is None:
+                self.pending -= 1
+                continue
+            p.left[0] -= 1
+            if p.left[0] == 0:
+                self.pending -= 1
+
+    async def _dispatch(self, worker: ScorerWorker, group: _Group) -> None:
+        queue = group.queue
+        assert queue is not None
         while True:
-            batch = [await self._queue.get()]
-            if self.cfg.batch_wait_s > 0 and len(batch) < self.cfg.max_batch and self._queue.empty():
+            batch = [await queue.get()]
+            if self.cfg.batch_wait_s > 0 and len(batch) < self.cfg.max_batch and queue.empty():
                 await asyncio.sleep(self.cfg.batch_wait_s)
-            while len(batch) < self.cfg.max_batch and not self._queue.empty():
-                batch.append(self._queue.get_nowait())
+            while len(batch) < self.cfg.max_batch and not queue.empty():
+                batch.append(queue.get_nowait())
             live = [p for p in batch if not p.future.done()]  # requests that timed out are dropped
-            self.pending -= len(batch) - len(live)
+            self._done([p for p in batch if p.future.done()])
             if not live:
                 continue
             t0 = time.perf_counter()
@@ -164,15 +244,15 @@ class RewardServer:
             self.stats.busy_s += time.perf_counter() - t0
             self.stats.batches += 1
             self.stats.items_scored += len(live)
-            self.pending -= len(live)
             for p, r in zip(live, results):
                 if not p.future.done():
                     p.future.set_result(r)
+            self._done(live)
 
     def _retry_after_s(self) -> float:
         """Expected wait until the queue has drained by half (a hint, at least 50 ms)."""
         per_item = self.stats.busy_s / self.stats.items_scored if self.stats.items_scored else 0.05
-        return max(0.05, 0.5 * self.pending * per_item / len(self.workers))
+        return max(0.05, 0.5 * self.pending * len(self.groups) * per_item / len(self.workers))
 
     # ------------------------------------------------------------------ handlers
 
@@ -205,6 +285,10 @@ class RewardServer:
             "pending": self.pending,
             "max_queue": self.cfg.max_queue,
             "stats": vars(self.stats),
+            "scorers": {(g.name or str(self.cfg.scorer)): {"ready": g.ready, "error": g.error,
+                                                           "devices": [w.device or "cpu" for w in g.workers]}
+                        for g in self.groups},
+            "terms": self.term_info(),
         }
         return web.json_response(body, status=200 if self.ready else 503)
 
@@ -260,28 +344,58 @@ class RewardServer:
                 f"queue full ({self.pending}/{self.cfg.max_queue} items)",
                 retry_after_s=self._retry_after_s(),
             )
-        assert self._queue is not None
         loop = asyncio.get_running_loop()
-        pend = [_Pending(png, prompt, meta, loop.create_future()) for _, png, prompt, meta in items]
+        per_group: list[list[_Pending]] = [[] for _ in self.groups]
+        for _, png, prompt, meta in items:
+            left = [len(self.groups)]
+            for gi in range(len(self.groups)):
+                per_group[gi].append(_Pending(png, prompt, meta, loop.create_future(), left))
         self.pending += n
-        for p in pend:
-            self._queue.put_nowait(p)
+        for g, pend in zip(self.groups, per_group):
+            for p in pend:
+                g.queue.put_nowait(p)  # type: ignore[union-attr]
         try:
-            results = await asyncio.wait_for(asyncio.gather(*(p.future for p in pend)), self.cfg.timeout_s)
+            results = await asyncio.wait_for(
+                asyncio.gather(*(asyncio.gather(*(p.future for p in pend)) for pend in per_group)),
+                self.cfg.timeout_s)
         except TimeoutError:
             self.stats.timed_out += 1
+            for pend in per_group:  # the dispatchers drop them; pending falls as each is dropped
+                for p in pend:
+                    if not p.future.done():
+                        p.future.cancel()
             return self._error(
                 504, f"not scored within {self.cfg.timeout_s:g} s", retry_after_s=self._retry_after_s()
             )
-        for i, (kind, value) in enumerate(results):
-            if kind == "input_error":
-                self.stats.bad_requests += 1
-                return self._error(422, f"items[{i}]: {value}")
-            if kind != "ok":
-                self.stats.errors += 1
-                return self._error(500, f"scorer {self.scorer_name} failed on items[{i}]: {value}")
+        rewards, terms, failed = [], [], []
+        for i in range(n):
+            reward, t, f = 0.0, {}, {}
+            for g, res in zip(self.groups, results):
+                kind, value = res[i]
+                label = self.scorer_name if g.name is None else g.name
+                if kind == "input_error":
+                    self.stats.bad_requests += 1
+                    return self._error(422, f"items[{i}]: {value}")
+                if kind != "ok" and g.required:
+                    self.stats.errors += 1
+                    return self._error(500, f"scorer {label} failed on items[{i}]: {value}")
+                if kind != "ok":
+                    f[g.name] = value
+                    continue
+                if isinstance(value, dict):  # a weighted sum in one worker: its own terms
+                    t.update(value["terms"])
+                    f.update(value["failed"])
+                    value = value["reward"]
+                elif g.name is not None:
+                    t[g.name] = value
+                reward += g.weight * value
+            rewards.append(reward)
+            terms.append(t)
+            failed.append(f)
         self.stats.answered += 1
-        return web.json_response({"ids": [it[0] for it in items], "rewards": [r for _, r in results]})
+        return web.json_response({"ids": [it[0] for it in items], "rewards": rewards, "terms": terms,
+                                  "failed": failed,
+                                  "weights": {k: v["weight"] for k, v in self.term_info().items()}})
 
 
 async def serve(cfg: ServerConfig, port_file: str | None = None) -> None:
@@ -310,7 +424,7 @@ async def serve(cfg: ServerConfig, port_file: str | None = None) -> None:
     finally:
         await runner.cleanup()
     if server.fatal:
-        raise SystemExit(1)  # the reason was printed when it happened
+        raise SystemExit(server.fatal_status)  # the reason was printed when it happened
 
 
 def parse_args(argv: list[str] | None = None) -> tuple[ServerConfig, str | None]:
@@ -318,8 +432,15 @@ def parse_args(argv: list[str] | None = None) -> tuple[ServerConfig, str | None]
     p = argparse.ArgumentParser(
         prog="python -m megatron_omni.reward.server", description=__doc__.split("\n")[0]
     )
-    p.add_argument("--scorer", required=True, help="registered name, 'module:function', or '0.8*ocr+0.2*x'")
-    p.add_argument("--scorer-kwargs", default="{}", help="JSON object of scorer constructor options")
+    p.add_argument("--scorer", action="append", default=None,
+                   help="registered name, 'module:function', or '0.8*ocr+0.2*x'; or NAME@DEVICES (repeatable: "
+                        "'pickscore@type:6,type:7', 'ocr@cpu'), one scorer each with its own workers")
+    p.add_argument("--reward", default=None, help="with NAME@DEVICES scorers: how their terms combine "
+                   "('0.7*pickscore+0.3*ocr?', a '?' marks an optional term); default each weight 1, required")
+    p.add_argument("--config", default=None, help="a JSON file {\"reward\": spec, \"scorers\": {name: {\"devices\": "
+                   "[...], \"kwargs\": {...}}}} instead of --scorer/--reward")
+    p.add_argument("--scorer-kwargs", default="{}", help="JSON object of scorer constructor options (with several "
+                   "scorers or a weighted spec: {name: options})")
     p.add_argument("--host", default=LOOPBACK, help="bind address (default loopback only)")
     p.add_argument("--port", type=int, default=8000, help="0 picks a free port (see --port-file)")
     p.add_argument("--port-file", default=None, help="write the bound port here once listening")
@@ -345,9 +466,17 @@ def parse_args(argv: list[str] | None = None) -> tuple[ServerConfig, str | None]
         p.error(f"--scorer-kwargs is not JSON: {exc}")
     if not isinstance(kwargs, dict):
         p.error("--scorer-kwargs must be a JSON object")
-    scorer: Any = a.scorer
-    if scorer.lstrip().startswith("{"):
+    if bool(a.config) == bool(a.scorer):
+        p.error("give --scorer (one or more) or --config, not both or neither")
+    scorers, reward, options = _multi(a, kwargs) if a.config or any("@" in x for x in a.scorer) or \
+        len(a.scorer) > 1 else ({}, None, {})
+    scorer: Any = a.scorer[0] if a.scorer else None
+    if scorers:
+        kwargs = {}
+    elif isinstance(scorer, str) and scorer.lstrip().startswith("{"):
         scorer = json.loads(scorer)
+    elif isinstance(scorer, str) and kwargs and _per_name(scorer, kwargs):
+        options, kwargs = kwargs, {}  # {name: options}: a weighted spec's terms, or the one scorer by name
     devices = [d.strip() for d in a.devices.split(",") if d.strip()] if a.devices else None
     cpus = None
     if a.cpus is not None:
@@ -358,8 +487,11 @@ def parse_args(argv: list[str] | None = None) -> tuple[ServerConfig, str | None]
     if a.host not in (LOOPBACK, "localhost", "::1") and not a.token:
         _fail(f"--host {a.host} is beyond loopback: anyone who can reach it could use it; give --token or set "
                 "REWARD_SERVER_TOKEN (the trainer sends the same variable), or bind 127.0.0.1")
-    if devices:
+    if devices and not scorers:
         devices = _ocr_devices(scorer, devices, a.allow_cpu_fallback)
+    for name, devs in scorers.items():
+        if name == "ocr" and any(devs):
+            scorers[name] = _ocr_devices(name, [d or "cpu" for d in devs], a.allow_cpu_fallback)
     cfg = ServerConfig(
         scorer=scorer,
         scorer_kwargs=kwargs,
@@ -374,8 +506,70 @@ def parse_args(argv: list[str] | None = None) -> tuple[ServerConfig, str | None]
         timeout_s=a.timeout,
         token=a.token,
         cpus=cpus,
+        scorers=scorers,
+        reward=reward,
+        options=options,
     )
     return cfg, a.port_file
+
+
+def _per_name(scorer: str, kwargs: dict) -> bool:
+    """Whether --scorer-kwargs is {scorer name: options} for the names `scorer` uses (else: the options of the one
+    scorer)."""
+    from megatron_omni.reward.registry import scorer_names
+
+    try:
+        names = set(scorer_names(scorer))
+    except RewardInputError:
+        return False
+    return all(isinstance(v, dict) for v in kwargs.values()) and set(kwargs) <= names
+
+
+def _multi(a: argparse.Namespace, kwargs: dict) -> tuple[dict[str, list[str | None]], str | None, dict]:
+    """({name: devices}, the --reward spec, {name: options}) of NAME@DEVICES scorers or a --config file; exits 2
+    naming the problem (an unknown scorer, a weighted spec as one scorer, a config that is not as documented)."""
+    from megatron_omni.reward.registry import scorer_names
+
+    scorers: dict[str, list[str | None]] = {}
+    options: dict[str, dict] = {k: dict(v) for k, v in kwargs.items() if isinstance(v, dict)}
+    reward = a.reward
+    if a.config:
+        try:
+            with open(a.config) as f:
+                conf = json.load(f)
+        except (OSError, json.JSONDecodeError) as exc:
+            _fail(f"--config {a.config}: {exc}")
+        if not isinstance(conf, dict) or not isinstance(conf.get("scorers"), dict) or not conf["scorers"]:
+            _fail(f"--config {a.config}: expected {{\"reward\": spec, \"scorers\": {{name: {{\"devices\": [...], "
+                  "\"kwargs\": {...}}}}}")
+        reward = reward or conf.get("reward")
+        for name, entry in conf["scorers"].items():
+            entry = entry or {}
+            scorers[name] = [None if d in (None, "cpu") else d for d in entry.get("devices", ["cpu"])] or [None]
+            options[name] = {**options.get(name, {}), **dict(entry.get("kwargs", {}))}
+    for item in a.scorer or []:
+        name, _, devs = item.partition("@")
+        name = name.strip()
+        if name in scorers:
+            _fail(f"--scorer {item!r}: {name} is given twice (list its devices once: {name}@d0,d1)")
+        scorers[name] = [None if d.strip() == "cpu" else d.strip() for d in devs.split(",") if d.strip()] or [None]
+    for name in scorers:
+        try:
+            if scorer_names(name) != [name] or "+" in name or "*" in name:
+                raise RewardInputError(f"{name!r} is not one scorer (combine several with --reward)")
+        except RewardInputError as exc:
+            _fail(f"--scorer {name}: {exc}")
+    if reward:
+        from megatron_omni.reward.registry import parse_terms
+
+        try:
+            names = [t[0] for t in parse_terms(reward)]
+        except RewardInputError as exc:
+            _fail(f"--reward {reward!r}: {exc}")
+        if sorted(names) != sorted(scorers) or len(set(names)) != len(names):
+            _fail(f"--reward {reward!r} names the terms {names}, but the scorers served are {sorted(scorers)}: "
+                  "each scorer must be one term")
+    return scorers, reward, options
 
 
 def _fail(message: str) -> None:

@@ -19,7 +19,8 @@ from typing import Any
 
 from megatron_omni.reward.errors import RewardInputError, RewardScorerError
 
-# Result of one item: ("ok", reward) | ("input_error", message) | ("error", message).
+# Result of one item: ("ok", reward) | ("ok", {"reward", "terms", "failed"}) (a weighted sum: its terms' rewards
+# and the messages of its failed optional terms) | ("input_error", message) | ("error", message).
 ItemResult = tuple[str, Any]
 WorkItem = tuple[bytes, str, dict]  # PNG bytes, prompt, metadata
 
@@ -36,8 +37,10 @@ def _exit_with_parent(parent_pid: int) -> None:
     threading.Thread(target=watch, name="reward-parent-watch", daemon=True).start()
 
 
-def _build(spec: Any, kwargs: dict, device: str | None, threads: int, parent_pid: int) -> str:
-    """Runs in the worker: build the scorer once (and warm it up); returns its name."""
+def _build(spec: Any, kwargs: dict, device: str | None, threads: int, parent_pid: int,
+           options: dict | None = None) -> dict:
+    """Runs in the worker: build the scorer once (and warm it up); returns its name, and for a weighted sum its
+    terms' weights and required flags."""
     global _SCORER
     _exit_with_parent(parent_pid)
     os.environ.setdefault("OMP_NUM_THREADS", str(threads))
@@ -48,10 +51,13 @@ def _build(spec: Any, kwargs: dict, device: str | None, threads: int, parent_pid
     except ImportError:
         pass
     from megatron_omni.reward.registry import build_scorer
+    from megatron_omni.reward.scorers import WeightedSum
 
-    _SCORER = build_scorer(spec, device=device, **kwargs)
+    _SCORER = build_scorer(spec, device=device, options=options, **kwargs)
     _SCORER.warmup()
-    return _SCORER.name
+    if isinstance(_SCORER, WeightedSum):
+        return {"name": _SCORER.name, "weights": dict(_SCORER.weights), "required": dict(_SCORER.required)}
+    return {"name": _SCORER.name, "weights": {}, "required": {}}
 
 
 def _score_batch(items: list[WorkItem]) -> list[ItemResult]:
@@ -73,7 +79,7 @@ def _score_batch(items: list[WorkItem]) -> list[ItemResult]:
         where.append(i)
     if where:
         try:
-            for i, r in zip(where, _SCORER(images, prompts, metas)):
+            for i, r in zip(where, _scored(images, prompts, metas)):
                 results[i] = ("ok", r)
         except RewardInputError:
             # One bad sample must not fail its batch-mates: score one by one to attribute the error.
@@ -85,9 +91,25 @@ def _score_batch(items: list[WorkItem]) -> list[ItemResult]:
     return results  # type: ignore[return-value]
 
 
+def _scored(images: list, prompts: list[str], metas: list[dict]) -> list[Any]:
+    """The scorer's rewards, or for a weighted sum {"reward", "terms", "failed"} per image."""
+    from megatron_omni.reward.scorers import WeightedSum
+
+    if not isinstance(_SCORER, WeightedSum):
+        return _SCORER(images, prompts, metas)
+    from megatron_omni.reward.images import to_pil_rgb
+    from megatron_omni.reward.scorers import check_rewards
+
+    pil = [to_pil_rgb(im) for im in images]
+    values, failed = _SCORER.term_scores(pil, prompts, metas)
+    total = check_rewards(_SCORER.name, _SCORER.combine(values, len(pil)), len(pil))
+    return [{"reward": total[i], "terms": {k: v[i] for k, v in values.items()}, "failed": failed}
+            for i in range(len(pil))]
+
+
 def _score_one(image: Any, prompt: str, meta: dict) -> ItemResult:
     try:
-        return ("ok", _SCORER([image], [prompt], [meta])[0])
+        return ("ok", _scored([image], [prompt], [meta])[0])
     except RewardInputError as exc:
         return ("input_error", str(exc))
     except Exception as exc:
@@ -97,9 +119,12 @@ def _score_one(image: Any, prompt: str, meta: dict) -> ItemResult:
 class ScorerWorker:
     """One scorer process, driven from the server's event loop."""
 
-    def __init__(self, spec: Any, kwargs: dict, *, device: str | None = None, threads: int = 1):
+    def __init__(self, spec: Any, kwargs: dict, *, device: str | None = None, threads: int = 1,
+                 options: dict | None = None):
         self.spec, self.kwargs, self.device, self.threads = spec, dict(kwargs), device, int(threads)
+        self.options = dict(options or {})
         self.name: str | None = None
+        self.info: dict = {}
         self._executor: concurrent.futures.ProcessPoolExecutor | None = None
 
     async def start(self) -> str:
@@ -108,9 +133,10 @@ class ScorerWorker:
             max_workers=1, mp_context=multiprocessing.get_context("spawn")
         )
         loop = asyncio.get_running_loop()
-        self.name = await loop.run_in_executor(
-            self._executor, _build, self.spec, self.kwargs, self.device, self.threads, os.getpid()
+        self.info = await loop.run_in_executor(
+            self._executor, _build, self.spec, self.kwargs, self.device, self.threads, os.getpid(), self.options
         )
+        self.name = self.info["name"]
         return self.name
 
     async def score(self, items: list[WorkItem]) -> list[ItemResult]:

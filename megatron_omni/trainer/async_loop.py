@@ -249,10 +249,11 @@ class AsyncLoop:
             reward_fn.on_sample(FinishedSample(i, prompt, i, seed, traj.images[i]))
         return reward_fn.collect(), time.perf_counter() - t0
 
-    def _shares(self, step: int) -> tuple[Trajectory, torch.Tensor, dict[str, float]]:
+    def _shares(self, step: int) -> tuple[Trajectory, torch.Tensor, dict[str, float], Any]:
         """The root collects step `step` (or takes it from a checkpoint's), checks its versions against the bound
-        and scores it; every trainer rank gets its data-parallel rank's share [n] of the trajectory and rewards and
-        the step's whole-step figures (staleness, versions, waits)."""
+        and scores it; every trainer rank gets its data-parallel rank's share [n] of the trajectory, rewards and a
+        weighted reward's terms (None for one scorer), and the step's whole-step figures (staleness, versions,
+        waits)."""
         out: list[Any] = [None]
         if self.is_root:
             t0 = time.perf_counter()
@@ -265,7 +266,9 @@ class AsyncLoop:
             figures = {"rollout_wait": wait, "reward": reward_s,
                        **staleness_histogram(lag, self.settings.max_staleness),
                        "policy_version_min": int(versions.min()), "policy_version_max": int(versions.max())}
-            shares = [(_rows(traj, *rows[d]), rewards[rows[d][0]:rows[d][1]], figures) for d in self.dp_of_rank]
+            terms = getattr(self.trainer.reward_fn, "terms", None)
+            shares = [(_rows(traj, *rows[d]), rewards[rows[d][0]:rows[d][1]], figures,
+                       None if terms is None else terms.rows(*rows[d])) for d in self.dp_of_rank]
             if len(self.trainer_ranks) == 1:
                 return shares[0]
             dist.scatter_object_list(out, shares, src=self.root, group=self.trainer_group)
@@ -277,7 +280,9 @@ class AsyncLoop:
         """RL step `step`: ask ahead, collect the step, check its versions against the bound, score it, train on
         this rank's share with the synchronous loop's step, push the new version. Every trainer rank calls it."""
         self._request_ahead(step)
-        traj, rewards, figures = self._shares(step)
+        traj, rewards, figures, terms = self._shares(step)
+        if hasattr(self.trainer.reward_fn, "terms"):
+            self.trainer.reward_fn.terms = terms  # this rank's share: train_on gathers them like the rewards
         t = {"rollout_wait": figures.pop("rollout_wait"), "reward": figures.pop("reward")}
         _, group_ids, _ = self.trainer.step_prompts(step)
         result = self.trainer.train_on(step, traj, rewards, group_ids, t, sync=False)

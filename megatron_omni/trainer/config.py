@@ -162,6 +162,12 @@ class RewardConfig:
     # A video family's samples reach the scorer as a strip of this many frames spread evenly over the video
     # (first and last included; `reward.video.video_strip`), or of all its frames when it has fewer.
     video_frames: int = 4
+    # Constructor options per scorer name when the trainer builds the scorer (reward.url None), e.g.
+    # {"pickscore": {"model": "/models/PickScore_v1", "processor": "/models/CLIP-ViT-H-14"}} (JSON in --set).
+    options: dict[str, dict] = field(default_factory=dict)
+    # With a weighted reward: GDPO-style advantages, each term normalised in its groups before the weighted sum,
+    # the sum normalised over the batch (algorithms.advantages.term_advantages; docs/rewards.md).
+    term_advantages: bool = False
 
 
 # The update rules `algorithm.name` selects (one trainer, `trainer/flowgrpo.py`; the math in megatron_omni/algorithms).
@@ -476,6 +482,11 @@ def _convert(value: str, typ: Any, name: str) -> Any:
             return float(value)
         if typ is str:
             return value
+        if origin is dict:
+            parsed = json.loads(value)
+            if not isinstance(parsed, dict):
+                raise ValueError(value)
+            return parsed
         if origin is list:
             parsed = json.loads(value)
             (item,) = typing.get_args(typ)

@@ -195,6 +195,9 @@ def _type_ok(value: Any, hint: Any) -> bool:
     if origin is list:
         (item,) = typing.get_args(hint)
         return isinstance(value, list) and all(_type_ok(x, item) for x in value)
+    if origin is dict:
+        key, item = typing.get_args(hint)
+        return isinstance(value, dict) and all(_type_ok(k, key) and _type_ok(v, item) for k, v in value.items())
     return isinstance(value, hint)
 
 
@@ -406,7 +409,7 @@ def check_quantization(cfg: Any) -> None:
 
 def check_reward(cfg: Any) -> None:
     """reward.scorer against the registry and reward.url's syntax (scheme http|https, a host, a valid port);
-    with an OCR scorer every prompt must quote the text to render."""
+    reward.options only for scorers the spec uses; with an OCR scorer every prompt must quote the text to render."""
     from megatron_omni.reward.errors import RewardInputError
     from megatron_omni.reward.registry import scorer_names
     from megatron_omni.reward.text import target_from_prompt
@@ -418,6 +421,9 @@ def check_reward(cfg: Any) -> None:
         raise ConfigError(f"reward.scorer={cfg.reward.scorer!r}: {exc}") from None
     if cfg.reward.url is not None:
         check_url(cfg.reward.url, "reward.url")
+    unknown = sorted(set(cfg.reward.options) - set(names))
+    if unknown:  # options for a scorer the spec does not use: a typo would otherwise be ignored silently
+        raise ConfigError(f"reward.options names {unknown}, which reward.scorer={cfg.reward.scorer!r} does not use")
     if any(n in OCR_SCORERS for n in names):
         for field_name in ("prompts", "eval.prompts", "eval.transfer_prompts"):
             for i, prompt in enumerate(get_field(cfg, field_name)):

@@ -21,17 +21,19 @@ import torch
 from megatron_omni.rollout.base import SamplingParams
 from megatron_omni.trainer import atomic_files
 from megatron_omni.trainer.metrics import first_frames
-from megatron_omni.trainer.rewards import RewardFunction
+from megatron_omni.trainer.rewards import RewardFunction, RewardTerms
 
 
 @dataclass
 class EvalResult:
-    """prompts / seeds: N each; images [N, 3, H, W] fp32 in [0, 1]; rewards [N] fp32."""
+    """prompts / seeds: N each; images [N, 3, H, W] fp32 in [0, 1]; rewards [N] fp32; terms: a weighted reward's
+    terms of the N samples (None for one scorer)."""
 
     prompts: list[str]
     seeds: list[int]
     images: torch.Tensor
     rewards: torch.Tensor
+    terms: RewardTerms | None = None
 
     def mean(self, prompts: set[str] | None = None) -> float:
         """Mean reward over all samples, or over the samples whose prompt is in `prompts` (nan if none)."""
@@ -47,21 +49,34 @@ class EvalResult:
                "unseen_reward_mean": self.mean(held_out - seen)}
         if transfer:
             out["transfer_reward_mean"] = self.mean(transfer & set(self.prompts))
+        if self.terms is not None:  # every term of the held-out samples, so a hacked term shows beside the sum
+            keep = [i for i, p in enumerate(self.prompts) if p in held_out]
+            for j, name in enumerate(self.terms.names):
+                v = self.terms.values[keep, j]
+                v = v[~v.isnan()]
+                out[f"reward_term/{name}_mean"] = float(v.mean()) if v.numel() else float("nan")
         return out
 
     def save(self, path: Path) -> None:
         """Atomic `.npz` of this result (images as uint8)."""
         images = (self.images.clamp(0, 1) * 255).round().to(torch.uint8).numpy()
         with atomic_files.replacing(path, suffix=".npz") as tmp:
+            terms = {} if self.terms is None else {
+                "term_names": np.array(self.terms.names), "term_weights": np.array(self.terms.weights),
+                "term_values": self.terms.values.numpy()}
             np.savez_compressed(tmp, images=images, rewards=self.rewards.numpy(), prompts=np.array(self.prompts),
-                                seeds=np.array(self.seeds, dtype=np.int64))
+                                seeds=np.array(self.seeds, dtype=np.int64), **terms)
 
     @classmethod
     def load(cls, path: Path) -> EvalResult:
         data = np.load(path)
+        terms = None
+        if "term_names" in data:
+            terms = RewardTerms([str(n) for n in data["term_names"]], [float(w) for w in data["term_weights"]],
+                                torch.from_numpy(data["term_values"]))
         return cls(prompts=[str(p) for p in data["prompts"]], seeds=[int(s) for s in data["seeds"]],
                    images=torch.from_numpy(data["images"]).float() / 255.0,
-                   rewards=torch.from_numpy(data["rewards"]).float())
+                   rewards=torch.from_numpy(data["rewards"]).float(), terms=terms)
 
 
 EVAL_SEED_BASE = 10_000_000
@@ -105,7 +120,9 @@ def evaluate(engine, reward_fn: RewardFunction, prompts: list[str], seeds: list[
     traj = engine.generate(prompts, params.ode() if ode else params, group_size=1, seeds=seeds,
                            on_sample=reward_fn.on_sample)
     rewards = reward_fn.collect()
-    return EvalResult(prompts=list(prompts), seeds=list(seeds), images=traj.images.detach().cpu(), rewards=rewards)
+    terms = getattr(reward_fn, "terms", None)
+    return EvalResult(prompts=list(prompts), seeds=list(seeds), images=traj.images.detach().cpu(), rewards=rewards,
+                      terms=terms if terms is not None and len(terms.values) == len(rewards) else None)
 
 
 def save_before_after_grid(before: EvalResult, after: EvalResult, path: Path, columns: int = 4,

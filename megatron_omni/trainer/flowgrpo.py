@@ -37,7 +37,7 @@ import torch
 import torch.distributed as dist
 from megatron.core import tensor_parallel
 
-from megatron_omni.algorithms.advantages import group_advantages
+from megatron_omni.algorithms.advantages import Advantages, group_advantages, term_advantages
 from megatron_omni.algorithms.importance import ImportanceWeights, truncated_importance_weights
 from megatron_omni.algorithms.nft import old_policy_decay
 from megatron_omni.bridge import DistributedTransport, WeightSync
@@ -74,7 +74,7 @@ from megatron_omni.trainer.objectives import (
     uses_log_probs,
 )
 from megatron_omni.trainer.pipeline_step import MicroBatch, Objective, PipelineStep, plan_micro_batches
-from megatron_omni.trainer.rewards import RewardFunction, gather_rewards
+from megatron_omni.trainer.rewards import RewardFunction, RewardTerms, gather_rewards, gather_terms
 from megatron_omni.trainer.skeleton import (
     StepResult,
     UpdateTally,
@@ -413,7 +413,7 @@ class FlowGRPOTrainer:
         gid = traj.group_ids = torch.tensor([g for g in group_ids for _ in range(cfg.rollout.group_size)],
                                             dtype=torch.long)
         all_rewards, all_gids, offset = gather_rewards(self.groups.dp, local_rewards, gid)
-        adv = group_advantages(all_rewards, all_gids, std_mode=cfg.algorithm.std_mode, clip=cfg.algorithm.adv_clip)
+        adv, all_rewards, term_metrics = self.advantages_of(local_rewards, all_rewards, all_gids)
         advantages = adv.advantages[offset: offset + len(traj)]
 
         gap: dict[str, float] = {}
@@ -435,9 +435,33 @@ class FlowGRPOTrainer:
             t["sync"] = time.perf_counter() - t0
 
         metrics = {**step_metrics(all_rewards, adv.zero_std_ratio, dlogp_mean, t, self.groups.layout.world_size),
-                   **gap, **train_metrics, **probe}
+                   **term_metrics, **gap, **train_metrics, **probe}
         return StepResult(metrics=metrics, trajectory=traj, rewards=local_rewards, images=traj.images,
                           prompts=list(traj.prompts))
+
+    def advantages_of(self, local_rewards: torch.Tensor, all_rewards: torch.Tensor,
+                      all_gids: torch.Tensor) -> tuple[Advantages, torch.Tensor, dict[str, float]]:
+        """Group advantages of the gathered rewards [N]; with a weighted reward's terms (the reward function's,
+        for this rank's samples), the terms of all data-parallel ranks: an optional term that failed on any rank
+        is left out of every sample's reward (so of the normalisation), by name; `reward.term_advantages`
+        normalises each term before the sum (GDPO). Returns (advantages, the rewards [N] they are of, the
+        per-term metrics). Collective over data parallel."""
+        a = self.cfg.algorithm
+        terms = getattr(self.reward_fn, "terms", None)
+        if terms is not None and len(terms.values) != len(local_rewards):
+            terms = None  # scored elsewhere (the asynchronous loop's shares): no per-sample terms here
+        terms = gather_terms(self.groups.dp, terms)  # every rank calls it: all have terms or none (one spec)
+        if terms is None:
+            return (group_advantages(all_rewards, all_gids, std_mode=a.std_mode, clip=a.adv_clip), all_rewards, {})
+        exclude = terms.excluded()
+        rewards = terms.combined(exclude)
+        if self.cfg.reward.term_advantages:
+            keep = [j for j, k in enumerate(terms.names) if k not in exclude]
+            adv = term_advantages(terms.values[:, keep], torch.tensor([terms.weights[j] for j in keep]), all_gids,
+                                  std_mode=a.std_mode, clip=a.adv_clip)
+        else:
+            adv = group_advantages(rewards, all_gids, std_mode=a.std_mode, clip=a.adv_clip)
+        return adv, rewards, terms.metrics(exclude)
 
     def policy_gradient_objective(self, traj: Trajectory, advantages: torch.Tensor, step: int,
                                   t: dict[str, float]) -> tuple[FlowGRPOObjective, float, dict[str, float]]:
@@ -566,9 +590,12 @@ class FlowGRPOTrainer:
         if size == 1:
             return part, rewards, wait
         shares: list = [None] * size
-        dist.all_gather_object(shares, (part, rewards, wait), group=self.groups.replica)
-        traj = Trajectory.concat([tr for tr, _, _ in shares if tr is not None])
-        return traj, torch.cat([r for _, r, _ in shares]), max(w for _, _, w in shares)
+        terms = getattr(self.reward_fn, "terms", None) if mine else None
+        dist.all_gather_object(shares, (part, rewards, wait, terms), group=self.groups.replica)
+        traj = Trajectory.concat([tr for tr, _, _, _ in shares if tr is not None])
+        if hasattr(self.reward_fn, "terms"):  # the replica's terms, in the order of its trajectory
+            self.reward_fn.terms = RewardTerms.concat([t for tr, _, _, t in shares if tr is not None])
+        return traj, torch.cat([r for _, r, _, _ in shares]), max(w for _, _, w, _ in shares)
 
     def common_text_length(self, prompts: list[str], params: SamplingParams) -> int:
         """The text length every share of this replica's rollout pads to: the longest of its prompts (and the

@@ -75,6 +75,19 @@ def save_samples(images: torch.Tensor, captions: list[str], path: Path, video_fo
     return [path, video]
 
 
+def reward_captions(prompts: list[str], rewards: list[float], terms: Any = None) -> list[str]:
+    """One caption per sample: the prompt's start, the reward and, for a weighted reward (`terms`, a RewardTerms of
+    the same samples), each term's value under it ("-" where an optional term failed): a term that climbs while
+    the images get worse shows here first."""
+    caps = [f"{p[:24]}\nr={r:.3g}" for p, r in zip(prompts, rewards)]
+    if terms is None or len(terms.values) != len(caps):
+        return caps
+    for i in range(len(caps)):
+        vals = [f"{n[:10]}={v:.3g}" if v == v else f"{n[:10]}=-" for n, v in zip(terms.names, terms.values[i].tolist())]
+        caps[i] += "\n" + "\n".join(" ".join(vals[k:k + 2]) for k in range(0, len(vals), 2))
+    return caps
+
+
 def save_image_grid(images: torch.Tensor, captions: list[str], path: Path, columns: int = 4) -> None:
     """images [N, 3, H, W] in [0, 1] with one caption each -> a captioned PNG grid (atomic write)."""
     import matplotlib
@@ -105,7 +118,11 @@ def save_reward_curve(history: list[dict[str, Any]], path: Path, evals: list[dic
     steps = [h["step"] for h in history]
     mean = [h["reward_mean"] for h in history]
     std = [h["reward_std"] for h in history]
-    fig, ax = plt.subplots(figsize=(6, 3.5))
+    terms = sorted({k[len("reward_term/"):-len("_mean")] for h in history for k in h
+                    if k.startswith("reward_term/") and k.endswith("_mean")})
+    # Terms on their own panels: their scales differ (PickScore ~20, OCR in [0, 1]), one axis would flatten some.
+    fig, axes = plt.subplots(1 + len(terms), 1, figsize=(6, 3.5 + 2.2 * len(terms)), squeeze=False)
+    ax = axes[0][0]
     ax.plot(steps, mean, marker="o", label="training reward (mean)")
     ax.fill_between(steps, [m - s for m, s in zip(mean, std)], [m + s for m, s in zip(mean, std)], alpha=0.2,
                     label="+- std")
@@ -113,7 +130,19 @@ def save_reward_curve(history: list[dict[str, Any]], path: Path, evals: list[dic
         points = [(e["step"], e[key]) for e in evals or [] if key in e]
         if points:
             ax.plot(*zip(*points), marker="s", linestyle="--", label=label)
-    ax.set_xlabel("RL step")
+    for k, name in enumerate(terms, start=1):
+        tax = axes[k][0]
+        key = f"reward_term/{name}_mean"
+        pts = [(h["step"], h[key], h.get(f"reward_term/{name}_std", 0.0)) for h in history if key in h]
+        xs, ms, ss = zip(*pts)
+        tax.plot(xs, ms, marker="o", label=f"{name} (training mean)")
+        tax.fill_between(xs, [m - s for m, s in zip(ms, ss)], [m + s for m, s in zip(ms, ss)], alpha=0.2)
+        held = [(e["step"], e[key]) for e in evals or [] if key in e]
+        if held:
+            tax.plot(*zip(*held), marker="s", linestyle="--", label=f"{name} (held-out)")
+        tax.set_ylabel(name)
+        tax.legend(fontsize=7)
+    axes[-1][0].set_xlabel("RL step")
     ax.set_ylabel("reward")
     ax.legend()
     fig.tight_layout()

@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import errno
 import json
+import math
 import os
 import socket
 import urllib.error
 import urllib.request
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -22,7 +24,9 @@ import torch
 import torch.distributed as dist
 
 from megatron_omni.reward.client import RewardClient
+from megatron_omni.reward.images import to_pil_rgb
 from megatron_omni.reward.registry import build_scorer
+from megatron_omni.reward.scorers import WeightedSum
 from megatron_omni.reward.video import video_strip
 from megatron_omni.rollout.base import FinishedSample
 
@@ -45,7 +49,8 @@ def _why(exc: BaseException) -> str:
     return f"{type(reason).__name__}: {reason}"
 
 
-def preflight(url: str | None, timeout_s: float = 5.0, token: str | None = None) -> dict[str, Any] | None:
+def preflight(url: str | None, timeout_s: float = 5.0, token: str | None = None,
+              scorer: str | None = None) -> dict[str, Any] | None:
     """GET `url`/health within `timeout_s` seconds, with the bearer token of REWARD_SERVER_TOKEN (or `token`):
     the server's health body, or RewardPreflightError naming the URL and what failed (refused, DNS, timeout,
     a bad status, a missing or wrong token). None when `url` is None (scoring in process)."""
@@ -73,7 +78,22 @@ def preflight(url: str | None, timeout_s: float = 5.0, token: str | None = None)
     if body.get("token_required") and not token:
         raise RewardPreflightError(f"reward.url={url!r}: the server requires a bearer token; set {TOKEN_ENV} "
                                    "to the server's token")
+    if scorer is not None and isinstance(scorer, str) and body.get("terms"):
+        check_terms(url, scorer, body["terms"])
     return body
+
+
+def check_terms(url: str, scorer: str, served: dict[str, Any]) -> None:
+    """RewardPreflightError when the server combines other terms or weights than `reward.scorer` names (the run
+    would learn from a reward its config does not describe)."""
+    from megatron_omni.reward.registry import parse_terms
+
+    want = {name: (w, req) for name, w, req in parse_terms(scorer)}
+    got = {name: (float(t["weight"]), bool(t["required"])) for name, t in served.items()}
+    if want != got:
+        show = lambda d: "+".join(f"{w:g}*{n}{'' if r else '?'}" for n, (w, r) in d.items())  # noqa: E731
+        raise RewardPreflightError(f"reward.url={url!r} serves the reward {show(got)} but reward.scorer={scorer!r} "
+                                   f"asks for {show(want)}")
 
 
 def to_uint8_hwc(image: torch.Tensor) -> np.ndarray:
@@ -93,11 +113,85 @@ def gather_rewards(dp: dist.ProcessGroup, rewards: torch.Tensor,
     return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts]), offset
 
 
+@dataclass
+class RewardTerms:
+    """The terms of a weighted reward for n samples: values [n, K] float64 (nan where an optional term failed),
+    the terms' names and weights [K], and {term: message} of the optional terms that failed on some sample."""
+
+    names: list[str]
+    weights: list[float]
+    values: torch.Tensor
+    failed: dict[str, str] = field(default_factory=dict)
+
+    @staticmethod
+    def from_details(details: list[dict[str, Any]]) -> RewardTerms | None:
+        """From the server's per-sample {"terms", "failed", "weights"} (None when it served one plain scorer)."""
+        weights: dict[str, float] = {}
+        for d in details:
+            weights.update(d.get("weights") or {})
+        if not weights:
+            return None
+        names = list(weights)
+        values = torch.tensor([[d["terms"].get(k, math.nan) for k in names] for d in details], dtype=torch.float64)
+        failed = {k: m for d in details for k, m in (d.get("failed") or {}).items()}
+        return RewardTerms(names, [weights[k] for k in names], values.reshape(len(details), len(names)), failed)
+
+    @staticmethod
+    def concat(parts: list[RewardTerms | None]) -> RewardTerms | None:
+        """The terms of several shares in order (None if any share has none, or their terms differ)."""
+        if not parts or any(p is None or p.names != parts[0].names for p in parts):
+            return None
+        return RewardTerms(parts[0].names, parts[0].weights, torch.cat([p.values for p in parts]),
+                           {k: m for p in parts for k, m in p.failed.items()})
+
+    def rows(self, lo: int, hi: int) -> RewardTerms:
+        """The terms of samples lo..hi-1 (a data-parallel rank's share); `failed` names only the failures seen in
+        them (the values are nan there)."""
+        values = self.values[lo:hi]
+        return RewardTerms(self.names, self.weights, values,
+                           {k: m for k, m in self.failed.items() if bool(values[:, self.names.index(k)].isnan().any())}
+                           if values.numel() else {})
+
+    def excluded(self) -> list[str]:
+        """Terms left out of this batch's reward: optional terms that failed on any of its samples."""
+        return [k for j, k in enumerate(self.names) if k in self.failed or bool(self.values[:, j].isnan().any())]
+
+    def combined(self, exclude: list[str] | None = None) -> torch.Tensor:
+        """[n] float32: sum_k w_k * values[:, k] over the terms not in `exclude` (default: excluded())."""
+        exclude = self.excluded() if exclude is None else exclude
+        keep = [j for j, k in enumerate(self.names) if k not in exclude]
+        w = torch.tensor([self.weights[j] for j in keep], dtype=torch.float64)
+        return (self.values[:, keep] * w).sum(dim=1).to(torch.float32)
+
+    def metrics(self, exclude: list[str]) -> dict[str, float]:
+        """reward_term/<name>_mean and _std (population, over the samples where it scored), and _failed (1 when
+        the term was left out of this step's reward, else 0) per term."""
+        out: dict[str, float] = {}
+        for j, k in enumerate(self.names):
+            v = self.values[:, j]
+            v = v[~v.isnan()]
+            out[f"reward_term/{k}_mean"] = float(v.mean()) if v.numel() else math.nan
+            out[f"reward_term/{k}_std"] = float(v.std(correction=0)) if v.numel() else math.nan
+            out[f"reward_term/{k}_failed"] = float(k in exclude)
+        return out
+
+
+def gather_terms(dp: dist.ProcessGroup, terms: RewardTerms | None) -> RewardTerms | None:
+    """All data-parallel ranks' terms in rank order (None when any rank has none)."""
+    if dp.size() == 1:
+        return terms
+    parts: list = [None] * dp.size()
+    dist.all_gather_object(parts, terms, group=dp)
+    return RewardTerms.concat(parts)
+
+
 class RewardFunction:
-    """`begin(n)`, then `on_sample(sample)` per finished sample, then `collect() -> rewards [n]`."""
+    """`begin(n)`, then `on_sample(sample)` per finished sample, then `collect() -> rewards [n]`; after collect,
+    `terms` holds the weighted reward's terms (None for a single scorer). A failed optional term is left out of
+    the whole batch's reward (every sample alike) and named in `terms.failed`."""
 
     def __init__(self, scorer: str, url: str | None = None, timeout_s: float = 120.0,
-                 video_frames: int | None = None) -> None:
+                 video_frames: int | None = None, options: dict[str, dict] | None = None) -> None:
         self.name = scorer
         # Frames of a video sample the scorer sees (`reward.video_frames`); None: the trainer samples images.
         self.video_frames = video_frames
@@ -105,7 +199,8 @@ class RewardFunction:
         # the server's own --token default does, so it never lands in a saved config.
         token = os.environ.get(TOKEN_ENV)
         self.client = RewardClient(url, timeout_s=timeout_s, token=token) if url else None
-        self.scorer = None if url else build_scorer(scorer)
+        self.scorer = None if url else build_scorer(scorer, options=options)
+        self.terms: RewardTerms | None = None
         self._pending: list[tuple[int, np.ndarray, str, dict[str, Any]]] = []
         self._n = 0
         # The trainer's progress bar (a tqdm): while collect() waits on the server its postfix reads
@@ -135,15 +230,28 @@ class RewardFunction:
                          f"[F, 3, H, W] with video_frames set (got {self.video_frames})")
 
     def collect(self) -> torch.Tensor:
+        """Rewards [n] float32 of the samples since begin(), in index order; sets `terms`."""
+        self.terms = None
         if self.client is not None:
             rewards = self.client.gather(on_wait=self._show_wait)
+            self.terms = RewardTerms.from_details(self.client.last_details)
         else:
             items = sorted(self._pending, key=lambda it: it[0])
             if [it[0] for it in items] != list(range(self._n)):
                 raise RuntimeError(f"rollout finished {len(items)} of {self._n} samples")
-            rewards = self.scorer([it[1] for it in items], [it[2] for it in items], [it[3] for it in items])
+            images, prompts, metas = [it[1] for it in items], [it[2] for it in items], [it[3] for it in items]
+            if isinstance(self.scorer, WeightedSum):
+                values, failed = self.scorer.term_scores([to_pil_rgb(im) for im in images], prompts, metas)
+                self.terms = RewardTerms.from_details(
+                    [{"terms": {k: v[i] for k, v in values.items()}, "failed": failed, "weights": self.scorer.weights}
+                     for i in range(len(images))])
+                rewards = self.terms.combined().tolist() if self.terms is not None else []
+            else:
+                rewards = self.scorer(images, prompts, metas)
         if len(rewards) != self._n:
             raise RuntimeError(f"reward for {len(rewards)} of {self._n} samples")
+        if self.terms is not None:
+            return self.terms.combined()  # a term that failed on any sample is left out for all of them
         return torch.tensor(rewards, dtype=torch.float32)
 
     def _show_wait(self, outstanding: int) -> None:

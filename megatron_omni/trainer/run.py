@@ -29,7 +29,13 @@ from megatron_omni.trainer.checkpointing import (
 from megatron_omni.trainer.config import ConfigError, JobConfig, to_dict
 from megatron_omni.trainer.evaluation import EvalResult, eval_samples, evaluate, save_before_after_grid, with_peak
 from megatron_omni.trainer.flowgrpo import FlowGRPOTrainer
-from megatron_omni.trainer.metrics import MetricsWriter, read_history, save_reward_curve, save_samples
+from megatron_omni.trainer.metrics import (
+    MetricsWriter,
+    read_history,
+    reward_captions,
+    save_reward_curve,
+    save_samples,
+)
 from megatron_omni.trainer.preemption import StopRequests, TrainingStopped
 from megatron_omni.trainer.rewards import RewardFunction
 from megatron_omni.trainer.run_folder import clear_run_dir, new_run_id
@@ -88,7 +94,7 @@ def record_evaluation(cfg: JobConfig, trainer: FlowGRPOTrainer, run_dir: Path, d
     folder = run_dir / "eval"
     folder.mkdir(exist_ok=True)
     result.save(folder / f"step_{done:04d}.npz")
-    caps = [f"{p[:24]}\nr={r:.3g}" for p, r in zip(result.prompts, result.rewards.tolist())]
+    caps = reward_captions(result.prompts, result.rewards.tolist(), result.terms)
     save_samples(result.images, caps, folder / f"step_{done:04d}.png", cfg.logging.video_format)
     seen, transfer = set(cfg.prompts), set(e.transfer_prompts)
     summary = {"step": done, **result.summary(seen, transfer)}
@@ -131,7 +137,8 @@ def build_trainer(cfg: JobConfig, groups, run_dir: Path, job_group=None) -> tupl
     pipeline = prepare_pipeline(cfg, run_dir)
     # A video family's samples reach the scorer as strips of reward.video_frames frames (its traits say video).
     video_frames = cfg.reward.video_frames if family.traits.video else None
-    reward_fn = RewardFunction(cfg.reward.scorer, cfg.reward.url, cfg.reward.timeout_s, video_frames)
+    reward_fn = RewardFunction(cfg.reward.scorer, cfg.reward.url, cfg.reward.timeout_s, video_frames,
+                               cfg.reward.options)
     return FlowGRPOTrainer(cfg, groups, pipeline, reward_fn, job_group), reward_fn
 
 
@@ -247,7 +254,8 @@ def _run(cfg: JobConfig, overwrite: bool, stops: StopRequests) -> dict:
             bar.set_postfix({k: f"{result.metrics[k]:.3g}" for k in SHOWN if k in result.metrics})
             every = cfg.logging.image_every
             if step == cfg.steps - 1 or (every and step % every == 0):
-                caps = [f"{pr[:24]}\nr={r:.3g}" for pr, r in zip(result.prompts, result.rewards.tolist())]
+                caps = reward_captions(result.prompts, result.rewards.tolist(),
+                                       getattr(getattr(trainer, "reward_fn", None), "terms", None))
                 save_samples(result.images, caps, run_dir / "samples" / f"step_{step:04d}.png",
                              cfg.logging.video_format)
         done = step + 1

@@ -295,3 +295,15 @@ def test_rollout_gpus_plans_the_disaggregated_layout(results: dict) -> None:
     assert "Traceback" not in err and "torch.distributed.run" not in err
     lost = results["rollout_gpus_all"]
     assert lost.returncode == 2 and "ROLLOUT_GPUS=8 leaves no trainer rank in world size 8" in lost.stderr
+
+
+def test_several_scorers_start_in_one_server_with_their_weights() -> None:
+    out = _echo("examples/tiny/train_tiny.sh", {"REWARD_SERVER": "1", "REWARD_SCORERS": "pickscore@cpu ocr@cpu",
+                                                 "REWARD_SCORER": "0.7*pickscore+0.3*ocr?",
+                                                 "REWARD_OPTIONS": '{"pickscore": {"model": "/m"}}'})
+    assert out.returncode == 0, out.stderr
+    lines = [x for x in out.stdout.splitlines() if "would run" in x]
+    assert len(lines) == 2 and "megatron_omni.reward.server" in lines[0]
+    assert "--scorer pickscore@cpu --scorer ocr@cpu --reward '0.7*pickscore+0.3*ocr?'" in lines[0]
+    assert """--scorer-kwargs '{"pickscore": {"model": "/m"}}'""" in lines[0]
+    assert "'reward.scorer=0.7*pickscore+0.3*ocr?'" in lines[1]  # the trainer checks the server's terms against it

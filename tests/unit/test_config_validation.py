@@ -114,6 +114,8 @@ def test_wrong_type_is_refused(field_name: str, value: typing.Any) -> None:
     (["reward.scorer=nosuch"], "reward.scorer"),
     (["reward.scorer=0.5*ocr+nosuch"], "reward.scorer"),
     (["reward.scorer=no_such_module_xyz:fn"], "reward.scorer"),
+    (["reward.scorer=jpeg_compressibility", "reward.options={\"pickscore\": {\"model\": \"/m\"}}"],
+     "reward.options"),
     (["reward.url=notaurl"], "reward.url"),
     (["reward.url=ftp://127.0.0.1:8000"], "reward.url"),
     (["reward.url=http://:8000"], "reward.url"),
