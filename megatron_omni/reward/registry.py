@@ -1,8 +1,9 @@
 """One registry for every scorer, and `build_scorer(spec)` which understands all the ways to name one.
 
 A spec is one of:
-- a registered name: "ocr", "vlm_ocr", "jpeg_compressibility", "jpeg_incompressibility", and for videos sent as
-  frame strips (video.video_strip) "video_ocr", "temporal_consistency";
+- a registered name: "ocr", "vlm_ocr", "jpeg_compressibility", "jpeg_incompressibility", the VLM judges
+  "vlm_judge"/"unifiedreward" and "geneval" (vlm_scorers.py), and for videos sent as frame strips
+  (video.video_strip) "video_ocr", "temporal_consistency";
 - a user scorer by import path: "my_pkg.rewards:aesthetic" (see scorers.import_scorer);
 - a weighted sum: "0.8*ocr+0.2*jpeg_compressibility" (weights default to 1: "ocr+jpeg_compressibility");
 - a dict: {"name": spec, "kwargs": {...}} or {"weighted": [{"scorer": spec, "weight": w}, ...]}.
@@ -13,6 +14,7 @@ A spec is one of:
 
 from __future__ import annotations
 
+import importlib
 import inspect
 import re
 from collections.abc import Callable, Mapping
@@ -66,12 +68,18 @@ def _video_ocr(**kwargs: Any) -> Scorer:
     return VideoOcrScorer(**kwargs)
 
 
+def _vlm(cls_name: str) -> ScorerFactory:  # the VLM-judge scorers (vlm_scorers.py) load only when asked for
+    return lambda **kwargs: getattr(importlib.import_module("megatron_omni.reward.vlm_scorers"), cls_name)(**kwargs)
+
+
 register_scorer("ocr", _ocr)
 register_scorer("vlm_ocr", _vlm_ocr)
 register_scorer("video_ocr", _video_ocr)
 register_scorer("temporal_consistency", TemporalConsistency)
 register_scorer("jpeg_compressibility", JpegCompressibility)
 register_scorer("jpeg_incompressibility", JpegIncompressibility)
+for _name, _cls in (("vlm_judge", "VlmJudgeScorer"), ("unifiedreward", "VlmJudgeScorer"), ("geneval", "GenEvalScorer")):
+    register_scorer(_name, _vlm(_cls))
 
 
 def _accepts(factory: Callable[..., Any], name: str) -> bool:
