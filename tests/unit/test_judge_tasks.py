@@ -86,3 +86,15 @@ def test_geneval_checks_from_metadata(tmp_path) -> None:
         load_metadata_file(path)
     with pytest.raises(RewardInputError, match="is not a file"):
         load_metadata_file(tmp_path / "nope.jsonl")
+
+
+def test_in_process_vlm_judge_is_a_config_error() -> None:
+    from megatron_omni.trainer.config import ConfigError, JobConfig
+    from megatron_omni.trainer.config_checks import check_reward
+
+    cfg = JobConfig()
+    cfg.reward.scorer = "0.5*geneval+0.5*jpeg_compressibility"
+    with pytest.raises(ConfigError, match="geneval asks a VLM judge server.*set reward.url"):
+        check_reward(cfg)
+    cfg.reward.url = "http://127.0.0.1:8000"
+    check_reward(cfg)
