@@ -20,6 +20,7 @@ import importlib
 import importlib.util
 import sys
 import types
+import warnings
 
 TORCHVISION_MODULE = "transformers.models.qwen2_vl.image_processing_qwen2_vl"
 PIL_MODULE = "transformers.models.qwen2_vl.image_processing_pil_qwen2_vl"
@@ -59,7 +60,13 @@ def _image_only_qwen2_5_vl_processor() -> None:
     ImportError (transformers 5 has no PIL video processor). Image requests never touch the video processor,
     so the processor vLLM asks for becomes a subclass without one that refuses videos by name."""
     from transformers import Qwen2_5_VLProcessor
-    from vllm.model_executor.models import qwen2_5_vl
+
+    try:
+        from vllm.model_executor.models import qwen2_5_vl
+    except ImportError as exc:  # a plugin that raises would stop every vLLM process, judge or not
+        warnings.warn(f"{__name__}: vLLM's Qwen2.5-VL model module does not import ({exc}); a Qwen2.5-VL judge "
+                      "will fail to load its processor without torchvision", stacklevel=2)
+        return
 
     class Qwen2_5_VLImageOnlyProcessor(Qwen2_5_VLProcessor):
         """Qwen2.5-VL's processor with the image processor and tokenizer only (no torchvision here)."""
