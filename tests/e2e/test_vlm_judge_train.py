@@ -69,3 +69,27 @@ def test_flowgrpo_with_a_vllm_judge_through_the_launch_script(tmp_path: Path) ->
     judge_log = (run_dir / "logs" / "vllm_judge.log").read_text()
     asked = len(re.findall(r'"POST /v1/chat/completions HTTP/1\.1" 200', judge_log))
     assert asked == STEPS * PROMPTS * GROUP, judge_log[-3000:]
+
+
+def test_launch_plan_of_a_gpu_judge() -> None:
+    """LAUNCH_ECHO=1 on the 20B script: the judge's server on the carved reward GPUs (tensor parallel over them),
+    the reward server asking it with JUDGE_SCORER and JUDGE_KWARGS, the trainer told that scorer; without reward
+    GPUs (and not REWARD_DEVICE_KIND=cpu) the launch is refused."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("REWARD_", "JUDGE_", "NNODES", "WORLD_SIZE"))}
+    env.update(PYTHON=sys.executable, DRY_RUN="0", LAUNCH_ECHO="1", REWARD_KIND="vlm", JUDGE_SCORER="geneval",
+               JUDGE_MODEL="Qwen/Qwen2.5-VL-7B-Instruct", JUDGE_KWARGS='"metadata_file": "geneval.jsonl"')
+    script = "examples/qwen_image/train_20b_1node.sh"
+    out = subprocess.run(["bash", script], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    runs = [line for line in out.stdout.splitlines() if "would run" in line]
+    assert len(runs) == 3, out.stdout
+    assert "-m megatron_omni.reward.vllm_server --model Qwen/Qwen2.5-VL-7B-Instruct --port 8001" in runs[0]
+    assert runs[0].endswith("--gpus 2")
+    kwargs = json.loads(re.search(r"--scorer-kwargs '(.*)'$", runs[1]).group(1))
+    assert "--scorer geneval" in runs[1] and kwargs == {"base_url": "http://127.0.0.1:8001/v1",
+                                                         "model": "Qwen/Qwen2.5-VL-7B-Instruct",
+                                                         "metadata_file": "geneval.jsonl"}
+    assert "reward.scorer=geneval" in runs[2] and "torch.distributed.run" in runs[2]
+    refused = subprocess.run(["bash", script], cwd=ROOT, env={**env, "REWARD_GPUS": ""}, capture_output=True,
+                             text=True, timeout=120)
+    assert refused.returncode == 2 and "REWARD_KIND=vlm needs REWARD_GPUS" in refused.stderr
