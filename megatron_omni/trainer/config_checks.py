@@ -153,6 +153,8 @@ AR_DIT_UNSUPPORTED: list[tuple[str, Any, str]] = [
 
 # Scorers whose reward is the text the prompt quotes: every prompt must quote one.
 OCR_SCORERS = ("ocr", "vlm_ocr", "video_ocr")
+# Scorers that ask a VLM judge server: its base_url and model reach them only as the reward server's --scorer-kwargs.
+VLM_JUDGE_SCORERS = ("vlm_ocr", "vlm_judge", "unifiedreward", "geneval")
 
 
 def get_field(cfg: Any, dotted: str) -> Any:
@@ -421,6 +423,10 @@ def check_reward(cfg: Any) -> None:
         raise ConfigError(f"reward.scorer={cfg.reward.scorer!r}: {exc}") from None
     if cfg.reward.url is not None:
         check_url(cfg.reward.url, "reward.url")
+    elif judges := [n for n in names if n in VLM_JUDGE_SCORERS]:
+        raise ConfigError(f"reward.scorer={cfg.reward.scorer!r}: {judges[0]} asks a VLM judge server (vLLM), whose "
+                          "base_url and model only the reward server takes (--scorer-kwargs): set reward.url to that "
+                          "reward server (REWARD_KIND=vlm in the launch scripts starts the judge and the server)")
     unknown = sorted(set(cfg.reward.options) - set(names))
     if unknown:  # options for a scorer the spec does not use: a typo would otherwise be ignored silently
         raise ConfigError(f"reward.options names {unknown}, which reward.scorer={cfg.reward.scorer!r} does not use")
