@@ -76,17 +76,24 @@ def _one_step(run_dir: Path) -> None:
 def test_every_cpu_command_of_the_quick_start_runs(tmp_path: Path) -> None:
     train = _commands("2")
     plan = _commands("3")
-    assert len(train) == 5 and len(plan) == 2, ("docs/quick-start.md's commands changed: run the new ones here",
+    assert len(train) == 6 and len(plan) == 2, ("docs/quick-start.md's commands changed: run the new ones here",
                                                 train, plan)
+    assert train[3].startswith("export REWARD_SERVER_TOKEN="), train[3]  # both "terminals" of the two nodes
+    token, train = train[3], train[:3] + [f"{train[3]}; {c}" for c in train[4:]]
     ports = {"REWARD_PORT": free_port(), "MASTER_PORT": free_port()}
-    one, torchrun, server, node0, node1 = (_shell(c, tmp_path, ports) for c in train)
+    one, torchrun, server = (_shell(c, tmp_path, ports) for c in train[:3])
     for command, folder in ((one, "qs-one"), (torchrun, "qs-torchrun"), (server, "qs-server")):
         _finish(_start(command), command)
         _one_step(tmp_path / folder)
     assert (tmp_path / "qs-server" / "logs").is_dir()  # the reward server's output
     ports = {"REWARD_PORT": free_port(), "MASTER_PORT": free_port()}
     node0, node1 = (_shell(c, tmp_path, ports) for c in train[3:])
-    nodes = [_start(node0), _start(node1)]  # two "nodes" at once, as two terminals would
+    # two "nodes" at once, as two terminals would; the token is generated once and exported in both
+    secret = subprocess.run(["bash", "-c", f"{token}; echo $REWARD_SERVER_TOKEN"], env=_env(), capture_output=True,
+                            text=True, check=True).stdout.strip()
+    assert len(secret) == 32, secret
+    node0, node1 = (c.replace(token, f"export REWARD_SERVER_TOKEN={secret}") for c in (node0, node1))
+    nodes = [_start(node0), _start(node1)]
     for proc, command in zip(nodes, (node0, node1)):
         _finish(proc, command)
     _one_step(tmp_path / "qs-2n")
