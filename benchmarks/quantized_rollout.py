@@ -18,7 +18,8 @@ it is slower, not faster). Then the
 cost of re-quantizing after a sync: in place (`FakeQuantizedTransformer.refresh`, what the engine does),
 ModelOpt's re-calibration (`reset_amax` + `mtq.calibrate`), and a rebuild (`mtq.quantize` on a fresh copy).
 `DIR/bf16_vs_fp8.png` shows the first seed's images of both. The last line is the OCR reward fp8 / bf16
-(target >= 0.97).
+(target >= 0.97) with its 95% interval from a paired bootstrap over the samples; the line before says whether the
+interval is narrower than +-0.02 and, if not, about how many samples (`--seeds`) would make it so.
 """
 
 from __future__ import annotations
@@ -88,6 +89,23 @@ def _requantize_costs(engine: DiffusersRolloutEngine, runs: int) -> dict[str, fl
     return {k: statistics.median(v[1:]) for k, v in times.items()}  # the first (warm-up) run dropped
 
 
+CI_HALF_WIDTH = 0.02  # the printed ratio must carry a 95% interval at least this narrow to tell 0.97 from 1.0
+
+
+def paired_ratio_ci(a: list[float], b: list[float], resamples: int = 4000, seed: int = 0) -> tuple[float, float, float]:
+    """mean(a) / mean(b) of paired samples (same prompt and seed on both sides) and its 95% percentile interval
+    from a paired bootstrap (the same resampled indices on both sides, so the pairing's correlation counts)."""
+    import numpy as np
+
+    x, y = np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)
+    if x.shape != y.shape or x.size < 2:
+        raise ValueError(f"paired samples of equal length >= 2 needed, got {x.shape} and {y.shape}")
+    idx = np.random.default_rng(seed).integers(0, x.size, size=(resamples, x.size))
+    ratios = x[idx].mean(axis=1) / np.maximum(y[idx].mean(axis=1), 1e-12)
+    lo, hi = np.percentile(ratios, [2.5, 97.5])
+    return float(x.mean() / max(y.mean(), 1e-12)), float(lo), float(hi)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--seeds", type=int, default=4, help="seeds per prompt")
@@ -128,7 +146,8 @@ def main() -> None:
         rows[name] = {"before": float(iw.metrics["dlogp_abs_mean_before"]),
                       "after": float(iw.metrics["dlogp_abs_mean_after"]),
                       "truncated": float(iw.metrics["is_truncated_frac"]),
-                      "ocr": sum(rewards) / len(rewards), "seconds": statistics.median(seconds[name][1:])}
+                      "ocr": sum(rewards) / len(rewards), "rewards": list(rewards),
+                      "seconds": statistics.median(seconds[name][1:])}
     costs = _requantize_costs(engines["fp8"], runs=5)
 
     out = Path(a.out_dir)
@@ -150,7 +169,14 @@ def main() -> None:
     print(f"fp8 / bf16 rollout time on this CPU (FP8 emulated): {rows['fp8']['seconds'] / rows['bf16']['seconds']:.2f}")
     print("re-quantization after a sync (median of 5): " + ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in costs.items()))
     print(f"images: {out / 'bf16_vs_fp8.png'}")
-    print(f"OCR reward fp8 / bf16 (target >= 0.97): {rows['fp8']['ocr'] / rows['bf16']['ocr']:.3f}")
+    ratio, lo, hi = paired_ratio_ci(rows["fp8"]["rewards"], rows["bf16"]["rewards"])
+    half = (hi - lo) / 2
+    need = n if half <= CI_HALF_WIDTH else int(n * (half / CI_HALF_WIDTH) ** 2) + 1
+    print(f"confidence: 95% paired bootstrap over the {n} (prompt, seed) samples: half-width {half:.3f} "
+          + ("(narrower than +-0.02)" if half <= CI_HALF_WIDTH else
+             f"(wider than +-{CI_HALF_WIDTH}: about {need} samples, --seeds {-(-need // len(prompts))}, "
+             "would reach it)"))
+    print(f"OCR reward fp8 / bf16 (target >= 0.97): {ratio:.3f} (95% CI [{lo:.3f}, {hi:.3f}], n={n})")
     platform.destroy_distributed()
 
 

@@ -181,6 +181,24 @@ def close_pools() -> None:
     _POOLS.clear()
 
 
+def shutdown_pools(timeout_s: float = 30.0) -> None:
+    """Stop every pooled rank cleanly (a script's last act; the test suite's pools die with it at exit): each rank
+    leaves its loop and runs its exit handlers, so what it created (tqdm's multiprocessing lock, a semaphore) is
+    released and no resource-tracker warning follows the script's last line. A rank still running after
+    `timeout_s` is killed."""
+    for pool in _POOLS.values():
+        for q in pool.tasks:
+            q.put(None)
+        deadline = time.monotonic() + timeout_s
+        for p in pool.procs:
+            p.join(timeout=max(0.0, deadline - time.monotonic()))
+        pool.close(graceful=False)
+        for q in (*pool.tasks, pool.results):
+            q.close()
+            q.join_thread()
+    _POOLS.clear()
+
+
 def run_ranks(fn: Callable, world_size: int, *args: Any, timeout_s: float = 240.0, fresh: bool = False,
               **kwargs: Any) -> list[Any]:
     """Run `fn(rank, world_size, *args, **kwargs)` on `world_size` gloo ranks; return results by rank.

@@ -126,9 +126,11 @@ def evaluate(engine, reward_fn: RewardFunction, prompts: list[str], seeds: list[
 
 
 def save_before_after_grid(before: EvalResult, after: EvalResult, path: Path, columns: int = 4,
-                           per_prompt: int = 2) -> None:
+                           per_prompt: int = 2, transfer: set[str] | None = None) -> str:
     """A PNG with (prompt, seed) samples before and after side by side, captioned with both rewards: the first
-    `per_prompt` seeds of each prompt (the title's means cover all of them), `columns` pairs per row."""
+    `per_prompt` seeds of each prompt, `columns` pairs per row. The title's means are the held-out figure of
+    eval.jsonl and the console (`EvalResult.summary`'s `reward_mean`: every sample whose prompt is not in
+    `transfer`), so one run shows one figure. Returns the title."""
     if before.prompts != after.prompts or before.seeds != after.seeds:
         raise ValueError("before/after evaluations used different prompts or seeds")
     if per_prompt < 1:
@@ -156,7 +158,11 @@ def save_before_after_grid(before: EvalResult, after: EvalResult, path: Path, co
             ax = axes[r][2 * c + j]
             ax.imshow(first_frames(res.images)[i].clamp(0, 1).permute(1, 2, 0).numpy())
             ax.set_title(f"{tag} {res.rewards[i]:.2f}\n{res.prompts[i][:18]}", fontsize=6)
-    fig.suptitle(f"held-out reward over {len(before.prompts)} samples: before {before.mean():.3f} -> after "
-                 f"{after.mean():.3f} (shown: {n})", fontsize=9)
+    held_out = set(before.prompts) - (transfer or set())
+    count = sum(p in held_out for p in before.prompts)
+    title = (f"held-out reward over {count} samples: before {before.mean(held_out):.3f} -> after "
+             f"{after.mean(held_out):.3f} (shown: {n})")
+    fig.suptitle(title, fontsize=9)
     fig.tight_layout()
     atomic_files.save_figure(fig, path, dpi=110)
+    return title

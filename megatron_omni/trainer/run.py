@@ -111,7 +111,8 @@ def record_evaluation(cfg: JobConfig, trainer: FlowGRPOTrainer, run_dir: Path, d
         f.write(json.dumps(summary) + "\n")
     first = folder / "step_0000.npz"
     if done == cfg.steps and done > 0 and first.exists():
-        save_before_after_grid(EvalResult.load(first), result, run_dir / "eval_before_after.png")
+        save_before_after_grid(EvalResult.load(first), result, run_dir / "eval_before_after.png",
+                               transfer=transfer)
     tqdm.write(f"eval after {done} steps: " + ", ".join(f"{k} {v:.4f}" for k, v in summary.items() if k != "step"))
 
 

@@ -243,6 +243,15 @@ def _rollout_fault(rank: int, world_size: int, pipeline: str, fault: str, report
                 return generate(*args, **kwargs)
 
             engine.generate = stuck
+        if fault == "sender":  # the result does not pickle: the sender thread fails, not the engine
+            produce = engine.generate
+
+            def unpicklable(*args, **kwargs):
+                traj = produce(*args, **kwargs)
+                traj.unsendable = lambda: None
+                return traj
+
+            engine.generate = unpicklable
         try:
             service.serve()
         except Exception as e:  # noqa: BLE001 - the trainer gave up on this rank: its channels are closed
@@ -254,8 +263,9 @@ def _rollout_fault(rank: int, world_size: int, pipeline: str, fault: str, report
         out = _collect_until_lost(client, 0)
         client.abandon()
         return out
-    if fault == "error":  # the engine refuses the request (texts longer than text_length): its error comes back
-        client.request(0, 0, rows, seeds, replace(PARAMS, text_length=1))
+    if fault in ("error", "sender"):  # the engine refuses the request (texts longer than text_length), or the
+        # result cannot be sent: the error comes back with its traceback
+        client.request(0, 0, rows, seeds, replace(PARAMS, text_length=1) if fault == "error" else PARAMS)
         try:
             client.collect(0)
             return {"error": None}
@@ -291,13 +301,16 @@ def _rollout_fault(rank: int, world_size: int, pipeline: str, fault: str, report
 @pytest.mark.parametrize("fault,message,raised", [
     ("error", "more than text_length=1", "ValueError"),  # the engine's own traceback
     ("probe", "probe after the swap to policy version 1 on rollout rank 1", "ProbeMismatch"),
+    ("sender", "the sender thread of rollout rank 1 failed sending Result", "AttributeError"),
 ])
 def test_a_rollout_rank_error_reaches_the_trainer(tiny_pipeline: str, tmp_path, fault: str, message: str,
                                                   raised: str) -> None:
     trainer, rollout = run_ranks(_rollout_fault, 2, tiny_pipeline, fault, str(tmp_path / "report"), timeout_s=120)
-    step = 0 if fault == "error" else 1
+    step = 1 if fault == "probe" else 0
     assert trainer["rank"] == 1 and trainer["step"] == step, trainer
     assert f"rollout rank 1 failed serving step {step}" in trainer["error"] and message in trainer["error"], trainer
+    if fault == "sender":  # the cause, not a lost rank
+        assert "Can't pickle local object" in trainer["error"], trainer
     assert rollout == {"rollout_error": raised}
 
 

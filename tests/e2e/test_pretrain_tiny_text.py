@@ -97,17 +97,6 @@ def test_same_seed_rebuilds_the_same_folder(built: Path, tmp_path: Path) -> None
         json.loads((again / "vae" / "config.json").read_text())
 
 
-def test_tp2_trains_the_same_model(built: Path, tmp_path: Path) -> None:
-    """Two torchrun ranks at TP=2 see the same batches: the loss at every evaluation matches TP=1."""
-    tp2 = tmp_path / "tp2"
-    _pretrain(tp2, "--tp", "2", nproc=2)
-    one = json.loads((built / "pretrain.json").read_text())["history"]
-    two = json.loads((tp2 / "pretrain.json").read_text())["history"]
-    assert [h["step"] for h in two] == [h["step"] for h in one]
-    for a, b in zip(one, two):
-        assert b["loss"] == pytest.approx(a["loss"], rel=1e-4), (one, two)
-
-
 def _weights(folder: Path, part: str) -> dict:
     from safetensors.torch import load_file
 
@@ -117,39 +106,77 @@ def _weights(folder: Path, part: str) -> dict:
     return out
 
 
-def test_text_encoder_training_and_vae_from(built: Path, tmp_path: Path) -> None:
+# The text-encoder-training command the interrupt, text-encoder and TP=2 cases share (one set of runs for the
+# three: the suite's budget).
+TRAIN_TEXT = ["--text-encoder", "train"]
+
+
+@pytest.fixture(scope="module")
+def trained(built: Path, tmp_path_factory) -> dict:
+    """`--text-encoder train --vae-from built`: a run SIGTERMed mid-run ("interrupted": steps and evaluations
+    keep going until the signal lands), the same command stopped at the step whose model the interrupted run
+    wrote ("reference", TP=1) and at TP=2 ("tp2", torchrun); "steps": that step."""
+    root = tmp_path_factory.mktemp("trained")
+    out, log = root / "interrupted", root / "stderr.txt"
+    args = [*SHORT, "--max-steps", "100000", *TRAIN_TEXT, "--vae-from", str(built)]
+    with log.open("w") as err:
+        proc = subprocess.Popen([sys.executable, TOOL, "--out", str(out), *args], cwd=ROOT,
+                                env={**_env(), "PYTHONUNBUFFERED": "1"},
+                                stdout=subprocess.PIPE, stderr=err, text=True)
+        try:
+            for line in proc.stdout:
+                m = re.match(r"step (\d+): OCR similarity", line)
+                if m and int(m.group(1)) >= 6:
+                    time.sleep(1.5)  # into later steps and evaluations: the weights have moved on since
+                    proc.send_signal(signal.SIGTERM)
+                    break
+            rest = proc.communicate(timeout=300)[0]
+        finally:
+            proc.kill()
+    assert proc.returncode == 0, rest + log.read_text()[-3000:]
+    steps = json.loads((out / "pretrain.json").read_text())["transformer_steps"]
+    same = [*args[len(SHORT):], "--max-steps", str(steps)]
+    _pretrain(root / "reference", *same)
+    _pretrain(root / "tp2", *same, "--tp", "2", nproc=2)
+    return {"interrupted": out, "reference": root / "reference", "tp2": root / "tp2", "steps": steps}
+
+
+def test_tp2_trains_the_same_model(trained: dict) -> None:
+    """Two torchrun ranks at TP=2 see the same batches: the loss at every evaluation matches TP=1, and the
+    trained text encoder's gradient reaches both ranks whole (the column-parallel input all-reduces it): the
+    same text encoder as one rank."""
+    one = json.loads((trained["reference"] / "pretrain.json").read_text())["history"]
+    two = json.loads((trained["tp2"] / "pretrain.json").read_text())["history"]
+    assert [h["step"] for h in two] == [h["step"] for h in one] and len(one) >= 3
+    for a, b in zip(one, two):
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-4), (one, two)
+    tp2_weights, ref = _weights(trained["tp2"], "text_encoder"), _weights(trained["reference"], "text_encoder")
+    assert tp2_weights.keys() == ref.keys()
+    assert all(torch.allclose(tp2_weights[k], ref[k], atol=1e-5) for k in ref)
+
+
+def test_text_encoder_training_and_vae_from(built: Path, trained: dict, tmp_path: Path) -> None:
     """`--text-encoder train` moves the text encoder's weights off their seeded start; the default keeps the
     seeded encoder; `--vae-from` takes the given folder's VAE and latent statistics unchanged."""
-    frozen = tmp_path / "frozen"
-    _pretrain(frozen, "--vae-from", str(built))
-    trained_dir = tmp_path / "trained"
-    _pretrain(trained_dir, "--text-encoder", "train", "--vae-from", str(built))
     from model_providers.ocr_miniature.text_miniature import MINIATURE
     from model_providers.qwen_image.tiny_pipeline import build_components
 
     build_components(MINIATURE, 0)["text_encoder"].save_pretrained(tmp_path / "seeded")
     seeded = _weights(tmp_path, "seeded")
-    trained, start = _weights(trained_dir, "text_encoder"), _weights(frozen, "text_encoder")
-    assert trained.keys() == start.keys() == seeded.keys()
+    reference = trained["reference"]
+    trained_te, start = _weights(reference, "text_encoder"), _weights(built, "text_encoder")
+    assert trained_te.keys() == start.keys() == seeded.keys()
+    assert json.loads((built / "pretrain.json").read_text())["args"]["text_encoder"] == "frozen"
     assert all(torch.equal(start[k], seeded[k]) for k in seeded)
-    moved = [k for k in trained if not torch.equal(trained[k], start[k])]
-    assert "embed_tokens" in " ".join(moved) and len(moved) > len(trained) // 2, moved
-    assert _weights(frozen, "vae").keys() == _weights(built, "vae").keys()
-    assert all(torch.equal(v, _weights(built, "vae")[k]) for k, v in _weights(frozen, "vae").items())
-    assert json.loads((frozen / "vae" / "config.json").read_text()) == \
+    moved = [k for k in trained_te if not torch.equal(trained_te[k], start[k])]
+    assert "embed_tokens" in " ".join(moved) and len(moved) > len(trained_te) // 2, moved
+    lent, own = _weights(reference, "vae"), _weights(built, "vae")
+    assert lent.keys() == own.keys() and all(torch.equal(v, own[k]) for k, v in lent.items())
+    assert json.loads((reference / "vae" / "config.json").read_text()) == \
         json.loads((built / "vae" / "config.json").read_text())
-    record = json.loads((frozen / "pretrain.json").read_text())
-    assert record["vae_from"] == str(built) and record["args"]["text_encoder"] == "frozen"
+    record = json.loads((reference / "pretrain.json").read_text())
+    assert record["vae_from"] == str(built) and record["args"]["text_encoder"] == "train"
     assert record["vae_source"] == json.loads((built / "pretrain.json").read_text())
-    # At TP=2 the text encoder's gradient reaches both ranks whole (the column-parallel input all-reduces it):
-    # the same training as one rank.
-    tp2 = tmp_path / "trained_tp2"
-    _pretrain(tp2, "--text-encoder", "train", "--vae-from", str(built), "--tp", "2", nproc=2)
-    one = json.loads((trained_dir / "pretrain.json").read_text())["history"]
-    two = json.loads((tp2 / "pretrain.json").read_text())["history"]
-    assert [b["loss"] for b in two] == pytest.approx([a["loss"] for a in one], rel=1e-4)
-    tp2_weights = _weights(tp2, "text_encoder")
-    assert all(torch.allclose(tp2_weights[k], trained[k], atol=1e-5) for k in trained)
     _assert_refused(["--out", str(tmp_path / "both"), *SHORT, "--init-from", str(built), "--vae-from", str(built)],
                     "--vae-from", tmp_path / "both")
 
@@ -157,7 +184,7 @@ def test_text_encoder_training_and_vae_from(built: Path, tmp_path: Path) -> None
 def test_pixel_space_folder_continues_and_lends_its_vae(tmp_path: Path) -> None:
     """`--space pixel` writes a pipeline whose VAE is the exact PixelShuffleVAE with the dataset's latent
     statistics, that samples through the diffusers engine, continues with `--init-from` (on the folder's
-    dataset layout unless a flag changes it) and lends its VAE with `--vae-from`; `--space pixel` beside
+    dataset layout but for what a flag changes) and lends its VAE with `--vae-from`; `--space pixel` beside
     either of those is refused, and so are a bad --max-offset and --offset-step 0."""
     from megatron_omni.rollout.base import SamplingParams
     from megatron_omni.rollout.diffusers_engine import DiffusersRolloutEngine
@@ -178,14 +205,13 @@ def test_pixel_space_folder_continues_and_lends_its_vae(tmp_path: Path) -> None:
     traj = engine.generate(['text "CAT"'], SamplingParams(height=64, width=64, num_steps=2, noise_level=0.0))
     gray = traj.images[0]
     assert gray.shape == (3, 64, 64) and torch.equal(gray[0], gray[1]) and torch.equal(gray[1], gray[2])
+    # One continuation for both halves of the layout rule: the flag given (--max-offset) wins, every other key
+    # (font sizes, colours, offset step: none of them the defaults) is the folder's.
     more = tmp_path / "more"
-    _pretrain(more, "--init-from", str(pixel), "--seed", "1")
+    _pretrain(more, "--init-from", str(pixel), "--seed", "1", "--max-offset", "0")
     assert json.loads((more / "model_index.json").read_text())["vae"] == index["vae"]
     continued = json.loads((more / "pretrain.json").read_text())
-    assert continued["args"]["space"] == "pixel" and continued["layout"] == layout  # the folder's
-    centred = tmp_path / "centred"
-    _pretrain(centred, "--init-from", str(pixel), "--max-offset", "0")
-    assert json.loads((centred / "pretrain.json").read_text())["layout"] == {**layout, "max_offset": 0}
+    assert continued["args"]["space"] == "pixel" and continued["layout"] == {**layout, "max_offset": 0}
     vae_config = json.loads((pixel / "vae" / "config.json").read_text())
     assert json.loads((more / "vae" / "config.json").read_text()) == vae_config
     lent = tmp_path / "lent"
@@ -199,35 +225,17 @@ def test_pixel_space_folder_continues_and_lends_its_vae(tmp_path: Path) -> None:
         _assert_refused(["--out", str(tmp_path / "refused"), *SHORT, *bad], message, tmp_path / "refused")
 
 
-def test_interrupt_writes_the_model_of_the_last_evaluation(built: Path, tmp_path: Path) -> None:
+def test_interrupt_writes_the_model_of_the_last_evaluation(trained: dict) -> None:
     """SIGTERM mid-run (steps and evaluations keep going until it lands) writes the model the last finished
     evaluation scored: transformer and trained text encoder equal, byte for byte, to those of the same
     command stopped at that step."""
-    out, log = tmp_path / "interrupted", tmp_path / "stderr.txt"
-    args = [*SHORT, "--max-steps", "100000", "--text-encoder", "train", "--vae-from", str(built)]
-    with log.open("w") as err:
-        proc = subprocess.Popen([sys.executable, TOOL, "--out", str(out), *args], cwd=ROOT,
-                                env={**_env(), "PYTHONUNBUFFERED": "1"},
-                                stdout=subprocess.PIPE, stderr=err, text=True)
-        try:
-            for line in proc.stdout:
-                m = re.match(r"step (\d+): OCR similarity", line)
-                if m and int(m.group(1)) >= 6:
-                    time.sleep(1.5)  # into later steps and evaluations: the weights have moved on since
-                    proc.send_signal(signal.SIGTERM)
-                    break
-            rest = proc.communicate(timeout=300)[0]
-        finally:
-            proc.kill()
-    assert proc.returncode == 0, rest + log.read_text()[-3000:]
+    out, steps = trained["interrupted"], trained["steps"]
     record = json.loads((out / "pretrain.json").read_text())
-    steps = record["transformer_steps"]
     assert record["interrupted"] and steps >= 6 and steps == record["history"][-1]["step"]
-    again = tmp_path / "again"
-    _pretrain(again, *args[len(SHORT):], "--max-steps", str(steps))
     for part in ("transformer", "text_encoder"):
-        ours, ref = _weights(out, part), _weights(again, part)
-        assert all(torch.equal(ours[k], ref[k]) for k in ref), f"{part} is not the step-{steps} model"
+        ours, ref = _weights(out, part), _weights(trained["reference"], part)
+        assert ours.keys() == ref.keys() and all(torch.equal(ours[k], ref[k]) for k in ref), \
+            f"{part} is not the step-{steps} model"
 
 
 def test_existing_folder_is_refused_untouched(built: Path) -> None:

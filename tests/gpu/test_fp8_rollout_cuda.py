@@ -154,3 +154,4 @@ def test_vllm_omni_fp8_engine_rollout(record, tmp_path) -> None:
         engine.close()
     figures["speedup"] = figures["fp8_images_per_s"] / figures["bf16_images_per_s"]
     record("f_vllm_omni_fp8_rollout", **figures)
+    assert figures["speedup"] > 1.0, figures  # the FP8 engine must sample faster than bf16, else it does not pay

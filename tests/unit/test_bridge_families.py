@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_omni.bridge import PlanError, check_plan
+from megatron_omni.bridge import CoverageError, PlanError, check_plan
 from megatron_omni.bridge.family_sync import family_plans
 from megatron_omni.bridge.sync import copy_piece, to_hf
 from model_providers import get_family
@@ -55,10 +55,18 @@ def test_every_part_covers_the_torch_hybrid_once(tp: int) -> None:
     assert sorted(plans) == sorted(modules)
     for part, plan in plans.items():
         check_plan(plan, {(n, 0): tuple(t.shape) for n, t in modules[part].named_parameters()})
-    # a tensor the module does not hold is named, not skipped
-    with pytest.raises(Exception, match="lm_head.weight|never written|no such parameter"):
-        check_plan(plans["decoder"], {(n, 0): tuple(t.shape) for n, t in hybrid.decoder.named_parameters()
-                                       if n != "model.norm.weight"})
+    # A tensor the module does not hold, and one the plan never writes, are each named (and only they): the
+    # error's whole problem list is checked, so a ledger that named another tensor, or none, fails here.
+    decoder = {(n, 0): tuple(t.shape) for n, t in hybrid.decoder.named_parameters()}
+    for dropped in ("model.norm.weight", "model.layers.0.self_attn.q_proj.weight"):
+        assert (dropped, 0) in decoder, dropped
+        with pytest.raises(CoverageError) as err:
+            check_plan(plans["decoder"], {k: v for k, v in decoder.items() if k != (dropped, 0)})
+        assert str(err.value).splitlines()[1:] == \
+            [f"  {dropped} (rollout rank 0): written but the rollout model has no such parameter"], str(err.value)
+    with pytest.raises(CoverageError) as err:
+        check_plan(plans["decoder"], {**decoder, ("model.extra.weight", 0): (4, 4)})
+    assert str(err.value).splitlines()[1:] == ["  model.extra.weight (rollout rank 0): never written"], str(err.value)
 
 
 def test_parts_without_an_engine_layout_and_families_without_parts_are_refused() -> None:

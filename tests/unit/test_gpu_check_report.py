@@ -53,3 +53,21 @@ def test_report_prints_the_fp8_rollout_checks(tmp_path: Path) -> None:
     assert "FP8 12.50 images/s (speed-up 1.25); FP8 probe 2.000e-03 <= bound 9.000e-02" in proc.stdout
     assert proc.stdout.count("not run (") == 4  # (a) to (d)
     assert json.loads(out.read_text())["figures"]["e_fp8_forward_20b_block"]["batch_8"]["speedup"] == 1.6
+
+
+def test_block_throughput_check_holds_the_planner_assumption() -> None:
+    """tests/gpu/test_dit_cuda.py's bound, on CPU: figures near the planner's MFU pass; batch 1 under half of it,
+    or any batch above what cuBLAS reaches, fails naming the batch."""
+    import pytest
+
+    from tests.gpu.cuda import check_block_throughput
+
+    rows = {int(k.split("_")[1]): dict(v) for k, v in BLOCK.items()}
+    check_block_throughput(rows)
+    check_block_throughput({**rows, 1: {**rows[1], "mfu": 0.175, "tflops": 173.1}})  # exactly the floor
+    with pytest.raises(AssertionError, match="batch 1: MFU 0.174 < 0.175"):
+        check_block_throughput({**rows, 1: {**rows[1], "mfu": 0.174, "tflops": 172.1}})
+    with pytest.raises(AssertionError, match=r"batch 4: 800.0 TFLOP/s is outside \(0, 790\]"):
+        check_block_throughput({**rows, 4: {**rows[4], "tflops": 800.0}})
+    with pytest.raises(AssertionError, match="batch 2"):
+        check_block_throughput({**rows, 2: {**rows[2], "tflops": 0.0}})

@@ -57,6 +57,12 @@ def test_before_after_grid(tmp_path: Path) -> None:
     before, after = _result([0.0] * 6), _result([1.0] * 6)
     save_before_after_grid(before, after, tmp_path / "grid.png")
     assert (tmp_path / "grid.png").stat().st_size > 0
+    # The title's figure is the summary's held-out reward_mean (transfer prompts apart), the one eval.jsonl and
+    # the console print: one figure per run.
+    before, after = _result([0.1, 0.2, 0.3, 0.4, 0.9, 0.9]), _result([0.5, 0.6, 0.7, 0.8, 0.0, 0.0])
+    title = save_before_after_grid(before, after, tmp_path / "grid.png", transfer={'"C"'})
+    b, a = (r.summary(seen=set(), transfer={'"C"'})["reward_mean"] for r in (before, after))
+    assert f"over 4 samples: before {b:.3f} -> after {a:.3f}" in title, title
     with pytest.raises(ValueError, match="different prompts or seeds"):
         save_before_after_grid(before, _result([1.0] * 6, seed=1), tmp_path / "bad.png")
     assert not (tmp_path / "bad.png").exists()

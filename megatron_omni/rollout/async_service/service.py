@@ -6,7 +6,8 @@ Three threads, each owning one channel (a gloo pair is never shared between thre
   the back buffer here (`WeightReceiver.receive`), so a push never waits for a rollout to finish; cancels mark
   their step.
 - sender (sends on `results[rank]`): results, failures and progress as they come, and a heartbeat whenever
-  nothing was sent for `heartbeat_s`.
+  nothing was sent for `heartbeat_s`. Its own error (a result that does not pickle) goes to the trainer as this
+  rank's failure, with its traceback, and to the main loop, which raises it.
 - main (`serve`): pops a request, swaps its policy version in (`WeightReceiver.ensure`, between two requests only),
   generates, stamps the version on the trajectory and hands it to the sender; a `Checkpoint` (sent when nothing is
   in flight) joins the job's collective save (`on_checkpoint`). An engine error is sent to the
@@ -105,6 +106,7 @@ class RolloutService:
             self._inbox.put(e)
 
     def _sender(self) -> None:
+        msg: Any = None
         try:
             while True:
                 try:
@@ -115,8 +117,17 @@ class RolloutService:
                 send_object(msg, self.root, self.results_group)
                 if isinstance(msg, Bye):
                     return
-        except BaseException:  # noqa: BLE001 - the trainer is gone; the control thread sees it too
-            return
+        except BaseException as e:  # noqa: BLE001 - told to the trainer (if it can still hear) and to the main loop
+            # A message that cannot be sent (a result that does not pickle, say) leaves the channel intact: the
+            # trainer gets this rank's failure with the cause instead of a silence it would report as a lost rank.
+            # A broken channel (the trainer gone) cannot carry it; the control thread reports that side too.
+            error = (f"the sender thread of rollout rank {self.rank} failed sending {type(msg).__name__}:\n"
+                     f"{traceback.format_exc()}")
+            self._inbox.put(e)  # first: the trainer's answer to the failure (a Stop) must queue behind it
+            try:
+                send_object(Failed(self.rank, getattr(msg, "step", None), error), self.root, self.results_group)
+            except BaseException:  # noqa: BLE001 - the channel itself is broken: the main loop still raises `e`
+                pass
 
     def _progress(self, req: Request) -> Any:
         def on_sample(_: FinishedSample) -> None:

@@ -1,13 +1,15 @@
-"""Dry-run planner over a grid of layouts for the 20B Qwen-Image OCR recipe (512x512, 10 steps, window 2,
-32 prompts x 16, 2 mini-batches, non-CFG) on H200 and H800: predicted per-GPU memory and images/s/GPU
-next to the reference (VeRL-Omni, 0.510 images/s/GPU on 4xH200). No GPU needed.
+"""A prediction, not a measurement (a tool, not a benchmark): the dry-run planner over a grid of layouts for the
+20B Qwen-Image OCR recipe (512x512, 10 steps, window 2, 32 prompts x 16, 2 mini-batches, non-CFG) on H200 and H800:
+predicted per-GPU memory and images/s/GPU at an assumed MFU, with the reference's published figure (VeRL-Omni,
+0.510 images/s/GPU measured on 4xH200) beside it and the MFU that figure implies. No GPU needed.
 
 For each GPU kind, world size and trainer layout (tp, ulysses x ring, pp) the table shows the fastest
 setting that fits over recompute mode, micro-batch size and rollout TP (the rollout engine colocated), or
-the smallest memory when none fits. Last line: the best predicted images/s/GPU on 8xH200 over 0.510.
+the smallest memory when none fits, then the best predicted images/s/GPU on 8xH200.
 Then the disaggregated splits (`placement.mode=disaggregated`, `planner.disaggregated`: T trainer + R rollout
 GPUs, steady state at staleness 1, the embedded engine at rollout tp 1) next to the best colocated plan on T + R.
-Usage: python benchmarks/planner_table.py [--mfu 0.35] [--worlds 8 16] [--cfg] [--splits 4+4 6+2 12+4]
+Last line: "predicted at MFU x", with the cost model's assumptions.
+Usage: python tools/planner_table.py [--mfu 0.35] [--worlds 8 16] [--cfg] [--splits 4+4 6+2 12+4]
 """
 
 from __future__ import annotations
@@ -148,9 +150,11 @@ def main() -> None:
     print(f"reference VeRL-Omni on {REFERENCE_GPUS}xH200: {REFERENCE_IMAGES_PER_S_PER_GPU:.3f} images/s/GPU, "
           f"~{REFERENCE_STEP_S:.0f} s/step; at our FLOPs count per image ({best.flops_per_image / 1e12:.0f} TFLOP) "
           f"that is an achieved MFU of {reference_implied_mfu(best):.3f} (we assume {args.mfu:.2f})")
-    print(f"best predicted on 8xH200: {best.time.images_per_s_per_gpu:.3f} images/s/GPU")
-    print(f"ratio best/reference: {best.time.images_per_s_per_gpu / REFERENCE_IMAGES_PER_S_PER_GPU:.3f}")
+    print(f"best predicted on 8xH200: {best.time.images_per_s_per_gpu:.3f} images/s/GPU (the reference measured "
+          f"{REFERENCE_IMAGES_PER_S_PER_GPU:.3f} on {REFERENCE_GPUS}xH200)")
+    last = f"every figure above is predicted at MFU {args.mfu:.2f} (a cost model, not a measurement); assumptions: "
     if not args.splits:
+        print(last + "the planner's memory and time model (docs/parallelism.md)")
         return
     splits = [tuple(int(n) for n in s.split("+")) for s in args.splits]
     print("\ndisaggregated (best fitting trainer layout per split; colocated best over the table's grid on T + R):")
@@ -166,7 +170,7 @@ def main() -> None:
                                 key=lambda r: (r.memory.fits, r.time.images_per_s_per_gpu), default=None)
                 colocated = colocated if colocated is not None and colocated.memory.fits else None
             print(f"{gpu:5s} {trainer:2d}+{rollout:<2d} | no valid layout" if d is None else _split_row(d, colocated))
-    print("assumption: " + ASSUMPTIONS)
+    print(last + ASSUMPTIONS)
 
 
 if __name__ == "__main__":
