@@ -8,7 +8,7 @@ SD3's differences:
   tokens alone (`attn2`), modulated by three more adaLN outputs (9 x hidden: diffusers' `SD35AdaLayerNormZeroX`,
   chunked shift, scale, gate, shift_mlp, scale_mlp, gate_mlp, shift2, scale2, gate2);
 - `context_pre_only` (the last block): the text stream's norm is `AdaLayerNormContinuous` (2 x hidden, chunked
-  scale, shift) and the stream has no output projection or MLP; its keys and values still feed the image.
+  scale, shift) and the stream has no output projection or MLP; its attention output is dropped.
 """
 
 from __future__ import annotations
@@ -20,15 +20,14 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import build_module
 from torch import nn
 
-from megatron_omni.models.dit.context_parallel import joint_attention, self_attention
 from megatron_omni.models.dit.layer import MMDiTLayerSubmodules, MMDiTStreamSubmodules, _modulate
 from megatron_omni.models.dit.sd3_config import SD3Config
 
 
 class SD3Stream(MegatronModule):
-    """One stream's parameters: adaLN (`mod_chunks` x hidden outputs), fused QKV with QK norms and, unless
-    `attention_only_kv` (the pre-only text stream), the output projection and MLP (`mlp=False` drops the MLP:
-    the image's second attention)."""
+    """One stream's parameters: adaLN (`mod_chunks` x hidden outputs; None: none, the image's second attention),
+    fused QKV with QK norms, the output projection (`has_proj=False`: the pre-only text stream) and the MLP
+    (`mlp=False`: the pre-only text stream and the image's second attention)."""
 
     def __init__(self, config: SD3Config, submodules: MMDiTStreamSubmodules, tp_group: dist.ProcessGroup,
                  mod_chunks: int | None, has_proj: bool = True, mlp: bool = True):
@@ -65,14 +64,32 @@ class SD3Stream(MegatronModule):
         return (self.q_layernorm(q) if queries else None), self.k_layernorm(k), v.contiguous()
 
     def project(self, attn: torch.Tensor) -> torch.Tensor:
-        """Attention output [s, b, n_local, d] -> [s, b, h] (row-parallel, reduced over tp)."""
-        out, _ = self.linear_proj(attn.flatten(-2))
-        return out
+        """Attention output [b, s, n_local * d] (batch-first, see `_joint_attention`) -> [s, b, h] (row-parallel,
+        reduced over tp)."""
+        out, _ = self.linear_proj(attn)
+        return out.transpose(0, 1)
 
     def mlp(self, x: torch.Tensor) -> torch.Tensor:
         h, _ = self.linear_fc1(x)
         out, _ = self.linear_fc2(nn.functional.gelu(h, approximate="tanh"))
         return out
+
+
+def _joint_attention(q_i, k_i, v_i, q_t, k_t, v_t) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One softmax over [image; text] keys, inputs [s, b, n, d]; q_t None: image queries only; k_t = v_t = None:
+    image self-attention. Returns (image out, text out or None), batch-first [b, s, n * d]: slices of one
+    [b, s_img + s_txt, n * d] tensor.
+
+    Image first and the outputs as those slices, as diffusers' `JointAttnProcessor2_0` has them: the same key
+    order makes the bf16 kernel's sums diffusers', and a linear over such a strided slice takes another CPU
+    GEMM path (one bf16 ulp apart from a contiguous input), so the output projections see the same layout."""
+    def bnsd(*parts):
+        return torch.cat([t.permute(1, 2, 0, 3) for t in parts if t is not None], dim=2)
+
+    out = nn.functional.scaled_dot_product_attention(bnsd(q_i, q_t), bnsd(k_i, k_t), bnsd(v_i, v_t))
+    out = out.transpose(1, 2).flatten(-2)
+    s_img = q_i.shape[0]
+    return out[:, :s_img], (None if q_t is None else out[:, s_img:])
 
 
 class SD3Layer(MegatronModule):
@@ -110,13 +127,15 @@ class SD3Layer(MegatronModule):
         txt_normed = _modulate(txt, t_shift1, t_scale1, eps)
 
         q_i, k_i, v_i = self.img.qkv(img_normed)
-        q_t, k_t, v_t = self.txt.qkv(txt_normed, queries=not self.context_pre_only)
-        out_t, out_i = joint_attention(q_t, k_t, v_t, q_i, k_i, v_i, None)
+        # The pre-only block's text queries feed nothing, but diffusers computes them: the image output is then
+        # the same strided slice whose projection rounds as diffusers' does in bf16 (`_joint_attention`).
+        q_t, k_t, v_t = self.txt.qkv(txt_normed)
+        out_i, out_t = _joint_attention(q_i, k_i, v_i, q_t, k_t, v_t)
         img = img + i_gate1 * self.img.project(out_i)
         if self.dual:
             shift3, scale3, gate3 = i_mod[6:]
             q2, k2, v2 = self.img_attn2.qkv(img_ln * (1 + scale3) + shift3)
-            img = img + gate3 * self.img_attn2.project(self_attention(q2, k2, v2))
+            img = img + gate3 * self.img_attn2.project(_joint_attention(q2, k2, v2, None, None, None)[0])
         img = img + i_gate2 * self.img.mlp(_modulate(img, i_shift2, i_scale2, eps))
         if self.context_pre_only:
             return img, None

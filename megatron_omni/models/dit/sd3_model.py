@@ -66,7 +66,8 @@ class PatchEmbed(nn.Module):
         self.proj = nn.Conv2d(config.in_channels, h, kernel_size=p, stride=p, dtype=config.params_dtype)
         table = get_2d_sincos_pos_embed(h, m, base_size=config.sample_size // p, interpolation_scale=1,
                                         output_type="pt")
-        self.register_buffer("pos_embed", table.float().unsqueeze(0), persistent=True)
+        # In the parameters' dtype, as diffusers' `from_pretrained(torch_dtype=...)` casts this buffer too.
+        self.register_buffer("pos_embed", table.float().unsqueeze(0).to(config.params_dtype), persistent=True)
 
     def forward(self, latents: torch.Tensor) -> torch.Tensor:
         hh, ww = (n // self.patch_size for n in latents.shape[-2:])
@@ -101,8 +102,10 @@ class SD3Model(DiTStage):
         b, _, big_h, big_w = batch.latents.shape
         p = self.config.patch_size
         temb = self.time_embedder(batch.timestep, dtype) + self.pooled_embedder(batch.pooled.to(dtype))
-        img = self.patch_embed(batch.latents.to(dtype)).transpose(0, 1)
-        txt = self.context_embedder(batch.prompt_embeds.to(dtype)).transpose(0, 1)
+        # Contiguous sequence-first copies: a linear over a transposed view runs another CPU GEMM path whose bf16
+        # results differ from diffusers' by an ulp.
+        img = self.patch_embed(batch.latents.to(dtype)).transpose(0, 1).contiguous()
+        txt = self.context_embedder(batch.prompt_embeds.to(dtype)).transpose(0, 1).contiguous()
         for i, layer in enumerate(self.layers):
             if self.recompute_block(i):
                 from megatron.core import tensor_parallel
