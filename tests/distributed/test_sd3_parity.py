@@ -26,7 +26,8 @@ def test_tp2_parity_with_diffusers() -> None:
     results = run_ranks(_parity, 2, timeout_s=300)
     for r in results:
         fp32, bf16 = r[torch.float32], r[torch.bfloat16]
-        print(f"sd3 tp2: fp32 max abs {fp32['fwd_abs']:.3g}, rel {fp32['fwd_rel']:.3g}; bf16 max abs "
+        print(f"sd3 tp2: fp32 max abs {fp32['fwd_abs']:.3g}, rel {fp32['fwd_rel']:.3g}, worst grad rel "
+              f"{max(fp32['grad'].values()):.3g}; bf16 max abs "
               f"{bf16['fwd_abs']:.3g}, rel {bf16['fwd_rel']:.3g}, worst grad rel {max(bf16['grad'].values()):.3g}")
         sd3_reference.check(fp32)
         sd3_reference.check(bf16, fwd_rel=BF16_FWD_REL, grad_rel=BF16_GRAD_REL)

@@ -26,7 +26,8 @@ def groups():
 
 def test_fp32_parity_with_diffusers_at_tp1(groups) -> None:
     result = sd3_reference.parity(groups)
-    print(f"sd3 fp32 tp1: max abs {result['fwd_abs']:.3g}, rel {result['fwd_rel']:.3g}")
+    print(f"sd3 fp32 tp1: max abs {result['fwd_abs']:.3g}, rel {result['fwd_rel']:.3g}, "
+          f"worst grad rel {max(result['grad'].values()):.3g}")
     sd3_reference.check(result)
 
 
