@@ -56,12 +56,12 @@ class SD3Stream(MegatronModule):
         mod, _ = self.adaln(nn.functional.silu(temb))
         return tuple(m.unsqueeze(0) for m in mod.chunk(mod.shape[-1] // self.config.hidden_size, dim=-1))
 
-    def qkv(self, x: torch.Tensor, queries: bool = True) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor]:
-        """x [s, b, h] -> q, k, v [s, b, n_local, d], q and k RMS-normalised per head; q None unless `queries`."""
+    def qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x [s, b, h] -> q, k, v [s, b, n_local, d], q and k RMS-normalised per head."""
         mixed, _ = self.linear_qkv(x)
         d = self.config.kv_channels
         q, k, v = mixed.unflatten(-1, (-1, 3 * d)).split(d, dim=-1)  # Megatron's per-head [q_h | k_h | v_h]
-        return (self.q_layernorm(q) if queries else None), self.k_layernorm(k), v.contiguous()
+        return self.q_layernorm(q), self.k_layernorm(k), v.contiguous()
 
     def project(self, attn: torch.Tensor) -> torch.Tensor:
         """Attention output [b, s, n_local * d] (batch-first, see `_joint_attention`) -> [s, b, h] (row-parallel,
@@ -76,8 +76,8 @@ class SD3Stream(MegatronModule):
 
 
 def _joint_attention(q_i, k_i, v_i, q_t, k_t, v_t) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """One softmax over [image; text] keys, inputs [s, b, n, d]; q_t None: image queries only; k_t = v_t = None:
-    image self-attention. Returns (image out, text out or None), batch-first [b, s, n * d]: slices of one
+    """One softmax over [image; text] keys, inputs [s, b, n, d]; q_t = k_t = v_t = None: image
+    self-attention. Returns (image out, text out or None), batch-first [b, s, n * d]: slices of one
     [b, s_img + s_txt, n * d] tensor.
 
     Image first and the outputs as those slices, as diffusers' `JointAttnProcessor2_0` has them: the same key
