@@ -6,6 +6,7 @@ import pytest
 from model_providers import family_names, get_family
 from model_providers.ar_dit import provider as ar_dit_provider
 from model_providers.qwen_image import provider as qwen_image_provider
+from model_providers.sd3 import provider as sd3_provider
 
 
 def test_both_families_are_found_by_name():
@@ -19,5 +20,12 @@ def test_both_families_are_found_by_name():
 
 
 def test_unknown_family_names_the_known_ones():
-    with pytest.raises(ValueError, match=r"unknown model family 'sd3'.*ar_dit.*qwen_image"):
-        get_family("sd3")
+    with pytest.raises(ValueError, match=r"unknown model family 'no_such_family'.*ar_dit.*qwen_image.*sd3"):
+        get_family("no_such_family")
+
+
+def test_sd3_family_is_a_folder():
+    s = get_family("sd3")
+    assert s.kind == "dit" and s.build_model is sd3_provider.build_model and s.config("tiny") == sd3_provider.hf_config(
+        "tiny")
+    assert {"tiny", "sd35-medium", "sd35-large"} <= set(s.presets)

@@ -1,0 +1,101 @@
+"""The shared SD3.5 parity check: diffusers' `SD3Transformer2DModel` (tiny preset: a dual-attention block, a plain
+block, the context-pre-only last block) against our Megatron model with the same weights, forward and backward,
+on any tensor-parallel layout. Used in one process (tests/unit) and on spawned gloo ranks (tests/distributed)."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from diffusers import SD3Transformer2DModel
+
+from model_providers.sd3 import provider
+
+LATENT_HW = (8, 12)  # a non-square 4 x 6 patch grid, centre-cropped from the 12 x 12 sincos table
+S_TXT = 5
+BATCH = 2
+
+
+def reference_model(dtype: torch.dtype = torch.float32) -> SD3Transformer2DModel:
+    """The tiny diffusers transformer, seeded; every parameter N(0, 0.2) (adaLN is zero-initialised by default,
+    which would hide the blocks)."""
+    torch.manual_seed(0)
+    ref = SD3Transformer2DModel(**provider.hf_config("tiny"))
+    with torch.no_grad():
+        for p in ref.parameters():
+            p.normal_(0.0, 0.2)
+    return ref if dtype == torch.float32 else ref.to(dtype)
+
+
+def batch() -> dict[str, torch.Tensor]:
+    """Latents [b, c, H, W], prompt embeddings [b, s, joint], pooled [b, pooled], timesteps [b] (0..1000) and
+    a random loss weight on the output."""
+    cfg = provider.hf_config("tiny")
+    g = torch.Generator().manual_seed(1)
+    return dict(
+        latents=torch.randn(BATCH, cfg["in_channels"], *LATENT_HW, generator=g),
+        prompt_embeds=torch.randn(BATCH, S_TXT, cfg["joint_attention_dim"], generator=g),
+        pooled=torch.randn(BATCH, cfg["pooled_projection_dim"], generator=g),
+        timestep=torch.rand(BATCH, generator=g) * 1000,
+        weight=torch.randn(BATCH, cfg["out_channels"], *LATENT_HW, generator=g),
+    )
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30))
+
+
+def parity(groups, dtype: torch.dtype = torch.float32) -> dict:
+    """Run both models on `batch()` (forward, then backward of the weighted sum); return the forward's max abs
+    and relative error, the relative error of every diffusers parameter's gradient rebuilt from this rank's
+    shards, the names of nonzero gradients diffusers lacks, and the load -> export round trip's mismatches."""
+    from megatron_omni.models.dit.sd3_model import SD3Batch
+    from megatron_omni.parallel.platform import seed_everything
+
+    b = batch()
+    ref = reference_model(dtype)
+    ref_out = ref(hidden_states=b["latents"].to(dtype), encoder_hidden_states=b["prompt_embeds"].to(dtype),
+                  pooled_projections=b["pooled"].to(dtype), timestep=b["timestep"]).sample
+    (ref_out.float() * b["weight"]).sum().backward()
+    ref_grads = {n: p.grad for n, p in ref.named_parameters() if p.grad is not None and p.grad.any()}
+
+    seed_everything(0, tp_rank=groups.tp.rank())
+    model = provider.build_model(provider.transformer_config("tiny", tp=groups.layout.tp, params_dtype=dtype), groups)
+    ref_state = reference_model(dtype).state_dict()
+    provider.load_hf_state_dict(model, ref_state)
+    exported = provider.stage_hf_tensors(model)
+    round_trip = sorted(set(ref_state) ^ set(exported)) + [
+        n for n in ref_state if n in exported and not (ref_state[n].dtype == exported[n].dtype
+                                                       and torch.equal(ref_state[n], exported[n]))]
+
+    out = model(SD3Batch(b["latents"], b["prompt_embeds"], b["pooled"], b["timestep"]))
+    (out.float() * b["weight"]).sum().backward()
+    grads = {}
+    for name, p in model.named_parameters():
+        if p.grad is None:
+            continue
+        g = p.grad.clone()
+        if groups.layout.tp > 1 and ("q_layernorm" in name or "k_layernorm" in name):
+            dist.all_reduce(g, group=groups.tp)  # finalize_model_grads' sum over tp of the replicated QK norms
+        grads[name] = g
+    hf_grads = provider.stage_hf_tensors(model, grads)
+    return {
+        "shape": (tuple(out.shape), tuple(ref_out.shape)),
+        "fwd_abs": float((out.detach().float() - ref_out.detach().float()).abs().max()),
+        "fwd_rel": _rel(out.detach(), ref_out.detach()),
+        "grad": {n: _rel(g, ref_grads[n]) for n, g in hf_grads.items() if n in ref_grads},
+        "n_ref_grads": len(ref_grads),
+        "stray": [n for n, g in hf_grads.items() if n not in ref_grads and g.any()],
+        "round_trip": round_trip,
+    }
+
+
+def check(result: dict, fwd_rel: float = 1e-5, grad_rel: float = 1e-4) -> None:
+    """Assert a `parity` result: output shapes equal, forward and every gradient within the bounds, every
+    diffusers gradient covered, no stray gradient, a bit-exact load -> export round trip."""
+    assert result["shape"][0] == result["shape"][1], result["shape"]
+    assert result["fwd_rel"] < fwd_rel, result["fwd_rel"]
+    assert not result["stray"], f"nonzero gradients diffusers does not have: {result['stray']}"
+    assert len(result["grad"]) == result["n_ref_grads"], "some diffusers parameters got no gradient to compare"
+    worst = max(result["grad"].items(), key=lambda kv: kv[1])
+    assert worst[1] < grad_rel, worst
+    assert not result["round_trip"], f"load -> export is not bit-exact for {result['round_trip']}"
