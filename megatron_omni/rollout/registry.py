@@ -18,8 +18,8 @@ from megatron_omni.rollout.base import RolloutEngine
 from megatron_omni.rollout.quantization import QuantizationSpec
 
 ENGINES = {
-    "diffusers": "megatron_omni.rollout.diffusers_engine:build_diffusers_engine",
-    "vllm_omni": "megatron_omni.rollout.vllm_omni_engine:build_vllm_omni_engine",
+    "diffusers": "megatron_omni.rollout.diffusers_engines.engine:build_diffusers_engine",
+    "vllm_omni": "megatron_omni.rollout.vllm_omni.engine:build_vllm_omni_engine",
 }
 
 

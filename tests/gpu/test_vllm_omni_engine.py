@@ -31,8 +31,8 @@ TOL = 2e-4
 @pytest.fixture(scope="module")
 def engines(tmp_path_factory):
     require_vllm_omni_gpu("tests/distributed/test_rollout_vllm_omni.py")
-    from megatron_omni.rollout.diffusers_engine import DiffusersRolloutEngine
-    from megatron_omni.rollout.vllm_omni_engine import VllmOmniRolloutEngine
+    from megatron_omni.rollout.diffusers_engines.engine import DiffusersRolloutEngine
+    from megatron_omni.rollout.vllm_omni.engine import VllmOmniRolloutEngine
 
     folder: Path = make_tiny_pipeline(tmp_path_factory.mktemp("tiny") / "pipe", seed=0)
     vllm_engine = VllmOmniRolloutEngine(folder, tensor_parallel_size=1, dtype="float32", enable_sleep_mode=True)

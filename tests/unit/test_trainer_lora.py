@@ -184,7 +184,7 @@ def _export(rank: int, world_size: int, pipeline_dir: str, run_dir: str) -> dict
     ours = trainer.engine.probe(traj)
 
     def probe_of(pipe) -> torch.Tensor:
-        from megatron_omni.rollout.diffusers_engine import DiffusersRolloutEngine
+        from megatron_omni.rollout.diffusers_engines.engine import DiffusersRolloutEngine
 
         engine = DiffusersRolloutEngine.__new__(DiffusersRolloutEngine)
         engine.velocity_model, engine.dtype = pipe.transformer, torch.float32

@@ -16,13 +16,13 @@ with `collective_rpc(method, args=...)`. `FlowGRPOWorkerExtension` adds:
   runs in the worker's own process (the `uni` executor, or an executor of ours on the trainer's ranks):
   `direct` mode then copies the trainer's tp shards in place, and the sync's coverage check applies.
 - `load_flowgrpo_lora(state, rank, alpha)`, `flowgrpo_lora_request()`: the adapter-only LoRA sync
-  (`vllm_omni_lora.VllmOmniLoRAReceiver`: vLLM-Omni's LoRA request path the first time, in place after), and the
+  (`vllm_omni.lora.VllmOmniLoRAReceiver`: vLLM-Omni's LoRA request path the first time, in place after), and the
   `LoRARequest` every rollout request then carries so the worker keeps the adapter active. An update bracketed by
   `begin/finish_weight_update` may be adapters only (no full tensors).
 
-An FP8 engine (built with `vllm_fp8.vllm_quantization_config`) takes the same full bf16 tensors: the receiver
+An FP8 engine (built with `vllm_omni.fp8.vllm_quantization_config`) takes the same full bf16 tensors: the receiver
 turns the quantized linears' weights into FP8 and loads each update through vLLM's layer-wise reload
-(`vllm_fp8.Fp8WeightReloader`); its `parameter_shapes()` and `weight_target()` then show the checkpoint
+(`vllm_omni.fp8.Fp8WeightReloader`); its `parameter_shapes()` and `weight_target()` then show the checkpoint
 layout (the live FP8 weights are transposed), which the bridge fills in `full` mode only.
 
 The update logic lives in `WeightReceiver` (one per pipeline), so it runs the same with or without a
@@ -36,7 +36,7 @@ from typing import Any
 
 import torch
 
-WORKER_EXTENSION = "megatron_omni.rollout.vllm_omni_worker.FlowGRPOWorkerExtension"
+WORKER_EXTENSION = "megatron_omni.rollout.vllm_omni.worker.FlowGRPOWorkerExtension"
 
 
 class WeightUpdateError(RuntimeError):
@@ -55,7 +55,7 @@ class WeightReceiver:
                             "it with custom_pipeline_args={'pipeline_class': PIPELINE_CLASS or HYBRID_PIPELINE_CLASS}")
         self.pipeline = pipeline
         self.full_shapes = full_shapes
-        self.reloader = getattr(pipeline, "fp8_reloader", None)  # an FP8 engine's (vllm_fp8.Fp8WeightReloader)
+        self.reloader = getattr(pipeline, "fp8_reloader", None)  # an FP8 engine's (vllm_omni.fp8.Fp8WeightReloader)
         self._seen: set[str] | None = None
         self._adapters = False  # the open update loaded LoRA adapters
         self.updates = 0
@@ -75,7 +75,7 @@ class WeightReceiver:
     @torch.no_grad()
     def load(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
         """Load one bucket of full diffusers-named tensors [full shape each]; returns how many."""
-        from megatron_omni.rollout.vllm_omni_pipeline import load_transformer_weights
+        from megatron_omni.rollout.vllm_omni.pipeline import load_transformer_weights
 
         if self._seen is None:
             raise WeightUpdateError("load_weight_bucket before begin_weight_update")
@@ -191,8 +191,8 @@ class FlowGRPOWorkerExtension:
 
     def load_flowgrpo_lora(self, state: dict[str, torch.Tensor], rank: int, alpha: float) -> tuple[Any, Any]:
         """Load LoRA adapters (diffusers peft keys, full tensors) into this worker's transformer; returns (diffusers
-        modules carrying the adapter, keys written). See `vllm_omni_lora.VllmOmniLoRAReceiver`."""
-        from megatron_omni.rollout.vllm_omni_lora import VllmOmniLoRAReceiver
+        modules carrying the adapter, keys written). See `vllm_omni.lora.VllmOmniLoRAReceiver`."""
+        from megatron_omni.rollout.vllm_omni.lora import VllmOmniLoRAReceiver
         from model_providers.qwen_image.rollout_layouts import rollout_layout
 
         pipeline = self.model_runner.pipeline

@@ -1,8 +1,8 @@
 """`VllmOmniRolloutEngine`: FlowGRPO rollout in vLLM-Omni (`rollout.engine=vllm_omni`).
 
 vLLM-Omni serves the Qwen-Image folder with OUR pipeline class (`custom_pipeline_args`, see
-`vllm_omni_pipeline`: the embedded engine's SDE stepping on vLLM-Omni's tensor-parallel transformer) and
-OUR worker extension (`worker_extension_cls`, see `vllm_omni_worker`), which receives weights through
+`vllm_omni.pipeline`: the embedded engine's SDE stepping on vLLM-Omni's tensor-parallel transformer) and
+OUR worker extension (`worker_extension_cls`, see `vllm_omni.worker`), which receives weights through
 `collective_rpc`. One request is one sample; each returns its trajectory record, stacked here into the
 same `Trajectory` the embedded engine returns.
 
@@ -11,7 +11,7 @@ Two ways to run it, chosen by the platform (`platform.rollout_in_process`), behi
   `rollout.tp` consecutive ranks owns one, its workers on the group's GPUs (colocated with the trainer, put
   to sleep while it trains); the other ranks of the group send it their requests. Weights go through the
   worker extension's bucket RPCs (the bridge's `full` mode), each worker checking the update was complete;
-- without, vLLM-Omni's real pipeline class and transformer in the trainer's own ranks (`vllm_omni_cpu`),
+- without, vLLM-Omni's real pipeline class and transformer in the trainer's own ranks (`vllm_omni.inline`),
   its tensor-parallel groups over the job's ranks: every rank of a rollout group runs the same forward on its
   shard, and the bridge writes the live parameters (`direct` mode at rollout tp = trainer tp).
 
@@ -36,17 +36,17 @@ import torch.distributed as dist
 
 from megatron_omni.parallel import platform
 from megatron_omni.rollout.base import FinishedSample, SamplingParams, Trajectory, WeightSink, sample_seeds
-from megatron_omni.rollout.diffusers_engine import templated_token_ids
+from megatron_omni.rollout.diffusers_engines.engine import templated_token_ids
 from megatron_omni.rollout.quantization import QuantizationSpec
-from megatron_omni.rollout.vllm_fp8 import vllm_quantization_config
-from megatron_omni.rollout.vllm_omni_pipeline import (
+from megatron_omni.rollout.vllm_omni.fp8 import vllm_quantization_config
+from megatron_omni.rollout.vllm_omni.pipeline import (
     EXTRA_KEY,
     PIPELINE_CLASS,
     record_to_trajectory,
     sample_prompt,
     sampling_extra,
 )
-from megatron_omni.rollout.vllm_omni_worker import WORKER_EXTENSION
+from megatron_omni.rollout.vllm_omni.worker import WORKER_EXTENSION
 
 DEFAULT_BUCKET_BYTES = 512 * 1024 * 1024
 
@@ -85,11 +85,11 @@ class VllmOmniRolloutEngine:
         tensor_parallel_size: vLLM-Omni's rollout tp.
         dtype: vLLM-Omni's model dtype (the SDE math is fp32 regardless): a torch dtype or its name.
         bucket_bytes: largest weight bucket `load_weights` sends in one `collective_rpc`.
-        omni: an already started `Omni` (or `vllm_omni_cpu.InProcessOmni`) with our pipeline and extension
+        omni: an already started `Omni` (or `vllm_omni.inline.InProcessOmni`) with our pipeline and extension
             (then the other `Omni` args are unused); None with `peers` on a rank that owns no engine.
         peers: the ranks sharing this engine's calls (None: this rank alone).
         quantization: what the transformer runs quantized: vLLM-Omni's FP8 linears, fed FP8 weights at every sync
-            (`rollout/vllm_fp8.py`); a given `omni` must have been built with `vllm_quantization_config` of it.
+            (`rollout/vllm_omni/fp8.py`); a given `omni` must have been built with `vllm_quantization_config` of it.
             Call `load_initial_weights()` once before the first rollout (the builder does).
         **omni_extra: more `Omni(...)` keywords (e.g. `max_num_seqs`, `enable_sleep_mode`).
     """
@@ -134,7 +134,7 @@ class VllmOmniRolloutEngine:
 
     @property
     def in_process(self) -> bool:
-        """Whether the pipeline runs in this process (`vllm_omni_cpu.InProcessOmni`)."""
+        """Whether the pipeline runs in this process (`vllm_omni.inline.InProcessOmni`)."""
         return hasattr(self.omni, "worker")
 
     # ------------------------------------------------------------------ generation
@@ -232,7 +232,7 @@ class VllmOmniRolloutEngine:
     def load_lora(self, state: dict[str, torch.Tensor], rank: int,
                   alpha: float) -> tuple[Sequence[str], Sequence[str]]:
         """Receive LoRA adapters (diffusers peft keys, full tensors) into vLLM-Omni's transformer through its LoRA
-        manager and layers (`vllm_omni_lora`: its LoRA request path the first time, in place after); returns
+        manager and layers (`vllm_omni.lora`: its LoRA request path the first time, in place after); returns
         (diffusers modules carrying the adapter, keys written), on every rank of the rollout group. In process
         each rank loads its own shard; multi-process the owner sends the adapters to its workers (worker
         extension `load_flowgrpo_lora`, rollout rank 0's report) and the group's other ranks get its report."""
@@ -260,8 +260,8 @@ class VllmOmniRolloutEngine:
         rollout group calls it."""
         if not self.quantization.enabled or self.omni is None:
             return
-        from megatron_omni.rollout.vllm_fp8 import check_quantized_names
-        from megatron_omni.rollout.vllm_omni_pipeline import diffusers_shapes
+        from megatron_omni.rollout.vllm_omni.fp8 import check_quantized_names
+        from megatron_omni.rollout.vllm_omni.pipeline import diffusers_shapes
 
         names = self._rpc("quantized_weight_names")[0]
         check_quantized_names(names, self.quantization, diffusers_shapes(self.transformer_config()))
@@ -420,7 +420,7 @@ def build_vllm_omni_engine(pipeline_dir: str | os.PathLike, settings: Any) -> Vl
     if platform.rollout_in_process():
         from vllm.distributed import get_tp_group
 
-        from megatron_omni.rollout.vllm_omni_cpu import open_in_process_omni
+        from megatron_omni.rollout.vllm_omni.inline import open_in_process_omni
 
         omni = open_in_process_omni(pipeline_dir, tp, settings.dtype, settings.max_batch_size, PIPELINE_CLASS,
                                     vllm_quantization_config(settings.quantization))

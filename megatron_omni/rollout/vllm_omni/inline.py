@@ -16,7 +16,7 @@ vLLM-Omni has no CPU platform; these are the patches it needs, kept in this one 
 
 vLLM-Omni's LoRA manager and layers (`vllm_omni.diffusion.lora`, over vLLM's `vllm.lora.layers`) need no patch:
 the in-process worker builds the manager as `DiffusionWorker.init_lora_manager` does and `generate` activates each
-call's `lora_request` as `DiffusionWorker.execute_model` does (`vllm_omni_lora`).
+call's `lora_request` as `DiffusionWorker.execute_model` does (`vllm_omni.lora`).
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_omni.parallel import platform
-from megatron_omni.rollout import vllm_cpu_weights
+from megatron_omni.rollout.vllm_omni import cpu_weights
 
 _PATCHED = False
 
@@ -146,8 +146,8 @@ def forward(module: torch.nn.Module, latents: torch.Tensor, prompt_embeds: torch
 
 def keep_linear_weights_in_place() -> None:
     """vLLM-Omni's pipeline loader runs the linear layers' post-load hook itself, so the unpacked-path flag
-    (`finish_loading`) must be set inside it: `vllm_cpu_weights.keep_vllm_linear_weights_in_place`."""
-    vllm_cpu_weights.keep_vllm_linear_weights_in_place()
+    (`finish_loading`) must be set inside it: `cpu_weights.keep_vllm_linear_weights_in_place`."""
+    cpu_weights.keep_vllm_linear_weights_in_place()
 
 
 @contextlib.contextmanager
@@ -157,7 +157,7 @@ def vllm_omni_model(model: str | os.PathLike, tp: int, pipeline_class: str, dtyp
     from the diffusers folder `model` by vLLM-Omni's own loader (`load_format="custom_pipeline"`, the path
     `custom_pipeline_args` takes in a worker), in `dtype` on this process's device (`max_batch_size`: samples
     per transformer forward of our pipeline; `quantization_config`: vLLM-Omni's, e.g.
-    `vllm_fp8.vllm_quantization_config`). Yields the pipeline inside the forward context."""
+    `vllm_omni.fp8.vllm_quantization_config`). Yields the pipeline inside the forward context."""
     keep_linear_weights_in_place()
     from vllm.config import LoadConfig
     from vllm_omni.diffusion.model_loader.diffusers_loader import DiffusersPipelineLoader
@@ -176,7 +176,7 @@ def worker_with_extension(pipeline: Any) -> Any:
     CPU (its module chain imports torchvision, which does not install beside the CPU torch)."""
     from types import SimpleNamespace
 
-    from megatron_omni.rollout.vllm_omni_worker import FlowGRPOWorkerExtension
+    from megatron_omni.rollout.vllm_omni.worker import FlowGRPOWorkerExtension
 
     class Worker:
         def __init__(self) -> None:
