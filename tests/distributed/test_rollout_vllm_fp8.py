@@ -82,8 +82,9 @@ def _case(rank: int, world_size: int, folder: str) -> dict:
     res: dict = {}
     for tp in (1, world_size):
         out: dict = {}
-        # the registry's builder, as the trainer builds it: FP8 linears, the folder's weights quantized in
-        engine = build_engine("vllm_omni", folder, EngineSettings(tp=tp, quantization=spec))
+        # the registry's builder, inline (the FP8 linears in the trainer's ranks): the folder's weights quantized in
+        engine = build_engine("vllm_omni", folder,
+                              EngineSettings(tp=tp, quantization=spec, vllm_omni_process="inline"))
         pipe = engine.omni.pipeline
         layer = pipe.transformer.transformer_blocks[0].attn.to_qkv
         out["weight_dtype"] = str(layer.weight.dtype)

