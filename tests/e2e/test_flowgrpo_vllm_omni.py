@@ -1,5 +1,6 @@
 """The trainer with `--set rollout.engine=vllm_omni`, as users run it (`python -m megatron_omni.train`, torchrun
-for two ranks): vLLM-Omni's real pipeline class and transformer serve the rollout (in process: no GPU here).
+for two ranks): vLLM-Omni's real `Omni` engine serves the rollout (`rollout.vllm_omni_process=engine`, the
+default: our CPU platform plugin, worker processes, bucketed RPC weight updates).
 The reward rises over 8 steps at rollout tp 1 and 2, and a SIGKILLed run resumed with `--resume auto` ends
 bit-identical to an uninterrupted one. (First-step trajectory equality with the diffusers engine and the
 probe's failures: tests/distributed/test_trainer_vllm_omni.py.)"""
