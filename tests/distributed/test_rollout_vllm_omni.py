@@ -11,7 +11,7 @@ engine's with the same weights. Malformed and partial updates must raise errors 
 trainer's LoRA adapters (trainer tp=2, adapter-only sync) go into vLLM-Omni's own LoRA layers, through its LoRA
 request path and then in place: each rollout must equal the diffusers engine carrying the same adapters (peft).
 
-The full `Omni(...)` engine needs a GPU platform: tests/gpu/test_vllm_omni_engine.py.
+The full `Omni(...)` engine (our CPU platform plugin, both executors): tests/distributed/test_vllm_omni_engine.py.
 """
 
 from __future__ import annotations
