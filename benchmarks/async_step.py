@@ -57,7 +57,7 @@ from megatron_omni.rollout.async_service.harness import (  # noqa: E402
     step_rows,
     trainer_model,
 )
-from megatron_omni.rollout.diffusers_engine import DiffusersRolloutEngine  # noqa: E402
+from megatron_omni.rollout.diffusers_engines.engine import DiffusersRolloutEngine  # noqa: E402
 from megatron_omni.rollout.probe import check_probe, probe_trajectory  # noqa: E402
 from model_providers.qwen_image import provider  # noqa: E402
 from model_providers.qwen_image.tiny_pipeline import (  # noqa: E402

@@ -71,12 +71,12 @@ def main() -> None:
 
     ctx = None
     if args.rollout == "vllm_omni":
-        from megatron_omni.rollout import vllm_omni_cpu
+        from megatron_omni.rollout.vllm_omni import inline
 
-        ctx = vllm_omni_cpu.vllm_omni_parallel(1)
+        ctx = inline.vllm_omni_parallel(1)
         od, _ = ctx.__enter__()
-        module = vllm_omni_cpu.build_transformer(od, hf_cfg)
-        vllm_omni_cpu.finish_loading(module)
+        module = inline.build_transformer(od, hf_cfg)
+        inline.finish_loading(module)
         target = VllmOmniTarget(module, 0, 1)
     else:
         from diffusers import QwenImageTransformer2DModel

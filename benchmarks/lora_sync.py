@@ -146,19 +146,19 @@ def main() -> None:
                 yield (engine, DiffusersTarget(QwenImageTransformer2DModel(**cfg).to(torch.bfloat16)),
                        _DiffusersEngine(QwenImageTransformer2DModel(**cfg).to(torch.bfloat16)))
                 continue
-            from megatron_omni.rollout import vllm_omni_cpu
+            from megatron_omni.rollout.vllm_omni import inline
 
-            with vllm_omni_cpu.vllm_omni_parallel(1, dtype=torch.bfloat16) as (od, _):
+            with inline.vllm_omni_parallel(1, dtype=torch.bfloat16) as (od, _):
                 od.dtype = torch.bfloat16
-                modules = [vllm_omni_cpu.build_transformer(od, cfg).to(torch.bfloat16) for _ in range(2)]
+                modules = [inline.build_transformer(od, cfg).to(torch.bfloat16) for _ in range(2)]
                 for m in modules:
-                    vllm_omni_cpu.finish_loading(m)
+                    inline.finish_loading(m)
                 # the base weights through vLLM-Omni's loader, as an engine starts (its LoRA manager reads the
                 # fused q/k/v names the loader records)
                 WeightSync(qwen_image_plan(cfg, trainer_tp=1, rollout_kind=engine, rollout_tp=1, mode="full"),
                            sources=megatron_sources(full_model), target=VllmOmniTarget(modules[1], 0, 1),
                            tp_group=groups.tp).sync()
-                worker = vllm_omni_cpu.worker_with_extension(_VllmPipeline(modules[1], od))
+                worker = inline.worker_with_extension(_VllmPipeline(modules[1], od))
                 yield engine, VllmOmniTarget(modules[0], 0, 1), _Worker(worker)
 
     results = {}

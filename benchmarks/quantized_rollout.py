@@ -45,7 +45,7 @@ from megatron_omni.models.dit.diffusers_interface import DiffusersForward  # noq
 from megatron_omni.parallel import ParallelLayout, build_parallel_groups, platform  # noqa: E402
 from megatron_omni.parallel.rank_pool import free_port  # noqa: E402
 from megatron_omni.reward.registry import build_scorer  # noqa: E402
-from megatron_omni.rollout.diffusers_engine import DiffusersRolloutEngine  # noqa: E402
+from megatron_omni.rollout.diffusers_engines.engine import DiffusersRolloutEngine  # noqa: E402
 from megatron_omni.rollout.quantization import QuantizationSpec, modelopt_config  # noqa: E402
 from megatron_omni.trainer.metrics import save_image_grid  # noqa: E402
 from megatron_omni.trainer.rewards import to_uint8_hwc  # noqa: E402

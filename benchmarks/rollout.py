@@ -35,7 +35,7 @@ from tqdm import tqdm
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from megatron_omni.rollout.base import SamplingParams  # noqa: E402
-from megatron_omni.rollout.diffusers_engine import DiffusersRolloutEngine  # noqa: E402
+from megatron_omni.rollout.diffusers_engines.engine import DiffusersRolloutEngine  # noqa: E402
 from model_providers.qwen_image.tiny_pipeline import SMALL_TRANSFORMER, TinyPipelineConfig, make_tiny_pipeline  # noqa: E402
 
 PROMPTS = ["OPEN 24 HOURS", "a red cat on a mat", "STOP", "hello world"]

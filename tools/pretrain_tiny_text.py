@@ -470,7 +470,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     _stop_on_signals()
     from megatron_omni.parallel import ParallelLayout, build_parallel_groups, platform
-    from megatron_omni.rollout.diffusers_engine import DiffusersRolloutEngine
+    from megatron_omni.rollout.diffusers_engines.engine import DiffusersRolloutEngine
 
     out = Path(args.out)
     if out.exists() and not args.overwrite:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from megatron_omni.rollout.ar_dit_engine import ARDiTTrajectory
+from megatron_omni.rollout.diffusers_engines.ar_dit import ARDiTTrajectory
 from megatron_omni.trainer.ar_dit import ARDiTTrainConfig
 from megatron_omni.trainer.config import (
     AlgorithmConfig,

@@ -3,7 +3,7 @@ and pp, renamed to diffusers' peft keys) or merged (`W + scale B A` through the 
 
 The adapter-only path moves r * (in + out) numbers per adapted linear instead of in * out; the diffusers
 engine loads it through its own peft LoRA loader, vLLM-Omni through its LoRA request path and LoRA layers, the
-first time, and both in place after that (`rollout.lora_receiver`, `rollout.vllm_omni_lora`). Its names are
+first time, and both in place after that (`rollout.lora_receiver`, `rollout.vllm_omni.lora`). Its names are
 derived from the family's weight mappings, so a fused Megatron linear becomes every diffusers module it was
 made of: `linear_qkv` (B rows interleaved per head q|k|v) -> `to_q`, `to_k`, `to_v`, each with the shared A and
 its own rows of B (exact: `B_q A` is the q rows of `B A`). `export_lora` is the same conversion for a file.
@@ -104,7 +104,7 @@ class LoRASyncStats:
 class LoRAAdapterSync:
     """Adapter-only sync of one rank's trained adapters into its engine (an object with `load_lora(state, rank,
     alpha) -> (modules carrying the adapter, keys written)`: `rollout.lora_receiver` for the diffusers engine,
-    `rollout.vllm_omni_lora` for vLLM-Omni), checking after every sync that the engine's adapted modules are
+    `rollout.vllm_omni.lora` for vLLM-Omni), checking after every sync that the engine's adapted modules are
     exactly `targets`' modules and every key was written.
 
     `linears`: the adapted Megatron linears' global names over the whole model (every stage's), in order.

@@ -44,19 +44,14 @@ def backend() -> str:
     return "nccl" if has_gpu() else "gloo"
 
 
-def rollout_in_process() -> bool:
-    """Whether a vLLM-Omni rollout runs its pipeline inside the trainer's ranks (vLLM-Omni's real pipeline class
-    and transformer, its parallel state over the job's collective backend) rather than as vLLM-Omni's own
-    `Omni` engine with worker processes: the engine's executor needs a GPU platform, so without one the
-    pipeline is served in process."""
-    return not has_gpu()
-
-
 @contextlib.contextmanager
 def devices_for_workers(local_devices: Iterable[int]) -> Iterator[None]:
     """Inside, the processes this one starts see only this node's GPUs `local_devices` (numbered from 0 in
     them: vLLM-Omni's workers take devices 0..tp-1), so the engine a trainer rank owns runs on its rollout
-    group's GPUs; the variable is restored on exit."""
+    group's GPUs; the variable is restored on exit. Without GPUs nothing to choose (vLLM-Omni's CPU workers)."""
+    if not has_gpu():
+        yield
+        return
     key = "CUDA_VISIBLE_DEVICES"
     before = os.environ.get(key)
     visible = before.split(",") if before else [str(i) for i in range(torch.cuda.device_count())]

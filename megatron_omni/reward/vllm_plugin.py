@@ -24,6 +24,7 @@ import warnings
 
 TORCHVISION_MODULE = "transformers.models.qwen2_vl.image_processing_qwen2_vl"
 PIL_MODULE = "transformers.models.qwen2_vl.image_processing_pil_qwen2_vl"
+_REGISTERED = False
 
 
 def torchvision_importable() -> bool:
@@ -43,15 +44,20 @@ def register() -> None:
     The alias exports every public name of the PIL module, plus `Qwen2VLImageProcessor` bound to
     `Qwen2VLImageProcessorPil` (what transformers' own fallback picks). Idempotent.
     """
-    if TORCHVISION_MODULE in sys.modules or torchvision_importable():
+    global _REGISTERED
+    if _REGISTERED or torchvision_importable():
         return
-    pil = importlib.import_module(PIL_MODULE)
-    alias = types.ModuleType(TORCHVISION_MODULE, f"{PIL_MODULE}, aliased by {__name__} (torchvision missing)")
-    alias.__dict__.update({k: v for k, v in vars(pil).items() if not k.startswith("__")})
-    alias.Qwen2VLImageProcessor = pil.Qwen2VLImageProcessorPil
-    alias.__file__ = pil.__file__
-    sys.modules[TORCHVISION_MODULE] = alias
+    # vLLM-Omni's CPU platform plugin (rollout/vllm_omni/plugin.py) may have aliased the module already, in a
+    # process where vLLM-Omni's own general plugin ran first: the processor below is still ours to replace.
+    if TORCHVISION_MODULE not in sys.modules:
+        pil = importlib.import_module(PIL_MODULE)
+        alias = types.ModuleType(TORCHVISION_MODULE, f"{PIL_MODULE}, aliased by {__name__} (torchvision missing)")
+        alias.__dict__.update({k: v for k, v in vars(pil).items() if not k.startswith("__")})
+        alias.Qwen2VLImageProcessor = pil.Qwen2VLImageProcessorPil
+        alias.__file__ = pil.__file__
+        sys.modules[TORCHVISION_MODULE] = alias
     _image_only_qwen2_5_vl_processor()
+    _REGISTERED = True
 
 
 def _image_only_qwen2_5_vl_processor() -> None:

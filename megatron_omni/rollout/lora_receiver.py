@@ -7,7 +7,7 @@ An engine receives the trainer's adapters as diffusers peft keys (`<module>.lora
 the key's rows: a fused qkv's q/k/v part as [heads, head_dim, r], which the trainer reads without copying).
 
 - First sync: the engine's own loader binds the adapters (diffusers' `load_lora_adapter` through peft here;
-  vLLM-Omni's LoRA request path in `vllm_omni_lora`), then every adapter tensor the engine computes with is moved
+  vLLM-Omni's LoRA request path in `vllm_omni.lora`), then every adapter tensor the engine computes with is moved
   into one flat buffer as a view of it (`FlatAdapters`: same values, same modules, one storage).
 - Every sync: `CopyPlan` copies each key's tensor into its views with one `torch._foreach_copy_` (the plan is
   built once per key order and reused while the trainer sends the same keys), not one Python-level copy per

@@ -25,7 +25,7 @@ Two ways to run it, one quantizer:
   rebuild and against ModelOpt's re-calibration;
 - real FP8 weights (`fp8_checkpoint_items`): the bridge's full tensors become ModelOpt's FP8 export format
   (`<linear>.weight` in float8_e4m3fn, `<linear>.weight_scale` in fp32 per output channel; ModelOpt's
-  `FP8QTensor`), which vLLM-Omni's FP8 linears load (`rollout/vllm_fp8.py`).
+  `FP8QTensor`), which vLLM-Omni's FP8 linears load (`rollout/vllm_omni/fp8.py`).
 
 Both round the same values: the fake-quantized weights equal the FP8 weights times their scales up to fp32
 rounding (ModelOpt's fake quantizer multiplies by 448 / amax, its real one divides by amax / 448).

@@ -18,8 +18,8 @@ from megatron_omni.rollout.base import RolloutEngine
 from megatron_omni.rollout.quantization import QuantizationSpec
 
 ENGINES = {
-    "diffusers": "megatron_omni.rollout.diffusers_engine:build_diffusers_engine",
-    "vllm_omni": "megatron_omni.rollout.vllm_omni_engine:build_vllm_omni_engine",
+    "diffusers": "megatron_omni.rollout.diffusers_engines.engine:build_diffusers_engine",
+    "vllm_omni": "megatron_omni.rollout.vllm_omni.engine:build_vllm_omni_engine",
 }
 
 
@@ -27,12 +27,16 @@ ENGINES = {
 class EngineSettings:
     """What every builder is given. tp: the engine's tensor-parallel size; dtype: what its transformer
     computes in; max_batch_size: samples per transformer forward; quantization: what its transformer runs
-    quantized (`rollout.quantization` on the family's `quantized_linears`; see `rollout/quantization.py`)."""
+    quantized (`rollout.quantization` on the family's `quantized_linears`; see `rollout/quantization.py`);
+    vllm_omni_process: where vLLM-Omni runs (`rollout.vllm_omni_process`)."""
 
     tp: int = 1
     dtype: torch.dtype = torch.float32
     max_batch_size: int = 8
     quantization: QuantizationSpec = field(default_factory=QuantizationSpec)
+    # vLLM-Omni only (`rollout.vllm_omni_process`): "engine" (vLLM-Omni's `Omni` with its worker processes) or
+    # "inline" (its pipeline class and transformer inside the trainer's ranks).
+    vllm_omni_process: str = "engine"
 
 
 def build_engine(name: str, pipeline_dir: str | os.PathLike, settings: EngineSettings) -> RolloutEngine:

@@ -37,9 +37,14 @@ from megatron_omni.models.ar.decoder import token_log_probs
 from megatron_omni.models.ar.hybrid import ARDiTModel
 from megatron_omni.parallel.groups import ParallelGroups
 from megatron_omni.parallel.platform import seed_everything
-from megatron_omni.rollout.ar_dit_engine import ARDiTRolloutEngine, ARDiTSamplingParams, ARDiTTrajectory, plan_positions
-from megatron_omni.rollout.vllm_omni_hybrid import VllmOmniHybridDiT
-from megatron_omni.rollout.vllm_plan_writer import VLLMPlanWriter
+from megatron_omni.rollout.diffusers_engines.ar_dit import (
+    ARDiTRolloutEngine,
+    ARDiTSamplingParams,
+    ARDiTTrajectory,
+    plan_positions,
+)
+from megatron_omni.rollout.vllm_omni.hybrid import VllmOmniHybridDiT
+from megatron_omni.rollout.vllm_omni.plan_writer import VLLMPlanWriter
 from megatron_omni.trainer.config import JobConfig
 from megatron_omni.trainer.grad_guard import GradGuard
 from megatron_omni.trainer.rewards import gather_rewards

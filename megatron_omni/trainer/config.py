@@ -128,8 +128,13 @@ class RolloutConfig:
     # it can, else engine).
     transformer: str = "auto"
     # The rollout engine: "diffusers" (embedded, one process per rank) | "vllm_omni" (vLLM-Omni's pipeline with
-    # our SDE pipeline class: the Omni engine on GPU, its real transformer in process on CPU).
+    # our SDE pipeline class and worker extension).
     engine: str = "diffusers"
+    # Where vLLM-Omni runs (rollout.engine=vllm_omni): "engine" (vLLM-Omni's `Omni` engine, owned by the first rank
+    # of each rollout group, with its own worker processes; on every machine, CPU through our platform plugin) |
+    # "inline" (its pipeline class and tensor-parallel transformer inside the trainer's own ranks: the bridge can
+    # write the live weights, zero-copy `direct` mode at rollout tp = trainer tp).
+    vllm_omni_process: str = "engine"
     dtype: str = "fp32"  # what the engine samples in: "fp32" | "bf16" (the SDE math and log-probs stay fp32)
     tp: int = 1  # the rollout engine's tensor-parallel size (vllm_omni; the diffusers engine is tp=1)
     # Pad every prompt's embeddings to this many tokens (>= the longest prompt); None: the longest prompt of
@@ -139,8 +144,8 @@ class RolloutConfig:
     text_length: int | None = SamplingParams.text_length
     # With model.lora, how the engine receives the adapters: "adapter" (the adapters only: the diffusers engine
     # through peft, vLLM-Omni through its LoRA manager and LoRA layers), "merge" (W + scale B A through the
-    # bridge, as full weights), "auto" (adapter where that path has run: diffusers, and vLLM-Omni in the
-    # trainer's process on CPU; merge for vLLM-Omni's multi-process GPU engine, whose adapter RPC is unrun).
+    # bridge, as full weights), "auto" (adapter where that path has run: diffusers, and vLLM-Omni inline; merge
+    # for vLLM-Omni's engine, whose adapter RPC is not run by a test yet).
     lora_sync: str = "auto"
     # What the engine's copy of the transformer samples in, beside `dtype`: "none" | "fp8" (ModelOpt FP8 weights
     # per output channel and activations per token on the family's `quantized_linears`, re-quantized at every

@@ -101,6 +101,7 @@ CHOICES: dict[str, tuple[Any, ...]] = {
     "rollout.sde_type": ("sde", "cps", "dance_sde"),
     "rollout.transformer": ("auto", "engine", "trainer"),
     "rollout.engine": ("diffusers", "vllm_omni"),
+    "rollout.vllm_omni_process": ("engine", "inline"),
     "rollout.dtype": ("fp32", "bf16"),
     "rollout.lora_sync": ("auto", "adapter", "merge"),
     "rollout.quantization": QUANTIZATION_MODES,

@@ -107,7 +107,8 @@ class FlowGRPOTrainer:
         self.quantization = QuantizationSpec(r.quantization, tuple(self.family.quantized_linears))
         self.engine = build_engine(r.engine, pipeline_dir, EngineSettings(tp=r.tp, dtype=torch_dtype(r.dtype),
                                                                           max_batch_size=r.max_batch_size,
-                                                                          quantization=self.quantization))
+                                                                          quantization=self.quantization,
+                                                                          vllm_omni_process=r.vllm_omni_process))
         self.hf_config = self.engine.transformer_config()
         p = cfg.parallel
         # batched p2p on gloo gave wrong results (docs/design.md section 5)
@@ -173,7 +174,8 @@ class FlowGRPOTrainer:
         # the adapters alone (gathered, loaded through the engine's peft loader), or merged weights through
         # the same bridge (`rollout.lora_sync`).
         self.lora_sync = None
-        lora_mode = lora_sync_mode(r.lora_sync, r.engine, self.quantization.enabled) if self.lora.enabled else None
+        lora_mode = (lora_sync_mode(r.lora_sync, r.engine, self.quantization.enabled, r.vllm_omni_process)
+                     if self.lora.enabled else None)
         if lora_mode == "adapter":
             self.lora_sync = LoRAAdapterSync(self.model, self.engine, self.family, self.hf_config, self.lora_linears,
                                              self.lora.rank, self.lora.alpha, groups.tp, groups.mcore.pp,

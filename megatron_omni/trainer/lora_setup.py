@@ -13,7 +13,6 @@ import torch.distributed as dist
 
 from megatron_omni.checkpoint.lora import base_identity
 from megatron_omni.models.lora import add_lora, unmatched_targets
-from megatron_omni.parallel import platform
 from megatron_omni.trainer.config import ConfigError, LoRAConfig
 
 
@@ -40,17 +39,17 @@ def attach_lora(model: torch.nn.Module, lora: LoRAConfig, seed: int, pp_group: d
     return linears
 
 
-def lora_sync_mode(lora_sync: str, engine: str, quantized: bool = False) -> str:
+def lora_sync_mode(lora_sync: str, engine: str, quantized: bool = False, vllm_omni_process: str = "engine") -> str:
     """How the engine `engine` receives adapters: `rollout.lora_sync` resolved. "auto": adapters only where that
-    path has run: the diffusers engine (peft) and vLLM-Omni in the trainer's process (its LoRA manager and layers,
-    on CPU); vLLM-Omni's multi-process engine (GPU) takes merged full weights until its adapter path (the worker
-    extension's `load_flowgrpo_lora`) has run on a GPU; `rollout.lora_sync=adapter` asks for it. A `quantized`
-    engine (`rollout.quantization`) always takes merged weights: its FP8 linears take no adapters."""
+    path is tested: the diffusers engine (peft) and vLLM-Omni inline (`vllm_omni_process`: its LoRA manager and
+    layers in the trainer's ranks); vLLM-Omni's engine takes merged full weights until its adapter path (the worker
+    extension's `load_flowgrpo_lora` over collective_rpc) is tested; `rollout.lora_sync=adapter` asks for it. A
+    `quantized` engine (`rollout.quantization`) always takes merged weights: its FP8 linears take no adapters."""
     if lora_sync != "auto":
         return lora_sync
     if quantized:
         return "merge"
-    if engine == "diffusers" or (engine == "vllm_omni" and platform.rollout_in_process()):
+    if engine == "diffusers" or (engine == "vllm_omni" and vllm_omni_process == "inline"):
         return "adapter"
     return "merge"
 

@@ -25,7 +25,7 @@ import torch
 from megatron_omni.parallel import ParallelLayout, build_parallel_groups
 from megatron_omni.parallel.platform import seed_everything
 from megatron_omni.parallel.rank_pool import run_ranks
-from megatron_omni.rollout.ar_dit_engine import ARDiTSamplingParams
+from megatron_omni.rollout.diffusers_engines.ar_dit import ARDiTSamplingParams
 
 # vLLM's CPU attention needs a head size of at least 32: the tiny decoder at width 128.
 DECODER = dict(vocab_size=128, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
@@ -68,7 +68,7 @@ def _trainer_round_trip(groups, hybrid, ids: list[int], seeds: list[int], **engi
 
 def _vllm_plans(rank: int, world_size: int) -> dict:
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    from megatron_omni.rollout.vllm_plan_writer import VLLMPlanWriter
+    from megatron_omni.rollout.vllm_omni.plan_writer import VLLMPlanWriter
     from model_providers.ar_dit import decoder_provider as dp
     from model_providers.ar_dit import provider
     from model_providers.ar_dit import vllm_mapping as vm
@@ -143,20 +143,20 @@ def test_vllm_engine_follows_the_megatron_decoder() -> None:
 
 
 def _vllm_omni_dit(rank: int, world_size: int) -> dict:
-    from megatron_omni.rollout import vllm_omni_cpu
+    from megatron_omni.rollout.vllm_omni import inline
     from model_providers.ar_dit import provider
 
     groups = build_parallel_groups(ParallelLayout())
     seed_everything(0)
     hybrid = provider.torch_hybrid(HYBRID, seed=5)
     ids = torch.randint(2, 128, (12,), generator=torch.Generator().manual_seed(0)).tolist()
-    with vllm_omni_cpu.vllm_omni_parallel(1) as (od, _):  # vLLM-Omni's forward context, as in its worker
-        dit = vllm_omni_cpu.build_transformer(od, dict(hybrid.config.dit))
-        vllm_omni_cpu.finish_loading(dit)
+    with inline.vllm_omni_parallel(1) as (od, _):  # vLLM-Omni's forward context, as in its worker
+        dit = inline.build_transformer(od, dict(hybrid.config.dit))
+        inline.finish_loading(dit)
         out = _trainer_round_trip(groups, hybrid, ids, [11, 12, 13, 14, 15, 16], vllm_omni_dit=dit)
         trainer = out.pop("trainer")
         # After the step, vLLM-Omni's transformer holds exactly the trained DiT (its loader's fused layout).
-        from megatron_omni.rollout.vllm_omni_pipeline import diffusers_shapes
+        from megatron_omni.rollout.vllm_omni.pipeline import diffusers_shapes
 
         trained = provider.hf_state(trainer.model)[2]
         live = dict(dit.named_parameters())
@@ -180,9 +180,9 @@ def test_vllm_omni_dit_in_the_hybrid_rollout() -> None:
 
 
 def _served_dit(rank: int, world_size: int, folder: str) -> dict:
-    from megatron_omni.rollout import vllm_omni_cpu
-    from megatron_omni.rollout.ar_dit_engine import ARDiTRolloutEngine, denoise_window
-    from megatron_omni.rollout.vllm_omni_hybrid import (
+    from megatron_omni.rollout.diffusers_engines.ar_dit import ARDiTRolloutEngine, denoise_window
+    from megatron_omni.rollout.vllm_omni import inline
+    from megatron_omni.rollout.vllm_omni.hybrid import (
         HYBRID_KEY,
         HYBRID_PIPELINE_CLASS,
         VllmOmniHybridDiT,
@@ -197,10 +197,10 @@ def _served_dit(rank: int, world_size: int, folder: str) -> dict:
     seeds = [11, 12, 13, 14, 15, 16]
     params = ARDiTSamplingParams(max_plan_tokens=6, temperature=0.8, num_steps=4, noise_level=0.7)
     out: dict = {}
-    with vllm_omni_cpu.vllm_omni_model(folder, world_size, HYBRID_PIPELINE_CLASS) as pipe:
+    with inline.vllm_omni_model(folder, world_size, HYBRID_PIPELINE_CLASS) as pipe:
         out["class"] = type(pipe).__name__
         out["sharded"] = pipe.transformer.transformer_blocks[0].attn.to_qkv.weight.shape[0]
-        server = VllmOmniHybridDiT(folder, hybrid.config.dit, omni=vllm_omni_cpu.InProcessOmni(pipe))
+        server = VllmOmniHybridDiT(folder, hybrid.config.dit, omni=inline.InProcessOmni(pipe))
 
         # The denoising half alone, same conditioning and generator states: the folder holds other weights
         # (seed 3), then the engine's construction syncs ours into the served pipeline.

@@ -45,7 +45,7 @@ from megatron_omni.rollout.async_service.harness import (
     step_rows,
     trainer_model,
 )
-from megatron_omni.rollout.diffusers_engine import DiffusersRolloutEngine
+from megatron_omni.rollout.diffusers_engines.engine import DiffusersRolloutEngine
 from model_providers.qwen_image.tiny_pipeline import make_tiny_pipeline
 
 SETTINGS = AsyncSettings(max_staleness=1, liveness_timeout_s=30.0, heartbeat_s=0.5)

@@ -78,28 +78,28 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def _vllm_case(rank: int, world_size: int, rollout_tp: int, mode: str) -> dict:
-    from megatron_omni.rollout import vllm_omni_cpu
+    from megatron_omni.rollout.vllm_omni import inline
 
     groups, model = _trainer()
     x = _inputs()
     out = {}
-    with vllm_omni_cpu.vllm_omni_parallel(rollout_tp) as (od, _):
+    with inline.vllm_omni_parallel(rollout_tp) as (od, _):
         from vllm.distributed import get_tensor_model_parallel_rank
 
-        module = vllm_omni_cpu.build_transformer(od, provider.hf_config("tiny"))
+        module = inline.build_transformer(od, provider.hf_config("tiny"))
         _poison(module)
-        vllm_omni_cpu.finish_loading(module)
+        inline.finish_loading(module)
         target = VllmOmniTarget(module, get_tensor_model_parallel_rank(), rollout_tp)
         plan = qwen_image_plan("tiny", trainer_tp=TRAINER_TP, rollout_kind="vllm_omni", rollout_tp=rollout_tp,
                                mode=mode)
         sync = WeightSync(plan, sources=megatron_sources(model), target=target, tp_group=groups.tp,
                           tp_rank=groups.tp.rank(), bucket_bytes=BUCKET_BYTES)
         stats = sync.sync()
-        before = vllm_omni_cpu.forward(module, **x, grid=GRID)
+        before = inline.forward(module, **x, grid=GRID)
         out["err1"] = _rel(before, _megatron_forward(model, x))
         _adam_step(model, groups, x)
         stats2 = sync.sync()
-        after = vllm_omni_cpu.forward(module, **x, grid=GRID)
+        after = inline.forward(module, **x, grid=GRID)
         out["err2"] = _rel(after, _megatron_forward(model, x))
         out["changed"] = _rel(after, before)
         out["stats"] = (stats, stats2)
@@ -170,7 +170,7 @@ def test_sync_into_diffusers(distributed: bool) -> None:
 
 
 def _broken_case(rank: int, world_size: int, broken: str, mode: str, rollout_tp: int) -> str:
-    from megatron_omni.rollout import vllm_omni_cpu
+    from megatron_omni.rollout.vllm_omni import inline
 
     groups, model = _trainer()
     mappings = all_mappings(2)
@@ -179,11 +179,11 @@ def _broken_case(rank: int, world_size: int, broken: str, mode: str, rollout_tp:
                     if m.megatron == "layers.1.img.linear_qkv.weight" else m for m in mappings]
     else:  # a mapping left out
         mappings = [m for m in mappings if m.megatron != "layers.1.txt.linear_fc2.bias"]
-    with vllm_omni_cpu.vllm_omni_parallel(rollout_tp) as (od, _):
+    with inline.vllm_omni_parallel(rollout_tp) as (od, _):
         from vllm.distributed import get_tensor_model_parallel_rank
 
-        module = vllm_omni_cpu.build_transformer(od, provider.hf_config("tiny"))
-        vllm_omni_cpu.finish_loading(module)
+        module = inline.build_transformer(od, provider.hf_config("tiny"))
+        inline.finish_loading(module)
         plan = qwen_image_plan("tiny", trainer_tp=TRAINER_TP, rollout_tp=rollout_tp, mode=mode, mappings=mappings)
         sources = megatron_sources(model)
         if broken == "missing":

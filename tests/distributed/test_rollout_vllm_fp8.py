@@ -52,14 +52,14 @@ def _case(rank: int, world_size: int, folder: str) -> dict:
     from megatron_omni.models.dit.diffusers_interface import DiffusersForward
     from megatron_omni.parallel import ParallelLayout, build_parallel_groups
     from megatron_omni.parallel.platform import seed_everything
-    from megatron_omni.rollout import vllm_omni_cpu
-    from megatron_omni.rollout.diffusers_engine import DiffusersRolloutEngine
+    from megatron_omni.rollout.diffusers_engines.engine import DiffusersRolloutEngine
     from megatron_omni.rollout.probe import check_quantized_probe, probe_trajectory
     from megatron_omni.rollout.quantization import QuantizationSpec, probe_relative_tolerance
     from megatron_omni.rollout.registry import EngineSettings, build_engine
-    from megatron_omni.rollout.vllm_fp8 import check_quantized_names
-    from megatron_omni.rollout.vllm_omni_engine import RpcTarget
-    from megatron_omni.rollout.vllm_omni_pipeline import PIPELINE_CLASS, diffusers_shapes
+    from megatron_omni.rollout.vllm_omni import inline
+    from megatron_omni.rollout.vllm_omni.engine import RpcTarget
+    from megatron_omni.rollout.vllm_omni.fp8 import check_quantized_names
+    from megatron_omni.rollout.vllm_omni.pipeline import PIPELINE_CLASS, diffusers_shapes
     from model_providers import get_family
     from model_providers.qwen_image import provider
 
@@ -82,8 +82,9 @@ def _case(rank: int, world_size: int, folder: str) -> dict:
     res: dict = {}
     for tp in (1, world_size):
         out: dict = {}
-        # the registry's builder, as the trainer builds it: FP8 linears, the folder's weights quantized in
-        engine = build_engine("vllm_omni", folder, EngineSettings(tp=tp, quantization=spec))
+        # the registry's builder, inline (the FP8 linears in the trainer's ranks): the folder's weights quantized in
+        engine = build_engine("vllm_omni", folder,
+                              EngineSettings(tp=tp, quantization=spec, vllm_omni_process="inline"))
         pipe = engine.omni.pipeline
         layer = pipe.transformer.transformer_blocks[0].attn.to_qkv
         out["weight_dtype"] = str(layer.weight.dtype)
@@ -121,7 +122,7 @@ def _case(rank: int, world_size: int, folder: str) -> dict:
         engine.close()
         res[tp] = out
     # an unquantized engine that was never synced: the stale copy a broken sync leaves
-    with vllm_omni_cpu.vllm_omni_model(folder, world_size, PIPELINE_CLASS) as pipe:
+    with inline.vllm_omni_model(folder, world_size, PIPELINE_CLASS) as pipe:
         unq = pipe.stepper.probe(probe)
         res["stale_unquantized"] = _error(check_quantized_probe, unq, trainer_means, probe, 1e-4, rel,
                                           "stale unquantized copy", unquantized_means=unq)

@@ -11,7 +11,7 @@ engine's with the same weights. Malformed and partial updates must raise errors 
 trainer's LoRA adapters (trainer tp=2, adapter-only sync) go into vLLM-Omni's own LoRA layers, through its LoRA
 request path and then in place: each rollout must equal the diffusers engine carrying the same adapters (peft).
 
-The full `Omni(...)` engine needs a GPU platform: tests/gpu/test_vllm_omni_engine.py.
+The full `Omni(...)` engine (our CPU platform plugin, both executors): tests/distributed/test_vllm_omni_engine.py.
 """
 
 from __future__ import annotations
@@ -58,7 +58,7 @@ def _request_batch(params: SamplingParams, seeds: list[int]):
     from vllm_omni.diffusion.worker.request_batch import DiffusionRequestBatch
     from vllm_omni.inputs.data import OmniDiffusionSamplingParams
 
-    from megatron_omni.rollout.vllm_omni_pipeline import EXTRA_KEY, sample_prompt, sampling_extra
+    from megatron_omni.rollout.vllm_omni.pipeline import EXTRA_KEY, sample_prompt, sampling_extra
 
     sp = OmniDiffusionSamplingParams(height=params.height, width=params.width, num_inference_steps=params.num_steps,
                                      extra_args={EXTRA_KEY: sampling_extra(params)})
@@ -76,11 +76,11 @@ def _case(rank: int, world_size: int, folder: str) -> dict:
     from megatron_omni.models.lora import adapters, add_lora
     from megatron_omni.parallel import ParallelLayout, build_parallel_groups
     from megatron_omni.parallel.platform import seed_everything
-    from megatron_omni.rollout import vllm_omni_cpu
-    from megatron_omni.rollout.diffusers_engine import DiffusersRolloutEngine
+    from megatron_omni.rollout.diffusers_engines.engine import DiffusersRolloutEngine
     from megatron_omni.rollout.lora_receiver import load_lora_into
-    from megatron_omni.rollout.vllm_omni_pipeline import PIPELINE_CLASS, record_to_trajectory
-    from megatron_omni.rollout.vllm_omni_worker import WeightReceiver, WeightUpdateError
+    from megatron_omni.rollout.vllm_omni import inline
+    from megatron_omni.rollout.vllm_omni.pipeline import PIPELINE_CLASS, record_to_trajectory
+    from megatron_omni.rollout.vllm_omni.worker import WeightReceiver, WeightUpdateError
     from megatron_omni.trainer.config import LORA_TARGETS
     from model_providers import get_family
     from model_providers.qwen_image import provider
@@ -88,7 +88,7 @@ def _case(rank: int, world_size: int, folder: str) -> dict:
     res: dict = {}
     ref = DiffusersRolloutEngine(folder, max_batch_size=3)
     hf_cfg = json.loads((Path(folder) / "transformer" / "config.json").read_text())
-    with vllm_omni_cpu.vllm_omni_model(folder, world_size, PIPELINE_CLASS) as pipe:
+    with inline.vllm_omni_model(folder, world_size, PIPELINE_CLASS) as pipe:
         res["class"] = type(pipe).__name__
         res["sharded"] = pipe.transformer.transformer_blocks[0].attn.to_qkv.weight.shape[0]
         # 1. parity with the embedded engine, no CFG and CFG
@@ -115,7 +115,7 @@ def _case(rank: int, world_size: int, folder: str) -> dict:
             weights = _perturbed(base, seed=100 + step)
             if how == "buckets":  # what collective_rpc calls on the worker vLLM-Omni composes with our extension
                 names = sorted(weights)
-                worker = vllm_omni_cpu.worker_with_extension(pipe)
+                worker = inline.worker_with_extension(pipe)
                 worker.begin_weight_update()
                 worker.load_weight_bucket([(f"transformer.{n}", weights[n]) for n in names[: len(names) // 2]])
                 worker.load_weight_bucket([(n, weights[n]) for n in names[len(names) // 2:]])
@@ -173,7 +173,7 @@ def _case(rank: int, world_size: int, folder: str) -> dict:
         ref.load_weights([("proj_out.bias", base["proj_out.bias"])])
         linears = [trainer.global_name(n) for n in add_lora(trainer, LORA_TARGETS, 4, 8.0, seed=0,
                                                             global_name=trainer.global_name)]
-        worker = vllm_omni_cpu.worker_with_extension(pipe)
+        worker = inline.worker_with_extension(pipe)
         sync = LoRAAdapterSync(trainer, SimpleNamespace(load_lora=worker.load_flowgrpo_lora), get_family("qwen_image"),
                                hf_cfg, linears, 4, 8.0, groups.tp, groups.mcore.pp, trainer.global_name)
         for step in range(2):

@@ -16,7 +16,7 @@ from megatron_omni.parallel import ParallelLayout, build_parallel_groups
 from megatron_omni.parallel.platform import seed_everything
 from megatron_omni.parallel.rank_pool import run_ranks
 from megatron_omni.rollout.base import SamplingParams
-from megatron_omni.rollout.diffusers_engine import DiffusersRolloutEngine
+from megatron_omni.rollout.diffusers_engines.engine import DiffusersRolloutEngine
 from model_providers.qwen_image import provider
 from model_providers.qwen_image.tiny_pipeline import make_tiny_pipeline
 

@@ -1,6 +1,8 @@
-"""`rollout.engine=vllm_omni` in the FlowGRPO trainer on two gloo ranks: vLLM-Omni 0.30.0's real pipeline class
-(`FlowGRPOQwenImagePipeline`) and tensor-parallel transformer, served in process (no GPU here), chosen by
-configuration through the rollout registry, against the diffusers engine.
+"""`rollout.engine=vllm_omni` in the FlowGRPO trainer on two gloo ranks, against the diffusers engine: vLLM-Omni
+0.30.0's real `Omni` engine (`rollout.vllm_omni_process=engine`, the default: our CPU platform plugin, worker
+processes, bucketed RPC weight updates; rollout tp 1: each rank owns one, tp 2: rank 0 owns it and serves rank 1's
+requests) and its pipeline class (`FlowGRPOQwenImagePipeline`) and tensor-parallel transformer inline in the
+trainer's ranks (`inline`), chosen by configuration through the rollout registry.
 
 For the same seeds the first step's trajectories (window latents, log-probs) equal the diffusers engine's
 (fp32, 1e-5) at rollout tp 1 and 2, under trainer tp 1 (the bridge's full mode at rollout tp 2, direct at
@@ -20,7 +22,7 @@ from megatron_omni.parallel.rank_pool import run_ranks
 from model_providers.qwen_image.tiny_pipeline import make_tiny_pipeline
 
 
-def _trainer(folder: str, root: str, engine: str, rollout_tp: int, trainer_tp: int):
+def _trainer(folder: str, root: str, engine: str, rollout_tp: int, trainer_tp: int, process: str = "inline"):
     from megatron_omni.parallel import ParallelLayout, build_parallel_groups
     from megatron_omni.trainer.config import JobConfig
     from megatron_omni.trainer.flowgrpo import FlowGRPOTrainer
@@ -28,6 +30,7 @@ def _trainer(folder: str, root: str, engine: str, rollout_tp: int, trainer_tp: i
 
     cfg = JobConfig(run_dir=f"{root}/{engine}", steps=2, seed=0)
     cfg.rollout.engine, cfg.rollout.tp, cfg.parallel.tp = engine, rollout_tp, trainer_tp
+    cfg.rollout.vllm_omni_process = process
     cfg.rollout.transformer = "engine"  # both engines sample with their own copy and get every update by sync
     cfg.rollout.prompts_per_step, cfg.rollout.group_size = 2, 2
     cfg.rollout.num_steps, cfg.rollout.height, cfg.rollout.width = 4, 32, 32
@@ -59,10 +62,11 @@ def _steps(rank: int, world_size: int, folder: str, root: str) -> dict:
     from megatron_omni.rollout.probe import ProbeMismatch
 
     out: dict = {}
-    for name, engine, rollout_tp, trainer_tp in (("diffusers", "diffusers", 1, 1), ("vllm_tp1", "vllm_omni", 1, 1),
-                                                 ("vllm_tp2", "vllm_omni", 2, 1),
-                                                 ("vllm_tp2_trainer_tp2", "vllm_omni", 2, 2)):
-        trainer = _trainer(folder, root, engine, rollout_tp, trainer_tp)
+    for name, engine, rollout_tp, trainer_tp, process in (
+            ("diffusers", "diffusers", 1, 1, "inline"), ("vllm_tp1", "vllm_omni", 1, 1, "inline"),
+            ("vllm_tp2", "vllm_omni", 2, 1, "inline"), ("vllm_tp2_trainer_tp2", "vllm_omni", 2, 2, "inline"),
+            ("engine_tp1", "vllm_omni", 1, 1, "engine"), ("engine_tp2", "vllm_omni", 2, 1, "engine")):
+        trainer = _trainer(folder, root, engine, rollout_tp, trainer_tp, process)
         try:
             first = trainer.train_step(0)
             second = trainer.train_step(1)  # sampled with the synced weights
@@ -70,6 +74,7 @@ def _steps(rank: int, world_size: int, folder: str, root: str) -> dict:
                          "second": _by_seed(second.trajectory), "probe": [first.metrics["sync_probe_max_diff"],
                                                                          second.metrics["sync_probe_max_diff"]],
                          "kind": type(trainer.engine).__name__,
+                         "in_process": getattr(trainer.engine, "in_process", True),
                          "text_lengths": trainer.engine.text_lengths(TEXTS),
                          "dlogp": [first.metrics["train_rollout_dlogp"], second.metrics["train_rollout_dlogp"]]}
             if name == "diffusers":
@@ -105,10 +110,10 @@ def _steps(rank: int, world_size: int, folder: str, root: str) -> dict:
 def results(tmp_path_factory) -> list[dict]:
     root = tmp_path_factory.mktemp("vllm_trainer")
     folder = make_tiny_pipeline(root / "pipe", seed=0)
-    return run_ranks(_steps, 2, str(folder), str(root), timeout_s=600)
+    return run_ranks(_steps, 2, str(folder), str(root), timeout_s=900)
 
 
-@pytest.mark.parametrize("name", ["vllm_tp1", "vllm_tp2", "vllm_tp2_trainer_tp2"])
+@pytest.mark.parametrize("name", ["vllm_tp1", "vllm_tp2", "vllm_tp2_trainer_tp2", "engine_tp1", "engine_tp2"])
 def test_first_step_trajectories_equal_the_diffusers_engine(results: list[dict], name: str) -> None:
     ref = {s: v for r in results for s, v in r["diffusers"]["first"].items()}
     worst = 0.0
@@ -124,9 +129,12 @@ def test_first_step_trajectories_equal_the_diffusers_engine(results: list[dict],
 
 
 @pytest.mark.parametrize("name,mode", [("vllm_tp1", "direct"), ("vllm_tp2", "full"), ("vllm_tp2_trainer_tp2", "direct"),
-                                       ("diffusers", "direct")])
+                                       ("diffusers", "direct"), ("engine_tp1", "full"), ("engine_tp2", "full")])
 def test_sync_mode_and_probe(results: list[dict], name: str, mode: str) -> None:
+    """Every sync is checked by the probe; vLLM-Omni's engine (`rollout.vllm_omni_process=engine`: `Omni` with
+    worker processes, rank 0 owning the tp-2 engine and serving rank 1's requests) takes the bucketed RPC path."""
     for r in results:
+        assert r[name]["in_process"] == (not name.startswith("engine")), name
         assert r[name]["mode"] == mode
         assert max(r[name]["probe"]) < 1e-5, r[name]["probe"]
         assert max(r[name]["dlogp"]) < 1e-5, r[name]["dlogp"]
@@ -136,7 +144,7 @@ def test_second_step_follows_the_sync(results: list[dict]) -> None:
     """Step 1 samples with the weights synced after step 0: the engines still agree."""
     ref = {s: v for r in results for s, v in r["diffusers"]["second"].items()}
     for r in results:
-        for name in ("vllm_tp1", "vllm_tp2"):
+        for name in ("vllm_tp1", "vllm_tp2", "engine_tp1", "engine_tp2"):
             for seed, tensors in r[name]["second"].items():
                 for a, b in zip(tensors, ref[seed]):
                     assert float((a - b).abs().max()) <= 1e-5, (name, seed)

@@ -49,7 +49,7 @@ def _inputs() -> dict:
 
 
 def _bridge_cases(rank: int, world_size: int, checkpoint: str) -> dict:
-    from megatron_omni.rollout import vllm_omni_cpu
+    from megatron_omni.rollout.vllm_omni import inline
 
     groups = build_parallel_groups(ParallelLayout(tp=TRAINER_TP))
     seed_everything(0, tp_rank=groups.tp.rank())
@@ -92,12 +92,12 @@ def _bridge_cases(rank: int, world_size: int, checkpoint: str) -> dict:
     _poison(diffusers_module)
     run("diffusers-tp1-full", diffusers_module, DiffusersTarget(diffusers_module), "diffusers", 1, "full")
     for rollout_tp, mode in ((2, "direct"), (2, "full"), (1, "full")):
-        with vllm_omni_cpu.vllm_omni_parallel(rollout_tp) as _:
+        with inline.vllm_omni_parallel(rollout_tp) as _:
             from vllm.distributed import get_tensor_model_parallel_rank
 
-            module = vllm_omni_cpu.build_wan_transformer(cfg)
+            module = inline.build_wan_transformer(cfg)
             _poison(module)
-            vllm_omni_cpu.finish_loading(module)
+            inline.finish_loading(module)
             # the bare transformer's loader takes unprefixed names (the pipeline's strips `transformer.`)
             target = VllmOmniTarget(module, get_tensor_model_parallel_rank(), rollout_tp, load_prefix="")
             run(f"vllm_omni-tp{rollout_tp}-{mode}", module, target, "vllm_omni", rollout_tp, mode)

@@ -26,7 +26,7 @@ LAYOUTS = {"tp2": ParallelLayout(tp=2), "cp2-ulysses": ParallelLayout(ulysses=2)
 
 
 def _dlogp(rank: int, world_size: int, pipeline: str) -> dict[str, dict[str, float]]:
-    from megatron_omni.rollout.wan_engine import WanRolloutEngine
+    from megatron_omni.rollout.diffusers_engines.wan import WanRolloutEngine
     from megatron_omni.trainer.pipeline_step import PipelineStep, plan_micro_batches
 
     engine = WanRolloutEngine(pipeline, max_batch_size=4)

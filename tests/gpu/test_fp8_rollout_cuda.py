@@ -126,10 +126,10 @@ def test_vllm_omni_fp8_engine_rollout(record, tmp_path) -> None:
     require_vllm_omni_gpu("tests/distributed/test_rollout_vllm_fp8.py")
     require_module("modelopt", "the FP8 weights (ModelOpt's FP8QTensor)")
     from megatron_omni.rollout.base import SamplingParams
-    from megatron_omni.rollout.diffusers_engine import DiffusersRolloutEngine
+    from megatron_omni.rollout.diffusers_engines.engine import DiffusersRolloutEngine
     from megatron_omni.rollout.probe import check_quantized_probe, probe_tolerance, probe_trajectory
     from megatron_omni.rollout.quantization import QuantizationSpec, probe_relative_tolerance
-    from megatron_omni.rollout.vllm_omni_engine import VllmOmniRolloutEngine
+    from megatron_omni.rollout.vllm_omni.engine import VllmOmniRolloutEngine
     from model_providers.qwen_image.tiny_pipeline import SMALL_TRANSFORMER, TinyPipelineConfig, make_tiny_pipeline
 
     folder = make_tiny_pipeline(tmp_path / "small", seed=0, config=TinyPipelineConfig(transformer=SMALL_TRANSFORMER))

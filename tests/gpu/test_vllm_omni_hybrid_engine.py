@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_omni.rollout.ar_dit_engine import ARDiTRolloutEngine, ARDiTSamplingParams
+from megatron_omni.rollout.diffusers_engines.ar_dit import ARDiTRolloutEngine, ARDiTSamplingParams
 from tests.gpu.vllm_omni_gpu import require_vllm_omni_gpu
 
 pytestmark = pytest.mark.gpu
@@ -25,7 +25,7 @@ TOL = 2e-4  # fp32 in both, but vLLM-Omni's kernels are not diffusers' (TF32 off
 @pytest.fixture(scope="module")
 def engines(tmp_path_factory):
     require_vllm_omni_gpu("tests/distributed/test_ar_dit_vllm_plans.py")
-    from megatron_omni.rollout.vllm_omni_hybrid import VllmOmniHybridDiT
+    from megatron_omni.rollout.vllm_omni.hybrid import VllmOmniHybridDiT
     from model_providers.ar_dit import provider
     from tools.checkpoint.convert_ar_dit import save_hf_folder
 

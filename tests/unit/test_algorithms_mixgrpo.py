@@ -94,7 +94,7 @@ def test_engine_samples_flash_with_fewer_evaluations_after_the_window(tiny_pipel
 
     from megatron_omni.algorithms.transition import recompute_log_probs
     from megatron_omni.rollout.base import SamplingParams
-    from megatron_omni.rollout.diffusers_engine import DiffusersRolloutEngine
+    from megatron_omni.rollout.diffusers_engines.engine import DiffusersRolloutEngine
 
     engine = DiffusersRolloutEngine(tiny_pipeline_dir, max_batch_size=4)
     plain = SamplingParams(height=32, width=32, num_steps=10, noise_level=1.0, window_size=2, window_range=(0, 8),

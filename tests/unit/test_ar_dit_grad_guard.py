@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from megatron_omni.parallel import ParallelLayout, build_parallel_groups, platform
-from megatron_omni.rollout.ar_dit_engine import ARDiTSamplingParams
+from megatron_omni.rollout.diffusers_engines.ar_dit import ARDiTSamplingParams
 from megatron_omni.trainer.ar_dit import ARDiTTrainConfig, ARDiTTrainer
 from megatron_omni.trainer.grad_guard import GradGuard
 

@@ -20,7 +20,7 @@ from megatron_omni.rollout.async_service import (
     stamp_version,
 )
 from megatron_omni.rollout.base import Trajectory
-from megatron_omni.rollout.diffusers_engine import DiffusersRolloutEngine
+from megatron_omni.rollout.diffusers_engines.engine import DiffusersRolloutEngine
 from megatron_omni.rollout.probe import probe_trajectory
 from megatron_omni.rollout.quantization import QuantizationSpec
 from model_providers.qwen_image import provider

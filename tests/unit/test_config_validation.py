@@ -264,7 +264,6 @@ def test_lora_refuses_what_it_cannot_combine_with(overrides: list[str], field_na
 
 
 def test_adapter_sync_is_taken_by_both_engines_and_auto_picks_it_where_it_has_run(monkeypatch) -> None:
-    from megatron_omni.parallel import platform
     from megatron_omni.trainer.lora_setup import lora_sync_mode
 
     for engine in ("diffusers", "vllm_omni"):
@@ -272,9 +271,8 @@ def test_adapter_sync_is_taken_by_both_engines_and_auto_picks_it_where_it_has_ru
                                             "rollout.lora_sync=adapter"])
         cfg.validate(1)
         assert lora_sync_mode("merge", engine) == "merge"
-    monkeypatch.setattr(platform, "rollout_in_process", lambda: True)  # vLLM-Omni in the trainer's ranks (CPU)
-    assert lora_sync_mode("auto", "diffusers") == lora_sync_mode("auto", "vllm_omni") == "adapter"
-    monkeypatch.setattr(platform, "rollout_in_process", lambda: False)  # its multi-process engine (GPU): unrun
+    # vLLM-Omni inline (its LoRA manager in the trainer's ranks): adapters; its engine: merged weights
+    assert lora_sync_mode("auto", "diffusers") == lora_sync_mode("auto", "vllm_omni", False, "inline") == "adapter"
     assert lora_sync_mode("auto", "vllm_omni") == "merge"
     assert lora_sync_mode("adapter", "vllm_omni") == "adapter"
     # a quantized engine's FP8 linears take no adapters: auto resolves to merged weights on both engines

@@ -86,7 +86,7 @@ def test_a_pipeline_folder_with_it_loads_and_decodes_through_the_vae(tmp_path: P
 
 
 def test_the_vllm_omni_pipeline_refuses_a_folder_whose_vae_it_cannot_load(tmp_path: Path) -> None:
-    from megatron_omni.rollout.vllm_omni_pipeline import require_qwen_image_vae
+    from megatron_omni.rollout.vllm_omni.pipeline import require_qwen_image_vae
 
     index = {"_class_name": "QwenImagePipeline", "vae": ["diffusers", "AutoencoderKLQwenImage"]}
     (tmp_path / "model_index.json").write_text(json.dumps(index))

@@ -109,7 +109,7 @@ def test_a_gap_above_max_logp_gap_stops_the_step(pipeline) -> None:
 
 def test_text_length_pads_every_call_alike(pipeline) -> None:
     from megatron_omni.rollout.base import SamplingParams
-    from megatron_omni.rollout.diffusers_engine import DiffusersRolloutEngine
+    from megatron_omni.rollout.diffusers_engines.engine import DiffusersRolloutEngine
 
     engine = DiffusersRolloutEngine(pipeline, max_batch_size=2, dtype=torch.bfloat16)
     base = SamplingParams(height=32, width=32, num_steps=2, window_size=1, guidance_scale=2.0, negative_prompt=" ")

@@ -12,7 +12,7 @@ from diffusers import QwenImagePipeline
 
 from megatron_omni.algorithms.transition import recompute_log_probs
 from megatron_omni.rollout.base import RolloutEngine, SamplingParams
-from megatron_omni.rollout.diffusers_engine import DiffusersRolloutEngine
+from megatron_omni.rollout.diffusers_engines.engine import DiffusersRolloutEngine
 from model_providers.qwen_image.tiny_pipeline import make_tiny_pipeline
 
 PROMPTS = ["a red cat", "OPEN 24 HOURS"]

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from megatron_omni.parallel import platform
-from megatron_omni.rollout.diffusers_engine import DiffusersRolloutEngine
+from megatron_omni.rollout.diffusers_engines.engine import DiffusersRolloutEngine
 from megatron_omni.rollout.probe import ProbeMismatch, check_quantized_probe, probe_trajectory
 from megatron_omni.rollout.quantization import (
     QuantizationSpec,

@@ -5,8 +5,8 @@ from dataclasses import dataclass
 
 import pytest
 
-from megatron_omni.rollout.ar_dit_engine import ARDiTSamplingParams
 from megatron_omni.rollout.base import SamplingParams, SdeWindowParams
+from megatron_omni.rollout.diffusers_engines.ar_dit import ARDiTSamplingParams
 
 
 def test_both_records_share_the_window_defaults():

@@ -84,7 +84,7 @@ def test_grid_shows_the_first_seeds_of_each_prompt(tmp_path: Path) -> None:
 def test_rollout_sampler_evaluation_samples_the_rollout(tiny_pipeline_dir: str) -> None:
     """`ode=False` scores the images a rollout of the same seeds draws (SDE window and all), which differ from
     the ODE's; without a stochastic window there is nothing but the ODE, and that is refused."""
-    from megatron_omni.rollout.diffusers_engine import DiffusersRolloutEngine
+    from megatron_omni.rollout.diffusers_engines.engine import DiffusersRolloutEngine
     from megatron_omni.trainer.rewards import RewardFunction
 
     engine = DiffusersRolloutEngine(tiny_pipeline_dir, max_batch_size=4)

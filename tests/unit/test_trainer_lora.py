@@ -100,7 +100,8 @@ def _vllm_omni_adapters(rank: int, world_size: int, pipeline_dir: str) -> dict:
             return str(exc)
         return None
 
-    trainer = tiny_trainer(pipeline_dir, *LORA, "rollout.engine=vllm_omni")  # rollout.lora_sync=auto
+    # inline (its LoRA manager in this rank; rollout.lora_sync=auto takes adapters there)
+    trainer = tiny_trainer(pipeline_dir, *LORA, "rollout.engine=vllm_omni", "rollout.vllm_omni_process=inline")
     out = {"adapter_mode": trainer.lora_sync is not None and trainer.weight_sync is None}
     _one_update(trainer)
     out["probe"] = trainer.sync_weights()  # the first: through vLLM-Omni's LoRA request path
@@ -184,7 +185,7 @@ def _export(rank: int, world_size: int, pipeline_dir: str, run_dir: str) -> dict
     ours = trainer.engine.probe(traj)
 
     def probe_of(pipe) -> torch.Tensor:
-        from megatron_omni.rollout.diffusers_engine import DiffusersRolloutEngine
+        from megatron_omni.rollout.diffusers_engines.engine import DiffusersRolloutEngine
 
         engine = DiffusersRolloutEngine.__new__(DiffusersRolloutEngine)
         engine.velocity_model, engine.dtype = pipe.transformer, torch.float32

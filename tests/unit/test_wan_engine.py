@@ -20,9 +20,9 @@ from megatron_omni.models.dit.diffusers_interface import DiffusersForward
 from megatron_omni.parallel import ParallelLayout, build_parallel_groups, platform
 from megatron_omni.parallel.platform import seed_everything
 from megatron_omni.rollout.base import SamplingParams
-from megatron_omni.rollout.diffusers_engine import build_diffusers_engine
+from megatron_omni.rollout.diffusers_engines.engine import build_diffusers_engine
+from megatron_omni.rollout.diffusers_engines.wan import WanRolloutEngine
 from megatron_omni.rollout.registry import EngineSettings
-from megatron_omni.rollout.wan_engine import WanRolloutEngine
 from model_providers.wan import provider
 from model_providers.wan.tiny_pipeline import make_tiny_pipeline
 

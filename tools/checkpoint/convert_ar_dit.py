@@ -7,7 +7,7 @@
 The Hugging Face folder holds the three parts in their own formats: `decoder/` (transformers Qwen2
 `save_pretrained`), `connector/` (`model.safetensors`: norm.weight, proj.weight, proj.bias), `transformer/`
 (diffusers `QwenImageTransformer2DModel`), `ar_dit.json` (eos/pad ids) and `model_index.json` (the folder is
-what the GPU rollout serves: vLLM its `decoder/`, vLLM-Omni the folder with `rollout.vllm_omni_hybrid`'s
+what the GPU rollout serves: vLLM its `decoder/`, vLLM-Omni the folder with `rollout.vllm_omni.hybrid`'s
 pipeline class). The Megatron checkpoint has the
 layout of the AR-DiT trainer's checkpoints (`checkpoint.sharded_state.ar_dit_sharded_state_dict`): every tensor
 under `decoder.` / `connector.` / `dit.` + its global Megatron name, as ShardedTensors at their tensor-parallel
@@ -61,7 +61,7 @@ def save_hf_folder(hybrid, out_dir: str | Path) -> None:
     and model_index.json, which lets vLLM-Omni serve the DiT half from this folder)."""
     from safetensors.torch import save_file
 
-    from megatron_omni.rollout.vllm_omni_hybrid import write_model_index
+    from megatron_omni.rollout.vllm_omni.hybrid import write_model_index
 
     out = Path(out_dir)
     hybrid.decoder.save_pretrained(out / "decoder")

@@ -26,7 +26,7 @@ from megatron_omni.parallel.placement import Placement, PlacementGroups, build_p
 from megatron_omni.parallel.platform import seed_everything
 from megatron_omni.rollout.async_service import AsyncSettings, RolloutService, WeightReceiver
 from megatron_omni.rollout.base import SamplingParams, Trajectory
-from megatron_omni.rollout.diffusers_engine import DiffusersRolloutEngine
+from megatron_omni.rollout.diffusers_engines.engine import DiffusersRolloutEngine
 from megatron_omni.rollout.probe import probe_trajectory
 from model_providers.qwen_image import provider
 

@@ -1,17 +1,22 @@
 """`VllmOmniRolloutEngine`: FlowGRPO rollout in vLLM-Omni (`rollout.engine=vllm_omni`).
 
 vLLM-Omni serves the Qwen-Image folder with OUR pipeline class (`custom_pipeline_args`, see
-`vllm_omni_pipeline`: the embedded engine's SDE stepping on vLLM-Omni's tensor-parallel transformer) and
-OUR worker extension (`worker_extension_cls`, see `vllm_omni_worker`), which receives weights through
+`vllm_omni.pipeline`: the embedded engine's SDE stepping on vLLM-Omni's tensor-parallel transformer) and
+OUR worker extension (`worker_extension_cls`, see `vllm_omni.worker`), which receives weights through
 `collective_rpc`. One request is one sample; each returns its trajectory record, stacked here into the
 same `Trajectory` the embedded engine returns.
 
-Two ways to run it, chosen by the platform (`platform.rollout_in_process`), behind one class:
-- with GPUs, vLLM-Omni's `Omni` engine with its own worker processes: the first trainer rank of each group of
-  `rollout.tp` consecutive ranks owns one, its workers on the group's GPUs (colocated with the trainer, put
-  to sleep while it trains); the other ranks of the group send it their requests. Weights go through the
-  worker extension's bucket RPCs (the bridge's `full` mode), each worker checking the update was complete;
-- without, vLLM-Omni's real pipeline class and transformer in the trainer's own ranks (`vllm_omni_cpu`),
+Two ways to run it, chosen by configuration (`rollout.vllm_omni_process`), behind one class:
+- "engine" (the default, on every machine): vLLM-Omni's `Omni` engine with its own worker processes: the first
+  trainer rank of each group of `rollout.tp` consecutive ranks owns one, its workers on the group's GPUs
+  (colocated with the trainer, put to sleep while it trains), on CPU through our platform plugin
+  (`vllm_omni.platform`); the other ranks of the group send it their requests. Weights go through the
+  worker extension's bucket RPCs (the bridge's `full` mode), each worker checking the update was complete. The
+  executor is `mp` at every tp (`executor_backend`): vLLM-Omni's `uni` executor (its default for one device)
+  builds its worker in the caller's process, where its one-rank distributed initialisation meets the trainer
+  rank's own process group (it skips `init_process_group`, then sizes its world group by the trainer's world,
+  and its shutdown calls `torch.distributed.destroy_process_group()`, the trainer's);
+- "inline": vLLM-Omni's real pipeline class and transformer in the trainer's own ranks (`vllm_omni.inline`),
   its tensor-parallel groups over the job's ranks: every rank of a rollout group runs the same forward on its
   shard, and the bridge writes the live parameters (`direct` mode at rollout tp = trainer tp).
 
@@ -36,17 +41,17 @@ import torch.distributed as dist
 
 from megatron_omni.parallel import platform
 from megatron_omni.rollout.base import FinishedSample, SamplingParams, Trajectory, WeightSink, sample_seeds
-from megatron_omni.rollout.diffusers_engine import templated_token_ids
+from megatron_omni.rollout.diffusers_engines.engine import templated_token_ids
 from megatron_omni.rollout.quantization import QuantizationSpec
-from megatron_omni.rollout.vllm_fp8 import vllm_quantization_config
-from megatron_omni.rollout.vllm_omni_pipeline import (
+from megatron_omni.rollout.vllm_omni.fp8 import vllm_quantization_config
+from megatron_omni.rollout.vllm_omni.pipeline import (
     EXTRA_KEY,
     PIPELINE_CLASS,
     record_to_trajectory,
     sample_prompt,
     sampling_extra,
 )
-from megatron_omni.rollout.vllm_omni_worker import WORKER_EXTENSION
+from megatron_omni.rollout.vllm_omni.worker import WORKER_EXTENSION
 
 DEFAULT_BUCKET_BYTES = 512 * 1024 * 1024
 
@@ -85,11 +90,11 @@ class VllmOmniRolloutEngine:
         tensor_parallel_size: vLLM-Omni's rollout tp.
         dtype: vLLM-Omni's model dtype (the SDE math is fp32 regardless): a torch dtype or its name.
         bucket_bytes: largest weight bucket `load_weights` sends in one `collective_rpc`.
-        omni: an already started `Omni` (or `vllm_omni_cpu.InProcessOmni`) with our pipeline and extension
+        omni: an already started `Omni` (or `vllm_omni.inline.InProcessOmni`) with our pipeline and extension
             (then the other `Omni` args are unused); None with `peers` on a rank that owns no engine.
         peers: the ranks sharing this engine's calls (None: this rank alone).
         quantization: what the transformer runs quantized: vLLM-Omni's FP8 linears, fed FP8 weights at every sync
-            (`rollout/vllm_fp8.py`); a given `omni` must have been built with `vllm_quantization_config` of it.
+            (`rollout/vllm_omni/fp8.py`); a given `omni` must have been built with `vllm_quantization_config` of it.
             Call `load_initial_weights()` once before the first rollout (the builder does).
         **omni_extra: more `Omni(...)` keywords (e.g. `max_num_seqs`, `enable_sleep_mode`).
     """
@@ -134,7 +139,7 @@ class VllmOmniRolloutEngine:
 
     @property
     def in_process(self) -> bool:
-        """Whether the pipeline runs in this process (`vllm_omni_cpu.InProcessOmni`)."""
+        """Whether the pipeline runs in this process (`vllm_omni.inline.InProcessOmni`)."""
         return hasattr(self.omni, "worker")
 
     # ------------------------------------------------------------------ generation
@@ -227,12 +232,15 @@ class VllmOmniRolloutEngine:
     # ------------------------------------------------------------------ weights
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> list[str]:
         """A COMPLETE update of diffusers-named transformer tensors (full shapes); see `send_weight_update`."""
-        return send_weight_update(self.omni.engine.collective_rpc, named_tensors, self.bucket_bytes)
+        return send_weight_update(self._checked_rpc, named_tensors, self.bucket_bytes)
+
+    def _checked_rpc(self, method: str, args: tuple = ()) -> list[Any]:
+        return self._rpc(method, *args)
 
     def load_lora(self, state: dict[str, torch.Tensor], rank: int,
                   alpha: float) -> tuple[Sequence[str], Sequence[str]]:
         """Receive LoRA adapters (diffusers peft keys, full tensors) into vLLM-Omni's transformer through its LoRA
-        manager and layers (`vllm_omni_lora`: its LoRA request path the first time, in place after); returns
+        manager and layers (`vllm_omni.lora`: its LoRA request path the first time, in place after); returns
         (diffusers modules carrying the adapter, keys written), on every rank of the rollout group. In process
         each rank loads its own shard; multi-process the owner sends the adapters to its workers (worker
         extension `load_flowgrpo_lora`, rollout rank 0's report) and the group's other ranks get its report."""
@@ -260,15 +268,16 @@ class VllmOmniRolloutEngine:
         rollout group calls it."""
         if not self.quantization.enabled or self.omni is None:
             return
-        from megatron_omni.rollout.vllm_fp8 import check_quantized_names
-        from megatron_omni.rollout.vllm_omni_pipeline import diffusers_shapes
+        from megatron_omni.rollout.vllm_omni.fp8 import check_quantized_names
+        from megatron_omni.rollout.vllm_omni.pipeline import diffusers_shapes
 
         names = self._rpc("quantized_weight_names")[0]
         check_quantized_names(names, self.quantization, diffusers_shapes(self.transformer_config()))
         self.load_weights(self.initial_state_dict().items())
 
     def _rpc(self, method: str, *args: Any) -> list[Any]:
-        return self.omni.engine.collective_rpc(method, args=args)
+        """`method(*args)` on every worker; the replies of our one stage (`stage_replies`)."""
+        return stage_replies(self.omni.engine.collective_rpc(method, args=args), method)
 
     def transformer_config(self) -> dict[str, Any]:
         """The diffusers config of the folder's transformer (`transformer/config.json`)."""
@@ -366,6 +375,29 @@ class RpcTarget:
         return {n for n, _ in items}
 
 
+def stage_replies(result: Any, method: str = "rpc") -> list[Any]:
+    """The worker replies in what `Omni.engine.collective_rpc` returns: one entry per stage, a list of one reply per
+    replying worker (`[[reply]]`); our engines have one stage. A worker's exception does NOT propagate through it:
+    vLLM-Omni's stage pool logs it and puts `{"supported": False, "error": text}` in the stage's place, so that is
+    raised here (RuntimeError naming the method and the worker's error). Under the `mp` executor every worker runs
+    the method and rollout rank 0 replies after gathering each rank's status (a failure on any rank fails the
+    call), so the list holds rank 0's reply; under `uni` the one worker's."""
+    if isinstance(result, list) and len(result) == 1 and isinstance(result[0], dict) and "error" in result[0]:
+        raise RuntimeError(f"vLLM-Omni worker failed in {method}: {result[0]['error']}")
+    if not (isinstance(result, list) and len(result) == 1 and isinstance(result[0], list) and result[0]):
+        raise RuntimeError(f"vLLM-Omni collective_rpc({method!r}) returned {type(result).__name__} {result!r:.120}, "
+                           "not one stage's list of worker replies")
+    return result[0]
+
+
+def executor_backend() -> str:
+    """The `distributed_executor_backend` an engine in a trainer rank takes: worker processes at every tp (see the
+    module docstring); on the CPU platform our `mp` executor (`cpu_worker.CpuMultiprocExecutor`)."""
+    from megatron_omni.rollout.vllm_omni.plugin import MP_EXECUTOR, accelerator_present
+
+    return "mp" if accelerator_present() else MP_EXECUTOR
+
+
 def _tuple(value: Any) -> Any:
     return None if value is None else tuple(value)
 
@@ -411,16 +443,19 @@ def record_of(out: Any, pipeline_class: str) -> dict[str, Any]:
 
 def build_vllm_omni_engine(pipeline_dir: str | os.PathLike, settings: Any) -> VllmOmniRolloutEngine:
     """The registry's builder (`rollout.engine=vllm_omni`), collective over the job: rollout groups of
-    `settings.tp` consecutive ranks (vLLM-Omni's own tensor-parallel grouping). In process on a platform
-    without GPUs (`platform.rollout_in_process`), else one `Omni` engine per group, owned by its first rank,
-    whose workers use the group's GPUs, with sleep mode on (the trainer sleeps it while it trains)."""
+    `settings.tp` consecutive ranks (vLLM-Omni's own tensor-parallel grouping). `settings.vllm_omni_process`
+    "engine": one `Omni` engine per group, owned by its first rank, with worker processes (`executor_backend`) on
+    the group's GPUs (or the host), sleep mode on (the trainer sleeps it while it trains); "inline": vLLM-Omni's
+    pipeline in the trainer's ranks. An engine that fails to start raises one line naming the folder and cause,
+    on every rank of its group (the others would wait for it)."""
     tp, world, rank = settings.tp, dist.get_world_size(), dist.get_rank()
     if world % tp:
         raise ValueError(f"rollout tp={tp} does not divide the world size {world}")
-    if platform.rollout_in_process():
+    process = getattr(settings, "vllm_omni_process", "engine")
+    if process == "inline":
         from vllm.distributed import get_tp_group
 
-        from megatron_omni.rollout.vllm_omni_cpu import open_in_process_omni
+        from megatron_omni.rollout.vllm_omni.inline import open_in_process_omni
 
         omni = open_in_process_omni(pipeline_dir, tp, settings.dtype, settings.max_batch_size, PIPELINE_CLASS,
                                     vllm_quantization_config(settings.quantization))
@@ -430,22 +465,55 @@ def build_vllm_omni_engine(pipeline_dir: str | os.PathLike, settings: Any) -> Vl
                                        quantization=settings.quantization)
         engine.load_initial_weights()
         return engine
+    if process != "engine":
+        raise ValueError(f"rollout.vllm_omni_process must be 'engine' or 'inline', got {process!r}")
     peers = None
     for first in range(0, world, tp):  # every rank creates every group, in the same order
         ranks = tuple(range(first, first + tp))
         group = dist.new_group(list(ranks))
         if rank in ranks:
             peers = RolloutPeers(group, ranks, spmd=False)
-    omni = None
+    omni, failure = None, None
     if rank == peers.ranks[0]:
-        from vllm_omni import Omni
-
-        local = int(os.environ.get("LOCAL_RANK", "0"))
-        with platform.devices_for_workers(range(local, local + tp)):
-            omni = Omni(**omni_kwargs(pipeline_dir, tp, str(settings.dtype).removeprefix("torch."),
-                                      enable_sleep_mode=True,
-                                      quantization_config=vllm_quantization_config(settings.quantization)))
+        try:
+            omni = start_omni(pipeline_dir, tp, settings)
+        except Exception as exc:  # every rank of the group raises it below, not only the owner
+            failure = f"vLLM-Omni engine for {pipeline_dir} failed to start: {type(exc).__name__}: {exc}"
+    box = [failure]
+    dist.broadcast_object_list(box, src=peers.ranks[0], group=peers.group)
+    if box[0] is not None:
+        raise RuntimeError(box[0].splitlines()[0] if box[0].strip() else box[0])
     engine = VllmOmniRolloutEngine(pipeline_dir, tp, settings.dtype, omni=omni, peers=peers,
                                    quantization=settings.quantization)
     engine.load_initial_weights()
     return engine
+
+
+@contextlib.contextmanager
+def _without_env(name: str) -> Iterator[None]:
+    """`name` unset inside. vLLM-Omni takes its workers' rendezvous port from MASTER_PORT when set: in a trainer
+    rank that is the trainer's own port, so every engine owner of a node would settle on the same next free port
+    at once (EADDRINUSE); without it each engine takes an OS-assigned port."""
+    before = os.environ.pop(name, None)
+    try:
+        yield
+    finally:
+        if before is not None:
+            os.environ[name] = before
+
+
+def start_omni(pipeline_dir: str | os.PathLike, tp: int, settings: Any) -> Any:
+    """vLLM-Omni's `Omni` over `pipeline_dir` with our pipeline class and worker extension, `tp` workers of
+    `executor_backend()`, sleep mode on, on this node's GPUs from LOCAL_RANK (or the host)."""
+    if not (Path(pipeline_dir) / "model_index.json").is_file():
+        raise FileNotFoundError(f"no diffusers pipeline (model_index.json) in {pipeline_dir}")
+    from megatron_omni.rollout.vllm_omni.plugin import install_import_shims
+
+    install_import_shims()
+    from vllm_omni import Omni
+
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    with platform.devices_for_workers(range(local, local + tp)), _without_env("MASTER_PORT"):
+        return Omni(**omni_kwargs(pipeline_dir, tp, str(settings.dtype).removeprefix("torch."),
+                                  enable_sleep_mode=True, distributed_executor_backend=executor_backend(),
+                                  quantization_config=vllm_quantization_config(settings.quantization)))

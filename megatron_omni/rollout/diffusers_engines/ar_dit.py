@@ -31,12 +31,12 @@ from megatron_omni.algorithms.sde import windowed_sde_step
 from megatron_omni.algorithms.velocity import guided_batch
 from megatron_omni.algorithms.window import sample_window_start
 from megatron_omni.rollout.base import SdeWindowParams, Trajectory, sample_seeds
-from megatron_omni.rollout.vllm_omni_pipeline import VllmOmniVelocity, diffusers_shapes, load_transformer_weights
-from megatron_omni.rollout.vllm_plan_writer import VLLMPlanWriter
+from megatron_omni.rollout.vllm_omni.pipeline import VllmOmniVelocity, diffusers_shapes, load_transformer_weights
+from megatron_omni.rollout.vllm_omni.plan_writer import VLLMPlanWriter
 from model_providers.ar_dit.provider import TorchHybrid
 
 if TYPE_CHECKING:
-    from megatron_omni.rollout.vllm_omni_hybrid import VllmOmniHybridDiT
+    from megatron_omni.rollout.vllm_omni.hybrid import VllmOmniHybridDiT
 
 
 @dataclass(frozen=True)
@@ -123,9 +123,9 @@ class ARDiTRolloutEngine:
       gives the DiT its conditioning.
     - `vllm_omni_dit`: vLLM-Omni's `QwenImageTransformer2DModel` runs the DiT (called inside vLLM-Omni's
       forward context, as its worker does), loaded through vLLM-Omni's own loader
-      (`vllm_omni_pipeline.load_transformer_weights`: fused q/k/v, its tp rank's slice, names and shapes
+      (`vllm_omni.pipeline.load_transformer_weights`: fused q/k/v, its tp rank's slice, names and shapes
       checked).
-    - `dit_server` (a `vllm_omni_hybrid.VllmOmniHybridDiT`): the DiT half served by a vLLM-Omni engine running
+    - `dit_server` (a `vllm_omni.hybrid.VllmOmniHybridDiT`): the DiT half served by a vLLM-Omni engine running
       our hybrid pipeline class; each sample's request carries its connector embeddings and its generator's
       state after the plan, so the served trajectory is the embedded one."""
 
@@ -274,7 +274,7 @@ def denoise_window(dit: Callable[..., Any], cond: torch.Tensor, text_mask: torch
                    dtype: torch.dtype = torch.float32) -> Trajectory:
     """The DiT half of a hybrid rollout: pixel latents denoised with the SDE window, the window's transitions
     recorded with their log-probs. Shared by the embedded engine and vLLM-Omni's hybrid pipeline
-    (`vllm_omni_hybrid`), so both produce the same trajectory for the same generator states.
+    (`vllm_omni.hybrid`), so both produce the same trajectory for the same generator states.
 
     Args:
         dit: a velocity model with diffusers' Qwen-Image forward keywords (see `algorithms.velocity`).

