@@ -60,7 +60,7 @@ def _reference_steps(rank: int, world_size: int, steps: int) -> list[float]:
     from megatron_omni.algorithms.token_loss import grpo_token_loss, joint_loss
     from megatron_omni.algorithms.transition import transition_step
     from megatron_omni.parallel.platform import seed_everything
-    from megatron_omni.rollout.ar_dit_engine import ARDiTRolloutEngine, plan_positions
+    from megatron_omni.rollout.diffusers_engines.ar_dit import ARDiTRolloutEngine, plan_positions
     from megatron_omni.trainer.skeleton import mini_batch_rows, step_prompts
     from model_providers import get_family
 
