@@ -28,6 +28,7 @@ SMALL = ["--set", f"steps={STEPS}", "--set", f"rollout.prompts_per_step={PROMPTS
          f"rollout.group_size={GROUP}", "--set", "rollout.num_steps=4", "--set", "rollout.height=32", "--set",
          "rollout.width=32", "--set", "logging.tensorboard=false", "--set", "logging.image_every=0"]
 TIMEOUT_S = 600
+LAUNCH_VARIABLES = ("REWARD_", "JUDGE_", "NNODES", "WORLD_SIZE", "MASTER_")  # the test sets its own
 
 
 def _port_closed(port: int) -> bool:
@@ -39,7 +40,8 @@ def _port_closed(port: int) -> bool:
 def test_flowgrpo_with_a_vllm_judge_through_the_launch_script(tmp_path: Path) -> None:
     folder = make_tiny_vlm(tmp_path / "tiny-vl", seed=0)
     run_dir, judge_port, reward_port = tmp_path / "run", free_port(), free_port()
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("REWARD_", "JUDGE_", "NNODES", "WORLD_SIZE"))}
+    # MASTER_ADDR too: the suite's own rank pools set it in this process, and the reward URL is built from it
+    env = {k: v for k, v in os.environ.items() if not k.startswith(LAUNCH_VARIABLES)}
     env.update(HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1", PYTHON=sys.executable, RUN_DIR=str(run_dir),
                NPROC_PER_NODE="1", MASTER_PORT=str(free_port()), REWARD_KIND="vlm", JUDGE_MODEL=str(folder),
                JUDGE_PORT=str(judge_port), JUDGE_SCORER="unifiedreward", REWARD_PORT=str(reward_port),
@@ -75,7 +77,8 @@ def test_launch_plan_of_a_gpu_judge() -> None:
     """LAUNCH_ECHO=1 on the 20B script: the judge's server on the carved reward GPUs (tensor parallel over them),
     the reward server asking it with JUDGE_SCORER and JUDGE_KWARGS, the trainer told that scorer; without reward
     GPUs (and not REWARD_DEVICE_KIND=cpu) the launch is refused."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("REWARD_", "JUDGE_", "NNODES", "WORLD_SIZE"))}
+    # MASTER_ADDR too: the suite's own rank pools set it in this process, and the reward URL is built from it
+    env = {k: v for k, v in os.environ.items() if not k.startswith(LAUNCH_VARIABLES)}
     env.update(PYTHON=sys.executable, DRY_RUN="0", LAUNCH_ECHO="1", REWARD_KIND="vlm", JUDGE_SCORER="geneval",
                JUDGE_MODEL="Qwen/Qwen2.5-VL-7B-Instruct", JUDGE_KWARGS='"metadata_file": "geneval.jsonl"')
     script = "examples/qwen_image/train_20b_1node.sh"
