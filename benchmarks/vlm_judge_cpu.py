@@ -20,7 +20,6 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -41,22 +40,10 @@ GENEVAL = {"include": [{"class": "cat", "count": 1, "color": "red"}, {"class": "
 class PlainServer(VllmJudgeServer):
     """vLLM's server with its defaults (the `mp` executor, auto dtype, CUDA-graph settings ignored on CPU)."""
 
-    def start(self) -> PlainServer:
-        cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", self.model, "--port",
-               str(self.port), "--served-model-name", self.served_name, "--max-model-len", "2048",
-               "--limit-mm-per-prompt", json.dumps({"image": 2, "video": 0})]
-        env = {**os.environ, "HF_HUB_OFFLINE": "1", **(self.env or {})}
-        t0 = time.monotonic()
-        with open(self.log_path, "ab") as log:
-            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-        while time.monotonic() - t0 < self.startup_timeout_s:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"plain vLLM exited {self.proc.returncode}:\n{self.log_tail()}")
-            if self._healthy():
-                self.startup_s = time.monotonic() - t0
-                return self
-            time.sleep(0.5)
-        raise RuntimeError(f"plain vLLM not healthy:\n{self.log_tail()}")
+    def command(self) -> list[str]:
+        return [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", self.model, "--port",
+                str(self.port), "--served-model-name", self.served_name, "--max-model-len", "2048",
+                "--limit-mm-per-prompt", json.dumps({"image": 2, "video": 0})]
 
 
 def images(n: int) -> list[Image.Image]:

@@ -153,10 +153,14 @@ class VllmJudgeServer:
         except (urllib.error.URLError, OSError, ValueError):
             return False
 
+    def command(self) -> list[str]:
+        """The command line that starts the server (our launcher with its CPU settings)."""
+        return [sys.executable, "-m", "megatron_omni.reward.vllm_server", "--model", self.model,
+                "--port", str(self.port), "--served-model-name", self.served_name, *(["--cpu"] if self.cpu else [])]
+
     def start(self) -> VllmJudgeServer:
-        """Spawn vLLM and block until /health answers 200; RewardServiceError quoting its log otherwise."""
-        cmd = [sys.executable, "-m", "megatron_omni.reward.vllm_server", "--model", self.model,
-               "--port", str(self.port), "--served-model-name", self.served_name, *(["--cpu"] if self.cpu else [])]
+        """Spawn `command()` and block until /health answers 200; RewardServiceError quoting its log otherwise."""
+        cmd = self.command()
         env = {**os.environ, "HF_HUB_OFFLINE": "1", **(self.env or {})}
         t0 = time.monotonic()
         with open(self.log_path, "ab") as log:
