@@ -101,11 +101,13 @@ def build_wan_transformer(hf_config: dict[str, Any]) -> torch.nn.Module:
 
 
 def finish_loading(module: torch.nn.Module) -> None:
-    """Run each linear layer's post-load hook on vLLM's unpacked CPU path (parameters stay in place)."""
-    from vllm.model_executor.layers.linear import LinearBase
+    """Run each linear layer's post-load hook on vLLM's unpacked CPU path (parameters stay in place). Besides
+    vLLM's linear layers this covers every module that holds a linear method's weights (BAGEL's MoT linears keep
+    the generation expert's in a plain `gen_exp` submodule sharing the layer's method, as vLLM's loader finds it)."""
+    from vllm.model_executor.layers.linear import LinearBase, LinearMethodBase
 
     for m in module.modules():
-        if isinstance(m, LinearBase):
+        if isinstance(m, LinearBase) or isinstance(getattr(m, "quant_method", None), LinearMethodBase):
             m.skip_weight_relayout = True
             m.quant_method.process_weights_after_loading(m)
 

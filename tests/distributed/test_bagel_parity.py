@@ -1,0 +1,210 @@
+"""Our Megatron-Core BAGEL's generation step equals vLLM-Omni 0.30.0's `Bagel` on the same tiny BAGEL folder.
+
+One offline tiny folder in the published layout (`ema.safetensors` names, `llm_config.json`, `vit_config.json`,
+`ae.safetensors`) feeds both: vLLM-Omni's `Qwen2MoTForCausalLM` takes the LLM tensors through its own
+`load_weights` (the `_moe_gen` renames, fused q/k/v and gate/up), `Bagel` the generation-side modules; ours
+through `model_providers.bagel.provider.load_bagel_state`.
+
+The step: the prompt `[bos, text..., eos]` builds the text KV cache as BAGEL builds it
+(`Bagel.forward_cache_update_text`: causal, understanding expert), then the velocity of noisy latents at a
+timestep (`Bagel.prepare_input` gives BAGEL's own packing and position ids; `forward_single_branch` the velocity).
+Ours runs at TP=1, TP=2 and PP=2 on the same two spawned gloo ranks.
+
+Precision: vLLM-Omni's BAGEL hard-casts its attention inputs and MLP outputs to bfloat16 (it runs under a
+bf16 autocast on GPUs). The fp32 reference is the same vLLM-Omni code with those casts redirected to float32
+(its module's `torch.bfloat16` read as `torch.float32`); the bf16 reference is vLLM-Omni's code as shipped with
+bf16 weights under a CPU bf16 autocast (what its pipeline does on a GPU).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from megatron_omni.parallel import ParallelLayout, build_parallel_groups
+from megatron_omni.parallel.platform import seed_everything
+from megatron_omni.parallel.rank_pool import run_ranks
+
+PROMPT = [1, 17, 42, 99, 7, 2]  # bos, text, eos (tiny preset ids)
+IMAGE = (48, 64)  # pixels: a 3 x 4 latent-token grid (downsample 8 x latent patch 2)
+T = 0.6
+
+
+@pytest.fixture(scope="module")
+def tiny_folder(tmp_path_factory) -> str:
+    from model_providers.bagel.provider import write_bagel_folder
+
+    return str(write_bagel_folder(tmp_path_factory.mktemp("bagel") / "tiny", "tiny", seed=3))
+
+
+class _TorchBf16AsFp32:
+    """vLLM-Omni's bagel module's `torch`, with `bfloat16` reading as float32 (for the fp32 reference)."""
+
+    bfloat16 = torch.float32
+
+    def __getattr__(self, name):
+        return getattr(torch, name)
+
+
+@contextlib.contextmanager
+def _default_dtype(dtype: torch.dtype):
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(old)
+
+
+def _reference(cfg: dict, state: dict, tp: int, dtype: torch.dtype, latents: torch.Tensor) -> dict:
+    """vLLM-Omni's velocity [n, p] and the generation inputs it packed (float32 out)."""
+    from vllm.transformers_utils.configs.bagel import BagelConfig
+    from vllm_omni.diffusion.models.bagel import bagel_transformer as bt
+
+    from megatron_omni.rollout.vllm_omni import inline
+
+    llm = dict(cfg["llm_config"])
+    b = cfg["bagel"]
+    with inline.vllm_omni_parallel(tp), _default_dtype(dtype):
+        lm_cfg = bt.Qwen2MoTConfig(**{k: v for k, v in llm.items() if k not in ("architectures", "model_type")})
+        lm = bt.Qwen2MoTForCausalLM(lm_cfg).eval()
+        vae = SimpleNamespace(**b["vae_config"])
+        bagel = bt.Bagel(lm, None, BagelConfig(llm_config=lm_cfg, visual_und=False, vae_config=vae,
+                                               latent_patch_size=b["latent_patch_size"],
+                                               max_latent_size=b["max_latent_size"],
+                                               timestep_shift=b["timestep_shift"])).eval()
+        prefix = "language_model."
+        loaded = lm.load_weights((k[len(prefix):], v.to(dtype)) for k, v in state.items() if k.startswith(prefix))
+        own = {"time_embedder.mlp.0.weight", "time_embedder.mlp.0.bias", "time_embedder.mlp.2.weight",
+               "time_embedder.mlp.2.bias", "vae2llm.weight", "vae2llm.bias", "llm2vae.weight", "llm2vae.bias",
+               "latent_pos_embed.pos_embed"}
+        params = dict(bagel.named_parameters())
+        with torch.no_grad():
+            for k in own:
+                params[k].copy_(state[k])
+        inline.finish_loading(bagel)
+        n_params = len({n for n, _ in lm.named_parameters()})
+        patched = bt.torch
+        if dtype == torch.float32:
+            bt.torch = _TorchBf16AsFp32()
+        autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == torch.bfloat16)
+        try:
+            with torch.no_grad(), autocast:
+                ids = torch.tensor(PROMPT)
+                cache = bagel.forward_cache_update_text(bt.NaiveCache(llm["num_hidden_layers"]), ids,
+                                                        torch.arange(len(PROMPT)), torch.tensor([len(PROMPT)]))
+                gen = bagel.prepare_input([len(PROMPT)], [len(PROMPT)], [IMAGE], cfg["tokens"])
+                n = gen["packed_init_noises"].shape[0]
+                v = bagel.forward_single_branch(
+                    x_t=latents.to(dtype), timestep=torch.full((n,), T, dtype=dtype),
+                    packed_vae_token_indexes=gen["packed_vae_token_indexes"],
+                    packed_vae_position_ids=gen["packed_vae_position_ids"], packed_text_ids=gen["packed_text_ids"],
+                    packed_text_indexes=gen["packed_text_indexes"], packed_position_ids=gen["packed_position_ids"],
+                    packed_seqlens=gen["packed_seqlens"], past_key_values=cache)
+        finally:
+            bt.torch = patched
+    return {"v": v.float(), "gen": gen, "loaded": len(loaded), "n_params": n_params}
+
+
+def _ours(cfg: dict, state: dict, layout: ParallelLayout, dtype: torch.dtype, latents: torch.Tensor, gen: dict):
+    """Our velocity [n, p] (float32, on the last pipeline stage; None elsewhere) and whether the weights
+    gathered back from the shards equal those loaded."""
+    from megatron_omni.models.bagel.model import latent_position_ids, pipeline_run
+    from model_providers.bagel import provider
+
+    groups = build_parallel_groups(layout)
+    seed_everything(0, tp_rank=groups.tp.rank())
+    model = provider.build_model(cfg, groups, params_dtype=dtype).eval()
+    provider.load_bagel_state(model, state)
+    back = provider.export_bagel_state(model)
+    exact = all(torch.equal(back[k], state[k].to(dtype)) for k in back)
+    ids = torch.tensor(PROMPT)
+    h = cfg["llm_config"]["hidden_size"]
+    lat_h, lat_w = (s // 16 for s in IMAGE)
+    pos = latent_position_ids(lat_h, lat_w, cfg["bagel"]["max_latent_size"])
+    assert torch.equal(pos, gen["packed_vae_position_ids"]), "latent position ids differ from BAGEL's"
+    markers = torch.tensor([cfg["tokens"]["start_of_image"], cfg["tokens"]["end_of_image"]])
+    n = latents.shape[0]
+    with torch.no_grad():
+        kv_box = {}
+
+        def text_stage(hidden):
+            out, kv_box["kv"], _ = model.stage_text(ids, hidden)
+            return out
+
+        pipeline_run(text_stage, groups.pp, (len(PROMPT), 1, h), dtype)
+
+        def velocity_stage(hidden):
+            return model.stage_velocity(kv_box["kv"], len(PROMPT), markers, latents.to(dtype),
+                                        torch.full((n,), T, dtype=dtype), pos, hidden)
+
+        v = pipeline_run(velocity_stage, groups.pp, (n + 2, 1, h), dtype)
+    return (v.float() if groups.is_last_stage else None), exact, len(back)
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).norm() / b.norm())
+
+
+def _parity(rank: int, world_size: int, folder: str) -> dict:
+    from model_providers.bagel import provider
+
+    cfg, state = provider.read_bagel_folder(folder)
+    b = cfg["bagel"]
+    n = (IMAGE[0] // 16) * (IMAGE[1] // 16)
+    latents = torch.randn(n, b["latent_patch_size"] ** 2 * b["vae_config"]["z_channels"],
+                          generator=torch.Generator().manual_seed(11))
+    ref = {dt: _reference(cfg, state, 1, dt, latents) for dt in (torch.float32, torch.bfloat16)}
+    ref32, ref16 = ref[torch.float32]["v"], ref[torch.bfloat16]["v"]
+    ref_tp2 = _reference(cfg, state, 2, torch.float32, latents)["v"]
+    out = {"ref_loaded": (ref[torch.float32]["loaded"], ref[torch.float32]["n_params"]),
+           "ref_bf16_vs_fp32": _rel(ref16, ref32), "ref_tp2_vs_tp1": _rel(ref_tp2, ref32)}
+    gen = ref[torch.float32]["gen"]
+    fp32, bf16 = torch.float32, torch.bfloat16
+    for name, layout, dt in (("tp1", ParallelLayout(tp=1), fp32), ("tp2", ParallelLayout(tp=2), fp32),
+                             ("pp2", ParallelLayout(pp=2), fp32), ("tp1_bf16", ParallelLayout(tp=1), bf16),
+                             ("tp2_bf16", ParallelLayout(tp=2), bf16)):
+        v, exact, n_mapped = _ours(cfg, state, layout, dt, latents, gen)
+        out[f"{name}_round_trip"] = exact
+        out[f"{name}_mapped"] = n_mapped
+        if v is not None:
+            out[name] = _rel(v, ref32)
+            if dt == torch.bfloat16:
+                out[f"{name}_vs_ref_bf16"] = _rel(v, ref16)
+    out["n_state"] = len(state) - len(provider.frozen_names(state))
+    return out
+
+
+@pytest.fixture(scope="module")
+def figures(tiny_folder) -> list[dict]:
+    results = run_ranks(_parity, 2, tiny_folder, timeout_s=400)
+    print(results)
+    return results
+
+
+def test_reference_loads_every_bagel_tensor(figures) -> None:
+    r = figures[0]
+    loaded, n_params = r["ref_loaded"]
+    assert loaded == n_params, r  # vLLM-Omni's loader found a tensor for every LLM parameter in our folder
+    assert r["ref_tp2_vs_tp1"] < 1e-5, r
+
+
+@pytest.mark.parametrize("layout", ["tp1", "tp2", "pp2"])
+def test_velocity_fp32_equals_vllm_omni(figures, layout: str) -> None:
+    errs = [r[layout] for r in figures if layout in r]
+    assert errs and max(errs) < 1e-5, (layout, errs)
+    for r in figures:
+        assert r[f"{layout}_round_trip"], f"{layout}: weights gathered from the shards differ from those loaded"
+    # every BAGEL tensor but the frozen ViT side is mapped (pp: the two stages together)
+    assert sum(r[f"{layout}_mapped"] for r in figures) // (1 if layout == "pp2" else 2) == figures[0]["n_state"]
+
+
+@pytest.mark.parametrize("layout", ["tp1_bf16", "tp2_bf16"])
+def test_velocity_bf16_close_to_vllm_omni(figures, layout: str) -> None:
+    for r in figures:
+        # bf16 has 8 mantissa bits (relative step 2^-8 = 0.4%): both bf16 runs sit within a few steps of fp32.
+        assert r[layout] < 3e-2 and r[f"{layout}_vs_ref_bf16"] < 3e-2, (layout, r)
+        assert r["ref_bf16_vs_fp32"] < 3e-2, r
