@@ -19,6 +19,8 @@ bf16 weights under a CPU bf16 autocast (what its pipeline does on a GPU).
 from __future__ import annotations
 
 import contextlib
+import json
+import shutil
 from types import SimpleNamespace
 
 import pytest
@@ -33,11 +35,28 @@ IMAGE = (48, 64)  # pixels: a 3 x 4 latent-token grid (downsample 8 x latent pat
 T = 0.6
 
 
+def _write_folder(rank: int, world_size: int, folder: str) -> None:
+    if rank == 0:  # in a rank process, where vLLM-Omni (whose FLUX autoencoder writes ae.safetensors) is loaded
+        from model_providers.bagel.provider import write_bagel_folder
+
+        write_bagel_folder(folder, "tiny", seed=3)
+
+
 @pytest.fixture(scope="module")
 def tiny_folder(tmp_path_factory) -> str:
-    from model_providers.bagel.provider import write_bagel_folder
+    folder = str(tmp_path_factory.mktemp("bagel") / "tiny")
+    run_ranks(_write_folder, 2, folder, timeout_s=300)
+    return folder
 
-    return str(write_bagel_folder(tmp_path_factory.mktemp("bagel") / "tiny", "tiny", seed=3))
+
+@pytest.fixture(scope="module")
+def checkpoint(tiny_folder, tmp_path_factory) -> str:
+    """The tiny folder converted to a Megatron distributed checkpoint (in this process: conversion is single-rank)."""
+    from megatron_omni.checkpoint.bagel import bagel_to_mcore
+
+    out = str(tmp_path_factory.mktemp("bagel-mcore") / "ckpt")
+    bagel_to_mcore(tiny_folder, out)
+    return out
 
 
 class _TorchBf16AsFp32:
@@ -149,7 +168,20 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).norm() / b.norm())
 
 
-def _parity(rank: int, world_size: int, folder: str) -> dict:
+def _load_checkpoint(cfg: dict, state: dict, layout: ParallelLayout, ckpt: str) -> bool:
+    """Our model at `layout` loaded from the converted checkpoint gathers back to exactly the folder's tensors."""
+    from megatron_omni.checkpoint.bagel import load_bagel_checkpoint
+    from model_providers.bagel import provider
+
+    groups = build_parallel_groups(layout)
+    seed_everything(1, tp_rank=groups.tp.rank())
+    model = provider.build_model(cfg, groups)
+    load_bagel_checkpoint(model, ckpt)
+    back = provider.export_bagel_state(model)
+    return bool(back) and all(torch.equal(back[k], state[k]) for k in back)
+
+
+def _parity(rank: int, world_size: int, folder: str, ckpt: str) -> dict:
     from model_providers.bagel import provider
 
     cfg, state = provider.read_bagel_folder(folder)
@@ -175,12 +207,14 @@ def _parity(rank: int, world_size: int, folder: str) -> dict:
             if dt == torch.bfloat16:
                 out[f"{name}_vs_ref_bf16"] = _rel(v, ref16)
     out["n_state"] = len(state) - len(provider.frozen_names(state))
+    out["ckpt_tp2"] = _load_checkpoint(cfg, state, ParallelLayout(tp=2), ckpt)
+    out["ckpt_pp2"] = _load_checkpoint(cfg, state, ParallelLayout(pp=2), ckpt)
     return out
 
 
 @pytest.fixture(scope="module")
-def figures(tiny_folder) -> list[dict]:
-    results = run_ranks(_parity, 2, tiny_folder, timeout_s=400)
+def figures(tiny_folder, checkpoint) -> list[dict]:
+    results = run_ranks(_parity, 2, tiny_folder, checkpoint, timeout_s=400)
     print(results)
     return results
 
@@ -208,3 +242,44 @@ def test_velocity_bf16_close_to_vllm_omni(figures, layout: str) -> None:
         # bf16 has 8 mantissa bits (relative step 2^-8 = 0.4%): both bf16 runs sit within a few steps of fp32.
         assert r[layout] < 3e-2 and r[f"{layout}_vs_ref_bf16"] < 3e-2, (layout, r)
         assert r["ref_bf16_vs_fp32"] < 3e-2, r
+
+
+# ------------------------------------------------------------------------------------------ conversion
+
+
+def test_checkpoint_loads_at_tp2_and_pp2(figures) -> None:
+    assert all(r["ckpt_tp2"] and r["ckpt_pp2"] for r in figures), figures
+
+
+def test_folder_round_trip_is_exact(tiny_folder, checkpoint, tmp_path) -> None:
+    """BAGEL folder -> Megatron checkpoint -> BAGEL folder: every tensor of ema.safetensors identical (dtype and
+    bytes), the configs equal, ae.safetensors copied byte for byte."""
+    from safetensors.torch import load_file
+
+    from megatron_omni.checkpoint.bagel import mcore_to_bagel
+
+    out = tmp_path / "back"
+    n = mcore_to_bagel(checkpoint, out, bagel_source=tiny_folder)
+    a, b = load_file(f"{tiny_folder}/ema.safetensors"), load_file(str(out / "ema.safetensors"))
+    assert n == len(a) and set(a) == set(b)
+    assert all(a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]) for k in a)
+    for name in ("config.json", "llm_config.json", "vit_config.json"):
+        assert json.loads((out / name).read_text()) == json.loads(open(f"{tiny_folder}/{name}").read()), name
+    assert (out / "ae.safetensors").read_bytes() == open(f"{tiny_folder}/ae.safetensors", "rb").read()
+
+
+def test_bad_folder_fails_naming_the_tensor(tiny_folder, tmp_path) -> None:
+    from safetensors.torch import load_file, save_file
+
+    from megatron_omni.checkpoint.bagel import bagel_to_mcore
+    from megatron_omni.checkpoint.errors import CheckpointError
+
+    broken = tmp_path / "broken"
+    shutil.copytree(tiny_folder, broken)
+    state = load_file(str(broken / "ema.safetensors"))
+    gone = "language_model.model.layers.1.self_attn.k_proj_moe_gen.weight"
+    del state[gone]
+    save_file(state, str(broken / "ema.safetensors"))
+    with pytest.raises(CheckpointError, match=gone.replace(".", r"\.")):
+        bagel_to_mcore(broken, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
