@@ -109,6 +109,20 @@ def bagel_to_mcore(source: str | Path, output: str | Path, *, max_file_bytes: in
     return len(specs)
 
 
+def is_bagel_source(path: str | Path) -> bool:
+    """Whether `path` is a BAGEL folder (`ema.safetensors` beside `llm_config.json`) or a checkpoint converted
+    from one (its content metadata names the family)."""
+    p = Path(path)
+    if (p / "ema.safetensors").is_file() and (p / "llm_config.json").is_file():
+        return True
+    if not (p / ".metadata").is_file():
+        return False
+    try:
+        return read_content_metadata(p).get("family") == FAMILY
+    except CheckpointError:
+        return False
+
+
 def read_bagel_configs(checkpoint: str | Path) -> dict[str, Any]:
     """The BAGEL config files ({'config', 'llm_config', 'vit_config'}) a converted checkpoint records."""
     meta = read_content_metadata(checkpoint)

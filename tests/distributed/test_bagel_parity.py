@@ -51,11 +51,12 @@ def tiny_folder(tmp_path_factory) -> str:
 
 @pytest.fixture(scope="module")
 def checkpoint(tiny_folder, tmp_path_factory) -> str:
-    """The tiny folder converted to a Megatron distributed checkpoint (in this process: conversion is single-rank)."""
-    from megatron_omni.checkpoint.bagel import bagel_to_mcore
+    """The tiny folder converted to a Megatron distributed checkpoint by tools/checkpoint/convert.py (in this
+    process: conversion is single-rank)."""
+    from tools.checkpoint.convert import main
 
     out = str(tmp_path_factory.mktemp("bagel-mcore") / "ckpt")
-    bagel_to_mcore(tiny_folder, out)
+    assert main(["hf-to-mcore", tiny_folder, out, "--no-progress"]) == 0
     return out
 
 
@@ -256,12 +257,12 @@ def test_folder_round_trip_is_exact(tiny_folder, checkpoint, tmp_path) -> None:
     bytes), the configs equal, ae.safetensors copied byte for byte."""
     from safetensors.torch import load_file
 
-    from megatron_omni.checkpoint.bagel import mcore_to_bagel
+    from tools.checkpoint.convert import main
 
     out = tmp_path / "back"
-    n = mcore_to_bagel(checkpoint, out, bagel_source=tiny_folder)
+    assert main(["mcore-to-hf", checkpoint, str(out), "--pipeline-source", tiny_folder, "--no-progress"]) == 0
     a, b = load_file(f"{tiny_folder}/ema.safetensors"), load_file(str(out / "ema.safetensors"))
-    assert n == len(a) and set(a) == set(b)
+    assert set(a) == set(b)
     assert all(a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]) for k in a)
     for name in ("config.json", "llm_config.json", "vit_config.json"):
         assert json.loads((out / name).read_text()) == json.loads(open(f"{tiny_folder}/{name}").read()), name

@@ -4,6 +4,8 @@
     python tools/checkpoint/convert.py mcore-to-hf  MCORE_DIR  OUT_DIR  [--pipeline-source PIPELINE_DIR]
     python tools/checkpoint/convert.py lora-to-hf   LORA_CHECKPOINT  OUT_DIR  [--merge] [--pipeline-source DIR]
     python tools/checkpoint/convert.py inspect      DIR
+    a BAGEL folder (ema.safetensors + llm_config.json) or BAGEL checkpoint converts through hf-to-mcore /
+    mcore-to-hf too (`--pipeline-source` then names the BAGEL folder whose ae.safetensors is copied)
     add --dry-run to print the name mapping plan and write nothing
 
 Exit status: 0 on success, 2 on bad input (the message names the tensor or file; nothing is written).
@@ -79,6 +81,20 @@ def main(argv: list[str] | None = None) -> int:
             what = "merged pipeline" if done.merged else "LoRA weights"
             print(f"wrote {done.output} ({what}): {done.modules} adapted modules, {done.bytes / 2**20:.1f} MiB in "
                   f"{done.seconds:.1f} s")
+            return 0
+        from megatron_omni.checkpoint import bagel
+
+        if args.command in ("hf-to-mcore", "mcore-to-hf") and bagel.is_bagel_source(args.source):
+            # A BAGEL folder (ema.safetensors + llm_config.json) or checkpoint: not a diffusers transformer.
+            unsupported = [f"--{o.replace('_', '-')}" for o in ("dtype", "dry_run") if getattr(args, o)]
+            if unsupported:
+                raise CheckpointError(f"{' and '.join(unsupported)}: not supported for BAGEL conversion yet")
+            if args.command == "hf-to-mcore":
+                n = bagel.bagel_to_mcore(args.source, args.output, max_file_bytes=parse_size(args.file_size))
+            else:
+                n = bagel.mcore_to_bagel(args.source, args.output, bagel_source=args.pipeline_source,
+                                         bucket_bytes=parse_size(args.bucket_size))
+            print(f"wrote {args.output}: {n} BAGEL tensors")
             return 0
         if args.command == "hf-to-mcore":
             result = convert.hf_to_mcore(args.source, args.output, dtype=args.dtype, dry_run=args.dry_run,
