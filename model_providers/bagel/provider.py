@@ -144,6 +144,48 @@ def export_bagel_state(model: BagelMoT, tensors: dict[str, torch.Tensor] | None 
 
 # ---------------------------------------------------------------------------------------------- the folder
 
+def bagel_shapes(name_or_config: str | dict[str, Any]) -> dict[str, tuple[int, ...]]:
+    """The shape of every `ema.safetensors` tensor our Megatron model holds (BAGEL names), from the config."""
+    cfg = bagel_config(name_or_config)
+    a = arch(cfg)
+    llm = cfg["llm_config"]
+    h, ffn, n, g = llm["hidden_size"], llm["intermediate_size"], llm["num_attention_heads"], llm["num_key_value_heads"]
+    d = h // n
+    per_proj = {"q_proj": (n * d, h), "k_proj": (g * d, h), "v_proj": (g * d, h), "o_proj": (h, n * d),
+                "gate_proj": (ffn, h), "up_proj": (ffn, h), "down_proj": (h, ffn), "q_norm": (d,), "k_norm": (d,)}
+    shapes: dict[str, tuple[int, ...]] = {}
+    for m in all_mappings(llm["num_hidden_layers"], a.qk_norm):
+        for name in m.hf:
+            if not name.startswith("language_model.model.layers."):
+                continue
+            leaf, kind = name.rsplit(".", 2)[-2:]
+            base = leaf.replace("_moe_gen", "")
+            shape = per_proj.get(base, (h,))  # the layer norms
+            shapes[name] = shape[:1] if kind == "bias" else shape
+    shapes.update({
+        "language_model.model.embed_tokens.weight": (a.vocab_size, h),
+        "language_model.lm_head.weight": (a.vocab_size, h),
+        "language_model.model.norm.weight": (h,), "language_model.model.norm_moe_gen.weight": (h,),
+        "time_embedder.mlp.0.weight": (h, a.timestep_freq_dim), "time_embedder.mlp.0.bias": (h,),
+        "time_embedder.mlp.2.weight": (h, h), "time_embedder.mlp.2.bias": (h,),
+        "vae2llm.weight": (h, a.patch_latent_dim), "vae2llm.bias": (h,),
+        "llm2vae.weight": (a.patch_latent_dim, h), "llm2vae.bias": (a.patch_latent_dim,),
+        "latent_pos_embed.pos_embed": (a.max_latent_size ** 2, h),
+    })
+    return shapes
+
+
+def megatron_shapes(name_or_config: str | dict[str, Any]) -> dict[str, tuple[int, ...]]:
+    """Full (unsharded) shape of every Megatron tensor of `BagelMoT`, from the config alone."""
+    cfg = bagel_config(name_or_config)
+    hf = bagel_shapes(cfg)
+    out = {}
+    for m in all_mappings(cfg["llm_config"]["num_hidden_layers"], arch(cfg).qk_norm):
+        parts = [hf[n] for n in m.hf]
+        out[m.megatron] = parts[0] if m.kind == "copy" else (sum(p[0] for p in parts), *parts[0][1:])
+    return out
+
+
 def random_bagel_state(name_or_config: str | dict[str, Any], seed: int = 0,
                        std: float = 0.1) -> dict[str, torch.Tensor]:
     """Seeded random BAGEL weights in `ema.safetensors` names (fp32): the language model of both experts, the
@@ -152,33 +194,8 @@ def random_bagel_state(name_or_config: str | dict[str, Any], seed: int = 0,
     from transformers import SiglipVisionConfig, SiglipVisionModel
 
     cfg = bagel_config(name_or_config)
-    a = arch(cfg)
-    llm = cfg["llm_config"]
-    h, ffn, n, g = llm["hidden_size"], llm["intermediate_size"], llm["num_attention_heads"], llm["num_key_value_heads"]
-    d = h // n
-    shapes: dict[str, tuple[int, ...]] = {}
-    for m in all_mappings(llm["num_hidden_layers"], a.qk_norm):
-        for name in m.hf:
-            leaf = name.rsplit(".", 2)[-2] if name.endswith((".weight", ".bias")) else name
-            base = leaf.replace("_moe_gen", "")
-            if "norm" in base:
-                shapes[name] = (d,) if base in ("q_norm", "k_norm") else (h,)
-            elif base in ("q_proj", "o_proj"):
-                shapes[name] = (n * d,) if name.endswith(".bias") else ((n * d, h) if base == "q_proj" else (h, n * d))
-            elif base in ("k_proj", "v_proj"):
-                shapes[name] = (g * d,) if name.endswith(".bias") else (g * d, h)
-            elif base in ("gate_proj", "up_proj"):
-                shapes[name] = (ffn, h)
-            elif base == "down_proj":
-                shapes[name] = (h, ffn)
-    shapes.update({
-        "language_model.model.embed_tokens.weight": (a.vocab_size, h),
-        "language_model.lm_head.weight": (a.vocab_size, h),
-        "time_embedder.mlp.0.weight": (h, a.timestep_freq_dim), "time_embedder.mlp.0.bias": (h,),
-        "time_embedder.mlp.2.weight": (h, h), "time_embedder.mlp.2.bias": (h,),
-        "vae2llm.weight": (h, a.patch_latent_dim), "vae2llm.bias": (h,),
-        "llm2vae.weight": (a.patch_latent_dim, h), "llm2vae.bias": (a.patch_latent_dim,),
-    })
+    h = cfg["llm_config"]["hidden_size"]
+    shapes = {k: v for k, v in bagel_shapes(cfg).items() if k != "latent_pos_embed.pos_embed"}
     gen = torch.Generator().manual_seed(seed)
     state = {}
     for name, shape in sorted(shapes.items()):
@@ -186,7 +203,7 @@ def random_bagel_state(name_or_config: str | dict[str, Any], seed: int = 0,
             state[name] = 1.0 + 0.1 * torch.randn(shape, generator=gen)
         else:
             state[name] = std * torch.randn(shape, generator=gen)
-    state["latent_pos_embed.pos_embed"] = sincos_2d(h, a.max_latent_size)
+    state["latent_pos_embed.pos_embed"] = sincos_2d(h, cfg["bagel"]["max_latent_size"])
     # The frozen understanding side: SigLIP (as vLLM-Omni builds it: no head), its connector and position table.
     torch.manual_seed(seed + 1)
     vit_cfg = {k: v for k, v in cfg["vit_config"].items() if k != "model_type"}

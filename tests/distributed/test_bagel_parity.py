@@ -162,7 +162,11 @@ def _ours(cfg: dict, state: dict, layout: ParallelLayout, dtype: torch.dtype, la
                                         torch.full((n,), T, dtype=dtype), pos, hidden)
 
         v = pipeline_run(velocity_stage, groups.pp, (n + 2, 1, h), dtype)
-    return (v.float() if groups.is_last_stage else None), exact, len(back)
+    from megatron_omni.planner.mot import is_generation_tensor
+
+    counts = (sum(p.numel() for p in model.parameters()),
+              sum(p.numel() for n, p in model.named_parameters() if is_generation_tensor(n)))
+    return (v.float() if groups.is_last_stage else None), exact, len(back), counts
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -200,7 +204,7 @@ def _parity(rank: int, world_size: int, folder: str, ckpt: str) -> dict:
     for name, layout, dt in (("tp1", ParallelLayout(tp=1), fp32), ("tp2", ParallelLayout(tp=2), fp32),
                              ("pp2", ParallelLayout(pp=2), fp32), ("tp1_bf16", ParallelLayout(tp=1), bf16),
                              ("tp2_bf16", ParallelLayout(tp=2), bf16)):
-        v, exact, n_mapped = _ours(cfg, state, layout, dt, latents, gen)
+        v, exact, n_mapped, out[f"{name}_numel"] = _ours(cfg, state, layout, dt, latents, gen)
         out[f"{name}_round_trip"] = exact
         out[f"{name}_mapped"] = n_mapped
         if v is not None:
@@ -284,3 +288,16 @@ def test_bad_folder_fails_naming_the_tensor(tiny_folder, tmp_path) -> None:
     with pytest.raises(CheckpointError, match=gone.replace(".", r"\.")):
         bagel_to_mcore(broken, tmp_path / "out")
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("layout,tp,pp", [("tp1", 1, 1), ("tp2", 2, 1), ("pp2", 1, 2)])
+def test_planner_counts_equal_the_built_model(figures, layout: str, tp: int, pp: int) -> None:
+    """The planner's MoT cost model counts what each rank of the built model holds: all parameters, and the
+    generation expert's share (what trains when the understanding expert is frozen)."""
+    from megatron_omni.planner.mot import rank_parameter_counts
+
+    total = rank_parameter_counts("tiny", tp, pp)
+    gen = rank_parameter_counts("tiny", tp, pp, trainable="gen")
+    for rank, r in enumerate(figures):
+        stage = rank if pp > 1 else 0
+        assert r[f"{layout}_numel"] == (total[stage], gen[stage]), (layout, rank, r[f"{layout}_numel"])
