@@ -148,15 +148,19 @@ def _global_name(local: str, offset: int) -> str:
 
 
 @torch.no_grad()
-def load_hf_state_dict(model: ARDecoder, hf_state: dict[str, torch.Tensor]) -> None:
-    """Copy Qwen2-named full tensors into this rank's shards (every rank passes the same dict)."""
+def load_mapped_tensors(model: Any, mappings: dict[str, DecoderMapping], hf_state: dict[str, torch.Tensor],
+                        what: str = "Qwen2") -> None:
+    """Copy full Hugging Face-layout tensors into this rank's shards of `model` by `mappings` (local parameter
+    name -> mapping; every rank passes the same dict). `model` is a Megatron decoder stage with `config`,
+    `pg_collection.tp` and the mapped parameters (ours: `ARDecoder`, BAGEL's `BagelMoT`); `what` names the
+    source layout in errors."""
     cfg = model.config
     tp = model.pg_collection.tp
     state = model.state_dict()
-    for name, m in local_mappings(model).items():
+    for name, m in mappings.items():
         missing = [k for k in m.hf if k not in hf_state]
         if missing:
-            raise KeyError(f"Qwen2 state dict lacks {missing} (needed for {m.megatron})")
+            raise KeyError(f"{what} state dict lacks {missing} (needed for {m.megatron})")
         shard = hf_to_megatron_shard(m, [hf_state[k] for k in m.hf], cfg.num_attention_heads, cfg.num_query_groups,
                                      tp.rank(), tp.size())
         if shard.shape != state[name].shape:
@@ -165,16 +169,15 @@ def load_hf_state_dict(model: ARDecoder, hf_state: dict[str, torch.Tensor]) -> N
         state[name].copy_(shard)
 
 
-def stage_hf_tensors(model: ARDecoder, tensors: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
-    """Qwen2-named full tensors of this pipeline stage, gathered over tp (collective over tp).
-
-    `tensors` defaults to the model's parameters; pass e.g. `{name: p.grad}` to map gradients.
-    """
+def gather_mapped_tensors(model: Any, mappings: dict[str, DecoderMapping],
+                          tensors: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+    """Full Hugging Face-layout tensors of this stage by `mappings`, gathered over tp (collective over tp).
+    `tensors` defaults to the model's parameters; pass e.g. `{name: p.grad}` to map gradients."""
     cfg = model.config
     tp = model.pg_collection.tp
     source = tensors if tensors is not None else dict(model.state_dict())
     out: dict[str, torch.Tensor] = {}
-    for name, m in local_mappings(model).items():
+    for name, m in mappings.items():
         if source.get(name) is None:
             continue
         local = source[name].detach().contiguous()
@@ -186,6 +189,19 @@ def stage_hf_tensors(model: ARDecoder, tensors: dict[str, torch.Tensor] | None =
         for hf_name, t in zip(m.hf, megatron_shards_to_hf(m, shards, cfg.num_attention_heads, cfg.num_query_groups)):
             out[hf_name] = t
     return out
+
+
+def load_hf_state_dict(model: ARDecoder, hf_state: dict[str, torch.Tensor]) -> None:
+    """Copy Qwen2-named full tensors into this rank's shards (every rank passes the same dict)."""
+    load_mapped_tensors(model, local_mappings(model), hf_state)
+
+
+def stage_hf_tensors(model: ARDecoder, tensors: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+    """Qwen2-named full tensors of this pipeline stage, gathered over tp (collective over tp).
+
+    `tensors` defaults to the model's parameters; pass e.g. `{name: p.grad}` to map gradients.
+    """
+    return gather_mapped_tensors(model, local_mappings(model), tensors)
 
 
 def hf_model(name_or_config: str | dict[str, Any] | Any, seed: int = 0, std: float = 0.2):

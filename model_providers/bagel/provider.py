@@ -16,13 +16,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_omni.models.bagel.model import BagelArch, BagelMoT, sincos_2d
 from megatron_omni.parallel.platform import megatron_config_defaults
-from model_providers.ar_dit.decoder_mapping import DecoderMapping, hf_to_megatron_shard, megatron_shards_to_hf
+from model_providers.ar_dit.decoder_mapping import DecoderMapping
+from model_providers.ar_dit.decoder_provider import gather_mapped_tensors, load_mapped_tensors
 from model_providers.bagel.mapping import FROZEN_PREFIXES, all_mappings
 from model_providers.bagel.presets import bagel_preset
 
@@ -104,42 +104,16 @@ def local_mappings(model: BagelMoT) -> dict[str, DecoderMapping]:
     return out
 
 
-@torch.no_grad()
 def load_bagel_state(model: BagelMoT, state: dict[str, torch.Tensor]) -> None:
     """Copy BAGEL-named full tensors (`ema.safetensors` names) into this rank's shards (every rank passes the
     same dict; the frozen ViT tensors are not read)."""
-    cfg, tp = model.config, model.pg_collection.tp
-    params = model.state_dict()
-    for name, m in local_mappings(model).items():
-        missing = [k for k in m.hf if k not in state]
-        if missing:
-            raise KeyError(f"BAGEL state lacks {missing} (needed for {m.megatron})")
-        shard = hf_to_megatron_shard(m, [state[k] for k in m.hf], cfg.num_attention_heads, cfg.num_query_groups,
-                                     tp.rank(), tp.size())
-        if shard.shape != params[name].shape:
-            raise ValueError(f"{m.hf[0]}: gives shard {tuple(shard.shape)}, model expects "
-                             f"{tuple(params[name].shape)} for {name}")
-        params[name].copy_(shard)
+    load_mapped_tensors(model, local_mappings(model), state, what="BAGEL")
 
 
 def export_bagel_state(model: BagelMoT, tensors: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
     """BAGEL-named full tensors of this pipeline stage, gathered over tp (collective over tp). `tensors` defaults
     to the model's parameters (pass `{name: p.grad}` to map gradients)."""
-    cfg, tp = model.config, model.pg_collection.tp
-    source = tensors if tensors is not None else dict(model.state_dict())
-    out: dict[str, torch.Tensor] = {}
-    for name, m in local_mappings(model).items():
-        if source.get(name) is None:
-            continue
-        local = source[name].detach().contiguous()
-        if m.tp_dim is None or tp.size() == 1:
-            shards = [local]
-        else:
-            shards = [torch.empty_like(local) for _ in range(tp.size())]
-            dist.all_gather(shards, local, group=tp)
-        for hf_name, t in zip(m.hf, megatron_shards_to_hf(m, shards, cfg.num_attention_heads, cfg.num_query_groups)):
-            out[hf_name] = t
-    return out
+    return gather_mapped_tensors(model, local_mappings(model), tensors)
 
 
 # ---------------------------------------------------------------------------------------------- the folder
