@@ -8,7 +8,11 @@ through `model_providers.bagel.provider.load_bagel_state`.
 The step: the prompt `[bos, text..., eos]` builds the text KV cache as BAGEL builds it
 (`Bagel.forward_cache_update_text`: causal, understanding expert), then the velocity of noisy latents at a
 timestep (`Bagel.prepare_input` gives BAGEL's own packing and position ids; `forward_single_branch` the velocity).
-Ours runs at TP=1, TP=2 and PP=2 on the same two spawned gloo ranks.
+Ours runs at TP=1, TP=2 and PP=2 on the same two spawned gloo ranks (one rank-pool job for every layout).
+
+Also here, sharing the folder and the job: the folder converted to a Megatron checkpoint by
+tools/checkpoint/convert.py loads at TP=2 / PP=2 to exactly the folder's tensors and converts back identically; a
+folder missing a tensor fails naming it; the planner's MoT counts equal the built model's per rank.
 
 Precision: vLLM-Omni's BAGEL hard-casts its attention inputs and MLP outputs to bfloat16 (it runs under a
 bf16 autocast on GPUs). The fp32 reference is the same vLLM-Omni code with those casts redirected to float32
