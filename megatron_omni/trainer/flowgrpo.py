@@ -392,6 +392,8 @@ class FlowGRPOTrainer:
     def train_step(self, step: int) -> StepResult:
         """One synchronous RL step: this rank's rollout of step `step`, then `train_on` it (update and sync)."""
         t: dict[str, float] = {}
+        if hasattr(self.engine, "step"):
+            self.engine.step = step  # named in the engine's fault report (vLLM-Omni's: a worker that died)
         prompts, group_ids, seeds = self.step_prompts(step)
         # DiffusionNFT with a lagging old policy samples with it (the engine gets the old weights; the update's
         # sync brings the trained ones back).

@@ -60,3 +60,26 @@ def test_reward_rises_rollout_tp2(tmp_path: Path) -> None:
     assert len(r) == 8 and sum(r[-2:]) / 2 > sum(r[:2]) / 2 + 0.05, r
     assert max(_probe_diffs(run)) < 1e-5
     assert [e["step"] for e in map(json.loads, (run / "eval.jsonl").read_text().splitlines())] == [0, 8]
+
+
+def test_an_engine_that_cannot_start_is_one_line_before_any_training(tmp_path: Path) -> None:
+    """A pipeline folder the trainer's own checks accept (model_index.json names a Qwen-Image pipeline) whose
+    transformer weights are gone: the engine's owner names the cause in one line, exit 1, no step run."""
+    import time
+
+    from model_providers.qwen_image.tiny_pipeline import make_tiny_pipeline
+
+    folder = make_tiny_pipeline(tmp_path / "pipe", seed=0)
+    for f in (folder / "transformer").glob("*.safetensors"):
+        f.unlink()
+    run = tmp_path / "bad"
+    t0 = time.monotonic()
+    proc = _train(run, *VLLM, "--set", f"model.pipeline={folder}", "--set", "steps=2", timeout=300)
+    seconds = time.monotonic() - t0
+    line = proc.stderr.strip().splitlines()[-1]
+    print(f"{seconds:.0f} s: {line}")
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    assert line.startswith("rollout engine error: vLLM-Omni engine for") and "failed to start" in line, line
+    assert f"no transformer weights (*.safetensors) in {folder / 'transformer'}" in line, line
+    assert not (run / "metrics.jsonl").exists()
+    assert seconds < 120
