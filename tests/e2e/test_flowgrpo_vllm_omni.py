@@ -83,3 +83,51 @@ def test_an_engine_that_cannot_start_is_one_line_before_any_training(tmp_path: P
     assert f"no transformer weights (*.safetensors) in {folder / 'transformer'}" in line, line
     assert not (run / "metrics.jsonl").exists()
     assert seconds < 120
+
+
+def test_a_worker_killed_mid_run_exits_1_naming_it(tmp_path: Path) -> None:
+    """The trainer prints its engine's worker pids at start; one SIGKILLed after the first step's metrics are
+    written (the second step is sampling, training or syncing then) ends the run within seconds: exit 1, the last
+    line naming the worker, its pid and the training step."""
+    import os
+    import re
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from tests.e2e.test_flowgrpo_train import ROOT, SHORT, _env
+
+    run = tmp_path / "killed_worker"
+    cmd = [sys.executable, "-m", "megatron_omni.train", "--set", f"run_dir={run}", *SHORT, *VLLM, "--set", "steps=50"]
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        pid = None
+        for line in proc.stdout:
+            found = re.search(r"worker processes \(rank: pid\) \{0: (\d+)\}", line)
+            if found:
+                pid = int(found.group(1))
+                break
+        assert pid is not None, "the trainer printed no worker pid"
+        metrics = run / "metrics.jsonl"
+        deadline = time.monotonic() + 300
+        while not (metrics.exists() and metrics.read_text().strip()) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        os.kill(pid, signal.SIGKILL)
+        killed = time.monotonic()
+        _, stderr = proc.communicate(timeout=120)
+        seconds = time.monotonic() - killed
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    # the one line of ours (vLLM's log and the interpreter's resource tracker may print around it)
+    lines = [x for x in stderr.splitlines() if x.startswith("rollout engine error:")]
+    assert len(lines) == 1, stderr[-3000:]
+    line = lines[0]
+    print(f"exit {proc.returncode} {seconds:.1f} s after the kill: {line}")
+    assert proc.returncode == 1, stderr[-2000:]
+    assert line.startswith("rollout engine error: vLLM-Omni worker rank 0 (pid "
+                           f"{pid}, killed by SIGKILL, exit code -9) died during"), line
+    assert re.search(r"at training step [1-9]", line), line
+    assert seconds < 60

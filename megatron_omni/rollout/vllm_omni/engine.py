@@ -577,6 +577,9 @@ def build_vllm_omni_engine(pipeline_dir: str | os.PathLike, settings: Any) -> Vl
         raise EngineStartError(box[0])
     engine = VllmOmniRolloutEngine(pipeline_dir, tp, settings.dtype, omni=omni, peers=peers,
                                    quantization=settings.quantization)
+    if engine._workers:  # what a fault report names, and what an operator looks for in `ps`
+        print(f"vLLM-Omni engine of trainer ranks {list(peers.ranks)}: worker processes (rank: pid) "
+              f"{ {r: p.pid for r, p in enumerate(engine._workers)} }", flush=True)
     engine.load_initial_weights()
     return engine
 
