@@ -176,6 +176,8 @@ class FlowGRPOTrainer:
         self.lora_sync = None
         lora_mode = (lora_sync_mode(r.lora_sync, r.engine, self.quantization.enabled, r.vllm_omni_process)
                      if self.lora.enabled else None)
+        if lora_mode is not None and dist.get_rank() == 0:  # what `auto` chose, in the run's log
+            print(f"rollout.lora_sync={r.lora_sync}: {lora_mode} ({r.engine} engine)", flush=True)
         if lora_mode == "adapter":
             self.lora_sync = LoRAAdapterSync(self.model, self.engine, self.family, self.hf_config, self.lora_linears,
                                              self.lora.rank, self.lora.alpha, groups.tp, groups.mcore.pp,

@@ -298,7 +298,8 @@ class VllmOmniRolloutEngine:
         manager and layers (`vllm_omni.lora`: its LoRA request path the first time, in place after); returns
         (diffusers modules carrying the adapter, keys written), on every rank of the rollout group. In process
         each rank loads its own shard; multi-process the owner sends the adapters to its workers (worker
-        extension `load_flowgrpo_lora`, rollout rank 0's report) and the group's other ranks get its report."""
+        extension `load_flowgrpo_lora_everywhere`: every worker's report, each checked against rollout rank 0's, which
+        is returned) and the group's other ranks get it."""
         if self.in_process:
             report = self.omni.worker.load_flowgrpo_lora(state, rank, alpha)
             if self._lora_request is None:
@@ -309,10 +310,20 @@ class VllmOmniRolloutEngine:
     def _deliver_lora(self, state: dict[str, torch.Tensor], rank: int, alpha: float) -> Any:
         """The owner's adapter delivery to every worker; returns rollout rank 0's report (see `load_lora`)."""
         cpu = {k: v.detach().cpu().contiguous() for k, v in state.items()}
-        report = self._rpc("load_flowgrpo_lora", cpu, rank, alpha)[0]
+        reports = self._rpc("load_flowgrpo_lora_everywhere", cpu, rank, alpha)[0]
+        if reports is None:  # deferred in a weight update: a worker died (raised at the update's end)
+            return None
+        if len(reports) != self.tp:
+            raise RuntimeError(f"LoRA adapters: {len(reports)} of the engine's {self.tp} workers reported")
+        for worker, report in enumerate(reports):
+            carrying, written = report
+            if tuple(carrying) != tuple(reports[0][0]) or list(written) != list(reports[0][1]):
+                raise RuntimeError(f"LoRA adapters: vLLM-Omni worker {worker} carries {len(carrying)} modules and "
+                                   f"wrote {len(written)} keys, worker 0 {len(reports[0][0])} and "
+                                   f"{len(reports[0][1])}: the workers hold different adapters")
         if self._lora_request is None:
             self._lora_request = self._rpc("flowgrpo_lora_request")[0]
-        return report
+        return reports[0]
 
     def load_initial_weights(self) -> None:
         """A quantized engine's first weights: the folder's, quantized as every sync quantizes them (vLLM-Omni's
