@@ -170,3 +170,21 @@ def test_lora_adapters_over_collective_rpc(engine, reference) -> None:
         assert max(diff.values()) < TOL, diff
         assert moved > 1e-2
         before = after.images
+
+
+def test_a_pipeline_class_that_does_not_import_is_named_before_a_worker_starts(tmp_path) -> None:
+    import time
+    from types import SimpleNamespace
+
+    from megatron_omni.rollout.vllm_omni.engine import start_omni
+
+    folder = make_tiny_pipeline(tmp_path / "pipe", seed=0)
+    settings = SimpleNamespace(dtype="float32", quantization=None)
+    t0 = time.monotonic()
+    with pytest.raises(ImportError, match=r"pipeline class megatron_omni\.no_such\.Pipeline does not import"):
+        start_omni(folder, 1, settings, pipeline_class="megatron_omni.no_such.Pipeline")
+    assert time.monotonic() - t0 < 30
+    for f in (folder / "transformer").glob("*.safetensors"):
+        f.unlink()
+    with pytest.raises(FileNotFoundError, match="no transformer weights"):
+        start_omni(folder, 1, settings)
