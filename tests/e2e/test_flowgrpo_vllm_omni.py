@@ -45,13 +45,13 @@ def test_reward_rises_and_sigkill_resume_is_bit_identical(tmp_path: Path) -> Non
 
 @pytest.mark.slow
 def test_reward_rises_rollout_tp2(tmp_path: Path) -> None:
-    """Two ranks, trainer tp 1 (data parallel 2), vLLM-Omni's transformer sharded over both (rollout tp 2); the
-    held-out evaluation before and after (rank 0's samples, its engine peer serving the calls) runs too.
-    Inline (`rollout.vllm_omni_process=inline`): under torchrun with vLLM-Omni's engine at rollout tp 2 and
-    eval.prompts, the run stalled before its step-0 evaluation was written (found at the deadline, not yet
-    diagnosed); the engine at rollout tp 2 trains in tests/distributed/test_trainer_vllm_omni.py."""
+    """Two ranks under torchrun, trainer tp 1 (data parallel 2), vLLM-Omni's engine with two worker processes
+    (rollout tp 2: rank 0 owns it and serves rank 1's requests); the held-out evaluation before and after (rank 0's
+    samples, its engine peer joining the calls) runs too. (This stalled once: torchrun's
+    TORCHELASTIC_USE_AGENT_STORE, inherited by the engine's workers, made their rendezvous wait for a store no one
+    hosted; the engine now starts its workers without it.)"""
     run = tmp_path / "rollout_tp2"
-    proc = _train(run, *VLLM, "--set", "rollout.vllm_omni_process=inline", "--set", "rollout.tp=2",
+    proc = _train(run, *VLLM, "--set", "rollout.tp=2",
                   "--set", "steps=8", "--set", 'eval.prompts=["a red cube"]',
                   "--set", "eval.num_steps=4", nproc=2)
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -596,16 +596,19 @@ def build_vllm_omni_engine(pipeline_dir: str | os.PathLike, settings: Any) -> Vl
 
 
 @contextlib.contextmanager
-def _without_env(name: str) -> Iterator[None]:
-    """`name` unset inside. vLLM-Omni takes its workers' rendezvous port from MASTER_PORT when set: in a trainer
-    rank that is the trainer's own port, so every engine owner of a node would settle on the same next free port
-    at once (EADDRINUSE); without it each engine takes an OS-assigned port."""
-    before = os.environ.pop(name, None)
+def _without_env(*names: str) -> Iterator[None]:
+    """`names` unset inside (the worker processes spawned inside inherit that). MASTER_PORT: vLLM-Omni takes its
+    workers' rendezvous port from it when set: in a trainer rank that is the trainer's own port, so every engine
+    owner of a node would settle on the same next free port at once (EADDRINUSE); without it each engine takes an
+    OS-assigned port. TORCHELASTIC_USE_AGENT_STORE: torchrun sets it for its ranks, and torch's env:// rendezvous
+    then makes EVERY rank a client of a store it assumes torchrun's agent hosts at MASTER_ADDR:MASTER_PORT; the
+    workers' rendezvous at their own port then has no host and their `init_process_group` waits out its timeout
+    (the engine never started under torchrun: what stalled the rollout-tp-2 run with eval.prompts)."""
+    before = {name: os.environ.pop(name) for name in names if name in os.environ}
     try:
         yield
     finally:
-        if before is not None:
-            os.environ[name] = before
+        os.environ.update(before)
 
 
 def start_omni(pipeline_dir: str | os.PathLike, tp: int, settings: Any, pipeline_class: str = PIPELINE_CLASS) -> Any:
@@ -629,7 +632,8 @@ def start_omni(pipeline_dir: str | os.PathLike, tp: int, settings: Any, pipeline
     from vllm_omni import Omni
 
     local = int(os.environ.get("LOCAL_RANK", "0"))
-    with platform.devices_for_workers(range(local, local + tp)), _without_env("MASTER_PORT"):
+    workers_env = _without_env("MASTER_PORT", "TORCHELASTIC_USE_AGENT_STORE")
+    with platform.devices_for_workers(range(local, local + tp)), workers_env:
         return Omni(**omni_kwargs(pipeline_dir, tp, str(settings.dtype).removeprefix("torch."),
                                   pipeline_class=pipeline_class, enable_sleep_mode=True,
                                   distributed_executor_backend=executor_backend(),

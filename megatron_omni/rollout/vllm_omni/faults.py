@@ -67,12 +67,18 @@ def worker_died_message(dead: list[str], what: str, step: int | None) -> str:
 def root_cause(exc: BaseException) -> str:
     """The innermost non-empty message of `exc`'s chain (vLLM-Omni wraps a start-up failure in exceptions with empty
     messages), as 'Type: first line'."""
-    found, seen = exc, set()
+    found, inner, seen = exc, exc, set()
     cur: BaseException | None = exc
     while cur is not None and id(cur) not in seen:
         seen.add(id(cur))
+        inner = cur
         if str(cur).strip():
             found = cur
         cur = cur.__cause__ or cur.__context__
     text = str(found).strip().splitlines()
-    return f"{type(found).__name__}: {text[0] if text else '(no message)'}"
+    line = f"{type(found).__name__}: {text[0] if text else '(no message)'}"
+    if inner is not found:  # the innermost has no message: its type is the cause (EOFError: a worker ended)
+        hint = " (a worker process ended during start-up: its last lines are in the log above)" \
+            if isinstance(inner, EOFError) else ""
+        line = f"{line} {type(inner).__name__}{hint}"
+    return line
