@@ -23,15 +23,25 @@ def _probe_diffs(run_dir: Path) -> list[float]:
 
 @pytest.mark.slow
 def test_reward_rises_and_sigkill_resume_is_bit_identical(tmp_path: Path) -> None:
-    """One uninterrupted 8-step run (the reward curve) and one killed after its step-4 checkpoint, resumed."""
-    steps = [*VLLM, "--set", "steps=8", "--set", "checkpoint.every=2", "--set", "checkpoint.keep=5"]
+    """One uninterrupted 8-step run (the reward curve) and one killed after its step-4 checkpoint, resumed; the
+    engine samples in bf16 (`rollout.dtype=bf16`, the 20B recipes' setting; the trainer fp32), each sync proven by
+    the probe within the bf16 tolerance the trainer enforces (fp32 engines: tests/distributed/
+    test_trainer_vllm_omni.py and the rollout-tp-2 run below)."""
+    steps = [*VLLM, "--set", "rollout.dtype=bf16", "--set", "steps=8", "--set", "checkpoint.every=2",
+             "--set", "checkpoint.keep=5"]
     ref = tmp_path / "uninterrupted"
     proc = _train(ref, *steps)
     assert proc.returncode == 0, proc.stderr[-3000:]
     r = _rewards(ref)
-    print("vllm_omni rollout tp=1 reward per step:", [f"{x:.3f}" for x in r])
+    print("vllm_omni bf16 rollout tp=1 reward per step:", [f"{x:.3f}" for x in r])
+    print("probe max |diff| per sync:", [f"{x:.2e}" for x in _probe_diffs(ref)])
     assert len(r) == 8 and sum(r[-2:]) / 2 > sum(r[:2]) / 2 + 0.05, r
-    assert max(_probe_diffs(ref)) < 1e-5
+    import torch
+
+    from megatron_omni.rollout.probe import probe_tolerance
+
+    # bf16 rounding (measured 8e-3..1.2e-2 over 8 syncs), not an fp32-exact copy, within the trainer's bound
+    assert 1e-5 < max(_probe_diffs(ref)) <= probe_tolerance(torch.float32, torch.bfloat16)
 
     run = tmp_path / "killed"
     _kill_after_checkpoint(run, 4, *steps)
