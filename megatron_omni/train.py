@@ -95,6 +95,7 @@ def main(argv: list[str] | None = None) -> int:
     from megatron_omni.parallel import platform
     from megatron_omni.reward.errors import RewardServiceError, RewardWeightsError
     from megatron_omni.rollout.async_service import RolloutRankFailed, RolloutRankLost, StalenessError
+    from megatron_omni.rollout.vllm_omni.faults import EngineStartError, EngineWorkerDied
     from megatron_omni.trainer.flowgrpo import LogpGapError
     from megatron_omni.trainer.preemption import STOPPED_EXIT, TrainingStopped
     from megatron_omni.trainer.run import run
@@ -119,6 +120,9 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     except (RolloutRankLost, RolloutRankFailed, StalenessError) as exc:  # names the rank or the step (docs/async.md)
         print(f"rollout error: {exc}", file=sys.stderr, flush=True)
+        return 1
+    except (EngineStartError, EngineWorkerDied) as exc:  # one line naming the cause, or the worker and the step
+        print(f"rollout engine error: {exc}", file=sys.stderr, flush=True)
         return 1
     finally:
         platform.destroy_distributed()

@@ -144,8 +144,8 @@ class RolloutConfig:
     text_length: int | None = SamplingParams.text_length
     # With model.lora, how the engine receives the adapters: "adapter" (the adapters only: the diffusers engine
     # through peft, vLLM-Omni through its LoRA manager and LoRA layers), "merge" (W + scale B A through the
-    # bridge, as full weights), "auto" (adapter where that path has run: diffusers, and vLLM-Omni inline; merge
-    # for vLLM-Omni's engine, whose adapter RPC is not run by a test yet).
+    # bridge, as full weights), "auto" (adapter for the diffusers engine and vLLM-Omni, inline or its engine
+    # over collective_rpc; merge for a quantized engine).
     lora_sync: str = "auto"
     # What the engine's copy of the transformer samples in, beside `dtype`: "none" | "fp8" (ModelOpt FP8 weights
     # per output channel and activations per token on the family's `quantized_linears`, re-quantized at every

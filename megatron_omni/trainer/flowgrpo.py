@@ -176,6 +176,8 @@ class FlowGRPOTrainer:
         self.lora_sync = None
         lora_mode = (lora_sync_mode(r.lora_sync, r.engine, self.quantization.enabled, r.vllm_omni_process)
                      if self.lora.enabled else None)
+        if lora_mode is not None and dist.get_rank() == 0:  # what `auto` chose, in the run's log
+            print(f"rollout.lora_sync={r.lora_sync}: {lora_mode} ({r.engine} engine)", flush=True)
         if lora_mode == "adapter":
             self.lora_sync = LoRAAdapterSync(self.model, self.engine, self.family, self.hf_config, self.lora_linears,
                                              self.lora.rank, self.lora.alpha, groups.tp, groups.mcore.pp,
@@ -392,6 +394,8 @@ class FlowGRPOTrainer:
     def train_step(self, step: int) -> StepResult:
         """One synchronous RL step: this rank's rollout of step `step`, then `train_on` it (update and sync)."""
         t: dict[str, float] = {}
+        if hasattr(self.engine, "step"):
+            self.engine.step = step  # named in the engine's fault report (vLLM-Omni's: a worker that died)
         prompts, group_ids, seeds = self.step_prompts(step)
         # DiffusionNFT with a lagging old policy samples with it (the engine gets the old weights; the update's
         # sync brings the trained ones back).

@@ -40,16 +40,17 @@ def attach_lora(model: torch.nn.Module, lora: LoRAConfig, seed: int, pp_group: d
 
 
 def lora_sync_mode(lora_sync: str, engine: str, quantized: bool = False, vllm_omni_process: str = "engine") -> str:
-    """How the engine `engine` receives adapters: `rollout.lora_sync` resolved. "auto": adapters only where that
-    path is tested: the diffusers engine (peft) and vLLM-Omni inline (`vllm_omni_process`: its LoRA manager and
-    layers in the trainer's ranks); vLLM-Omni's engine takes merged full weights until its adapter path (the worker
-    extension's `load_flowgrpo_lora` over collective_rpc) is tested; `rollout.lora_sync=adapter` asks for it. A
-    `quantized` engine (`rollout.quantization`) always takes merged weights: its FP8 linears take no adapters."""
+    """How the engine `engine` receives adapters: `rollout.lora_sync` resolved. "auto": adapters only (r * (in + out)
+    numbers per adapted linear instead of in * out) wherever the engine takes them: the diffusers engine (peft) and
+    vLLM-Omni, inline (its LoRA manager and layers in the trainer's ranks) or as its engine (`vllm_omni_process`:
+    the worker extension's `load_flowgrpo_lora_everywhere` over collective_rpc, every worker reporting what it
+    carries); any other engine takes merged full weights. A `quantized` engine (`rollout.quantization`) always
+    takes merged weights: its FP8 linears take no adapters."""
     if lora_sync != "auto":
         return lora_sync
     if quantized:
         return "merge"
-    if engine == "diffusers" or (engine == "vllm_omni" and vllm_omni_process == "inline"):
+    if engine in ("diffusers", "vllm_omni"):  # vllm_omni_process: both ways take adapters
         return "adapter"
     return "merge"
 

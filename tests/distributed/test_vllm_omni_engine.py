@@ -122,3 +122,69 @@ def test_weight_update_refusals_sleep_and_wake(engine, reference) -> None:
     engine._asleep = True
     engine.wake_up()
     assert max(_max_diff(engine.generate(PROMPTS, PARAMS, seeds=[7, 8]), after).values()) == 0
+
+
+LORA_MODULES = ("attn.to_q", "attn.to_k", "attn.to_v", "attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj",
+                "attn.to_out.0", "attn.to_add_out", "img_mlp.net.0.proj", "img_mlp.net.2", "txt_mlp.net.0.proj",
+                "txt_mlp.net.2")
+
+
+def _adapters(transformer, seed: int, rank: int = 4) -> dict[str, torch.Tensor]:
+    """Diffusers peft keys of adapters on every block's attention and MLP linears, as the trainer sends them (one A
+    shared by a fused q/k/v's parts)."""
+    g = torch.Generator().manual_seed(seed)
+    state = {}
+    for block in range(len(transformer.transformer_blocks)):
+        shared = {}
+        for m in LORA_MODULES:
+            name = f"transformer_blocks.{block}.{m}"
+            out_f, in_f = transformer.get_submodule(name).weight.shape
+            fused = m.split(".")[-1] in ("to_q", "to_k", "to_v", "add_q_proj", "add_k_proj", "add_v_proj")
+            key = ("add" if "add_" in m else "to") if fused else name
+            if key not in shared or not fused:
+                shared[key] = 0.2 * torch.randn(rank, in_f, generator=g)
+            state[f"{name}.lora_A.weight"] = shared[key]
+            state[f"{name}.lora_B.weight"] = 0.2 * torch.randn(out_f, rank, generator=g)
+    return state
+
+
+def test_lora_adapters_over_collective_rpc(engine, reference) -> None:
+    """The adapter-only LoRA sync of the multi-process engine (`rollout.lora_sync=adapter` with
+    `vllm_omni_process=engine`): adapters sent over `collective_rpc` into every worker's vLLM-Omni LoRA layers
+    (its request path the first time, in place the second), every worker's report checked; the sampled
+    trajectories equal diffusers' peft model carrying the same adapters (fp32, TOL) and move with them."""
+    from megatron_omni.rollout.lora_receiver import load_lora_into
+
+    base = {k: v.detach().clone() for k, v in reference.transformer.state_dict().items()}
+    engine.load_weights(base.items())  # the folder's weights again (an earlier test of the module moved them)
+    before = engine.generate(PROMPTS, PARAMS, seeds=[7, 8]).images
+    for sync in range(2):
+        state = _adapters(reference.transformer, seed=10 + sync)
+        carrying, written = engine.load_lora(state, 4, 8.0)
+        assert sorted(carrying) == sorted({k.rsplit(".", 2)[0] for k in state}) and sorted(written) == sorted(state)
+        load_lora_into(reference.transformer, state, 4, 8.0, torch.float32)
+        after = engine.generate(PROMPTS, PARAMS, seeds=[7, 8])
+        diff = _max_diff(after, reference.generate(PROMPTS, PARAMS, seeds=[7, 8]))
+        moved = float((after.images - before).abs().max())
+        print(f"tp={engine.tp} LoRA sync {sync}: engine vs diffusers+peft max |diff| {diff}; images moved {moved:.3g}")
+        assert max(diff.values()) < TOL, diff
+        assert moved > 1e-2
+        before = after.images
+
+
+def test_a_pipeline_class_that_does_not_import_is_named_before_a_worker_starts(tmp_path) -> None:
+    import time
+    from types import SimpleNamespace
+
+    from megatron_omni.rollout.vllm_omni.engine import start_omni
+
+    folder = make_tiny_pipeline(tmp_path / "pipe", seed=0)
+    settings = SimpleNamespace(dtype="float32", quantization=None)
+    t0 = time.monotonic()
+    with pytest.raises(ImportError, match=r"pipeline class megatron_omni\.no_such\.Pipeline does not import"):
+        start_omni(folder, 1, settings, pipeline_class="megatron_omni.no_such.Pipeline")
+    assert time.monotonic() - t0 < 30
+    for f in (folder / "transformer").glob("*.safetensors"):
+        f.unlink()
+    with pytest.raises(FileNotFoundError, match="no transformer weights"):
+        start_omni(folder, 1, settings)

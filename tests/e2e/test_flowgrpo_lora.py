@@ -5,8 +5,9 @@
   uninterrupted one (adapters, their Adam state, the rewards), its checkpoints hold the adapters only and the
   base's identity, a resume with other LoRA settings is refused naming them, and `convert.py lora-to-hf`
   (adapter file and `--merge` pipeline) exports the final checkpoint;
-- vLLM-Omni's real pipeline in process, the adapters alone into vLLM-Omni's own LoRA layers
-  (`rollout.lora_sync=auto`): the reward rises, probe-checked after every sync.
+- vLLM-Omni's real `Omni` engine (the default `rollout.vllm_omni_process=engine`: worker processes), the adapters
+  alone over `collective_rpc` into vLLM-Omni's own LoRA layers in every worker (`rollout.lora_sync=auto` picks
+  it): the reward rises, probe-checked after every sync.
 """
 
 from __future__ import annotations
@@ -82,9 +83,9 @@ def test_lora_bf16_reward_rises_resumes_bit_identically_and_exports(tmp_path: Pa
 @pytest.mark.slow
 def test_lora_adapters_into_vllm_omni_reward_rises(tmp_path: Path) -> None:
     run = tmp_path / "vllm_lora"
-    proc = _train(run, *LORA, "--set", "rollout.engine=vllm_omni", "--set", "rollout.vllm_omni_process=inline",
-                  "--set", "steps=6")
+    proc = _train(run, *LORA, "--set", "rollout.engine=vllm_omni", "--set", "steps=6")
     assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "rollout.lora_sync=auto: adapter (vllm_omni engine)" in proc.stdout, proc.stdout[-2000:]
     r = _rewards(run)
     print("LoRA vllm_omni (adapter sync) reward per step:", [f"{x:.3f}" for x in r])
     assert len(r) == 6 and _rises(r), r

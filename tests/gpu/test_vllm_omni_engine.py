@@ -3,8 +3,10 @@ CUDA platform).
 
 Needs a GPU and vLLM + vLLM-Omni built for it; skips with the reason otherwise. What runs without a GPU moved to
 CPU: the engine against the embedded diffusers engine (with and without CFG), weight updates refused by the
-workers, sleep and wake, under both executors (tests/distributed/test_vllm_omni_engine.py, on our CPU platform
-plugin), and the trainer driving it (tests/distributed/test_trainer_vllm_omni.py).
+workers, sleep and wake, LoRA adapters over `collective_rpc`, under both executors
+(tests/distributed/test_vllm_omni_engine.py, on our CPU platform plugin), and the trainer driving it, FP8 through
+the RPC path and killed workers included (tests/distributed/test_trainer_vllm_omni.py, tests/e2e/
+test_flowgrpo_vllm_omni.py). What stays here is vLLM-Omni's own CUDA platform under the trainer.
 """
 
 from __future__ import annotations

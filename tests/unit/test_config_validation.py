@@ -271,9 +271,9 @@ def test_adapter_sync_is_taken_by_both_engines_and_auto_picks_it_where_it_has_ru
                                             "rollout.lora_sync=adapter"])
         cfg.validate(1)
         assert lora_sync_mode("merge", engine) == "merge"
-    # vLLM-Omni inline (its LoRA manager in the trainer's ranks): adapters; its engine: merged weights
+    # vLLM-Omni inline (its LoRA manager in the trainer's ranks) and its engine (collective_rpc): adapters
     assert lora_sync_mode("auto", "diffusers") == lora_sync_mode("auto", "vllm_omni", False, "inline") == "adapter"
-    assert lora_sync_mode("auto", "vllm_omni") == "merge"
+    assert lora_sync_mode("auto", "vllm_omni") == "adapter"  # the engine over collective_rpc too
     assert lora_sync_mode("adapter", "vllm_omni") == "adapter"
     # a quantized engine's FP8 linears take no adapters: auto resolves to merged weights on both engines
     assert lora_sync_mode("auto", "diffusers", quantized=True) == lora_sync_mode("auto", "vllm_omni", True) == "merge"

@@ -29,6 +29,7 @@ vLLM and vLLM-Omni are imported when an engine is built, so `megatron_omni.rollo
 from __future__ import annotations
 
 import contextlib
+import importlib
 import json
 import os
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -43,6 +44,14 @@ from megatron_omni.parallel import platform
 from megatron_omni.rollout.base import FinishedSample, SamplingParams, Trajectory, WeightSink, sample_seeds
 from megatron_omni.rollout.diffusers_engines.engine import templated_token_ids
 from megatron_omni.rollout.quantization import QuantizationSpec
+from megatron_omni.rollout.vllm_omni.faults import (
+    EngineStartError,
+    EngineWorkerDied,
+    dead_workers,
+    root_cause,
+    worker_died_message,
+    worker_processes,
+)
 from megatron_omni.rollout.vllm_omni.fp8 import vllm_quantization_config
 from megatron_omni.rollout.vllm_omni.pipeline import (
     EXTRA_KEY,
@@ -57,12 +66,13 @@ DEFAULT_BUCKET_BYTES = 512 * 1024 * 1024
 
 
 def omni_kwargs(model_path: str | os.PathLike, tensor_parallel_size: int = 1, dtype: str = "bfloat16",
-                quantization_config: dict[str, str] | None = None, **extra: Any) -> dict[str, Any]:
+                quantization_config: dict[str, str] | None = None, pipeline_class: str = PIPELINE_CLASS,
+                **extra: Any) -> dict[str, Any]:
     """The `Omni(...)` keywords that register our pipeline and worker extension (and vLLM-Omni's
     `quantization_config` when given; extra ones pass through)."""
     return {
         "model": str(model_path),
-        "custom_pipeline_args": {"pipeline_class": PIPELINE_CLASS},
+        "custom_pipeline_args": {"pipeline_class": pipeline_class},
         "worker_extension_cls": WORKER_EXTENSION,
         "tensor_parallel_size": int(tensor_parallel_size),
         "dtype": dtype,
@@ -122,6 +132,14 @@ class VllmOmniRolloutEngine:
         self._asleep = False
         self._tokenizer_pipe = None  # diffusers' template + the folder's tokenizer, for text_lengths
         self._lora_request = None  # the LoRARequest of the adapters `load_lora` loaded
+        # Faults (`vllm_omni.faults`): the worker processes, taken now (vLLM-Omni forgets an evicted executor); the
+        # training step the trainer is in (named in a fault report); a worker death found by a call that must not
+        # raise alone (sleep, wake, a weight update's RPCs), raised at the next point every peer passes.
+        self._workers = [] if omni is None or self.in_process else worker_processes(omni)
+        self.step: int | None = None
+        self._failure: str | None = None
+        self._defer = False
+        self._phase = ""  # what the engine is in, for the fault report ("a weight update, ")
 
     def text_lengths(self, prompts: Sequence[str]) -> list[int]:
         """Text tokens each prompt gives the transformer (see `RolloutEngine.text_lengths`): counted with the
@@ -180,12 +198,51 @@ class VllmOmniRolloutEngine:
                                                num_inference_steps=params.num_steps, extra_args={EXTRA_KEY: extra},
                                                lora_request=self._lora_request)
         records = []
-        for out in self.omni.generate(requests, sampling, py_generator=True, use_tqdm=False):
-            record = record_of(out, PIPELINE_CLASS)
-            records.append(record)
-            if on_record is not None:
-                on_record(record)
+        with self._guard("a rollout"):
+            for out in self.omni.generate(requests, sampling, py_generator=True, use_tqdm=False):
+                record = record_of(out, PIPELINE_CLASS)
+                records.append(record)
+                if on_record is not None:
+                    on_record(record)
         return records
+
+    @contextlib.contextmanager
+    def _guard(self, what: str) -> Iterator[None]:
+        """Around a call into the engine: a worker found dead (before, or by the call's failure) becomes
+        `EngineWorkerDied` naming it, `what` and the step; any other failure passes through."""
+        if self._failure is not None:
+            raise EngineWorkerDied(self._failure)
+        try:
+            yield
+        except Exception as exc:
+            dead = dead_workers(self._workers)
+            if not dead:
+                raise
+            self._failure = worker_died_message(dead, what, self.step)
+            raise EngineWorkerDied(self._failure) from exc
+
+    def _shared(self, compute: Callable[[], Any]) -> Any:
+        """`compute()` on the owner (the others get its result over the peers' group); a failure on the owner is
+        raised on every peer (a worker death as `EngineWorkerDied`), so none waits for an answer that never
+        comes. Without peers, `compute()`."""
+        if self.peers is None:
+            return compute()
+        box: list[Any] = [None]
+        if dist.get_rank() == self.peers.ranks[0]:
+            try:
+                box = [("ok", compute())]
+            except Exception as exc:
+                box = [("failed", isinstance(exc, EngineWorkerDied), str(exc).splitlines()[0] if str(exc) else
+                        type(exc).__name__)]
+                dist.broadcast_object_list(box, src=self.peers.ranks[0], group=self.peers.group)
+                raise
+        dist.broadcast_object_list(box, src=self.peers.ranks[0], group=self.peers.group)
+        if box[0][0] == "failed":
+            _, died, message = box[0]
+            if died:
+                raise EngineWorkerDied(message)
+            raise RuntimeError(f"the vLLM-Omni engine's owner (rank {self.peers.ranks[0]}) failed: {message}")
+        return box[0][1]
 
     def _run_with_peers(self, requests: list[dict[str, Any]], params: SamplingParams, extra: dict[str, Any],
                         on_sample: Callable[[FinishedSample], None] | None) -> list[dict[str, Any]]:
@@ -218,12 +275,10 @@ class VllmOmniRolloutEngine:
 
         records = None
         params = SamplingParams(**{**extra["params"], "window_range": _tuple(extra["params"]["window_range"])})
-        if union and (peers.spmd or me == 0):
-            records = self._run(union, params, extra, stream if peers.spmd or me == 0 else None)
-        if not peers.spmd:
-            box = [records]
-            dist.broadcast_object_list(box, src=peers.ranks[0], group=peers.group)
-            records = box[0]
+        if peers.spmd:
+            records = self._run(union, params, extra, stream) if union else None
+        else:
+            records = self._shared(lambda: self._run(union, params, extra, stream) if union else None)
             if me != 0 and on_sample is not None:
                 for r in records or []:
                     stream(r)
@@ -243,23 +298,32 @@ class VllmOmniRolloutEngine:
         manager and layers (`vllm_omni.lora`: its LoRA request path the first time, in place after); returns
         (diffusers modules carrying the adapter, keys written), on every rank of the rollout group. In process
         each rank loads its own shard; multi-process the owner sends the adapters to its workers (worker
-        extension `load_flowgrpo_lora`, rollout rank 0's report) and the group's other ranks get its report."""
+        extension `load_flowgrpo_lora_everywhere`: every worker's report, each checked against rollout rank 0's, which
+        is returned) and the group's other ranks get it."""
         if self.in_process:
             report = self.omni.worker.load_flowgrpo_lora(state, rank, alpha)
             if self._lora_request is None:
                 self._lora_request = self.omni.worker.flowgrpo_lora_request()
             return report
-        report = None
-        if self.omni is not None:
-            cpu = {k: v.detach().cpu().contiguous() for k, v in state.items()}
-            report = self._rpc("load_flowgrpo_lora", cpu, rank, alpha)[0]
-            if self._lora_request is None:
-                self._lora_request = self._rpc("flowgrpo_lora_request")[0]
-        if self.peers is not None:
-            box = [report]
-            dist.broadcast_object_list(box, src=self.peers.ranks[0], group=self.peers.group)
-            report = box[0]
-        return report
+        return self._shared(lambda: self._deliver_lora(state, rank, alpha))
+
+    def _deliver_lora(self, state: dict[str, torch.Tensor], rank: int, alpha: float) -> Any:
+        """The owner's adapter delivery to every worker; returns rollout rank 0's report (see `load_lora`)."""
+        cpu = {k: v.detach().cpu().contiguous() for k, v in state.items()}
+        reports = self._rpc("load_flowgrpo_lora_everywhere", cpu, rank, alpha)[0]
+        if reports is None:  # deferred in a weight update: a worker died (raised at the update's end)
+            return None
+        if len(reports) != self.tp:
+            raise RuntimeError(f"LoRA adapters: {len(reports)} of the engine's {self.tp} workers reported")
+        for worker, report in enumerate(reports):
+            carrying, written = report
+            if tuple(carrying) != tuple(reports[0][0]) or list(written) != list(reports[0][1]):
+                raise RuntimeError(f"LoRA adapters: vLLM-Omni worker {worker} carries {len(carrying)} modules and "
+                                   f"wrote {len(written)} keys, worker 0 {len(reports[0][0])} and "
+                                   f"{len(reports[0][1])}: the workers hold different adapters")
+        if self._lora_request is None:
+            self._lora_request = self._rpc("flowgrpo_lora_request")[0]
+        return reports[0]
 
     def load_initial_weights(self) -> None:
         """A quantized engine's first weights: the folder's, quantized as every sync quantizes them (vLLM-Omni's
@@ -276,8 +340,27 @@ class VllmOmniRolloutEngine:
         self.load_weights(self.initial_state_dict().items())
 
     def _rpc(self, method: str, *args: Any) -> list[Any]:
-        """`method(*args)` on every worker; the replies of our one stage (`stage_replies`)."""
-        return stage_replies(self.omni.engine.collective_rpc(method, args=args), method)
+        """`method(*args)` on every worker; the replies of our one stage (`stage_replies`). A worker death raises
+        `EngineWorkerDied`, except while deferred (sleep, wake, inside `weight_update`): then it is recorded, this
+        and later RPCs answer [None], and the update's end (or the next call) raises it on every peer."""
+        if self._defer and self._failure is not None:
+            return [None]
+        try:
+            with self._guard(f"{self._phase}collective_rpc({method!r})"):
+                return stage_replies(self.omni.engine.collective_rpc(method, args=args), method)
+        except EngineWorkerDied:
+            if self._defer:
+                return [None]
+            raise
+
+    @contextlib.contextmanager
+    def _deferred(self, phase: str = "") -> Iterator[None]:
+        before = self._defer, self._phase
+        self._defer, self._phase = True, phase
+        try:
+            yield
+        finally:
+            self._defer, self._phase = before
 
     def transformer_config(self) -> dict[str, Any]:
         """The diffusers config of the folder's transformer (`transformer/config.json`)."""
@@ -308,12 +391,35 @@ class VllmOmniRolloutEngine:
         """Multi-process, and an FP8 engine in process: begin / finish the workers' update around the sync (each
         worker raises on a partial one; FP8: one layer-wise reload). Otherwise, in process, the bridge writes
         the module and its coverage check covers it."""
-        if self.omni is None or (self.in_process and not self.quantization.enabled):
+        if self.in_process:
+            if not self.quantization.enabled:
+                yield
+                return
+            self._rpc("begin_weight_update")
             yield
+            self._rpc("finish_weight_update")
             return
-        self._rpc("begin_weight_update")
-        yield
-        self._rpc("finish_weight_update")
+        # Multi-process: a worker death in the update is held until its end (every peer is there), then raised on
+        # every rank of the group, the owner's message on each.
+        error = None
+        with self._deferred("a weight update, "):
+            if self.omni is not None:
+                self._rpc("begin_weight_update")
+            try:
+                yield
+            except Exception as exc:  # noqa: BLE001 (re-raised below, after the peers learn of a death)
+                error = exc
+            if self.omni is not None and error is None:
+                self._rpc("finish_weight_update")
+        failure = self._failure
+        if self.peers is not None:
+            box = [failure]
+            dist.broadcast_object_list(box, src=self.peers.ranks[0], group=self.peers.group)
+            failure = box[0]
+        if failure is not None:
+            raise EngineWorkerDied(failure) from error
+        if error is not None:
+            raise error
 
     def probe(self, traj: Trajectory) -> torch.Tensor:
         """Transition means [N, W, S, C] of `traj` under vLLM-Omni's transformer (collective over the peers)."""
@@ -323,12 +429,7 @@ class VllmOmniRolloutEngine:
             with torch.no_grad():
                 return recompute_log_probs(traj, self.omni.pipeline.stepper.velocity_model, dtype=self.dtype,
                                            return_means=True).means
-        means = self._rpc("probe_means", traj)[0] if self.omni is not None else None
-        if self.peers is not None:
-            box = [means]
-            dist.broadcast_object_list(box, src=self.peers.ranks[0], group=self.peers.group)
-            means = box[0]
-        return means
+        return self._shared(lambda: self._rpc("probe_means", traj)[0])
 
     def probe_unquantized(self, traj: Trajectory) -> torch.Tensor | None:
         """`probe` for an unquantized engine; None for an FP8 one (it holds only FP8 weights)."""
@@ -338,12 +439,14 @@ class VllmOmniRolloutEngine:
     def sleep(self) -> None:
         """Release device memory (vLLM-Omni's worker sleep: weights offloaded, level 1)."""
         if self.omni is not None:
-            self._rpc("sleep", 1)
+            with self._deferred():  # a death found here is raised at the next call every peer makes
+                self._rpc("sleep", 1)
         self._asleep = True
 
     def wake_up(self) -> None:
         if self.omni is not None:
-            self._rpc("wake_up", None)
+            with self._deferred():
+                self._rpc("wake_up", None)
         self._asleep = False
 
     def close(self) -> None:
@@ -478,42 +581,60 @@ def build_vllm_omni_engine(pipeline_dir: str | os.PathLike, settings: Any) -> Vl
         try:
             omni = start_omni(pipeline_dir, tp, settings)
         except Exception as exc:  # every rank of the group raises it below, not only the owner
-            failure = f"vLLM-Omni engine for {pipeline_dir} failed to start: {type(exc).__name__}: {exc}"
+            failure = f"vLLM-Omni engine for {pipeline_dir} failed to start: {root_cause(exc)}"
     box = [failure]
     dist.broadcast_object_list(box, src=peers.ranks[0], group=peers.group)
     if box[0] is not None:
-        raise RuntimeError(box[0].splitlines()[0] if box[0].strip() else box[0])
+        raise EngineStartError(box[0])
     engine = VllmOmniRolloutEngine(pipeline_dir, tp, settings.dtype, omni=omni, peers=peers,
                                    quantization=settings.quantization)
+    if engine._workers:  # what a fault report names, and what an operator looks for in `ps`
+        print(f"vLLM-Omni engine of trainer ranks {list(peers.ranks)}: worker processes (rank: pid) "
+              f"{ {r: p.pid for r, p in enumerate(engine._workers)} }", flush=True)
     engine.load_initial_weights()
     return engine
 
 
 @contextlib.contextmanager
-def _without_env(name: str) -> Iterator[None]:
-    """`name` unset inside. vLLM-Omni takes its workers' rendezvous port from MASTER_PORT when set: in a trainer
-    rank that is the trainer's own port, so every engine owner of a node would settle on the same next free port
-    at once (EADDRINUSE); without it each engine takes an OS-assigned port."""
-    before = os.environ.pop(name, None)
+def _without_env(*names: str) -> Iterator[None]:
+    """`names` unset inside (the worker processes spawned inside inherit that). MASTER_PORT: vLLM-Omni takes its
+    workers' rendezvous port from it when set: in a trainer rank that is the trainer's own port, so every engine
+    owner of a node would settle on the same next free port at once (EADDRINUSE); without it each engine takes an
+    OS-assigned port. TORCHELASTIC_USE_AGENT_STORE: torchrun sets it for its ranks, and torch's env:// rendezvous
+    then makes EVERY rank a client of a store it assumes torchrun's agent hosts at MASTER_ADDR:MASTER_PORT; the
+    workers' rendezvous at their own port then has no host and their `init_process_group` waits out its timeout
+    (the engine never started under torchrun: what stalled the rollout-tp-2 run with eval.prompts)."""
+    before = {name: os.environ.pop(name) for name in names if name in os.environ}
     try:
         yield
     finally:
-        if before is not None:
-            os.environ[name] = before
+        os.environ.update(before)
 
 
-def start_omni(pipeline_dir: str | os.PathLike, tp: int, settings: Any) -> Any:
-    """vLLM-Omni's `Omni` over `pipeline_dir` with our pipeline class and worker extension, `tp` workers of
-    `executor_backend()`, sleep mode on, on this node's GPUs from LOCAL_RANK (or the host)."""
-    if not (Path(pipeline_dir) / "model_index.json").is_file():
+def start_omni(pipeline_dir: str | os.PathLike, tp: int, settings: Any, pipeline_class: str = PIPELINE_CLASS) -> Any:
+    """vLLM-Omni's `Omni` over `pipeline_dir` with `pipeline_class` (ours) and our worker extension, `tp` workers of
+    `executor_backend()`, sleep mode on, on this node's GPUs from LOCAL_RANK (or the host). What a worker would only
+    find after it spawned (no model_index.json, no transformer weights, a pipeline class that does not import) is
+    checked first, here, so the error names it (a worker's start-up failure reaches the caller without its cause)."""
+    folder = Path(pipeline_dir)
+    if not (folder / "model_index.json").is_file():
         raise FileNotFoundError(f"no diffusers pipeline (model_index.json) in {pipeline_dir}")
+    if not sorted((folder / "transformer").glob("*.safetensors")):
+        raise FileNotFoundError(f"no transformer weights (*.safetensors) in {folder / 'transformer'}")
     from megatron_omni.rollout.vllm_omni.plugin import install_import_shims
 
     install_import_shims()
+    module, _, name = pipeline_class.rpartition(".")
+    try:
+        getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError) as exc:
+        raise ImportError(f"pipeline class {pipeline_class} does not import: {exc}") from None
     from vllm_omni import Omni
 
     local = int(os.environ.get("LOCAL_RANK", "0"))
-    with platform.devices_for_workers(range(local, local + tp)), _without_env("MASTER_PORT"):
+    workers_env = _without_env("MASTER_PORT", "TORCHELASTIC_USE_AGENT_STORE")
+    with platform.devices_for_workers(range(local, local + tp)), workers_env:
         return Omni(**omni_kwargs(pipeline_dir, tp, str(settings.dtype).removeprefix("torch."),
-                                  enable_sleep_mode=True, distributed_executor_backend=executor_backend(),
+                                  pipeline_class=pipeline_class, enable_sleep_mode=True,
+                                  distributed_executor_backend=executor_backend(),
                                   quantization_config=vllm_quantization_config(settings.quantization)))

@@ -15,7 +15,8 @@ with `collective_rpc(method, args=...)`. `FlowGRPOWorkerExtension` adds:
 - `weight_target()`: this worker's transformer as the bridge's `VllmOmniTarget`, for a `WeightSync` that
   runs in the worker's own process (the `uni` executor, or an executor of ours on the trainer's ranks):
   `direct` mode then copies the trainer's tp shards in place, and the sync's coverage check applies.
-- `load_flowgrpo_lora(state, rank, alpha)`, `flowgrpo_lora_request()`: the adapter-only LoRA sync
+- `load_flowgrpo_lora(state, rank, alpha)`, `flowgrpo_lora_request()`: the adapter-only LoRA sync (a multi-process
+  engine calls `load_flowgrpo_lora_everywhere`, which returns every worker's report)
   (`vllm_omni.lora.VllmOmniLoRAReceiver`: vLLM-Omni's LoRA request path the first time, in place after), and the
   `LoRARequest` every rollout request then carries so the worker keeps the adapter active. An update bracketed by
   `begin/finish_weight_update` may be adapters only (no full tensors).
@@ -204,6 +205,23 @@ class FlowGRPOWorkerExtension:
         if hasattr(pipeline, "full_shapes"):
             self._flowgrpo_receiver().adapters_loaded()
         return out
+
+    def load_flowgrpo_lora_everywhere(self, state: dict[str, torch.Tensor], rank: int,
+                                      alpha: float) -> list[tuple[Any, Any]]:
+        """`load_flowgrpo_lora` on this worker, then every worker's report (gathered over the workers' tensor-parallel
+        group, in worker-rank order): what a multi-process engine's owner checks, worker by worker, where vLLM-Omni
+        sends back rollout rank 0's reply alone. Collective over the workers."""
+        import torch.distributed as dist
+
+        mine = self.load_flowgrpo_lora(state, rank, alpha)
+        from vllm.distributed import get_tp_group
+
+        group = get_tp_group()
+        if group.world_size == 1:
+            return [mine]
+        everyone: list[Any] = [None] * group.world_size
+        dist.all_gather_object(everyone, mine, group=group.cpu_group)
+        return everyone
 
     def flowgrpo_lora_request(self) -> Any:
         """The `LoRARequest` of the adapters `load_flowgrpo_lora` loaded (None before the first load)."""
