@@ -95,6 +95,8 @@ class DiTTraits:
     flash_tail: the engine re-spaces the ODE tail after the window (MixGRPO-Flash, `algorithm.mixgrpo.flash_ratio`).
     text_dim_key: the transformer config key of the text states' width (what the probe batch's text has).
     token_channels: transformer config -> the channels of one packed latent token (the probe batch's latents).
+    conditioned: each sample is conditioned on source images (image editing): prompts are records with an image
+        (`rollout.edit_data`), the trajectory carries the sources' latents (`Trajectory.cond_latents`).
     """
 
     pipeline_class: str
@@ -105,6 +107,7 @@ class DiTTraits:
     rollout_engines: tuple[str, ...] = ("diffusers",)
     true_cfg: bool = True
     flash_tail: bool = True
+    conditioned: bool = False
 
 
 @dataclass(frozen=True)

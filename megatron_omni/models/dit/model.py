@@ -24,7 +24,7 @@ from megatron.core.transformer.module import MegatronModule
 from torch import nn
 
 from megatron_omni.models.dit.config import MMDiTConfig
-from megatron_omni.models.dit.embeddings import TimestepEmbedder, qwen_rope_angles, rope_rotations
+from megatron_omni.models.dit.embeddings import TimestepEmbedder, qwen_stream_rope_angles, rope_rotations
 from megatron_omni.models.dit.layer import MMDiTLayer, MMDiTLayerSubmodules
 from megatron_omni.models.dit.norms import RMSNorm
 
@@ -38,6 +38,9 @@ class DiTBatch:
     prompt_mask: [b, s_txt] bool, True = valid token, or None
     sigma: [b] noise level in [0, 1] (diffusers' `timestep / 1000`)
     grid: (frames, height, width) of the latent in patches, the same for the whole batch
+    cond_grids: the patch grids of conditioning images whose tokens follow the latent's in `latents`
+        (Qwen-Image-Edit's source images, diffusers' `img_shapes[i][1:]`); () for plain generation. The image
+        stream is then `[generated | cond 1 | ...]`, `s_img` their total, and the output covers all of it.
     """
 
     latents: torch.Tensor | None
@@ -45,6 +48,12 @@ class DiTBatch:
     prompt_mask: torch.Tensor | None
     sigma: torch.Tensor
     grid: tuple[int, int, int]
+    cond_grids: tuple[tuple[int, int, int], ...] = ()
+
+    @property
+    def grids(self) -> tuple[tuple[int, int, int], ...]:
+        """Every grid of the image stream, in stream order: the generated latent's, then the conditions'."""
+        return (tuple(self.grid), *(tuple(g) for g in self.cond_grids))
 
 
 class DiTStage(MegatronModule):
@@ -141,8 +150,9 @@ class MMDiTModel(DiTStage):
             self.proj_out = nn.Linear(h, config.patch_size**2 * config.out_channels, dtype=dtype)
 
     def forward(self, batch: DiTBatch) -> torch.Tensor:
-        f, hh, ww = batch.grid
-        s_img = f * hh * ww
+        # Under CP the whole stream (generated tokens, then any conditioning image's) splits contiguously.
+        grids = batch.grids
+        s_img = sum(f * hh * ww for f, hh, ww in grids)
         shard = self.image_shard(s_img)
         dtype = self.config.params_dtype
         temb = self.time_embedder(batch.sigma, dtype)
@@ -150,7 +160,7 @@ class MMDiTModel(DiTStage):
         if self.pre_process:
             if batch.latents.shape[1] != s_img:
                 raise ValueError(
-                    f"latents carry {batch.latents.shape[1]} tokens but grid {batch.grid} has {s_img}"
+                    f"latents carry {batch.latents.shape[1]} tokens but grids {grids} have {s_img}"
                 )
             img = self.img_in(batch.latents[:, shard].to(dtype)).transpose(0, 1)
             txt = self.txt_in(self.txt_norm(batch.prompt_embeds.to(dtype))).transpose(0, 1)
@@ -159,8 +169,8 @@ class MMDiTModel(DiTStage):
             txt, img = self.stage_input(shard.stop - shard.start)
             s_txt = txt.shape[0]
 
-        img_angles, txt_angles = qwen_rope_angles(
-            f, hh, ww, s_txt, tuple(self.config.axes_dims_rope), self.config.rope_theta
+        img_angles, txt_angles = qwen_stream_rope_angles(
+            grids, s_txt, tuple(self.config.axes_dims_rope), self.config.rope_theta
         )
         img_rope = rope_rotations(img_angles[shard].to(img.device))
         txt_rope = rope_rotations(txt_angles.to(img.device))
