@@ -14,6 +14,7 @@ from dataclasses import replace
 from model_providers.qwen_image import provider
 from model_providers.qwen_image.family import FAMILY as QWEN_IMAGE
 from model_providers.qwen_image_edit import tiny_pipeline
+from model_providers.qwen_image_edit.panels import source_output_panels
 from model_providers.registry import DiTTraits, TinyPipeline
 
 FAMILY = replace(
@@ -21,10 +22,11 @@ FAMILY = replace(
     name="qwen_image_edit",
     tiny_pipeline=TinyPipeline(make=lambda folder, seed: tiny_pipeline.make_tiny_edit_pipeline(folder, seed=seed),
                                transformer_config=provider.tiny_transformer_config),
-    # The embedded engine only: vLLM-Omni's edit pipeline has no SDE pipeline class of ours yet. True CFG and the
-    # Flash tail are the Qwen-Image engine's, which the edit engine inherits.
+    # The embedded engine only: vLLM-Omni's edit pipeline has no SDE pipeline class of ours yet. True CFG is refused
+    # (the edit pipeline encodes the negative prompt with each source); the Flash tail is the Qwen-Image engine's.
     traits=DiTTraits(pipeline_class="QwenImageEditPlusPipeline", token_channels=lambda c: int(c["in_channels"]),
-                     text_dim_key="joint_attention_dim", rollout_engines=("diffusers",), conditioned=True),
+                     text_dim_key="joint_attention_dim", rollout_engines=("diffusers",), conditioned=True,
+                     true_cfg=False, sample_panels=source_output_panels),
     diffusers_class=None,
     arch_config=None,
     mappings=None,
