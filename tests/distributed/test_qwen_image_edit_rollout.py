@@ -6,6 +6,7 @@ samples, and the trainer's Megatron model recomputes its log-probs from the Traj
 - SDE window: the Megatron model (same weights, TP 1 and TP 2 on the shared 2-rank pool) recomputes the rollout's
   log-probs to a mean |dlogp| under 1e-6 (fp32); with the sources' tokens zeroed it does not (the recompute reads
   them).
+- Conversion: the edit folder's transformer goes to a Megatron checkpoint and back bit-equal (the qwen_image family).
 """
 
 from __future__ import annotations
@@ -105,3 +106,21 @@ def test_megatron_recompute_sees_the_rollouts_sources(edit_setup, tp: int) -> No
         assert r["window"] == 2
         assert r["dlogp"] < 1e-6, r
         assert r["blind"] > 100 * max(r["dlogp"], 1e-8), r
+
+
+def test_edit_folder_converts_through_qwen_image_and_back(edit_setup, tmp_path) -> None:
+    """An edit pipeline's transformer converts like Qwen-Image's (one diffusers class, one conversion family): to a
+    Megatron checkpoint and back into a complete edit pipeline folder, every tensor bit-equal."""
+    import json
+    from pathlib import Path
+
+    from megatron_omni.checkpoint.convert import hf_to_mcore, mcore_to_hf
+    from tests.unit.test_checkpoint_convert import tensor_hashes
+
+    folder = Path(edit_setup[0])
+    hf_to_mcore(folder, tmp_path / "mcore", progress=False)
+    mcore_to_hf(tmp_path / "mcore", tmp_path / "back", pipeline_source=folder, progress=False)
+    assert tensor_hashes(tmp_path / "back" / "transformer") == tensor_hashes(folder / "transformer")
+    index = json.loads((tmp_path / "back" / "model_index.json").read_text())
+    assert index["_class_name"] == "QwenImageEditPlusPipeline" and (tmp_path / "back" / "edit_config.json").is_file()
+    assert isinstance(build_engine("diffusers", str(tmp_path / "back"), EngineSettings()), EditRolloutEngine)
