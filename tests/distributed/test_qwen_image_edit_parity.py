@@ -30,6 +30,10 @@ S_TXT = 5
 BATCH = 2
 
 
+def _config(zero_cond_t: bool) -> dict:
+    return {**provider.hf_config("tiny"), **({"zero_cond_t": True} if zero_cond_t else {})}
+
+
 def _reference_state() -> dict[str, torch.Tensor]:
     torch.manual_seed(0)
     ref = QwenImageTransformer2DModel(**provider.hf_config("tiny"))
@@ -39,8 +43,8 @@ def _reference_state() -> dict[str, torch.Tensor]:
     return ref.state_dict()
 
 
-def _reference(dtype: torch.dtype) -> QwenImageTransformer2DModel:
-    ref = QwenImageTransformer2DModel(**provider.hf_config("tiny"))
+def _reference(dtype: torch.dtype, zero_cond_t: bool = False) -> QwenImageTransformer2DModel:
+    ref = QwenImageTransformer2DModel(**_config(zero_cond_t))
     ref.load_state_dict(_reference_state())
     return ref.to(dtype)
 
@@ -70,17 +74,18 @@ def _run(model, b: dict, dtype: torch.dtype, grad: bool) -> torch.Tensor:
     return out.detach().float()
 
 
-def _edit_parity(rank: int, world_size: int, layout: ParallelLayout, n_sources: int, dtypes: tuple) -> dict:
+def _edit_parity(rank: int, world_size: int, layout: ParallelLayout, n_sources: int, dtypes: tuple,
+                 zero_cond_t: bool = False) -> dict:
     b = _batch(n_sources)
     groups = build_parallel_groups(layout)
     seed_everything(0, tp_rank=groups.tp.rank())
     result = {}
     for dtype in dtypes:
         fp32 = dtype == torch.float32
-        ref = _reference(dtype)
+        ref = _reference(dtype, zero_cond_t)
         ref_out = _run(ref, b, dtype, grad=fp32)
-        cfg = provider.transformer_config("tiny", tp=layout.tp, ulysses=layout.ulysses, ring=layout.ring,
-                                          params_dtype=dtype)
+        cfg = provider.transformer_config(_config(zero_cond_t), tp=layout.tp, ulysses=layout.ulysses,
+                                          ring=layout.ring, params_dtype=dtype)
         model = provider.build_model(cfg, groups)
         provider.load_hf_state_dict(model, {k: v.to(dtype) for k, v in _reference_state().items()})
         out = _run(DiffusersForward(model), b, dtype, grad=fp32)
@@ -105,27 +110,32 @@ def _edit_parity(rank: int, world_size: int, layout: ParallelLayout, n_sources: 
 
 
 CASES = [
-    pytest.param(ParallelLayout(), 1, (torch.float32, torch.bfloat16), id="tp1-one-source"),
-    pytest.param(ParallelLayout(tp=2), 2, (torch.float32, torch.bfloat16), id="tp2-two-sources"),
-    pytest.param(ParallelLayout(ulysses=2), 2, (torch.float32,), id="cp2-ulysses-two-sources"),
-    pytest.param(ParallelLayout(ring=2), 1, (torch.float32,), id="cp2-ring-one-source"),
+    pytest.param(ParallelLayout(), 1, (torch.float32, torch.bfloat16), False, id="tp1-one-source"),
+    pytest.param(ParallelLayout(tp=2), 2, (torch.float32, torch.bfloat16), False, id="tp2-two-sources"),
+    pytest.param(ParallelLayout(ulysses=2), 2, (torch.float32,), False, id="cp2-ulysses-two-sources"),
+    pytest.param(ParallelLayout(ring=2), 1, (torch.float32,), False, id="cp2-ring-one-source"),
+    # Qwen-Image-Edit-2511: the source tokens modulated with the timestep-0 embedding.
+    pytest.param(ParallelLayout(), 2, (torch.float32, torch.bfloat16), True, id="zero-cond-t-tp1"),
+    pytest.param(ParallelLayout(ulysses=2), 1, (torch.float32,), True, id="zero-cond-t-cp2-ulysses"),
 ]
 
 
-@pytest.mark.parametrize("layout,n_sources,dtypes", CASES)
-def test_edit_stream_parity_with_diffusers(layout: ParallelLayout, n_sources: int, dtypes: tuple) -> None:
-    results = run_ranks(_edit_parity, 2, layout, n_sources, dtypes, timeout_s=300)
+@pytest.mark.parametrize("layout,n_sources,dtypes,zero_cond_t", CASES)
+def test_edit_stream_parity_with_diffusers(layout: ParallelLayout, n_sources: int, dtypes: tuple,
+                                           zero_cond_t: bool) -> None:
+    results = run_ranks(_edit_parity, 2, layout, n_sources, dtypes, zero_cond_t, timeout_s=300)
     for dtype in dtypes:
         per_rank = [r[str(dtype)] for r in results]
         fwd = max(r["fwd"] for r in per_rank)
         if dtype == torch.float32:
             worst = max(max(r["grad"].values()) for r in per_rank)
-            print(f"edit parity {layout} sources={n_sources} fp32: forward {fwd:.2e}, worst gradient {worst:.2e}")
+            print(f"edit parity {layout} sources={n_sources} zero_cond_t={zero_cond_t} fp32: forward {fwd:.2e}, "
+                  f"worst gradient {worst:.2e}")
             assert fwd < 1e-5, fwd
             assert worst < 1e-4, {n: e for r in per_rank for n, e in r["grad"].items() if e >= 1e-4}
             assert all(len(r["grad"]) == r["n_ref"] > 0 for r in per_rank)
         else:
-            print(f"edit parity {layout} sources={n_sources} bf16: forward {fwd:.2e}")
+            print(f"edit parity {layout} sources={n_sources} zero_cond_t={zero_cond_t} bf16: forward {fwd:.2e}")
             assert fwd < 2e-2, fwd
 
 

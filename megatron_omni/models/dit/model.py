@@ -178,22 +178,30 @@ class MMDiTModel(DiTStage):
         if mask is not None:
             mask = mask.to(device=img.device, dtype=torch.bool)
 
-        img, txt = self._run_layers(img, txt, temb, img_rope, txt_rope, mask)
+        cond_temb = cond_tokens = None
+        if self.config.zero_cond_t and batch.cond_grids:
+            # diffusers' `modulate_index`: 0 on the generated tokens, 1 on the conditioning ones (this CP shard's).
+            cond_temb = self.time_embedder(torch.zeros_like(batch.sigma), dtype)
+            s_gen = grids[0][0] * grids[0][1] * grids[0][2]
+            cond_tokens = (torch.arange(s_img, device=img.device) >= s_gen)[shard]
+        img, txt = self._run_layers(img, txt, temb, img_rope, txt_rope, mask, cond_temb, cond_tokens)
 
         if not self.post_process:
             return torch.cat([txt, img], dim=0)
         out = self.proj_out(self.norm_out(img, temb))
         return out.transpose(0, 1)  # [b, s_img_local, p*p*out]
 
-    def _run_layers(self, img, txt, temb, img_rope, txt_rope, mask):
+    def _run_layers(self, img, txt, temb, img_rope, txt_rope, mask, cond_temb=None, cond_tokens=None):
         last = len(self.layers) - 1
         for i, layer in enumerate(self.layers):
             # The last stage reads only the image stream of its last block.
             run = functools.partial(layer, text_output=not (self.post_process and i == last))
+            # The zero_cond_t tensors go positionally (a checkpoint saves its positional inputs) and only when set.
+            cond = () if cond_temb is None else (cond_temb, cond_tokens)
             if self.recompute_block(i):
-                img, txt = tensor_parallel.checkpoint(run, False, img, txt, temb, img_rope, txt_rope, mask)
+                img, txt = tensor_parallel.checkpoint(run, False, img, txt, temb, img_rope, txt_rope, mask, *cond)
             else:
-                img, txt = run(img, txt, temb, img_rope, txt_rope, mask)
+                img, txt = run(img, txt, temb, img_rope, txt_rope, mask, *cond)
         return img, txt
 
 
