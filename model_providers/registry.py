@@ -95,6 +95,12 @@ class DiTTraits:
     flash_tail: the engine re-spaces the ODE tail after the window (MixGRPO-Flash, `algorithm.mixgrpo.flash_ratio`).
     text_dim_key: the transformer config key of the text states' width (what the probe batch's text has).
     token_channels: transformer config -> the channels of one packed latent token (the probe batch's latents).
+    conditioned: each sample is conditioned on source images (image editing): prompts are records with an image
+        (`model_providers.qwen_image_edit.data`), the trajectory carries the sources' latents
+        (`Trajectory.cond_latents`).
+    sample_panels: (prompts [N], images [N, 3, H, W]) -> (panels [N, 3, H', W'], caption texts [N]): what the
+        run folder's sample grids show per sample (an edit family: source | output, with the instruction);
+        None: the images with their prompts.
     """
 
     pipeline_class: str
@@ -105,6 +111,8 @@ class DiTTraits:
     rollout_engines: tuple[str, ...] = ("diffusers",)
     true_cfg: bool = True
     flash_tail: bool = True
+    conditioned: bool = False
+    sample_panels: Callable[[list[str], Any], tuple[Any, list[str]]] | None = None
 
 
 @dataclass(frozen=True)

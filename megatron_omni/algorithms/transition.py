@@ -64,6 +64,15 @@ class TransitionInputs:
     sigma_after_one: torch.Tensor
 
 
+def conditioning(traj: Trajectory, rows: torch.Tensor) -> dict:
+    """`guided_batch`'s conditioning keywords for samples `rows` of `traj`: its source-image tokens and grids
+    (an edit trajectory's `cond_latents`, `cond_shapes`), none for a trajectory without them."""
+    cond = getattr(traj, "cond_latents", None)
+    if cond is None:
+        return {}
+    return {"cond_latents": cond[rows], "cond_shapes": tuple(traj.cond_shapes)}
+
+
 def transition_inputs(traj: Trajectory, rows: torch.Tensor, j: int | torch.Tensor) -> TransitionInputs:
     """Gather window step `j` (one for all, or [B] long: one per row) of samples `rows` [B] from `traj`:
     sigmas from each sample's own grid and the guided forward's batch (conditional + negative rows, text
@@ -82,6 +91,7 @@ def transition_inputs(traj: Trajectory, rows: torch.Tensor, j: int | torch.Tenso
         guidance_scale=traj.guidance_scale[rows],
         negative_embeds=None if neg is None else neg[rows],
         negative_mask=None if neg is None else traj.negative_prompt_embeds_mask[rows],
+        **conditioning(traj, rows),
     )
     return TransitionInputs(
         batch=batch,

@@ -54,6 +54,8 @@ class GuidedBatch:
 
     latents [B + K, S, C] fp32; text [B + K, L, D]; mask [B + K, L]; sigma [B + K];
     cfg_rows [K] long (which of the B samples run CFG); guidance_scale [B] or None; img_shape (1, h, w).
+    cond_latents [B + K, S_c, C] or None: conditioning-image tokens (Qwen-Image-Edit's sources) that follow the
+    latents in the forward's image stream, on patch grids `cond_shapes`; the velocity is read from the first S.
     """
 
     latents: torch.Tensor
@@ -63,6 +65,8 @@ class GuidedBatch:
     cfg_rows: torch.Tensor
     guidance_scale: torch.Tensor | None
     img_shape: tuple[int, int, int]
+    cond_latents: torch.Tensor | None = None
+    cond_shapes: tuple[tuple[int, int, int], ...] = ()
 
     @property
     def batch(self) -> int:
@@ -71,16 +75,31 @@ class GuidedBatch:
 
     def model_inputs(self, dtype: torch.dtype) -> dict[str, torch.Tensor]:
         """The forward's tensors in the model's compute dtype: hidden_states [B + K, S, C],
-        encoder_hidden_states [B + K, L, D], encoder_hidden_states_mask [B + K, L], timestep [B + K]."""
+        encoder_hidden_states [B + K, L, D], encoder_hidden_states_mask [B + K, L], timestep [B + K]; with
+        conditioning tokens hidden_states is [B + K, S + S_c, C]."""
+        latents = self.latents if self.cond_latents is None else torch.cat([self.latents, self.cond_latents], 1)
         return dict(
-            hidden_states=self.latents.to(dtype),
+            hidden_states=latents.to(dtype),
             encoder_hidden_states=self.text.to(dtype),
             encoder_hidden_states_mask=self.mask,
             timestep=model_timesteps(self.sigma, dtype),
         )
 
+    @property
+    def img_shapes_row(self) -> list[tuple[int, int, int]]:
+        """One row of the forward's `img_shapes`: the latent's grid, then each conditioning image's."""
+        return [tuple(self.img_shape), *(tuple(g) for g in self.cond_shapes)]
+
+    @property
+    def stream_tokens(self) -> int:
+        """Image-stream tokens of one forward row: S, plus S_c with conditioning images."""
+        return self.latents.shape[1] + (0 if self.cond_latents is None else self.cond_latents.shape[1])
+
     def combine(self, v_all: torch.Tensor) -> torch.Tensor:
-        """[B + K, S, C] velocities of the forward's rows -> [B, S, C] fp32 guided velocity (true CFG)."""
+        """[B + K, S (+ S_c), C] velocities of the forward's rows -> [B, S, C] fp32 guided velocity (true CFG);
+        the conditioning tokens' outputs are dropped, as diffusers' edit pipeline drops them."""
+        if self.cond_latents is not None and v_all.shape[1] == self.stream_tokens:
+            v_all = v_all[:, : self.latents.shape[1]]
         if v_all.shape != self.latents.shape:
             raise ValueError(f"velocity model returned {tuple(v_all.shape)} for latents {tuple(self.latents.shape)}")
         v_all = v_all.float()
@@ -106,6 +125,8 @@ def guided_batch(
     guidance_scale: torch.Tensor | None = None,
     negative_embeds: torch.Tensor | None = None,
     negative_mask: torch.Tensor | None = None,
+    cond_latents: torch.Tensor | None = None,
+    cond_shapes: tuple[tuple[int, int, int], ...] = (),
 ) -> GuidedBatch:
     """Stack the conditional rows and the negative rows of the CFG samples into one forward's batch; its
     `velocity(model, dtype)` is each row's velocity with true CFG on the rows whose guidance scale is > 1.
@@ -120,12 +141,17 @@ def guided_batch(
         img_shape: (1, h, w) patch grid shared by the batch.
         guidance_scale: [B] (None: no CFG anywhere).
         negative_embeds, negative_mask: [B, Ln, D], [B, Ln]; rows without CFG are ignored.
+        cond_latents: [B, S_c, C] conditioning-image tokens (an edit's sources) on grids `cond_shapes`, or None.
     """
+    if (cond_latents is None) != (not cond_shapes):
+        raise ValueError("cond_latents and cond_shapes go together (conditioning tokens and their grids)")
+    cond_shapes = tuple(tuple(g) for g in cond_shapes)
     cfg_rows = (
         torch.nonzero(guidance_scale > 1).flatten() if guidance_scale is not None else torch.zeros(0, dtype=torch.long)
     )
     if cfg_rows.numel() == 0:
-        return GuidedBatch(latents, prompt_embeds, prompt_mask, sigma, cfg_rows, guidance_scale, tuple(img_shape))
+        return GuidedBatch(latents, prompt_embeds, prompt_mask, sigma, cfg_rows, guidance_scale, tuple(img_shape),
+                           cond_latents, cond_shapes)
     if negative_embeds is None or negative_mask is None:
         raise ValueError("guidance_scale > 1 needs negative prompt embeddings")
     length = max(prompt_embeds.shape[1], negative_embeds.shape[1])
@@ -149,12 +175,14 @@ def guided_batch(
         cfg_rows=cfg_rows,
         guidance_scale=guidance_scale,
         img_shape=tuple(img_shape),
+        cond_latents=None if cond_latents is None else torch.cat([cond_latents, cond_latents[cfg_rows]]),
+        cond_shapes=cond_shapes,
     )
 
 
 def forward_rows(model: VelocityModel, batch: GuidedBatch, dtype: torch.dtype) -> torch.Tensor:
     """One forward of `model` (diffusers' keyword interface) over the batch's B + K rows -> raw [B + K, S, C]
     velocities (combine them with `batch.combine`)."""
-    out = model(**batch.model_inputs(dtype), img_shapes=[[tuple(batch.img_shape)]] * batch.latents.shape[0],
+    out = model(**batch.model_inputs(dtype), img_shapes=[batch.img_shapes_row] * batch.latents.shape[0],
                 return_dict=False)
     return out[0] if isinstance(out, tuple | list) else out

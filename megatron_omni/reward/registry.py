@@ -2,7 +2,8 @@
 
 A spec is one of:
 - a registered name: "ocr", "vlm_ocr", "jpeg_compressibility", "jpeg_incompressibility", the VLM judges
-  "vlm_judge"/"unifiedreward" and "geneval" (vlm_scorers.py), and for videos sent as frame strips
+  "vlm_judge"/"unifiedreward" and "geneval" (vlm_scorers.py), "edit_text" (an edit's OCR + source kept,
+  edit.py), and for videos sent as frame strips
   (video.video_strip) "video_ocr", "temporal_consistency";
 - a user scorer by import path: "my_pkg.rewards:aesthetic" (see scorers.import_scorer);
 - a weighted sum: "0.8*ocr+0.2*jpeg_compressibility" (weights default to 1: "ocr+jpeg_compressibility"); a term
@@ -95,6 +96,7 @@ register_scorer("imagereward", lazy("megatron_omni.reward.imagereward:ImageRewar
 register_scorer("vlm_judge", lazy("megatron_omni.reward.vlm_scorers:VlmJudgeScorer"))
 register_scorer("unifiedreward", lazy("megatron_omni.reward.vlm_scorers:VlmJudgeScorer"))
 register_scorer("geneval", lazy("megatron_omni.reward.vlm_scorers:GenEvalScorer"))
+register_scorer("edit_text", lazy("megatron_omni.reward.edit:EditTextScorer"))
 
 
 def _accepts(factory: Callable[..., Any], name: str) -> bool:

@@ -147,6 +147,11 @@ class Trajectory:
     patch); images [N, F, 3, H, W], each sample's frames. The text is zero-padded to the pipeline's
     `max_sequence_length` (SamplingParams.text_length when set) and Wan attends to all of it: the mask marks
     the prompt's own tokens but the model does not read it, so trajectories to be concatenated must share L.
+
+    Editing (a family with `DiTTraits.conditioned`): cond_latents [N, S_c, C] fp32, the packed VAE latents of
+    each sample's source images exactly as the rollout fed them after its latents in the image stream (the
+    recompute appends the same tensors), on patch grids cond_shapes ((1, h_1, w_1), ...), shared by the
+    trajectory; None and () without sources.
     """
 
     prompts: list[str]
@@ -168,6 +173,8 @@ class Trajectory:
     sde_type: str
     final_latents: torch.Tensor | None = None
     policy_version: torch.Tensor | None = None
+    cond_latents: torch.Tensor | None = None
+    cond_shapes: tuple[tuple[int, int, int], ...] = ()
 
     def __len__(self) -> int:
         return len(self.prompts)
@@ -205,6 +212,8 @@ class Trajectory:
         for p in parts[1:]:
             if (p.img_shape, p.noise_level, p.sde_type) != (first.img_shape, first.noise_level, first.sde_type):
                 raise ValueError("trajectories of different image shapes or SDE settings cannot be concatenated")
+            if tuple(p.cond_shapes) != tuple(first.cond_shapes):
+                raise ValueError("trajectories of different source-image grids cannot be concatenated")
         out: dict[str, Any] = {}
         for f in fields(first):
             values = [getattr(p, f.name) for p in parts]

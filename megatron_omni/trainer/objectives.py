@@ -28,7 +28,7 @@ from megatron_omni.algorithms.nft import (
     optimality_probability,
     training_sigmas,
 )
-from megatron_omni.algorithms.transition import TransitionInputs, transition_inputs, transition_output
+from megatron_omni.algorithms.transition import TransitionInputs, conditioning, transition_inputs, transition_output
 from megatron_omni.algorithms.velocity import GuidedBatch, guided_batch
 from megatron_omni.rollout.base import SamplingParams, Trajectory
 from megatron_omni.trainer.config import AlgorithmConfig
@@ -152,7 +152,8 @@ def nft_inputs(traj: Trajectory, points: NftPoints, mb: MicroBatch) -> NftInputs
     batch = guided_batch(xt, sigma, traj.prompt_embeds[rows], traj.prompt_embeds_mask[rows], traj.img_shape,
                          guidance_scale=traj.guidance_scale[rows],
                          negative_embeds=None if neg is None else neg[rows],
-                         negative_mask=None if neg is None else traj.negative_prompt_embeds_mask[rows])
+                         negative_mask=None if neg is None else traj.negative_prompt_embeds_mask[rows],
+                         **conditioning(traj, rows))
     return NftInputs(batch=batch, x0=x0, xt=xt, sigma=sigma)
 
 

@@ -115,7 +115,7 @@ class PipelineStep:
              loss_fn: Callable, forward_only: bool) -> list:
         # Built once: the schedule needs their common shape before the first forward.
         prepared = [(mb, make_inputs(mb)) for mb in micro_batches]
-        shapes = {(i.batch.latents.shape[0], i.batch.text.shape[1], i.batch.latents.shape[1]) for _, i in prepared}
+        shapes = {(i.batch.latents.shape[0], i.batch.text.shape[1], i.batch.stream_tokens) for _, i in prepared}
         if len(shapes) != 1:
             raise ValueError(f"micro-batches of one schedule call must share one shape (rows, text, image "
                              f"tokens); got {sorted(shapes)}")
@@ -126,7 +126,7 @@ class PipelineStep:
             mb, inputs = next(data_iterator)
             x = inputs.batch.model_inputs(dtype)
             out = module(DiTBatch(x["hidden_states"], x["encoder_hidden_states"], x["encoder_hidden_states_mask"],
-                                  x["timestep"], tuple(inputs.batch.img_shape)))
+                                  x["timestep"], tuple(inputs.batch.img_shape), inputs.batch.cond_shapes))
             return out, partial(loss_fn, mb, inputs)
 
         return self.schedule(

@@ -244,6 +244,8 @@ def _run(cfg: JobConfig, overwrite: bool, stops: StopRequests) -> dict:
         reward_fn.progress = bar  # its postfix shows "waiting for rewards: N outstanding" while the server scores
     if loop is not None:
         loop.start(start, in_flight)
+    traits = get_family(cfg.model.family).traits
+    panels = traits.sample_panels if traits is not None else None
     for step in bar:
         try:
             result = trainer.train_step(step) if loop is None else loop.train_step(step)
@@ -255,9 +257,12 @@ def _run(cfg: JobConfig, overwrite: bool, stops: StopRequests) -> dict:
             bar.set_postfix({k: f"{result.metrics[k]:.3g}" for k in SHOWN if k in result.metrics})
             every = cfg.logging.image_every
             if step == cfg.steps - 1 or (every and step % every == 0):
-                caps = reward_captions(result.prompts, result.rewards.tolist(),
+                images, shown = result.images, result.prompts
+                if panels is not None:  # e.g. an edit family's source | output, captioned with the instruction
+                    images, shown = panels(result.prompts, result.images)
+                caps = reward_captions(shown, result.rewards.tolist(),
                                        getattr(getattr(trainer, "reward_fn", None), "terms", None))
-                save_samples(result.images, caps, run_dir / "samples" / f"step_{step:04d}.png",
+                save_samples(images, caps, run_dir / "samples" / f"step_{step:04d}.png",
                              cfg.logging.video_format)
         done = step + 1
         # The step boundary: every rank learns whether any rank was signalled, so all stop after this step.

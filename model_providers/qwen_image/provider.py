@@ -25,14 +25,17 @@ _HF_KEYS = ("patch_size", "in_channels", "out_channels", "num_layers", "attentio
 def hf_config(name_or_config: str | dict[str, Any]) -> dict[str, Any]:
     """A diffusers transformer config (only the architecture keys) from a preset name or a config dict."""
     cfg = preset(name_or_config) if isinstance(name_or_config, str) else dict(name_or_config)
-    unsupported = {k: cfg.get(k) for k in ("guidance_embeds", "zero_cond_t", "use_additional_t_cond",
-                                           "use_layer3d_rope") if cfg.get(k)}
+    unsupported = {k: cfg.get(k) for k in ("guidance_embeds", "use_additional_t_cond", "use_layer3d_rope")
+                   if cfg.get(k)}
     if unsupported:
         raise ValueError(f"Qwen-Image variant options not supported yet: {unsupported}")
     missing = [k for k in _HF_KEYS if k not in cfg]
     if missing:
         raise ValueError(f"diffusers config lacks {missing}")
-    return {k: (tuple(cfg[k]) if k == "axes_dims_rope" else cfg[k]) for k in _HF_KEYS}
+    arch = {k: (tuple(cfg[k]) if k == "axes_dims_rope" else cfg[k]) for k in _HF_KEYS}
+    if cfg.get("zero_cond_t"):  # Qwen-Image-Edit-2511 (only when set: the other configs keep their keys)
+        arch["zero_cond_t"] = True
+    return arch
 
 
 def transformer_config(
@@ -60,6 +63,7 @@ def transformer_config(
         joint_attention_dim=c["joint_attention_dim"],
         axes_dims_rope=c["axes_dims_rope"],
         qk_layernorm=True,
+        zero_cond_t=bool(c.get("zero_cond_t", False)),
     ), tp=tp, pp=pp, ulysses=ulysses, ring=ring, params_dtype=params_dtype, overrides=overrides))
 
 

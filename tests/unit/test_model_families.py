@@ -29,3 +29,17 @@ def test_sd3_family_is_a_folder():
     assert s.kind == "dit" and s.build_model is sd3_provider.build_model and s.config("tiny") == sd3_provider.hf_config(
         "tiny")
     assert {"tiny", "sd35-medium", "sd35-large"} <= set(s.presets)
+
+
+def test_qwen_image_edit_family_reuses_the_qwen_image_model() -> None:
+    """The edit family is a folder of its own that builds Qwen-Image's model: its traits say it is conditioned on
+    source images, and a built MMDiTModel still maps to qwen_image (one diffusers class, one conversion family)."""
+    from megatron_omni.models.dit.model import MMDiTModel
+    from model_providers.registry import family_of_model
+
+    edit, qwen = get_family("qwen_image_edit"), get_family("qwen_image")
+    assert edit.traits.conditioned and not qwen.traits.conditioned
+    assert edit.traits.pipeline_class == "QwenImageEditPlusPipeline"
+    assert edit.build_model is qwen.build_model and edit.megatron_module is MMDiTModel
+    assert not edit.convertible and qwen.convertible
+    assert family_of_model(MMDiTModel.__new__(MMDiTModel)).name == "qwen_image"

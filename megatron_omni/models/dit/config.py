@@ -24,6 +24,9 @@ class MMDiTConfig(TransformerConfig):
     axes_dims_rope: tuple[int, int, int] = (16, 56, 56)
     rope_theta: float = 10000.0
     timestep_channels: int = 256
+    # Qwen-Image-Edit-2511: conditioning-image tokens are modulated with the timestep-0 embedding (diffusers'
+    # `zero_cond_t`); the generated tokens and the text with the sample's timestep.
+    zero_cond_t: bool = False
     norm_eps: float = 1e-6
     # Context parallelism inside the model is (ulysses x ring); Megatron's own `context_parallel_size`
     # stays 1 because its attention would ask for TransformerEngine.

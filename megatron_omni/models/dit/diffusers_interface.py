@@ -36,9 +36,20 @@ def one_grid(img_shapes: list) -> tuple[int, int, int]:
     return tuple(next(iter(grids))[0])
 
 
+def stream_grids(img_shapes: list) -> tuple[tuple[int, int, int], ...]:
+    """The patch grids of a batch's image stream from `img_shapes` ([grid, *condition grids] per row, as
+    Qwen-Image-Edit's pipeline passes them): the generated latent's first, then each conditioning image's.
+    ValueError when the rows differ."""
+    rows = {tuple(tuple(g) for g in shapes) for shapes in img_shapes}
+    if len(rows) != 1 or not next(iter(rows)):
+        raise ValueError(f"one list of image grids per batch is supported, got {img_shapes}")
+    return next(iter(rows))
+
+
 class DiffusersForward(nn.Module):
     """`forward(hidden_states [b, s, c], encoder_hidden_states [b, l, d], encoder_hidden_states_mask [b, l],
-    timestep [b] (= sigma), img_shapes [[(f, h, w)]] * b, return_dict=False) -> ([b, s, c_out],)`."""
+    timestep [b] (= sigma), img_shapes [[(f, h, w), *condition grids]] * b, return_dict=False) -> ([b, s, c_out],)`;
+    with condition grids (Qwen-Image-Edit) `s` counts the conditioning tokens too and so does the output."""
 
     def __init__(self, model: DiTStage) -> None:
         super().__init__()
@@ -56,6 +67,7 @@ class DiffusersForward(nn.Module):
         return_dict: bool = False,
         **unused,
     ) -> tuple[torch.Tensor]:
-        grid = one_grid(img_shapes)
-        out = self.model(DiTBatch(hidden_states, encoder_hidden_states, encoder_hidden_states_mask, timestep, grid))
+        grid, *cond = stream_grids(img_shapes)
+        out = self.model(DiTBatch(hidden_states, encoder_hidden_states, encoder_hidden_states_mask, timestep, grid,
+                                  tuple(cond)))
         return (gather_image_shards(out, self.model.cp_group),)

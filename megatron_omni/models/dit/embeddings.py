@@ -61,25 +61,40 @@ def qwen_rope_angles(
     (likewise width), frames 0 .. f-1, and the text tokens continue after the image on all three axes at
     max(h//2, w//2) .. + text_len - 1. `height`/`width` are in patches.
     """
+    return qwen_stream_rope_angles(((frame, height, width),), text_len, axes_dims, theta)
+
+
+def qwen_stream_rope_angles(
+    grids: tuple[tuple[int, int, int], ...], text_len: int, axes_dims: tuple[int, int, int], theta: float = 10000.0
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotation angles of an image stream made of several grids one after another [sum f*h*w, d/2] and of the
+    text tokens [text_len, d/2] (fp32), as diffusers' `QwenEmbedRope` builds them for `img_shapes[0]`.
+
+    Grid k (the generated image first, then each conditioning image of Qwen-Image-Edit) takes frame positions
+    k .. k + f - 1 and its own centred rows and columns; the text continues at max over the grids of
+    max(h//2, w//2). One grid is plain Qwen-Image (`qwen_rope_angles`).
+    """
     d_f, d_h, d_w = axes_dims
-    frames = torch.arange(frame)
-    rows = torch.cat([torch.arange(-(height - height // 2), 0), torch.arange(height // 2)])
-    cols = torch.cat([torch.arange(-(width - width // 2), 0), torch.arange(width // 2)])
-    ang_f = torch.outer(frames, _axis_inv_freq(d_f, theta))
-    ang_h = torch.outer(rows, _axis_inv_freq(d_h, theta))
-    ang_w = torch.outer(cols, _axis_inv_freq(d_w, theta))
-    img = torch.cat(
-        [
-            ang_f[:, None, None, :].expand(frame, height, width, -1),
-            ang_h[None, :, None, :].expand(frame, height, width, -1),
-            ang_w[None, None, :, :].expand(frame, height, width, -1),
-        ],
-        dim=-1,
-    ).reshape(frame * height * width, -1)
-    start = max(height // 2, width // 2)
+    parts = []
+    for k, (frame, height, width) in enumerate(grids):
+        frames = torch.arange(k, k + frame)
+        rows = torch.cat([torch.arange(-(height - height // 2), 0), torch.arange(height // 2)])
+        cols = torch.cat([torch.arange(-(width - width // 2), 0), torch.arange(width // 2)])
+        ang_f = torch.outer(frames, _axis_inv_freq(d_f, theta))
+        ang_h = torch.outer(rows, _axis_inv_freq(d_h, theta))
+        ang_w = torch.outer(cols, _axis_inv_freq(d_w, theta))
+        parts.append(torch.cat(
+            [
+                ang_f[:, None, None, :].expand(frame, height, width, -1),
+                ang_h[None, :, None, :].expand(frame, height, width, -1),
+                ang_w[None, None, :, :].expand(frame, height, width, -1),
+            ],
+            dim=-1,
+        ).reshape(frame * height * width, -1))
+    start = max(max(h // 2, w // 2) for _, h, w in grids)
     txt_pos = torch.arange(start, start + text_len)
     txt = torch.cat([torch.outer(txt_pos, _axis_inv_freq(a, theta)) for a in axes_dims], dim=-1)
-    return img, txt
+    return torch.cat(parts), txt
 
 
 def wan_rope_angles(frames: int, height: int, width: int, axes_dims: tuple[int, int, int],

@@ -137,6 +137,8 @@ class MMDiTLayer(MegatronModule):
         img_rope: torch.Tensor,
         txt_rope: torch.Tensor,
         txt_mask: torch.Tensor | None,
+        cond_temb: torch.Tensor | None = None,
+        cond_tokens: torch.Tensor | None = None,
         text_output: bool = True,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """img [s_i, b, h] (this CP rank's shard), txt [s_t, b, h], temb [b, h]; rope [s, d/2] complex
@@ -146,9 +148,16 @@ class MMDiTLayer(MegatronModule):
         text_output=False returns (img, None): the model's last block, whose text stream nothing reads,
         skips that stream's queries (its text keys and values still feed the image queries), output
         projection and MLP (most of the block's work when prompts are longer than the image sequence).
-        Those parameters get no gradient either way."""
+        Those parameters get no gradient either way.
+
+        cond_temb [b, h] and cond_tokens [s_i] bool (`zero_cond_t`): the image tokens marked True (conditioning
+        images) are modulated with `cond_temb` (the timestep-0 embedding) instead of `temb`."""
         eps = self.config.norm_eps
-        i_shift1, i_scale1, i_gate1, i_shift2, i_scale2, i_gate2 = self.img.modulation(temb)
+        i_mods = self.img.modulation(temb)
+        if cond_temb is not None:
+            pick = cond_tokens.view(-1, 1, 1)
+            i_mods = tuple(torch.where(pick, c, m) for c, m in zip(self.img.modulation(cond_temb), i_mods))
+        i_shift1, i_scale1, i_gate1, i_shift2, i_scale2, i_gate2 = i_mods
         t_shift1, t_scale1, t_gate1, t_shift2, t_scale2, t_gate2 = self.txt.modulation(temb)
 
         img_normed = _modulate(img, i_shift1, i_scale1, eps)

@@ -24,7 +24,7 @@ from megatron.core.transformer.module import MegatronModule
 from torch import nn
 
 from megatron_omni.models.dit.config import MMDiTConfig
-from megatron_omni.models.dit.embeddings import TimestepEmbedder, qwen_rope_angles, rope_rotations
+from megatron_omni.models.dit.embeddings import TimestepEmbedder, qwen_stream_rope_angles, rope_rotations
 from megatron_omni.models.dit.layer import MMDiTLayer, MMDiTLayerSubmodules
 from megatron_omni.models.dit.norms import RMSNorm
 
@@ -38,6 +38,9 @@ class DiTBatch:
     prompt_mask: [b, s_txt] bool, True = valid token, or None
     sigma: [b] noise level in [0, 1] (diffusers' `timestep / 1000`)
     grid: (frames, height, width) of the latent in patches, the same for the whole batch
+    cond_grids: the patch grids of conditioning images whose tokens follow the latent's in `latents`
+        (Qwen-Image-Edit's source images, diffusers' `img_shapes[i][1:]`); () for plain generation. The image
+        stream is then `[generated | cond 1 | ...]`, `s_img` their total, and the output covers all of it.
     """
 
     latents: torch.Tensor | None
@@ -45,6 +48,12 @@ class DiTBatch:
     prompt_mask: torch.Tensor | None
     sigma: torch.Tensor
     grid: tuple[int, int, int]
+    cond_grids: tuple[tuple[int, int, int], ...] = ()
+
+    @property
+    def grids(self) -> tuple[tuple[int, int, int], ...]:
+        """Every grid of the image stream, in stream order: the generated latent's, then the conditions'."""
+        return (tuple(self.grid), *(tuple(g) for g in self.cond_grids))
 
 
 class DiTStage(MegatronModule):
@@ -141,8 +150,9 @@ class MMDiTModel(DiTStage):
             self.proj_out = nn.Linear(h, config.patch_size**2 * config.out_channels, dtype=dtype)
 
     def forward(self, batch: DiTBatch) -> torch.Tensor:
-        f, hh, ww = batch.grid
-        s_img = f * hh * ww
+        # Under CP the whole stream (generated tokens, then any conditioning image's) splits contiguously.
+        grids = batch.grids
+        s_img = sum(f * hh * ww for f, hh, ww in grids)
         shard = self.image_shard(s_img)
         dtype = self.config.params_dtype
         temb = self.time_embedder(batch.sigma, dtype)
@@ -150,7 +160,7 @@ class MMDiTModel(DiTStage):
         if self.pre_process:
             if batch.latents.shape[1] != s_img:
                 raise ValueError(
-                    f"latents carry {batch.latents.shape[1]} tokens but grid {batch.grid} has {s_img}"
+                    f"latents carry {batch.latents.shape[1]} tokens but grids {grids} have {s_img}"
                 )
             img = self.img_in(batch.latents[:, shard].to(dtype)).transpose(0, 1)
             txt = self.txt_in(self.txt_norm(batch.prompt_embeds.to(dtype))).transpose(0, 1)
@@ -159,8 +169,8 @@ class MMDiTModel(DiTStage):
             txt, img = self.stage_input(shard.stop - shard.start)
             s_txt = txt.shape[0]
 
-        img_angles, txt_angles = qwen_rope_angles(
-            f, hh, ww, s_txt, tuple(self.config.axes_dims_rope), self.config.rope_theta
+        img_angles, txt_angles = qwen_stream_rope_angles(
+            grids, s_txt, tuple(self.config.axes_dims_rope), self.config.rope_theta
         )
         img_rope = rope_rotations(img_angles[shard].to(img.device))
         txt_rope = rope_rotations(txt_angles.to(img.device))
@@ -168,22 +178,30 @@ class MMDiTModel(DiTStage):
         if mask is not None:
             mask = mask.to(device=img.device, dtype=torch.bool)
 
-        img, txt = self._run_layers(img, txt, temb, img_rope, txt_rope, mask)
+        cond_temb = cond_tokens = None
+        if self.config.zero_cond_t and batch.cond_grids:
+            # diffusers' `modulate_index`: 0 on the generated tokens, 1 on the conditioning ones (this CP shard's).
+            cond_temb = self.time_embedder(torch.zeros_like(batch.sigma), dtype)
+            s_gen = grids[0][0] * grids[0][1] * grids[0][2]
+            cond_tokens = (torch.arange(s_img, device=img.device) >= s_gen)[shard]
+        img, txt = self._run_layers(img, txt, temb, img_rope, txt_rope, mask, cond_temb, cond_tokens)
 
         if not self.post_process:
             return torch.cat([txt, img], dim=0)
         out = self.proj_out(self.norm_out(img, temb))
         return out.transpose(0, 1)  # [b, s_img_local, p*p*out]
 
-    def _run_layers(self, img, txt, temb, img_rope, txt_rope, mask):
+    def _run_layers(self, img, txt, temb, img_rope, txt_rope, mask, cond_temb=None, cond_tokens=None):
         last = len(self.layers) - 1
         for i, layer in enumerate(self.layers):
             # The last stage reads only the image stream of its last block.
             run = functools.partial(layer, text_output=not (self.post_process and i == last))
+            # The zero_cond_t tensors go positionally (a checkpoint saves its positional inputs) and only when set.
+            cond = () if cond_temb is None else (cond_temb, cond_tokens)
             if self.recompute_block(i):
-                img, txt = tensor_parallel.checkpoint(run, False, img, txt, temb, img_rope, txt_rope, mask)
+                img, txt = tensor_parallel.checkpoint(run, False, img, txt, temb, img_rope, txt_rope, mask, *cond)
             else:
-                img, txt = run(img, txt, temb, img_rope, txt_rope, mask)
+                img, txt = run(img, txt, temb, img_rope, txt_rope, mask, *cond)
         return img, txt
 
 

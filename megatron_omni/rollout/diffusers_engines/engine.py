@@ -75,11 +75,13 @@ class _Sample:
     rec_next: list[torch.Tensor] = field(default_factory=list)
     rec_log_probs: list[torch.Tensor] = field(default_factory=list)
     image: torch.Tensor | None = None
+    cond_latents: torch.Tensor | None = None  # [S_c, C] fp32 source-image tokens (an edit engine's)
+    cond_shapes: tuple[tuple[int, int, int], ...] = ()
 
     @property
     def batch_key(self) -> tuple:
-        """Samples that may share a forward: same patch grid and SDE type."""
-        return (self.img_shape, self.params.sde_type)
+        """Samples that may share a forward: same patch grids (sources' included) and SDE type."""
+        return (self.img_shape, self.cond_shapes, self.params.sde_type)
 
     @property
     def num_steps(self) -> int:
@@ -328,8 +330,12 @@ class DiffusersRolloutEngine:
             # rows without CFG get a placeholder that the guided batch never reads
             neg_text, neg_mask = pad_text([s.text[:1] if s.neg_text is None else s.neg_text for s in batch],
                                           length)
+        cond = {}
+        if batch[0].cond_latents is not None:
+            cond = dict(cond_latents=torch.stack([s.cond_latents for s in batch]), cond_shapes=batch[0].cond_shapes)
         v = guided_batch(latents, sigma, text, mask, batch[0].img_shape, guidance_scale=guidance,
-                         negative_embeds=neg_text, negative_mask=neg_mask).velocity(self.velocity_model, self.dtype)
+                         negative_embeds=neg_text, negative_mask=neg_mask,
+                         **cond).velocity(self.velocity_model, self.dtype)
         self.stats["forwards"] += 1
         self.stats["forward_rows"] += len(batch) + int((guidance > 1).sum())
         next_latents, rows, lp = windowed_sde_step(latents, v, sigma, sigma_next, sigma_one, levels,
@@ -496,7 +502,19 @@ class DiffusersRolloutEngine:
             noise_level=params.noise_level if params.stochastic else 0.0,
             sde_type=params.sde_type,
             final_latents=torch.stack([s.latents for s in samples]).float(),
+            **self._trajectory_conditioning(samples),
         )
+
+    @staticmethod
+    def _trajectory_conditioning(samples: list[_Sample]) -> dict[str, Any]:
+        """The samples' source-image tokens for the Trajectory (`cond_latents`, `cond_shapes`); none without."""
+        if samples[0].cond_latents is None:
+            return {}
+        if len({s.cond_shapes for s in samples}) != 1:
+            raise ValueError("the samples of one generate call must share their source images' grids, got "
+                             f"{sorted({s.cond_shapes for s in samples})}")
+        return {"cond_latents": torch.stack([s.cond_latents for s in samples]).float(),
+                "cond_shapes": samples[0].cond_shapes}
 
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> list[str]:
         """Copy diffusers-named transformer tensors (with or without the `transformer.` prefix) into the
@@ -580,11 +598,18 @@ class DiffusersRolloutEngine:
 
 def build_diffusers_engine(pipeline_dir: str | os.PathLike, settings: Any) -> DiffusersRolloutEngine:
     """The registry's builder (`rollout.engine=diffusers`): one embedded engine per rank, rollout tp 1; the Wan
-    video engine when the folder holds a `WanPipeline` (its model_index.json's class)."""
+    video engine when the folder holds a `WanPipeline`, the edit engine for a `QwenImageEditPlusPipeline` (its
+    model_index.json's class)."""
     if settings.tp != 1:
         raise ValueError(f"the diffusers engine runs at rollout tp 1 (one per rank), got tp={settings.tp}")
     index = Path(pipeline_dir) / "model_index.json"
-    if index.is_file() and json.loads(index.read_text()).get("_class_name") == "WanPipeline":
+    held = json.loads(index.read_text()).get("_class_name") if index.is_file() else None
+    if held == "QwenImageEditPlusPipeline":
+        from megatron_omni.rollout.diffusers_engines.edit import EditRolloutEngine
+
+        return EditRolloutEngine(pipeline_dir, max_batch_size=settings.max_batch_size, dtype=settings.dtype,
+                                 quantization=settings.quantization)
+    if held == "WanPipeline":
         from megatron_omni.rollout.diffusers_engines.wan import WanRolloutEngine
 
         return WanRolloutEngine(pipeline_dir, max_batch_size=settings.max_batch_size, dtype=settings.dtype,

@@ -1,0 +1,111 @@
+"""Edit data: (source image, instruction, metadata) records, read from a JSONL file with the images beside it.
+
+One record per line: `{"image": "<path>", "instruction": "<text>", "metadata": {...}}` (metadata optional, a JSON
+object: what a reward reads, e.g. the word to write). A relative image path is relative to the JSONL file's
+folder. Every record is checked when the file is read, and a bad one is refused with its line number: not JSON,
+a missing or empty field, an image path that is not a file, an image that does not decode.
+
+Through the trainer a record travels as its prompt string (`EditRecord.prompt`: canonical JSON with the image's
+absolute path), so the prompt lists, the rollout engines' `generate(prompts)`, the reward requests and the run
+folder's sample records carry it unchanged; `EditRecord.parse` reads it back where the image is needed (the
+edit engine, an edit reward).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+
+class EditDataError(ValueError):
+    """A record of an edit data file (or an edit prompt string) that cannot be used, named by where it is."""
+
+
+@dataclass(frozen=True)
+class EditRecord:
+    """One edit: the source image's absolute path, the instruction and free-form metadata."""
+
+    image: str
+    instruction: str
+    metadata: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def prompt(self) -> str:
+        """The record as the trainer's prompt string (canonical JSON; `parse` inverts it)."""
+        return json.dumps({"image": self.image, "instruction": self.instruction, "metadata": self.metadata},
+                          sort_keys=True, ensure_ascii=False, separators=(",", ":"))
+
+    @classmethod
+    def parse(cls, prompt: str) -> EditRecord:
+        """The record of a prompt string made by `prompt`; EditDataError when it is not one."""
+        return _record(prompt, "edit prompt", base=None)
+
+    def load_image(self):
+        """The source image as an RGB PIL image (EditDataError naming the file when it no longer decodes)."""
+        return _decode(Path(self.image), "edit prompt")
+
+
+def _decode(path: Path, where: str):
+    from PIL import Image, UnidentifiedImageError
+
+    if not path.is_file():
+        raise EditDataError(f"{where}: image {str(path)!r} is not a file")
+    try:
+        with Image.open(path) as im:
+            im.load()
+            return im.convert("RGB")
+    except (UnidentifiedImageError, OSError, ValueError) as exc:
+        raise EditDataError(f"{where}: image {str(path)!r} does not decode ({exc})") from None
+
+
+def _record(line: str, where: str, base: Path | None) -> EditRecord:
+    try:
+        data = json.loads(line)
+    except json.JSONDecodeError as exc:
+        raise EditDataError(f"{where}: not a JSON object ({exc.msg} at column {exc.colno})") from None
+    if not isinstance(data, dict):
+        raise EditDataError(f"{where}: not a JSON object")
+    unknown = set(data) - {"image", "instruction", "metadata"}
+    if unknown:
+        raise EditDataError(f"{where}: unknown keys {sorted(unknown)} (expected image, instruction, metadata)")
+    for key in ("image", "instruction"):
+        if not isinstance(data.get(key), str) or not data[key].strip():
+            raise EditDataError(f"{where}: {key!r} must be a non-empty string, got {data.get(key)!r}")
+    metadata = data.get("metadata", {})
+    if not isinstance(metadata, dict):
+        raise EditDataError(f"{where}: 'metadata' must be a JSON object, got {metadata!r}")
+    path = Path(data["image"])
+    if base is not None and not path.is_absolute():
+        path = base / path
+    elif not path.is_absolute():
+        raise EditDataError(f"{where}: image path {data['image']!r} must be absolute in a prompt string")
+    return EditRecord(image=str(path.resolve()), instruction=data["instruction"], metadata=metadata)
+
+
+def read_edit_records(path: str | os.PathLike, decode: bool = True) -> list[EditRecord]:
+    """The records of a JSONL file (blank lines skipped); each image is decoded once to refuse broken files
+    up front (`decode=False` only checks that it is a file). Raises EditDataError naming the file and line."""
+    p = Path(path)
+    if not p.is_file():
+        raise EditDataError(f"{str(path)!r} is not a file")
+    try:
+        text = p.read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise EditDataError(f"{str(path)!r} is not UTF-8 (byte offset {exc.start})") from None
+    records = []
+    for number, line in enumerate(text.splitlines(), start=1):
+        if not line.strip():
+            continue
+        where = f"{p}:{number}"
+        record = _record(line, where, base=p.parent)
+        if decode:
+            _decode(Path(record.image), where)
+        elif not Path(record.image).is_file():
+            raise EditDataError(f"{where}: image {record.image!r} is not a file")
+        records.append(record)
+    if not records:
+        raise EditDataError(f"{str(path)!r} has no records")
+    return records

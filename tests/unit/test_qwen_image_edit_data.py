@@ -1,0 +1,50 @@
+"""Edit data records: a JSONL file with images beside it reads into records whose prompt strings round-trip,
+and every kind of bad record is refused with the file and line number."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from PIL import Image
+
+from model_providers.qwen_image_edit.data import EditDataError, EditRecord, read_edit_records
+
+
+def _write(tmp_path, lines: list[str]):
+    Image.new("RGB", (40, 30), (10, 200, 30)).save(tmp_path / "a.png")
+    (tmp_path / "broken.png").write_bytes(b"\x89PNG not really")
+    path = tmp_path / "edits.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+GOOD = json.dumps({"image": "a.png", "instruction": "write CAT", "metadata": {"word": "CAT"}})
+
+
+def test_records_read_and_round_trip(tmp_path) -> None:
+    path = _write(tmp_path, [GOOD, "", json.dumps({"image": str(tmp_path / "a.png"), "instruction": "blur it"})])
+    first, second = read_edit_records(path)
+    assert first.image == str((tmp_path / "a.png").resolve()) and first.metadata == {"word": "CAT"}
+    assert second.metadata == {}
+    assert EditRecord.parse(first.prompt) == first
+    assert first.load_image().size == (40, 30)
+
+
+@pytest.mark.parametrize("line,message", [
+    ("{not json", "not a JSON object"),
+    (json.dumps({"image": "missing.png", "instruction": "x"}), "is not a file"),
+    (json.dumps({"image": "broken.png", "instruction": "x"}), "does not decode"),
+    (json.dumps({"image": "a.png", "instruction": " "}), "'instruction' must be a non-empty string"),
+    (json.dumps({"image": "a.png", "instruction": "x", "metadata": [1]}), "'metadata' must be a JSON object"),
+    (json.dumps({"image": "a.png", "instruction": "x", "mask": "m.png"}), "unknown keys"),
+])
+def test_bad_records_are_refused_with_their_line(tmp_path, line: str, message: str) -> None:
+    path = _write(tmp_path, [GOOD, "", line])
+    with pytest.raises(EditDataError, match=rf"edits\.jsonl:3: .*{message}"):
+        read_edit_records(path)
+
+
+def test_a_prompt_string_needs_an_absolute_image(tmp_path) -> None:
+    with pytest.raises(EditDataError, match="must be absolute"):
+        EditRecord.parse(json.dumps({"image": "a.png", "instruction": "x"}))
