@@ -1,8 +1,9 @@
 """Write a complete, tiny pipeline folder offline, deterministically from a seed: Qwen-Image (default) or the
-Wan text-to-video pipeline (`--family wan`).
+Wan text-to-video pipeline (`--family wan`) or the SD3.5 pipeline (`--family sd3`).
 
     python tools/make_tiny_pipeline.py --out /tmp/tiny-qwen-image --seed 0 [--preset small]
     python tools/make_tiny_pipeline.py --family wan --out /tmp/tiny-wan --seed 0
+    python tools/make_tiny_pipeline.py --family sd3 --out /tmp/tiny-sd3 --seed 0
 
 The builders live in `model_providers/<family>/tiny_pipeline.py` (the trainer uses them for `model.pipeline=tiny`);
 this is their command line.
@@ -26,19 +27,20 @@ from model_providers.qwen_image.tiny_pipeline import (  # noqa: E402,F401  (re-e
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--family", choices=("qwen_image", "wan"), default="qwen_image")
+    parser.add_argument("--family", choices=("qwen_image", "wan", "sd3"), default="qwen_image")
     parser.add_argument("--out", required=True, help="destination folder")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--preset", choices=("tiny", "small"), default="tiny",
-                        help="transformer size (Qwen-Image; the Wan pipeline is always tiny)")
+                        help="transformer size (Qwen-Image; the Wan and SD3 pipelines are always tiny)")
     parser.add_argument("--overwrite", action="store_true")
     args = parser.parse_args()
-    if args.family == "wan":
-        from model_providers.wan.tiny_pipeline import make_tiny_pipeline as make_wan
+    if args.family in ("wan", "sd3"):
+        from importlib import import_module
 
         if args.preset != "tiny":
-            parser.error("--preset small is a Qwen-Image size; the Wan pipeline is tiny")
-        path = make_wan(args.out, seed=args.seed, overwrite=args.overwrite)
+            parser.error(f"--preset small is a Qwen-Image size; the {args.family} pipeline is tiny")
+        make = import_module(f"model_providers.{args.family}.tiny_pipeline").make_tiny_pipeline
+        path = make(args.out, seed=args.seed, overwrite=args.overwrite)
     else:
         cfg = TinyPipelineConfig(transformer=SMALL_TRANSFORMER) if args.preset == "small" else TinyPipelineConfig()
         path = make_tiny_pipeline(args.out, seed=args.seed, config=cfg, overwrite=args.overwrite)
