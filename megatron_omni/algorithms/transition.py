@@ -34,6 +34,7 @@ class Trajectory(Protocol):
     img_shape: tuple[int, int, int]
     noise_level: float
     sde_type: str
+    # pooled_embeds / negative_pooled_embeds [N, P] and cfg_rescale are read when present (SD3.5's rollouts)
 
     @property
     def step_indices(self) -> torch.Tensor: ...  # [N, W] grid index of each window step
@@ -64,6 +65,10 @@ class TransitionInputs:
     sigma_after_one: torch.Tensor
 
 
+def _rows(t: torch.Tensor | None, rows: torch.Tensor) -> torch.Tensor | None:
+    return None if t is None else t[rows]
+
+
 def transition_inputs(traj: Trajectory, rows: torch.Tensor, j: int | torch.Tensor) -> TransitionInputs:
     """Gather window step `j` (one for all, or [B] long: one per row) of samples `rows` [B] from `traj`:
     sigmas from each sample's own grid and the guided forward's batch (conditional + negative rows, text
@@ -82,6 +87,9 @@ def transition_inputs(traj: Trajectory, rows: torch.Tensor, j: int | torch.Tenso
         guidance_scale=traj.guidance_scale[rows],
         negative_embeds=None if neg is None else neg[rows],
         negative_mask=None if neg is None else traj.negative_prompt_embeds_mask[rows],
+        pooled=_rows(getattr(traj, "pooled_embeds", None), rows),
+        negative_pooled=_rows(getattr(traj, "negative_pooled_embeds", None), rows),
+        cfg_rescale=getattr(traj, "cfg_rescale", True),
     )
     return TransitionInputs(
         batch=batch,

@@ -53,7 +53,9 @@ class GuidedBatch:
     negative-prompt row per CFG sample (K of them), text padded to a common length L.
 
     latents [B + K, S, C] fp32; text [B + K, L, D]; mask [B + K, L]; sigma [B + K];
-    cfg_rows [K] long (which of the B samples run CFG); guidance_scale [B] or None; img_shape (1, h, w).
+    cfg_rows [K] long (which of the B samples run CFG); guidance_scale [B] or None; img_shape (1, h, w);
+    pooled [B + K, P] pooled text embeddings of a family conditioned on them (SD3.5), or None; cfg_rescale: true
+    CFG rescales per token (Qwen-Image) or not (SD3.5, plain guidance).
     """
 
     latents: torch.Tensor
@@ -63,6 +65,8 @@ class GuidedBatch:
     cfg_rows: torch.Tensor
     guidance_scale: torch.Tensor | None
     img_shape: tuple[int, int, int]
+    pooled: torch.Tensor | None = None
+    cfg_rescale: bool = True
 
     @property
     def batch(self) -> int:
@@ -71,13 +75,17 @@ class GuidedBatch:
 
     def model_inputs(self, dtype: torch.dtype) -> dict[str, torch.Tensor]:
         """The forward's tensors in the model's compute dtype: hidden_states [B + K, S, C],
-        encoder_hidden_states [B + K, L, D], encoder_hidden_states_mask [B + K, L], timestep [B + K]."""
-        return dict(
+        encoder_hidden_states [B + K, L, D], encoder_hidden_states_mask [B + K, L], timestep [B + K] (and
+        pooled_projections [B + K, P] when the batch has pooled embeddings)."""
+        out = dict(
             hidden_states=self.latents.to(dtype),
             encoder_hidden_states=self.text.to(dtype),
             encoder_hidden_states_mask=self.mask,
             timestep=model_timesteps(self.sigma, dtype),
         )
+        if self.pooled is not None:
+            out["pooled_projections"] = self.pooled.to(dtype)
+        return out
 
     def combine(self, v_all: torch.Tensor) -> torch.Tensor:
         """[B + K, S, C] velocities of the forward's rows -> [B, S, C] fp32 guided velocity (true CFG)."""
@@ -88,7 +96,8 @@ class GuidedBatch:
         if self.cfg_rows.numel() == 0:
             return v_all
         v = v_all[:b].clone()
-        v[self.cfg_rows] = true_cfg(v_all[self.cfg_rows], v_all[b:], self.guidance_scale[self.cfg_rows])
+        v[self.cfg_rows] = true_cfg(v_all[self.cfg_rows], v_all[b:], self.guidance_scale[self.cfg_rows],
+                                    rescale=self.cfg_rescale)
         return v
 
     def velocity(self, model: VelocityModel, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -106,6 +115,9 @@ def guided_batch(
     guidance_scale: torch.Tensor | None = None,
     negative_embeds: torch.Tensor | None = None,
     negative_mask: torch.Tensor | None = None,
+    pooled: torch.Tensor | None = None,
+    negative_pooled: torch.Tensor | None = None,
+    cfg_rescale: bool = True,
 ) -> GuidedBatch:
     """Stack the conditional rows and the negative rows of the CFG samples into one forward's batch; its
     `velocity(model, dtype)` is each row's velocity with true CFG on the rows whose guidance scale is > 1.
@@ -120,14 +132,20 @@ def guided_batch(
         img_shape: (1, h, w) patch grid shared by the batch.
         guidance_scale: [B] (None: no CFG anywhere).
         negative_embeds, negative_mask: [B, Ln, D], [B, Ln]; rows without CFG are ignored.
+        pooled, negative_pooled: [B, P] pooled text embeddings of the prompts and negative prompts (a family
+            conditioned on them; None otherwise).
+        cfg_rescale: true CFG's per-token rescale (False: plain guidance).
     """
     cfg_rows = (
         torch.nonzero(guidance_scale > 1).flatten() if guidance_scale is not None else torch.zeros(0, dtype=torch.long)
     )
     if cfg_rows.numel() == 0:
-        return GuidedBatch(latents, prompt_embeds, prompt_mask, sigma, cfg_rows, guidance_scale, tuple(img_shape))
+        return GuidedBatch(latents, prompt_embeds, prompt_mask, sigma, cfg_rows, guidance_scale, tuple(img_shape),
+                           pooled, cfg_rescale)
     if negative_embeds is None or negative_mask is None:
         raise ValueError("guidance_scale > 1 needs negative prompt embeddings")
+    if (pooled is None) != (negative_pooled is None):
+        raise ValueError("pooled embeddings need their negative prompt's pooled embeddings for true CFG")
     length = max(prompt_embeds.shape[1], negative_embeds.shape[1])
 
     def _pad(t: torch.Tensor, m: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -149,6 +167,8 @@ def guided_batch(
         cfg_rows=cfg_rows,
         guidance_scale=guidance_scale,
         img_shape=tuple(img_shape),
+        pooled=None if pooled is None else torch.cat([pooled, negative_pooled[cfg_rows]]),
+        cfg_rescale=cfg_rescale,
     )
 
 

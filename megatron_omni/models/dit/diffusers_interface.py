@@ -38,7 +38,8 @@ def one_grid(img_shapes: list) -> tuple[int, int, int]:
 
 class DiffusersForward(nn.Module):
     """`forward(hidden_states [b, s, c], encoder_hidden_states [b, l, d], encoder_hidden_states_mask [b, l],
-    timestep [b] (= sigma), img_shapes [[(f, h, w)]] * b, return_dict=False) -> ([b, s, c_out],)`."""
+    timestep [b] (= sigma), img_shapes [[(f, h, w)]] * b, return_dict=False, pooled_projections [b, p] or None)
+    -> ([b, s, c_out],)`."""
 
     def __init__(self, model: DiTStage) -> None:
         super().__init__()
@@ -54,8 +55,10 @@ class DiffusersForward(nn.Module):
         timestep: torch.Tensor,
         img_shapes: list,
         return_dict: bool = False,
+        pooled_projections: torch.Tensor | None = None,
         **unused,
     ) -> tuple[torch.Tensor]:
         grid = one_grid(img_shapes)
-        out = self.model(DiTBatch(hidden_states, encoder_hidden_states, encoder_hidden_states_mask, timestep, grid))
+        out = self.model(DiTBatch(hidden_states, encoder_hidden_states, encoder_hidden_states_mask, timestep, grid,
+                                  pooled_projections))
         return (gather_image_shards(out, self.model.cp_group),)

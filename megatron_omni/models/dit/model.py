@@ -38,6 +38,7 @@ class DiTBatch:
     prompt_mask: [b, s_txt] bool, True = valid token, or None
     sigma: [b] noise level in [0, 1] (diffusers' `timestep / 1000`)
     grid: (frames, height, width) of the latent in patches, the same for the whole batch
+    pooled: [b, pooled_dim] pooled text embeddings of a family conditioned on them (SD3.5), or None
     """
 
     latents: torch.Tensor | None
@@ -45,6 +46,7 @@ class DiTBatch:
     prompt_mask: torch.Tensor | None
     sigma: torch.Tensor
     grid: tuple[int, int, int]
+    pooled: torch.Tensor | None = None
 
 
 class DiTStage(MegatronModule):
