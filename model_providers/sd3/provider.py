@@ -76,16 +76,22 @@ def rollout_layout(kind: str) -> SameNameLayout:
     raise KeyError(f"the sd3 family has no rollout layout for engine {kind!r} (only 'diffusers' so far)")
 
 
+def _synced(mappings: list) -> list:
+    # The sincos table is a constant both sides compute from the config (a buffer, not a parameter): never synced.
+    return [m for m in mappings if m.megatron != "patch_embed.pos_embed"]
+
+
 def weight_parts(name_or_config: str | dict[str, Any]) -> dict[str, WeightPart]:
     """The one part the bridge syncs ("transformer"): mappings, full shapes and the rollout engines' layouts."""
     c = hf_config(name_or_config)
-    return {"transformer": WeightPart(config_mappings(c), megatron_shapes(c), c["num_attention_heads"],
+    return {"transformer": WeightPart(_synced(config_mappings(c)), megatron_shapes(c), c["num_attention_heads"],
                                       c["num_layers"], rollout_layout)}
 
 
 def megatron_sources(model: SD3Model) -> dict[str, dict[str, torch.Tensor]]:
     """{"transformer": this rank's Megatron tensors (local tp shards, the parameters' storage) by global name}."""
-    return {"transformer": shards.megatron_tensors(model, config_mappings(model.config))}
+    tensors = shards.megatron_tensors(model, config_mappings(model.config))
+    return {"transformer": {m.megatron: tensors[m.megatron] for m in _synced(config_mappings(model.config))}}
 
 
 def tiny_transformer_config() -> dict[str, Any]:
