@@ -97,6 +97,7 @@ class DiTTraits:
     token_channels: transformer config -> the channels of one packed latent token (the probe batch's latents).
     pooled_dim_key: the transformer config key of the pooled text embedding's width, for a family conditioned on
         one (SD3.5's pooled CLIP embeddings, carried in the trajectory); None: no pooled embedding.
+    planned: the dry-run planner has a cost model (memory, FLOPs) for the family; False: `--dry-run` refuses it.
     """
 
     pipeline_class: str
@@ -108,6 +109,7 @@ class DiTTraits:
     true_cfg: bool = True
     flash_tail: bool = True
     pooled_dim_key: str | None = None
+    planned: bool = True
 
 
 @dataclass(frozen=True)
