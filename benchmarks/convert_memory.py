@@ -1,5 +1,6 @@
 """Peak memory of checkpoint conversion versus checkpoint size: a synthetic Qwen-Image transformer of at
-least 2 GB (a shape between `small` and `20b`, written on the fly) converted diffusers -> Megatron ->
+least 2 GB (a shape between `small` and `20b`, written on the fly; `--family sd3`: an SD3.5-Medium-width
+transformer with dual attention in its first half of the blocks) converted diffusers -> Megatron ->
 diffusers by our streaming converter, and by the plain approach (load every tensor, then save) as the
 reference, each conversion in a fresh process so its peak RSS is its own.
 
@@ -7,12 +8,14 @@ Prints, per direction, the median over runs of wall time, GB/s and peak RSS (and
 process's RSS after imports), then last the ratio peak-RSS / checkpoint-size of our converter (the worse
 direction; target < 0.5).
 
-Usage: python benchmarks/convert_memory.py [--gb 2.0] [--runs 3] [--no-reference] [--workdir DIR]
+Usage: python benchmarks/convert_memory.py [--family qwen_image|sd3] [--gb 2.0] [--runs 3] [--no-reference]
+    [--workdir DIR]
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import multiprocessing as mp
 import resource
 import shutil
@@ -26,16 +29,30 @@ BASE = dict(patch_size=2, in_channels=64, out_channels=16, attention_head_dim=12
             joint_attention_dim=3584, axes_dims_rope=(16, 56, 56))
 
 
-def _config_for(gb: float) -> dict:
-    from model_providers.qwen_image import provider
+# SD3.5-Medium's width (24 heads x 64) and text/pooled widths; dual attention in the first half of the blocks.
+SD3_BASE = dict(sample_size=128, patch_size=2, in_channels=16, out_channels=16, attention_head_dim=64,
+                num_attention_heads=24, joint_attention_dim=4096, caption_projection_dim=1536,
+                pooled_projection_dim=2048, pos_embed_max_size=384, qk_norm="rms_norm")
+CLASSES = {"qwen_image": "QwenImageTransformer2DModel", "sd3": "SD3Transformer2DModel"}
 
-    layers = 1
-    while provider.parameter_count(dict(BASE, num_layers=layers)) * 2 < gb * 1e9:
-        layers += 1
+
+def _shape(family: str, layers: int) -> dict:
+    if family == "sd3":
+        return dict(SD3_BASE, num_layers=layers, dual_attention_layers=tuple(range(layers // 2)))
     return dict(BASE, num_layers=layers)
 
 
-def write_synthetic(folder: Path, config: dict) -> int:
+def _config_for(gb: float, family: str = "qwen_image") -> dict:
+    from model_providers import get_family
+
+    shapes = get_family(family).megatron_shapes
+    layers = 1
+    while sum(math.prod(s) for s in shapes(_shape(family, layers)).values()) * 2 < gb * 1e9:
+        layers += 1
+    return _shape(family, layers)
+
+
+def write_synthetic(folder: Path, config: dict, family: str = "qwen_image") -> int:
     """A diffusers transformer folder of random bf16 weights, written one tensor at a time."""
     import json
 
@@ -43,16 +60,17 @@ def write_synthetic(folder: Path, config: dict) -> int:
     from tqdm import tqdm
 
     from megatron_omni.checkpoint.safetensors_io import PlannedTensor, ShardedSafetensorsWriter
-    from model_providers.qwen_image import mapping, provider
+    from model_providers import get_family
 
-    shapes = provider.megatron_shapes(config)
+    fam = get_family(family)
+    shapes = fam.megatron_shapes(config)
     plan = []
-    for m in mapping.all_mappings(config["num_layers"]):
+    for m in fam.mappings_for(config):
         s = shapes[m.megatron]
         for name in m.hf:
             plan.append(PlannedTensor(name, torch.bfloat16, (s[0] // 3, *s[1:]) if m.kind == "fuse_qkv" else s))
     folder.mkdir(parents=True)
-    cfg = dict(config, _class_name="QwenImageTransformer2DModel", _diffusers_version="0.40.0")
+    cfg = dict(config, _class_name=CLASSES[family], _diffusers_version="0.40.0")
     (folder / "config.json").write_text(json.dumps(cfg, indent=2))
     writer = ShardedSafetensorsWriter(folder, plan, max_shard_bytes=10 * 10**9)  # diffusers' default
     g = torch.Generator().manual_seed(0)
@@ -151,6 +169,7 @@ def run(kind: str, src: Path, dst: Path) -> tuple[float, int, int]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--family", choices=sorted(CLASSES), default="qwen_image")
     ap.add_argument("--gb", type=float, default=2.0, help="minimum checkpoint size in GB (1e9 bytes)")
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--no-reference", action="store_true", help="skip the load-everything reference")
@@ -159,9 +178,13 @@ def main() -> None:
 
     work = Path(tempfile.mkdtemp(prefix="convert-bench-", dir=args.workdir))
     try:
-        config = _config_for(args.gb)
-        size = write_synthetic(work / "hf", config)
-        print(f"checkpoint: {config['num_layers']} blocks, width {12 * 128}, bf16, {size / 1e9:.2f} GB")
+        config = _config_for(args.gb, args.family)
+        size = write_synthetic(work / "hf", config, args.family)
+        width = config["num_attention_heads"] * config["attention_head_dim"]
+        print(f"checkpoint: {args.family}, {config['num_layers']} blocks, width {width}, bf16, {size / 1e9:.2f} GB")
+        if args.family != "qwen_image" and not args.no_reference:
+            print("the load-everything reference is Qwen-Image's: --family sd3 measures ours only")
+            args.no_reference = True
         kinds = ["ours:hf-to-mcore", "ours:mcore-to-hf"]
         if not args.no_reference:
             kinds += ["reference:hf-to-mcore", "reference:mcore-to-hf"]

@@ -101,6 +101,9 @@ class DiTTraits:
     sample_panels: (prompts [N], images [N, 3, H, W]) -> (panels [N, 3, H', W'], caption texts [N]): what the
         run folder's sample grids show per sample (an edit family: source | output, with the instruction);
         None: the images with their prompts.
+    pooled_dim_key: the transformer config key of the pooled text embedding's width, for a family conditioned on
+        one (SD3.5's pooled CLIP embeddings, carried in the trajectory); None: no pooled embedding.
+    planned: the dry-run planner has a cost model (memory, FLOPs) for the family; False: `--dry-run` refuses it.
     """
 
     pipeline_class: str
@@ -113,6 +116,8 @@ class DiTTraits:
     flash_tail: bool = True
     conditioned: bool = False
     sample_panels: Callable[[list[str], Any], tuple[Any, list[str]]] | None = None
+    pooled_dim_key: str | None = None
+    planned: bool = True
 
 
 @dataclass(frozen=True)
@@ -157,7 +162,11 @@ class ModelFamily:
         which family it holds).
     arch_config: a full diffusers transformer config (or a preset name) -> its architecture keys (with
         `num_layers` and `num_attention_heads`); raises KeyError/ValueError on a config the family cannot hold.
-    mappings: num_layers -> the diffusers <-> Megatron name mappings (`ParamMapping`s: megatron, hf, kind).
+    mappings: num_layers -> the diffusers <-> Megatron name mappings (`ParamMapping`s: megatron, hf, kind), for a
+        family whose tensors follow from the block count alone.
+    config_mappings: a model config (a diffusers config dict or the Megatron config `megatron_config` builds) ->
+        the mappings, for a family whose blocks differ by more than their count (SD3.5-M's dual-attention
+        blocks); set instead of `mappings`. Callers use `mappings_for(config)`, which takes either.
     hf_to_megatron: (mapping, [diffusers tensors], num_heads) -> the full Megatron tensor.
     megatron_to_hf: (mapping, full Megatron tensor, num_heads, views=False) -> the diffusers tensors, in `mapping.hf`
         order; `views=True`: views of the Megatron tensor whose leading dims flattened are each diffusers tensor's
@@ -183,14 +192,25 @@ class ModelFamily:
     diffusers_class: str | None = None
     arch_config: Callable[[Any], dict[str, Any]] | None = None
     mappings: Callable[[int], list[Any]] | None = None
+    config_mappings: Callable[[Any], list[Any]] | None = None
     hf_to_megatron: Callable[..., Any] | None = None
     megatron_to_hf: Callable[..., Any] | None = None
 
     @property
     def convertible(self) -> bool:
         """Whether the family converts between a diffusers transformer folder and Megatron checkpoints."""
-        return None not in (self.diffusers_class, self.arch_config, self.mappings, self.hf_to_megatron,
-                            self.megatron_to_hf)
+        return None not in (self.diffusers_class, self.arch_config, self.hf_to_megatron, self.megatron_to_hf) and (
+            self.mappings is not None or self.config_mappings is not None)
+
+    def mappings_for(self, config: Any) -> list[Any]:
+        """The diffusers <-> Megatron mappings of a model: `config` is its diffusers config (dict) or the Megatron
+        config its model was built with (anything with `num_layers`). `config_mappings` when the family declares
+        it, else `mappings` of the block count."""
+        if self.config_mappings is not None:
+            return self.config_mappings(config)
+        if self.mappings is None:
+            raise ValueError(f"model family {self.name!r} declares no diffusers <-> Megatron mappings")
+        return self.mappings(self.num_layers(config) if isinstance(config, dict) else int(config.num_layers))
 
     def _arch(self, config: dict[str, Any]) -> dict[str, Any]:
         if self.arch_config is None:

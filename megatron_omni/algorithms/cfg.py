@@ -9,13 +9,16 @@ from __future__ import annotations
 import torch
 
 
-def true_cfg(v_pos: torch.Tensor, v_neg: torch.Tensor, guidance_scale: float | torch.Tensor) -> torch.Tensor:
-    """Classifier-free guidance with per-token norm rescale.
+def true_cfg(v_pos: torch.Tensor, v_neg: torch.Tensor, guidance_scale: float | torch.Tensor,
+             rescale: bool = True) -> torch.Tensor:
+    """Classifier-free guidance with per-token norm rescale (`rescale=False`: the plain guided velocity
+    `v_neg + g (v_pos - v_neg)`, as `StableDiffusion3Pipeline` and flow_grpo's SD3 sampler guide).
 
     Args:
         v_pos: [B, L, C] velocity with the prompt.
         v_neg: [B, L, C] velocity with the negative prompt.
         guidance_scale: g, a scalar or [B].
+        rescale: rescale each token to the conditional velocity's norm (Qwen-Image).
 
     Returns:
         [B, L, C] float32 guided velocity.
@@ -30,6 +33,8 @@ def true_cfg(v_pos: torch.Tensor, v_neg: torch.Tensor, guidance_scale: float | t
             raise ValueError(f"guidance_scale has {g.numel()} values for a batch of {pos.shape[0]}")
         g = g.view(-1, *([1] * (pos.ndim - 1)))
     comb = neg + g * (pos - neg)
+    if not rescale:
+        return comb
     cond_norm = torch.norm(pos, dim=-1, keepdim=True)
     comb_norm = torch.norm(comb, dim=-1, keepdim=True)
     return comb * (cond_norm / comb_norm)

@@ -34,6 +34,7 @@ class Trajectory(Protocol):
     img_shape: tuple[int, int, int]
     noise_level: float
     sde_type: str
+    # pooled_embeds / negative_pooled_embeds [N, P] and cfg_rescale are read when present (SD3.5's rollouts)
 
     @property
     def step_indices(self) -> torch.Tensor: ...  # [N, W] grid index of each window step
@@ -73,6 +74,10 @@ def conditioning(traj: Trajectory, rows: torch.Tensor) -> dict:
     return {"cond_latents": cond[rows], "cond_shapes": tuple(traj.cond_shapes)}
 
 
+def _rows(t: torch.Tensor | None, rows: torch.Tensor) -> torch.Tensor | None:
+    return None if t is None else t[rows]
+
+
 def transition_inputs(traj: Trajectory, rows: torch.Tensor, j: int | torch.Tensor) -> TransitionInputs:
     """Gather window step `j` (one for all, or [B] long: one per row) of samples `rows` [B] from `traj`:
     sigmas from each sample's own grid and the guided forward's batch (conditional + negative rows, text
@@ -92,6 +97,9 @@ def transition_inputs(traj: Trajectory, rows: torch.Tensor, j: int | torch.Tenso
         negative_embeds=None if neg is None else neg[rows],
         negative_mask=None if neg is None else traj.negative_prompt_embeds_mask[rows],
         **conditioning(traj, rows),
+        pooled=_rows(getattr(traj, "pooled_embeds", None), rows),
+        negative_pooled=_rows(getattr(traj, "negative_pooled_embeds", None), rows),
+        cfg_rescale=getattr(traj, "cfg_rescale", True),
     )
     return TransitionInputs(
         batch=batch,

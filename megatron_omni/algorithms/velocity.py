@@ -56,6 +56,8 @@ class GuidedBatch:
     cfg_rows [K] long (which of the B samples run CFG); guidance_scale [B] or None; img_shape (1, h, w).
     cond_latents [B + K, S_c, C] or None: conditioning-image tokens (Qwen-Image-Edit's sources) that follow the
     latents in the forward's image stream, on patch grids `cond_shapes`; the velocity is read from the first S.
+    pooled [B + K, P] pooled text embeddings of a family conditioned on them (SD3.5), or None; cfg_rescale: true
+    CFG rescales per token (Qwen-Image) or not (SD3.5, plain guidance).
     """
 
     latents: torch.Tensor
@@ -67,6 +69,8 @@ class GuidedBatch:
     img_shape: tuple[int, int, int]
     cond_latents: torch.Tensor | None = None
     cond_shapes: tuple[tuple[int, int, int], ...] = ()
+    pooled: torch.Tensor | None = None
+    cfg_rescale: bool = True
 
     @property
     def batch(self) -> int:
@@ -75,15 +79,19 @@ class GuidedBatch:
 
     def model_inputs(self, dtype: torch.dtype) -> dict[str, torch.Tensor]:
         """The forward's tensors in the model's compute dtype: hidden_states [B + K, S, C],
-        encoder_hidden_states [B + K, L, D], encoder_hidden_states_mask [B + K, L], timestep [B + K]; with
-        conditioning tokens hidden_states is [B + K, S + S_c, C]."""
+        encoder_hidden_states [B + K, L, D], encoder_hidden_states_mask [B + K, L], timestep [B + K] (and
+        pooled_projections [B + K, P] when the batch has pooled embeddings); with conditioning tokens
+        hidden_states is [B + K, S + S_c, C]."""
         latents = self.latents if self.cond_latents is None else torch.cat([self.latents, self.cond_latents], 1)
-        return dict(
+        out = dict(
             hidden_states=latents.to(dtype),
             encoder_hidden_states=self.text.to(dtype),
             encoder_hidden_states_mask=self.mask,
             timestep=model_timesteps(self.sigma, dtype),
         )
+        if self.pooled is not None:
+            out["pooled_projections"] = self.pooled.to(dtype)
+        return out
 
     @property
     def img_shapes_row(self) -> list[tuple[int, int, int]]:
@@ -107,7 +115,8 @@ class GuidedBatch:
         if self.cfg_rows.numel() == 0:
             return v_all
         v = v_all[:b].clone()
-        v[self.cfg_rows] = true_cfg(v_all[self.cfg_rows], v_all[b:], self.guidance_scale[self.cfg_rows])
+        v[self.cfg_rows] = true_cfg(v_all[self.cfg_rows], v_all[b:], self.guidance_scale[self.cfg_rows],
+                                    rescale=self.cfg_rescale)
         return v
 
     def velocity(self, model: VelocityModel, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -127,6 +136,9 @@ def guided_batch(
     negative_mask: torch.Tensor | None = None,
     cond_latents: torch.Tensor | None = None,
     cond_shapes: tuple[tuple[int, int, int], ...] = (),
+    pooled: torch.Tensor | None = None,
+    negative_pooled: torch.Tensor | None = None,
+    cfg_rescale: bool = True,
 ) -> GuidedBatch:
     """Stack the conditional rows and the negative rows of the CFG samples into one forward's batch; its
     `velocity(model, dtype)` is each row's velocity with true CFG on the rows whose guidance scale is > 1.
@@ -142,6 +154,9 @@ def guided_batch(
         guidance_scale: [B] (None: no CFG anywhere).
         negative_embeds, negative_mask: [B, Ln, D], [B, Ln]; rows without CFG are ignored.
         cond_latents: [B, S_c, C] conditioning-image tokens (an edit's sources) on grids `cond_shapes`, or None.
+        pooled, negative_pooled: [B, P] pooled text embeddings of the prompts and negative prompts (a family
+            conditioned on them; None otherwise).
+        cfg_rescale: true CFG's per-token rescale (False: plain guidance).
     """
     if (cond_latents is None) != (not cond_shapes):
         raise ValueError("cond_latents and cond_shapes go together (conditioning tokens and their grids)")
@@ -151,9 +166,11 @@ def guided_batch(
     )
     if cfg_rows.numel() == 0:
         return GuidedBatch(latents, prompt_embeds, prompt_mask, sigma, cfg_rows, guidance_scale, tuple(img_shape),
-                           cond_latents, cond_shapes)
+                           cond_latents, cond_shapes, pooled, cfg_rescale)
     if negative_embeds is None or negative_mask is None:
         raise ValueError("guidance_scale > 1 needs negative prompt embeddings")
+    if (pooled is None) != (negative_pooled is None):
+        raise ValueError("pooled embeddings need their negative prompt's pooled embeddings for true CFG")
     length = max(prompt_embeds.shape[1], negative_embeds.shape[1])
 
     def _pad(t: torch.Tensor, m: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -177,6 +194,8 @@ def guided_batch(
         img_shape=tuple(img_shape),
         cond_latents=None if cond_latents is None else torch.cat([cond_latents, cond_latents[cfg_rows]]),
         cond_shapes=cond_shapes,
+        pooled=None if pooled is None else torch.cat([pooled, negative_pooled[cfg_rows]]),
+        cfg_rescale=cfg_rescale,
     )
 
 

@@ -120,7 +120,7 @@ class LoRAAdapterSync:
         self.model, self.engine = model, engine
         self.adapters = {global_name(n): a for n, a in adapters(model).items()}  # this stage's, found once
         self.num_heads = family.num_heads(hf_config)
-        self.mappings = family.mappings(family.num_layers(hf_config))
+        self.mappings = family.mappings_for(hf_config)
         self.megatron_to_hf = family.megatron_to_hf
         self.modules = sorted({t.module for t in lora_targets(self.mappings, linears)})
         self._module_set = frozenset(self.modules)

@@ -108,7 +108,7 @@ def hf_to_mcore(
     src = resolve_diffusers_folder(source)
     fam, cfg = src.family, src.config
     weights = SafetensorsFolder(src.transformer_dir)
-    mappings = fam.mappings(fam.num_layers(cfg))
+    mappings = fam.mappings_for(cfg)
     shapes = fam.megatron_shapes(cfg)
     heads = fam.num_heads(cfg)
 
@@ -213,7 +213,7 @@ def mcore_to_hf(
     require_dist_checkpoint(ckpt)
     manifest.verify(Path(ckpt))  # a damaged file is named here, not as a torch error mid-export
     fam, cfg = _checkpoint_config(ckpt, config_path)
-    mappings = fam.mappings(fam.num_layers(cfg))
+    mappings = fam.mappings_for(cfg)
     shapes = fam.megatron_shapes(cfg)
     heads = fam.num_heads(cfg)
     specs = checkpoint_tensor_specs(ckpt)

@@ -185,7 +185,7 @@ def lora_to_hf(checkpoint: str | Path, output: str | Path, *, merge: bool = Fals
                               f"{lora['base']['path']})")
     cfg = meta["diffusers_config"]
     fam = get_family(meta["family"])
-    mappings = fam.mappings(fam.num_layers(cfg))
+    mappings = fam.mappings_for(cfg)
     state = diffusers_lora_state(full, mappings, fam.megatron_to_hf, fam.num_heads(cfg))
     cast = parse_dtype(dtype)
     if cast is not None:

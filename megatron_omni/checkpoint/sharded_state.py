@@ -87,7 +87,7 @@ def model_sharded_state_dict(model: DiTStage, prefix: str = "") -> ShardedStateD
     pp_rank = pg.pp.rank()
     dp_rank = pg.dp_cp.rank()
     family = family_of_model(model)
-    mappings = shards.local_mappings(model, family.mappings(model.config.num_layers))
+    mappings = shards.local_mappings(model, family.mappings_for(model.config))
     out: ShardedStateDict = {}
     for name, tensor in model.state_dict(keep_vars=True).items():
         if name.endswith("_extra_state"):

@@ -140,6 +140,10 @@ class Trajectory:
     DiffusionNFT trains on; None from an engine that does not record them); policy_version [N] long, the
     version of the weights that sampled each sample (trainer updates applied before them; set by the
     asynchronous rollout service, `rollout.async_service`; None from a synchronous rollout).
+    pooled_embeds / negative_pooled_embeds [N, P] fp32: the pooled text embeddings the rollout conditioned on, for a
+    family that takes them (SD3.5's pooled CLIP embeddings; None otherwise), so a recompute sees what the rollout
+    saw; cfg_rescale: how true CFG combined the velocities (True: Qwen-Image's per-token rescale; False: plain
+    guidance, SD3.5's).
 
     Video (the Wan engine): S = f * h * w tokens of 3D patches (frames first, then rows and columns) and
     C = c * pt * ph * pw (`models.dit.embeddings.patchify_video`); img_shape = (f, h, w), the patch grid of the
@@ -175,6 +179,9 @@ class Trajectory:
     policy_version: torch.Tensor | None = None
     cond_latents: torch.Tensor | None = None
     cond_shapes: tuple[tuple[int, int, int], ...] = ()
+    pooled_embeds: torch.Tensor | None = None
+    negative_pooled_embeds: torch.Tensor | None = None
+    cfg_rescale: bool = True
 
     def __len__(self) -> int:
         return len(self.prompts)
@@ -210,8 +217,9 @@ class Trajectory:
             raise ValueError("no trajectories to concatenate")
         first = parts[0]
         for p in parts[1:]:
-            if (p.img_shape, p.noise_level, p.sde_type) != (first.img_shape, first.noise_level, first.sde_type):
-                raise ValueError("trajectories of different image shapes or SDE settings cannot be concatenated")
+            if ((p.img_shape, p.noise_level, p.sde_type, p.cfg_rescale)
+                    != (first.img_shape, first.noise_level, first.sde_type, first.cfg_rescale)):
+                raise ValueError("trajectories of different image shapes, SDE or CFG settings cannot be concatenated")
             if tuple(p.cond_shapes) != tuple(first.cond_shapes):
                 raise ValueError("trajectories of different source-image grids cannot be concatenated")
         out: dict[str, Any] = {}

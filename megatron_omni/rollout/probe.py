@@ -44,11 +44,13 @@ class ProbeMismatch(RuntimeError):
 
 
 def probe_trajectory(hf_config: Mapping[str, Any], device: torch.device | None = None, *,
-                     channels: int | None = None, text_dim: int | None = None) -> Trajectory:
+                     channels: int | None = None, text_dim: int | None = None,
+                     pooled_dim: int | None = None) -> Trajectory:
     """The fixed probe batch for a transformer with diffusers config `hf_config`: one sample whose one window
     step goes from sigma 0.8 to 0.5 (latents [1, 1, 4, C], text [1, 3, D], seeded), no CFG. C and D default to
     Qwen-Image's (`in_channels`, `joint_attention_dim`); another family passes its own (`DiTTraits`: a video
-    family's packed 3D-patch channels and text width)."""
+    family's packed 3D-patch channels and text width); `pooled_dim`: the width of a pooled text embedding the
+    family is conditioned on (SD3.5's; None: none)."""
     g = torch.Generator().manual_seed(PROBE_SEED)
     s = PROBE_GRID[0] * PROBE_GRID[1] * PROBE_GRID[2]
     c = int(hf_config["in_channels"]) if channels is None else int(channels)
@@ -72,6 +74,7 @@ def probe_trajectory(hf_config: Mapping[str, Any], device: torch.device | None =
         img_shape=PROBE_GRID,
         noise_level=1.0,
         sde_type="sde",
+        pooled_embeds=None if pooled_dim is None else torch.randn(1, int(pooled_dim), generator=g),
     )
     if device is None:
         return traj

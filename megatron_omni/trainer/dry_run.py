@@ -106,6 +106,9 @@ def dry_run(cfg: JobConfig, world_size: int, gpu: str, gpus_per_node: int = 8, r
     if family.kind != "dit":
         raise ConfigError(f"--dry-run: the planner models DiT families; model.family={cfg.model.family} "
                           "has no cost model yet")
+    if not family.traits.planned:
+        raise ConfigError(f"--dry-run: the planner has no cost model (memory, FLOPs) for model.family="
+                          f"{cfg.model.family} yet; `--check` validates the config without planning it")
     mfu = DEFAULT_MFU
     if mfu_from is not None:
         try:

@@ -207,8 +207,9 @@ class FlowGRPOTrainer:
                                           tp_rank=groups.tp.rank(), stage=groups.coords["pp"], transport=transport)
         self.guard = GradGuard(cfg.optim.max_bad_steps, "optim.max_bad_steps", job_group)
         traits = self.family.traits
+        pooled_dim = None if traits.pooled_dim_key is None else int(self.hf_config[traits.pooled_dim_key])
         self.probe = probe_trajectory(self.hf_config, platform.device(), channels=traits.token_channels(self.hf_config),
-                                      text_dim=int(self.hf_config[traits.text_dim_key]))
+                                      text_dim=int(self.hf_config[traits.text_dim_key]), pooled_dim=pooled_dim)
         self.probe_tolerance = probe_tolerance(mcfg.params_dtype, self.engine.dtype)
         self.syncs = 0
         self.last_quantized_probe: QuantizedProbe | None = None

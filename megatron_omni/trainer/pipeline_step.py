@@ -126,7 +126,8 @@ class PipelineStep:
             mb, inputs = next(data_iterator)
             x = inputs.batch.model_inputs(dtype)
             out = module(DiTBatch(x["hidden_states"], x["encoder_hidden_states"], x["encoder_hidden_states_mask"],
-                                  x["timestep"], tuple(inputs.batch.img_shape), inputs.batch.cond_shapes))
+                                  x["timestep"], tuple(inputs.batch.img_shape), inputs.batch.cond_shapes,
+                                  x.get("pooled_projections")))
             return out, partial(loss_fn, mb, inputs)
 
         return self.schedule(

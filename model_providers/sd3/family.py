@@ -1,11 +1,12 @@
-"""The SD3.5 MMDiT family's bundle (see `model_providers.registry`). This slice: the Megatron model (tensor
-parallel), its presets, load/export of diffusers-named weights and the weight shapes; the rollout pipeline,
-bridge parts and checkpoint conversion fields are not declared yet."""
+"""The SD3.5 MMDiT family's bundle (see `model_providers.registry`): the Megatron model (tensor parallel), its
+presets, load/export of diffusers-named weights, the offline tiny pipeline, checkpoint conversion and the bridge
+part into the embedded diffusers engine (`rollout/diffusers_engines/sd3.py`)."""
 
 from __future__ import annotations
 
 from megatron_omni.models.dit.sd3_model import SD3Model
-from model_providers.registry import DiTTraits, ModelFamily
+from model_providers.qwen_image.mapping import hf_to_megatron, megatron_to_hf
+from model_providers.registry import DiTTraits, ModelFamily, TinyPipeline
 from model_providers.sd3 import presets, provider
 
 FAMILY = ModelFamily(
@@ -18,9 +19,20 @@ FAMILY = ModelFamily(
     export_state=provider.stage_hf_tensors,
     megatron_shapes=provider.megatron_shapes,
     megatron_config=provider.transformer_config,
+    weight_parts=provider.weight_parts,
+    megatron_sources=provider.megatron_sources,
     megatron_module=SD3Model,
-    # Images as [b, c, H, W] latents: the transformer patch-embeds them itself (one token = c x p x p values).
+    tiny_pipeline=TinyPipeline(make=provider.make_tiny_pipeline, transformer_config=provider.tiny_transformer_config),
+    # Images as [b, c, H, W] latents carried as packed p x p patch tokens (one token = c x p x p values); SD3.5's
+    # pooled CLIP embedding rides in the trajectory; true CFG is flow_grpo's plain (unrescaled) guidance, chosen by
+    # the engine and recorded in the trajectory; no Flash tail (SD3.5 samples a static-shift grid).
     traits=DiTTraits(pipeline_class="StableDiffusion3Pipeline",
                      token_channels=lambda c: int(c["in_channels"]) * int(c["patch_size"]) ** 2,
-                     text_dim_key="joint_attention_dim", rollout_engines=("diffusers",)),
+                     text_dim_key="joint_attention_dim", rollout_engines=("diffusers",), flash_tail=False,
+                     pooled_dim_key="pooled_projection_dim", planned=False),
+    diffusers_class="SD3Transformer2DModel",
+    arch_config=provider.hf_config,
+    config_mappings=provider.config_mappings,
+    hf_to_megatron=hf_to_megatron,
+    megatron_to_hf=megatron_to_hf,
 )

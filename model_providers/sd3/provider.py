@@ -4,6 +4,7 @@ loading/gathering diffusers-named weights, and the Megatron weight shapes from t
 from __future__ import annotations
 
 import math
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -12,6 +13,7 @@ from megatron_omni.models.dit.sd3_config import SD3Config
 from megatron_omni.models.dit.sd3_model import SD3Model
 from model_providers import shards
 from model_providers.qwen_image.specs import layer_spec
+from model_providers.registry import SameNameLayout, WeightPart
 from model_providers.sd3.mapping import all_mappings
 from model_providers.sd3.presets import preset
 
@@ -53,8 +55,57 @@ def transformer_config(name_or_config: str | dict[str, Any], *, tp: int = 1, pp:
     ), tp=tp, pp=pp, ulysses=ulysses, ring=ring, params_dtype=params_dtype, overrides=overrides))
 
 
-def _mappings(config: SD3Config):
-    return all_mappings(config.num_layers, config.dual_attention_layers)
+def config_mappings(config: SD3Config | dict[str, Any]) -> list:
+    """The diffusers <-> Megatron mappings of a model config: the Megatron `SD3Config` or a diffusers config
+    (preset name or dict). Which tensors a block has depends on more than the block count (SD3.5-M's
+    dual-attention blocks), so this family declares `ModelFamily.config_mappings`."""
+    if isinstance(config, SD3Config):
+        return all_mappings(config.num_layers, config.dual_attention_layers)
+    c = hf_config(config)
+    return all_mappings(c["num_layers"], c["dual_attention_layers"])
+
+
+_mappings = config_mappings
+
+
+def rollout_layout(kind: str) -> SameNameLayout:
+    """The rollout layout of engine `kind`: the embedded diffusers engine holds diffusers' own module (every
+    tensor whole, under its own name). vLLM-Omni's SD3 module has no sync plan yet (KeyError)."""
+    if kind == "diffusers":
+        return SameNameLayout()
+    raise KeyError(f"the sd3 family has no rollout layout for engine {kind!r} (only 'diffusers' so far)")
+
+
+def _synced(mappings: list) -> list:
+    # The sincos table is a constant both sides compute from the config (a buffer, not a parameter): never synced.
+    return [m for m in mappings if m.megatron != "patch_embed.pos_embed"]
+
+
+def weight_parts(name_or_config: str | dict[str, Any]) -> dict[str, WeightPart]:
+    """The one part the bridge syncs ("transformer"): mappings, full shapes and the rollout engines' layouts."""
+    c = hf_config(name_or_config)
+    return {"transformer": WeightPart(_synced(config_mappings(c)), megatron_shapes(c), c["num_attention_heads"],
+                                      c["num_layers"], rollout_layout)}
+
+
+def megatron_sources(model: SD3Model) -> dict[str, dict[str, torch.Tensor]]:
+    """{"transformer": this rank's Megatron tensors (local tp shards, the parameters' storage) by global name}."""
+    tensors = shards.megatron_tensors(model, config_mappings(model.config))
+    return {"transformer": {m.megatron: tensors[m.megatron] for m in _synced(config_mappings(model.config))}}
+
+
+def tiny_transformer_config() -> dict[str, Any]:
+    """The transformer config of the offline tiny pipeline (`model.pipeline=tiny`)."""
+    from model_providers.sd3.tiny_pipeline import TinySD3PipelineConfig
+
+    return TinySD3PipelineConfig().transformer_config()
+
+
+def make_tiny_pipeline(folder: Path, seed: int) -> Path:
+    """Write the offline tiny SD3.5 pipeline (seeded weights) to `folder`."""
+    from model_providers.sd3.tiny_pipeline import make_tiny_pipeline as make
+
+    return make(folder, seed=seed)
 
 
 def build_model(config: SD3Config, groups, backend: str = "local") -> SD3Model:

@@ -41,6 +41,7 @@ class DiTBatch:
     cond_grids: the patch grids of conditioning images whose tokens follow the latent's in `latents`
         (Qwen-Image-Edit's source images, diffusers' `img_shapes[i][1:]`); () for plain generation. The image
         stream is then `[generated | cond 1 | ...]`, `s_img` their total, and the output covers all of it.
+    pooled: [b, pooled_dim] pooled text embeddings of a family conditioned on them (SD3.5), or None
     """
 
     latents: torch.Tensor | None
@@ -49,6 +50,7 @@ class DiTBatch:
     sigma: torch.Tensor
     grid: tuple[int, int, int]
     cond_grids: tuple[tuple[int, int, int], ...] = ()
+    pooled: torch.Tensor | None = None
 
     @property
     def grids(self) -> tuple[tuple[int, int, int], ...]:

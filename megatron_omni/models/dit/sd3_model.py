@@ -17,10 +17,12 @@ import torch
 from diffusers.models.embeddings import get_2d_sincos_pos_embed
 from torch import nn
 
+from megatron_omni.algorithms.schedule import NUM_TRAIN_TIMESTEPS
 from megatron_omni.models.dit.embeddings import TimestepEmbedder
 from megatron_omni.models.dit.layer import MMDiTLayerSubmodules
-from megatron_omni.models.dit.model import DiTStage, _AdaNormOut
+from megatron_omni.models.dit.model import DiTBatch, DiTStage, _AdaNormOut
 from megatron_omni.models.dit.sd3_config import SD3Config
+from megatron_omni.models.dit.sd3_interface import pack_image_latents, unpack_image_latents
 from megatron_omni.models.dit.sd3_layer import SD3Layer
 
 
@@ -80,7 +82,9 @@ class PatchEmbed(nn.Module):
 
 
 class SD3Model(DiTStage):
-    """The whole SD3 MMDiT on this rank's tensor-parallel shard: `forward(batch) -> velocity [b, c, H, W]`."""
+    """The whole SD3 MMDiT on this rank's tensor-parallel shard: `forward(SD3Batch) -> velocity [b, c, H, W]`, or
+    `forward(DiTBatch)` (the trainer's and the rollout's packed form: latents [b, S, c p p] patch tokens, sigma,
+    grid, pooled) -> velocity tokens [b, S, c p p] (`sd3_interface`)."""
 
     def __init__(self, config: SD3Config, layer_spec: MMDiTLayerSubmodules, groups) -> None:
         super().__init__(config, groups, True, True)
@@ -97,7 +101,15 @@ class SD3Model(DiTStage):
         self.norm_out = _AdaNormOut(h, config.norm_eps, dtype=dtype)
         self.proj_out = nn.Linear(h, config.patch_size**2 * config.out_channels, dtype=dtype)
 
-    def forward(self, batch: SD3Batch) -> torch.Tensor:
+    def forward(self, batch: SD3Batch | DiTBatch) -> torch.Tensor:
+        if isinstance(batch, DiTBatch):
+            if batch.pooled is None:
+                raise ValueError("the SD3 model needs the pooled CLIP embeddings (DiTBatch.pooled)")
+            p = self.config.patch_size
+            image = unpack_image_latents(batch.latents, batch.grid, p)
+            out = self.forward(SD3Batch(image, batch.prompt_embeds, batch.pooled,
+                                        batch.sigma.float() * NUM_TRAIN_TIMESTEPS))
+            return pack_image_latents(out, p)
         dtype = self.config.params_dtype
         b, _, big_h, big_w = batch.latents.shape
         p = self.config.patch_size

@@ -77,6 +77,8 @@ class _Sample:
     image: torch.Tensor | None = None
     cond_latents: torch.Tensor | None = None  # [S_c, C] fp32 source-image tokens (an edit engine's)
     cond_shapes: tuple[tuple[int, int, int], ...] = ()
+    pooled: torch.Tensor | None = None  # [P] pooled text embedding (a family conditioned on one: SD3.5)
+    neg_pooled: torch.Tensor | None = None
 
     @property
     def batch_key(self) -> tuple:
@@ -116,6 +118,10 @@ class DiffusersRolloutEngine:
         quantization: what the transformer runs quantized (ModelOpt fake quantization, re-quantized after every
             `weight_update` and `load_weights`; see `rollout/quantization.py`).
     """
+
+    # True CFG rescales each token to the conditional velocity's norm (Qwen-Image); a family that guides plainly
+    # (SD3.5) sets False, and its trajectories record it.
+    cfg_rescale = True
 
     def __init__(
         self,
@@ -333,9 +339,13 @@ class DiffusersRolloutEngine:
         cond = {}
         if batch[0].cond_latents is not None:
             cond = dict(cond_latents=torch.stack([s.cond_latents for s in batch]), cond_shapes=batch[0].cond_shapes)
+        pooled = neg_pooled = None
+        if batch[0].pooled is not None:
+            pooled = torch.stack([s.pooled for s in batch])
+            neg_pooled = torch.stack([s.pooled if s.neg_pooled is None else s.neg_pooled for s in batch])
         v = guided_batch(latents, sigma, text, mask, batch[0].img_shape, guidance_scale=guidance,
-                         negative_embeds=neg_text, negative_mask=neg_mask,
-                         **cond).velocity(self.velocity_model, self.dtype)
+                         negative_embeds=neg_text, negative_mask=neg_mask, pooled=pooled, negative_pooled=neg_pooled,
+                         cfg_rescale=self.cfg_rescale, **cond).velocity(self.velocity_model, self.dtype)
         self.stats["forwards"] += 1
         self.stats["forward_rows"] += len(batch) + int((guidance > 1).sum())
         next_latents, rows, lp = windowed_sde_step(latents, v, sigma, sigma_next, sigma_one, levels,
@@ -503,6 +513,10 @@ class DiffusersRolloutEngine:
             sde_type=params.sde_type,
             final_latents=torch.stack([s.latents for s in samples]).float(),
             **self._trajectory_conditioning(samples),
+            pooled_embeds=None if s0.pooled is None else torch.stack([s.pooled for s in samples]),
+            negative_pooled_embeds=(torch.stack([s.neg_pooled for s in samples])
+                                    if s0.pooled is not None and params.do_cfg else None),
+            cfg_rescale=self.cfg_rescale,
         )
 
     @staticmethod
@@ -596,23 +610,28 @@ class DiffusersRolloutEngine:
         """Nothing to release (the pipeline goes with the object)."""
 
 
+# The engine class of a pipeline folder by its model_index.json's `_class_name` (imported only when built); any
+# other class: `DiffusersRolloutEngine` (Qwen-Image's).
+ENGINE_CLASSES = {
+    "WanPipeline": "megatron_omni.rollout.diffusers_engines.wan:WanRolloutEngine",
+    "StableDiffusion3Pipeline": "megatron_omni.rollout.diffusers_engines.sd3:SD3RolloutEngine",
+    "QwenImageEditPlusPipeline": "megatron_omni.rollout.diffusers_engines.edit:EditRolloutEngine",
+}
+
+
 def build_diffusers_engine(pipeline_dir: str | os.PathLike, settings: Any) -> DiffusersRolloutEngine:
-    """The registry's builder (`rollout.engine=diffusers`): one embedded engine per rank, rollout tp 1; the Wan
-    video engine when the folder holds a `WanPipeline`, the edit engine for a `QwenImageEditPlusPipeline` (its
-    model_index.json's class)."""
+    """The registry's builder (`rollout.engine=diffusers`): one embedded engine per rank, rollout tp 1; the class
+    that samples the folder's pipeline (`ENGINE_CLASSES`, by its model_index.json's class: Wan's video
+    engine, SD3.5's, Qwen-Image-Edit's)."""
     if settings.tp != 1:
         raise ValueError(f"the diffusers engine runs at rollout tp 1 (one per rank), got tp={settings.tp}")
     index = Path(pipeline_dir) / "model_index.json"
-    held = json.loads(index.read_text()).get("_class_name") if index.is_file() else None
-    if held == "QwenImageEditPlusPipeline":
-        from megatron_omni.rollout.diffusers_engines.edit import EditRolloutEngine
+    cls = DiffusersRolloutEngine
+    name = json.loads(index.read_text()).get("_class_name") if index.is_file() else None
+    if name in ENGINE_CLASSES:
+        import importlib
 
-        return EditRolloutEngine(pipeline_dir, max_batch_size=settings.max_batch_size, dtype=settings.dtype,
-                                 quantization=settings.quantization)
-    if held == "WanPipeline":
-        from megatron_omni.rollout.diffusers_engines.wan import WanRolloutEngine
-
-        return WanRolloutEngine(pipeline_dir, max_batch_size=settings.max_batch_size, dtype=settings.dtype,
-                                quantization=settings.quantization)
-    return DiffusersRolloutEngine(pipeline_dir, max_batch_size=settings.max_batch_size, dtype=settings.dtype,
-                                  quantization=settings.quantization)
+        module, attr = ENGINE_CLASSES[name].split(":")
+        cls = getattr(importlib.import_module(module), attr)
+    return cls(pipeline_dir, max_batch_size=settings.max_batch_size, dtype=settings.dtype,
+               quantization=settings.quantization)
