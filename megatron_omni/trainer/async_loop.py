@@ -79,15 +79,46 @@ def async_settings(cfg: JobConfig) -> AsyncSettings:
 
 
 def rollout_plan(cfg: JobConfig, hf_config: dict[str, Any]) -> Any:
-    """The bridge's plan from the trainer's layout into a rollout rank's diffusers transformer (full tensors,
-    rollout tp 1), the same on both sides."""
+    """The bridge's plan from the trainer's layout into a rollout rank's transformer (full tensors, rollout tp 1:
+    the embedded diffusers engine's, or the `Omni` engine workers' with `rollout.engine=vllm_omni`), the same on
+    both sides."""
     p = cfg.parallel
     plans = family_plans(get_family(cfg.model.family), hf_config, trainer_tp=p.tp, trainer_pp=p.pp,
-                         rollout_kind="diffusers", rollout_tp=1, mode="full")
+                         rollout_kind=cfg.rollout.engine, rollout_tp=1, mode="full")
     if len(plans) != 1:
         raise ValueError(f"model family {cfg.model.family!r} has weight parts {sorted(plans)}; the rollout service "
                          "serves one (a DiT's transformer)")
     return next(iter(plans.items()))
+
+
+def trainer_side(cfg: JobConfig) -> JobConfig:
+    """The config the trainer ranks build their trainer with. With `rollout.engine=vllm_omni` the rollout ranks own
+    the `Omni` engines; the trainer's own engine copy (its config, initial weights, text lengths and the held-out
+    evaluation) is the embedded diffusers engine (the same prompt encoding and sampler as our vLLM-Omni pipeline
+    class), so a trainer GPU holds no vLLM-Omni engine and the trainer ranks start no engine processes."""
+    if cfg.rollout.engine != "vllm_omni":
+        return cfg
+    return replace(cfg, rollout=replace(cfg.rollout, engine="diffusers", tp=1))
+
+
+def build_rollout_engine(cfg: JobConfig, pipeline_dir: Path) -> Any:
+    """A rollout rank's engine at rollout tp 1 (this rank alone, not collective): the embedded diffusers engine,
+    or with `rollout.engine=vllm_omni` vLLM-Omni's `Omni` engine with its worker process on this rank's GPU (on the
+    host through our CPU platform plugin), which takes the pushes into its workers' back buffers."""
+    r = cfg.rollout
+    # rollout.quantization: the engine samples quantized on the family's linears, as the colocated engine does
+    quantization = QuantizationSpec(r.quantization, tuple(get_family(cfg.model.family).quantized_linears))
+    settings = EngineSettings(tp=1, dtype=torch_dtype(r.dtype), max_batch_size=r.max_batch_size,
+                              quantization=quantization)
+    if r.engine != "vllm_omni":
+        return build_engine(r.engine, pipeline_dir, settings)
+    from megatron_omni.rollout.vllm_omni.engine import VllmOmniRolloutEngine, _without_env, start_omni
+
+    # torchrun's TORCHELASTIC_USE_AGENT_STORE makes every env:// or tcp:// rendezvous a client of torchrun's own
+    # store: the engine's worker processes would wait forever for the rendezvous server vLLM starts itself.
+    with _without_env("TORCHELASTIC_USE_AGENT_STORE"):
+        omni = start_omni(pipeline_dir, 1, settings)
+    return VllmOmniRolloutEngine(pipeline_dir, 1, settings.dtype, omni=omni, quantization=quantization)
 
 
 def transport(cfg: JobConfig, groups: PlacementGroups) -> DistributedTransport:
@@ -110,12 +141,7 @@ def serve_rollout(cfg: JobConfig, groups: PlacementGroups, pipeline_dir: Path) -
     folder = resume_folder(cfg.checkpoint.resume, run_dir)  # collective: the ranks verify it together
     if folder is not None:
         load_checkpoint(folder, None, None, None)  # this rank's RNG states (the trainer loads the rest)
-    r = cfg.rollout
-    # rollout.quantization: the engine samples quantized on the family's linears, as the colocated engine does
-    quantization = QuantizationSpec(r.quantization, tuple(get_family(cfg.model.family).quantized_linears))
-    engine = build_engine(r.engine, pipeline_dir, EngineSettings(tp=1, dtype=torch_dtype(r.dtype),
-                                                                 max_batch_size=r.max_batch_size,
-                                                                 quantization=quantization))
+    engine = build_rollout_engine(cfg, pipeline_dir)
     settings = async_settings(cfg)
     _, plan = rollout_plan(cfg, engine.transformer_config())
     receiver = WeightReceiver(engine, plan, transport(cfg, groups), torch_dtype(cfg.model.params_dtype),
