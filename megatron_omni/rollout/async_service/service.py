@@ -173,6 +173,7 @@ class RolloutService:
             raise
         finally:
             self.stats["swaps"] = self.receiver.swaps
+            self.stats["swap_probe_diffs"] = list(self.receiver.probe_diffs)
             self._outbox.put(Bye(self.rank, dict(self.stats)))
             sender.join(timeout=self.settings.liveness_timeout_s)
         control.join(timeout=self.settings.liveness_timeout_s)

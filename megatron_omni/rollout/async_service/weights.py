@@ -103,6 +103,7 @@ class WeightReceiver:
         self.last_sync: SyncStats | None = None
         self.swaps = 0
         self.last_probe_diff: float | None = None
+        self.probe_diffs: list[float] = []  # every swap's probe max |difference|, in order
 
     def want(self, version: int) -> None:
         """A request for `version` was received: keep that version in the back buffer until it is swapped in."""
@@ -155,6 +156,7 @@ class WeightReceiver:
                                                      self.tolerance, f"after the swap to policy version {version} "
                                                      f"on rollout rank {self.rank}")
         self.swaps += 1
+        self.probe_diffs.append(float(self.last_probe_diff))
         return time.perf_counter() - t0
 
 
