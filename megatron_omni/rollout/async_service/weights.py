@@ -104,6 +104,7 @@ class WeightReceiver:
         self.swaps = 0
         self.last_probe_diff: float | None = None
         self.probe_diffs: list[float] = []  # every swap's probe max |difference|, in order
+        self._failure: BaseException | None = None  # a receive that failed (the engine's back-buffer RPCs)
 
     def want(self, version: int) -> None:
         """A request for `version` was received: keep that version in the back buffer until it is swapped in."""
@@ -125,8 +126,14 @@ class WeightReceiver:
             self._cond.wait_for(lambda: self.back_version is None or self._wanted[self.back_version] == 0)
             self.back_version = None  # being written
         self.buffer.begin()
-        stats = self.sync.sync()
-        self.buffer.finish()  # the engine's workers refuse a partial update (the bridge's coverage check, here)
+        try:
+            stats = self.sync.sync()
+            self.buffer.finish()  # the engine's workers refuse a partial update (the bridge's coverage check, here)
+        except BaseException as exc:
+            with self._cond:
+                self._failure = exc  # `ensure` raises it instead of waiting for a version that cannot come
+                self._cond.notify_all()
+            raise
         with self._cond:
             self.back_version = msg.version
             self._probe_means = msg.probe_means
@@ -142,7 +149,12 @@ class WeightReceiver:
             return 0.0
         t0 = time.perf_counter()
         with self._cond:
-            if not self._cond.wait_for(lambda: self.back_version == version, timeout=self.wait_timeout_s):
+            arrived = self._cond.wait_for(lambda: self.back_version == version or self._failure is not None,
+                                          timeout=self.wait_timeout_s)
+            if self._failure is not None:
+                raise RuntimeError(f"rollout rank {self.rank}: receiving a policy version failed, version {version} "
+                                   f"cannot be swapped in: {self._failure}") from self._failure
+            if not arrived:
                 raise TimeoutError(f"rollout rank {self.rank}: policy version {version} did not arrive within "
                                    f"{self.wait_timeout_s:.0f} s (live {self.live_version}, back "
                                    f"{self.back_version})")

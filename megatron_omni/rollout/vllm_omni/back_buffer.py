@@ -115,19 +115,33 @@ class RpcBackBuffer:
     def __init__(self, rpc: Callable[..., list[Any]]) -> None:
         self.rpc = rpc
         self._params = {n: torch.empty(s, device="meta") for n, s in rpc("parameter_shapes")[0].items()}
+        self._error: BaseException | None = None
 
     def parameters(self) -> dict[str, torch.Tensor]:
         return self._params
 
+    def _call(self, method: str, *args: Any) -> None:
+        """`method` on the workers, unless an earlier RPC of this update failed: the bridge's broadcast with the
+        trainer goes on to its end (the trainer would hang in it otherwise), and `finish` raises the first error."""
+        if self._error is None:
+            try:
+                self.rpc(method, *args)
+            except Exception as exc:  # noqa: BLE001 - raised by finish, after the broadcast
+                self._error = exc
+
     def load_full(self, items: Sequence[tuple[str, torch.Tensor]]) -> set[str]:
-        self.rpc("back_buffer_load", [(n, t.detach().cpu().contiguous()) for n, t in items])
+        self._call("back_buffer_load", [(n, t.detach().cpu().contiguous()) for n, t in items])
         return {n for n, _ in items}
 
     def begin(self) -> None:
-        self.rpc("back_buffer_begin")
+        self._error = None
+        self._call("back_buffer_begin")
 
     def finish(self) -> None:
-        self.rpc("back_buffer_finish")
+        self._call("back_buffer_finish")
+        error, self._error = self._error, None
+        if error is not None:
+            raise RuntimeError(f"the vLLM-Omni engine's back-buffer update failed: {error}") from error
 
     def swap(self) -> None:
         self.rpc("back_buffer_swap")
