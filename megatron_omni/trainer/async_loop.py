@@ -58,6 +58,7 @@ from megatron_omni.rollout.async_service import (
     push_weights,
     staleness_histogram,
 )
+from megatron_omni.rollout.async_service.channel import ChannelLost, Failed, recv_object, send_object
 from megatron_omni.rollout.base import FinishedSample, Trajectory
 from megatron_omni.rollout.quantization import QuantizationSpec
 from megatron_omni.rollout.registry import EngineSettings, build_engine
@@ -79,15 +80,46 @@ def async_settings(cfg: JobConfig) -> AsyncSettings:
 
 
 def rollout_plan(cfg: JobConfig, hf_config: dict[str, Any]) -> Any:
-    """The bridge's plan from the trainer's layout into a rollout rank's diffusers transformer (full tensors,
-    rollout tp 1), the same on both sides."""
+    """The bridge's plan from the trainer's layout into a rollout rank's transformer (full tensors, rollout tp 1:
+    the embedded diffusers engine's, or the `Omni` engine workers' with `rollout.engine=vllm_omni`), the same on
+    both sides."""
     p = cfg.parallel
     plans = family_plans(get_family(cfg.model.family), hf_config, trainer_tp=p.tp, trainer_pp=p.pp,
-                         rollout_kind="diffusers", rollout_tp=1, mode="full")
+                         rollout_kind=cfg.rollout.engine, rollout_tp=1, mode="full")
     if len(plans) != 1:
         raise ValueError(f"model family {cfg.model.family!r} has weight parts {sorted(plans)}; the rollout service "
                          "serves one (a DiT's transformer)")
     return next(iter(plans.items()))
+
+
+def trainer_side(cfg: JobConfig) -> JobConfig:
+    """The config the trainer ranks build their trainer with. With `rollout.engine=vllm_omni` the rollout ranks own
+    the `Omni` engines; the trainer's own engine copy (its config, initial weights, text lengths and the held-out
+    evaluation) is the embedded diffusers engine (the same prompt encoding and sampler as our vLLM-Omni pipeline
+    class), so a trainer GPU holds no vLLM-Omni engine and the trainer ranks start no engine processes."""
+    if cfg.rollout.engine != "vllm_omni":
+        return cfg
+    return replace(cfg, rollout=replace(cfg.rollout, engine="diffusers", tp=1))
+
+
+def build_rollout_engine(cfg: JobConfig, pipeline_dir: Path) -> Any:
+    """A rollout rank's engine at rollout tp 1 (this rank alone, not collective): the embedded diffusers engine,
+    or with `rollout.engine=vllm_omni` vLLM-Omni's `Omni` engine with its worker process on this rank's GPU (on the
+    host through our CPU platform plugin), which takes the pushes into its workers' back buffers."""
+    r = cfg.rollout
+    # rollout.quantization: the engine samples quantized on the family's linears, as the colocated engine does
+    quantization = QuantizationSpec(r.quantization, tuple(get_family(cfg.model.family).quantized_linears))
+    settings = EngineSettings(tp=1, dtype=torch_dtype(r.dtype), max_batch_size=r.max_batch_size,
+                              quantization=quantization)
+    if r.engine != "vllm_omni":
+        return build_engine(r.engine, pipeline_dir, settings)
+    from megatron_omni.rollout.vllm_omni.engine import VllmOmniRolloutEngine, _without_env, start_omni
+
+    # torchrun's TORCHELASTIC_USE_AGENT_STORE makes every env:// or tcp:// rendezvous a client of torchrun's own
+    # store: the engine's worker processes would wait forever for the rendezvous server vLLM starts itself.
+    with _without_env("TORCHELASTIC_USE_AGENT_STORE"):
+        omni = start_omni(pipeline_dir, 1, settings)
+    return VllmOmniRolloutEngine(pipeline_dir, 1, settings.dtype, omni=omni, quantization=quantization)
 
 
 def transport(cfg: JobConfig, groups: PlacementGroups) -> DistributedTransport:
@@ -102,6 +134,14 @@ def serve_rollout(cfg: JobConfig, groups: PlacementGroups, pipeline_dir: Path) -
     engine (its transformer double-buffered), the service until the trainer stops it (joining each checkpoint's
     save), then the job's closing collectives (`finish`'s). Returns the service's counters. Raises
     `TrainingStopped` when the trainer stopped on a signal (every rank of the job exits with the stop status)."""
+    # The engine starts first, while the trainer builds its model: the trainer's liveness bound counts from the
+    # first request, after the set-up collectives below, so a slow start (vLLM-Omni's engine: its worker process,
+    # minutes for 20B weights) is never taken for a silent rank. One that fails is told to the trainer.
+    settings = async_settings(cfg)
+    try:
+        engine, failure = build_rollout_engine(cfg, pipeline_dir), None
+    except Exception as exc:  # noqa: BLE001 - reported to the trainer below, then raised here
+        engine, failure = None, exc
     # Megatron-Core's get_megatron_optimizer gathers the parameter-group keys over the default (whole-job) group,
     # once for the dense and once for the expert parameters; the rollout ranks hold none and join both gathers.
     for _ in range(MEGATRON_OPTIMIZER_WORLD_GATHERS):
@@ -110,13 +150,10 @@ def serve_rollout(cfg: JobConfig, groups: PlacementGroups, pipeline_dir: Path) -
     folder = resume_folder(cfg.checkpoint.resume, run_dir)  # collective: the ranks verify it together
     if folder is not None:
         load_checkpoint(folder, None, None, None)  # this rank's RNG states (the trainer loads the rest)
-    r = cfg.rollout
-    # rollout.quantization: the engine samples quantized on the family's linears, as the colocated engine does
-    quantization = QuantizationSpec(r.quantization, tuple(get_family(cfg.model.family).quantized_linears))
-    engine = build_engine(r.engine, pipeline_dir, EngineSettings(tp=1, dtype=torch_dtype(r.dtype),
-                                                                 max_batch_size=r.max_batch_size,
-                                                                 quantization=quantization))
-    settings = async_settings(cfg)
+    if failure is not None:
+        report_start_failure(groups, settings, f"rollout.engine={cfg.rollout.engine!r} failed to start on rollout "
+                                               f"rank {groups.rank}: {type(failure).__name__}: {failure}")
+        raise failure
     _, plan = rollout_plan(cfg, engine.transformer_config())
     receiver = WeightReceiver(engine, plan, transport(cfg, groups), torch_dtype(cfg.model.params_dtype),
                               groups.rank, wait_timeout_s=settings.liveness_timeout_s)
@@ -135,6 +172,18 @@ def serve_rollout(cfg: JobConfig, groups: PlacementGroups, pipeline_dir: Path) -
         dist.barrier()  # the run's final barrier
         return stats
     raise TrainingStopped(*stopped)
+
+
+def report_start_failure(groups: PlacementGroups, settings: AsyncSettings, error: str) -> None:
+    """Tell the trainer root that this rollout rank's engine did not start (`Failed`, the message its next
+    `collect` raises), and wait (bounded) for its first message, so the trainer reads the failure before the
+    connection closes."""
+    root, rank = groups.placement.trainer_root, groups.rank
+    send_object(Failed(rank, None, error), root, groups.results[rank])
+    try:
+        recv_object(root, groups.requests[rank], settings.liveness_timeout_s)
+    except ChannelLost:
+        pass  # the trainer is gone or silent: nothing more to tell it
 
 
 def _rows(traj: Trajectory, first: int, end: int) -> Trajectory:
@@ -323,7 +372,10 @@ class AsyncLoop:
         if self.is_root:
             for k in sorted(self.client.in_flight()):
                 self.client.cancel(k)
-            self.client.close()
+            for rank, stats in sorted(self.client.close().items()):
+                diffs = stats.get("swap_probe_diffs", [])
+                print(f"rollout rank {rank}: {stats.get('requests', 0)} requests, {stats.get('swaps', 0)} swaps, every "
+                      f"swap's probe passed (max |diff| {max(diffs, default=0.0):.3g})", flush=True)
         dist.broadcast_object_list([stopped], src=self.root)
 
     def evaluation_sync(self) -> None:

@@ -525,8 +525,14 @@ def placement_limits(cfg: Any) -> list[str]:
     unsupported = [
         (cfg.algorithm.name == "diffusionnft", "algorithm.name", cfg.algorithm.name,
          "its ODE rollout samples with a lagging old policy the rollout ranks do not hold"),
-        (cfg.rollout.engine != "diffusers", "rollout.engine", cfg.rollout.engine,
-         "only the embedded diffusers engine is double-buffered"),
+        (cfg.rollout.engine == "vllm_omni" and cfg.rollout.quantization != "none", "rollout.quantization",
+         cfg.rollout.quantization, "vLLM-Omni's FP8 linears reload layer-wise in place and have no back buffer in "
+         "the engine's workers; use rollout.engine=diffusers (its FP8 rollout re-quantizes on swap) or none"),
+        (cfg.rollout.tp != 1, "rollout.tp", cfg.rollout.tp, "each rollout rank owns one engine on its own GPU (rollout "
+         "tp 1; more rollout ranks split the images)"),
+        (cfg.rollout.engine == "vllm_omni" and cfg.rollout.vllm_omni_process != "engine", "rollout.vllm_omni_process",
+         cfg.rollout.vllm_omni_process, "the rollout ranks own vLLM-Omni Omni engines (their workers hold the back "
+         "buffer); use engine"),
         (cfg.rollout.transformer == "trainer", "rollout.transformer", cfg.rollout.transformer,
          "the rollout ranks sample with their own copy; use engine or auto"),
         (cfg.model.lora.enabled and cfg.rollout.lora_sync == "adapter", "rollout.lora_sync", cfg.rollout.lora_sync,

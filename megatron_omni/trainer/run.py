@@ -167,9 +167,9 @@ def _run(cfg: JobConfig, overwrite: bool, stops: StopRequests) -> dict:
 
             serve_rollout(cfg, pgroups, prepare_pipeline(cfg, run_dir))
             return {"run_dir": str(run_dir), "role": "rollout"}
-        trainer, reward_fn = build_trainer(cfg, groups, run_dir, pgroups.trainer)
-        from megatron_omni.trainer.async_loop import AsyncLoop
+        from megatron_omni.trainer.async_loop import AsyncLoop, trainer_side
 
+        trainer, reward_fn = build_trainer(trainer_side(cfg), groups, run_dir, pgroups.trainer)
         loop = AsyncLoop(cfg, trainer, pgroups)
         job = pgroups.trainer  # the trainer's own collectives (the rollout ranks join only the closing ones)
     else:

@@ -266,3 +266,76 @@ def test_fp8_rollout_ranks_sample_quantized_and_pass_every_swap_probe(uninterrup
     assert m[0]["reward_mean"] != plain["reward_mean"] and abs(m[0]["reward_mean"] - plain["reward_mean"]) < 0.05
     assert plain["behaviour_dlogp"] == 0 and all(x["behaviour_dlogp"] > 0 for x in m), m
     assert [x["policy_version_max"] for x in m] == [x["policy_version_min"] for x in m] == [0, 0, 1, 2]
+
+
+# The rollout rank owns vLLM-Omni's `Omni` engine (our CPU platform plugin, one worker process); staleness 1, a
+# checkpoint after steps 2 and 4.
+VLLM_ASYNC = ["--set", "steps=5", *ASYNC, "--set", "rollout.engine=vllm_omni", "--set", "async.max_staleness=1",
+              "--set", "checkpoint.every=2", "--set", "checkpoint.keep=5"]
+
+
+# The reward gain (mean of the last two steps minus the first two) the vLLM-Omni run must beat.
+REWARD_GAIN = 0.02  # measured: +0.040 (rewards -2.338, -2.315, -2.283, -2.290, -2.283)
+
+
+def _engine_processes(rank_pid: int) -> list:
+    """The processes of the `Omni` engine a rollout rank owns: its descendants (the stage process and the worker)."""
+    import psutil
+
+    return psutil.Process(rank_pid).children(recursive=True)
+
+
+@pytest.mark.slow
+def test_vllm_omni_rollout_ranks_learn_report_engine_failure_and_resume_equal(tmp_path: Path) -> None:
+    """`rollout.engine=vllm_omni` disaggregated (1 trainer + 1 rollout rank owning an `Omni` engine): every push goes
+    over `collective_rpc` into the back buffer in the engine's worker, swapped in between two requests with the probe
+    (one line at the end counts the swaps, each probe passed or the run fails); the reward rises over the 5 steps
+    and every step's versions are max(0, k - 1). A second run: once its step-2 checkpoint is complete the engine's
+    processes on the rollout rank are SIGKILLed: the trainer exits 1 with a message naming rollout rank 1 and the
+    engine's failure; every rank killed, `--resume auto` ends equal to the uninterrupted run bit for bit."""
+    ref = tmp_path / "uninterrupted"
+    p = _train(ref, *VLLM_ASYNC, nproc=2)
+    assert p.returncode == 0, p.stderr[-3000:]
+    out = p.stdout + p.stderr
+    # 5 steps at staleness 1: versions 0, 0, 1, 2, 3 are sampled, so 3 pushes are swapped in.
+    swaps = re.search(r"rollout rank 1: (\d+) requests, (\d+) swaps, every swap's probe passed \(max \|diff\| (\S+)\)",
+                      out)
+    assert swaps and swaps.group(1) == "5" and swaps.group(2) == "3", out[-3000:]
+    assert float(swaps.group(3)) < 1e-4  # fp32 on both sides (probe.TOLERANCES)
+    m = _metrics(ref)
+    r = [x["reward_mean"] for x in m]
+    print("vllm_omni disaggregated, staleness 1: reward per step", [f"{x:.3f}" for x in r], "swap probe", swaps[3])
+    assert sum(r[-2:]) / 2 > sum(r[:2]) / 2 + REWARD_GAIN, r
+    assert [x["policy_version_min"] for x in m] == [x["policy_version_max"] for x in m] == [0, 0, 1, 2, 3]
+
+    run = tmp_path / "killed"
+    procs = _start_ranks(run, *VLLM_ASYNC)
+    trainer, rollout = procs
+    marker = run / "checkpoints" / "step_000002" / "COMPLETE"
+    try:
+        deadline = time.monotonic() + 600
+        while not marker.exists():
+            assert all(q.poll() is None for q in procs) and time.monotonic() < deadline, "no step-2 checkpoint"
+            time.sleep(0.02)
+        engine = _engine_processes(rollout.pid)
+        assert engine, "the rollout rank runs no engine process"
+        for q in engine:
+            q.kill()
+        killed = time.monotonic()
+        _, err = trainer.communicate(timeout=300)
+        waited = time.monotonic() - killed
+    finally:
+        _kill_all(procs)
+    print(f"engine killed: the trainer exited {trainer.returncode} after {waited:.1f} s:",
+          [line for line in err.splitlines() if "rollout error" in line])
+    assert trainer.returncode == 1, err[-3000:]
+    assert "rollout error: rollout rank 1 failed serving step" in err, err[-3000:]
+    assert not (run / "checkpoints" / "step_000004").exists()
+
+    resumed = _train(run, *VLLM_ASYNC, "--resume", "auto", nproc=2)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "resumed from" in resumed.stdout + resumed.stderr
+    for k, (x, y) in enumerate(zip(m, _metrics(run), strict=True)):
+        same = {n: x[n] for n in x if not n.startswith(("time_", "images_per_s", "push_s"))}
+        assert same == {n: y[n] for n in same}, f"step {k}"
+    _assert_same_state(_final_state(ref, 5), _final_state(run, 5))

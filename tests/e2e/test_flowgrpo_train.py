@@ -261,16 +261,16 @@ def test_bypass_and_recompute_give_the_same_first_update(tmp_path: Path) -> None
         (["--set", "async.stall_timeout_s=-1"], "async.stall_timeout_s=-1.0 must be > 0"),
         ([*ASYNC, "--set", "algorithm.name=diffusionnft", "--set", "rollout.noise_level=0"],
          "algorithm.name='diffusionnft' is not supported with placement.mode=disaggregated"),
-        ([*ASYNC, "--set", "rollout.engine=vllm_omni"],
-         "rollout.engine='vllm_omni' is not supported with placement.mode=disaggregated"),
+        ([*ASYNC, "--set", "rollout.engine=vllm_omni", "--set", "rollout.vllm_omni_process=inline"],
+         "rollout.vllm_omni_process='inline' is not supported with placement.mode=disaggregated"),
         ([*ASYNC, "--set", "rollout.transformer=trainer"],
          "rollout.transformer='trainer' is not supported with placement.mode=disaggregated"),
         ([*ASYNC, "--set", "model.lora.rank=4", "--set", "rollout.lora_sync=adapter"],
          "rollout.lora_sync='adapter' is not supported with placement.mode=disaggregated"),
         ([*WAN, *ASYNC], "model.family='wan' is not supported with placement.mode=disaggregated"),
-        ([*ASYNC, "--set", "rollout.engine=vllm_omni", "--dry-run"],
-         "rollout.engine='vllm_omni' is not supported with placement.mode=disaggregated: only the embedded diffusers "
-         "engine is double-buffered (the dry run above plans it; a launch refuses it)"),
+        ([*ASYNC, "--set", "rollout.engine=vllm_omni", "--set", "rollout.quantization=fp8", "--dry-run"],
+         "rollout.quantization='fp8' is not supported with placement.mode=disaggregated: vLLM-Omni's FP8 linears "
+         "reload layer-wise in place and have no back buffer in the engine's workers"),
     ],
 )
 def test_bad_config_fails_before_work(tmp_path: Path, args: list[str], message: str, monkeypatch: pytest.MonkeyPatch,

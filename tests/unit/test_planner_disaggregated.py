@@ -122,10 +122,12 @@ def test_dry_run_plans_then_refuses_what_the_trainer_cannot_run_yet(capsys: pyte
     from megatron_omni.trainer.dry_run import dry_run
 
     cfg = _disaggregated_config(engine="vllm_omni")
-    with pytest.raises(ConfigError, match="rollout.engine='vllm_omni' is not supported"):
+    cfg.validate(2)  # the rollout ranks own vLLM-Omni Omni engines (docs/async.md)
+    cfg.rollout.quantization = "fp8"
+    with pytest.raises(ConfigError, match="rollout.quantization='fp8' is not supported"):
         cfg.validate(2)  # a launch refuses it before any work
     cfg.validate(2, planning=True)
-    with pytest.raises(ConfigError, match=r"rollout.engine='vllm_omni' is not supported .* a launch refuses it"):
+    with pytest.raises(ConfigError, match=r"rollout.quantization='fp8' is not supported .* a launch refuses it"):
         dry_run(cfg, 2, "H200")
     out = capsys.readouterr().out
-    assert "disaggregated: 1 trainer + 1 rollout GPUs" in out and "not runnable yet: rollout.engine='vllm_omni'" in out
+    assert "disaggregated: 1 trainer + 1 rollout GPUs" in out and "not runnable yet: rollout.quantization='fp8'" in out

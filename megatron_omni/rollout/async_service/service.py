@@ -87,7 +87,11 @@ class RolloutService:
             while True:
                 msg = recv_object(self.root, self.requests_group, IDLE_WAIT_S)
                 if isinstance(msg, Weights):
-                    self.receiver.receive(msg)
+                    try:
+                        self.receiver.receive(msg)  # the broadcast runs to its end even when the engine fails
+                    except Exception as e:  # noqa: BLE001 - the main loop raises it; this thread keeps the channel
+                        self._inbox.put(e)
+                        continue
                     self.stats["weights_received"] += 1
                 elif isinstance(msg, Request):
                     self.receiver.want(msg.version)
@@ -149,6 +153,7 @@ class RolloutService:
         control.start()
         sender.start()
         step = None  # the step being served, for the failure report
+        failed = False
         try:
             while True:
                 t0 = time.perf_counter()
@@ -170,11 +175,15 @@ class RolloutService:
                 step = None
         except BaseException:
             self._outbox.put(Failed(self.rank, step, traceback.format_exc()))
+            failed = True
             raise
         finally:
             self.stats["swaps"] = self.receiver.swaps
+            self.stats["swap_probe_diffs"] = list(self.receiver.probe_diffs)
             self._outbox.put(Bye(self.rank, dict(self.stats)))
             sender.join(timeout=self.settings.liveness_timeout_s)
+            if failed:  # stay until the trainer, told, stops this rank (bounded): its sends meanwhile still land
+                control.join(timeout=self.settings.liveness_timeout_s)
         control.join(timeout=self.settings.liveness_timeout_s)
         return self.stats
 

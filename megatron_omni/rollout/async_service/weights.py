@@ -52,13 +52,31 @@ class DoubleBuffer(DiffusersTarget):
             p.data = self._params[name]
             self._params[name] = old
 
+    def begin(self) -> None:
+        """Nothing: the bridge's coverage check covers the back buffer in this process."""
+
+    def finish(self) -> None:
+        """Nothing (see `begin`)."""
+
+
+def async_buffer(engine: Any) -> Any:
+    """The back buffer the asynchronous rollout swaps in `engine`: an embedded diffusers engine's transformer
+    (`DoubleBuffer`, in this process), or a vLLM-Omni `Omni` engine's workers (`vllm_omni.back_buffer.RpcBackBuffer`,
+    over `collective_rpc`). Refuses any other engine, naming its weight sink."""
+    sink = engine.weight_sink()
+    if sink.kind == "diffusers" and sink.target is not None and hasattr(sink.target, "module"):
+        return DoubleBuffer(sink.target.module)
+    if sink.kind == "vllm_omni" and sink.target is not None and not engine.in_process and engine.tp == 1:
+        from megatron_omni.rollout.vllm_omni.back_buffer import RpcBackBuffer
+
+        return RpcBackBuffer(engine._rpc)
+    raise ValueError(f"the asynchronous rollout double-buffers an embedded diffusers engine's transformer or a "
+                     f"vLLM-Omni Omni engine's workers at rollout tp 1; this engine's weight sink is {sink.kind!r}")
+
 
 def check_async_engine(engine: Any) -> None:
-    """Refuse an engine the asynchronous rollout cannot double-buffer yet, naming the setting."""
-    sink = engine.weight_sink()
-    if sink.kind != "diffusers" or sink.target is None or not hasattr(sink.target, "module"):
-        raise ValueError(f"the asynchronous rollout double-buffers an embedded diffusers engine's transformer "
-                         f"(rollout.engine=diffusers); this engine's weight sink is {sink.kind!r}")
+    """Refuse an engine the asynchronous rollout cannot double-buffer, naming the setting."""
+    async_buffer(engine)
 
 
 class WeightReceiver:
@@ -69,11 +87,10 @@ class WeightReceiver:
 
     def __init__(self, engine: Any, plan: Any, transport: Any, trainer_dtype: torch.dtype, rank: int,
                  wait_timeout_s: float) -> None:
-        check_async_engine(engine)
         self.engine = engine
         self.rank = rank
         self.wait_timeout_s = wait_timeout_s
-        self.buffer = DoubleBuffer(engine.weight_sink().target.module)
+        self.buffer = async_buffer(engine)
         self.sync = WeightSync(plan, sources=None, target=self.buffer, transport=transport, dtype=trainer_dtype)
         self.probe = probe_trajectory(engine.transformer_config())
         self.tolerance = probe_tolerance(trainer_dtype, engine.dtype)
@@ -86,6 +103,8 @@ class WeightReceiver:
         self.last_sync: SyncStats | None = None
         self.swaps = 0
         self.last_probe_diff: float | None = None
+        self.probe_diffs: list[float] = []  # every swap's probe max |difference|, in order
+        self._failure: BaseException | None = None  # a receive that failed (the engine's back-buffer RPCs)
 
     def want(self, version: int) -> None:
         """A request for `version` was received: keep that version in the back buffer until it is swapped in."""
@@ -106,7 +125,15 @@ class WeightReceiver:
             # A back buffer that a received request still needs is not overwritten: wait for its swap.
             self._cond.wait_for(lambda: self.back_version is None or self._wanted[self.back_version] == 0)
             self.back_version = None  # being written
-        stats = self.sync.sync()
+        self.buffer.begin()
+        try:
+            stats = self.sync.sync()
+            self.buffer.finish()  # the engine's workers refuse a partial update (the bridge's coverage check, here)
+        except BaseException as exc:
+            with self._cond:
+                self._failure = exc  # `ensure` raises it instead of waiting for a version that cannot come
+                self._cond.notify_all()
+            raise
         with self._cond:
             self.back_version = msg.version
             self._probe_means = msg.probe_means
@@ -122,7 +149,12 @@ class WeightReceiver:
             return 0.0
         t0 = time.perf_counter()
         with self._cond:
-            if not self._cond.wait_for(lambda: self.back_version == version, timeout=self.wait_timeout_s):
+            arrived = self._cond.wait_for(lambda: self.back_version == version or self._failure is not None,
+                                          timeout=self.wait_timeout_s)
+            if self._failure is not None:
+                raise RuntimeError(f"rollout rank {self.rank}: receiving a policy version failed, version {version} "
+                                   f"cannot be swapped in: {self._failure}") from self._failure
+            if not arrived:
                 raise TimeoutError(f"rollout rank {self.rank}: policy version {version} did not arrive within "
                                    f"{self.wait_timeout_s:.0f} s (live {self.live_version}, back "
                                    f"{self.back_version})")
@@ -136,6 +168,7 @@ class WeightReceiver:
                                                      self.tolerance, f"after the swap to policy version {version} "
                                                      f"on rollout rank {self.rank}")
         self.swaps += 1
+        self.probe_diffs.append(float(self.last_probe_diff))
         return time.perf_counter() - t0
 
 

@@ -37,6 +37,8 @@ from typing import Any
 
 import torch
 
+from megatron_omni.rollout.vllm_omni.back_buffer import BackBufferWorkerExtension
+
 WORKER_EXTENSION = "megatron_omni.rollout.vllm_omni.worker.FlowGRPOWorkerExtension"
 
 
@@ -148,7 +150,7 @@ class ReceiverTarget:
         return {n for n, _ in items}
 
 
-class FlowGRPOWorkerExtension:
+class FlowGRPOWorkerExtension(BackBufferWorkerExtension):
     """Mixed into vLLM-Omni's `DiffusionWorker`; every method runs on each worker via `collective_rpc`."""
 
     # vLLM-Omni uses CustomPipelineWorkerExtension's re_init_pipeline to build a custom pipeline, but only
