@@ -16,6 +16,7 @@ trainer both write it, so `mcore-to-hf` and `inspect` work on either.
 from __future__ import annotations
 
 import os
+import queue
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +24,7 @@ import torch
 import torch.distributed as dist
 from megatron.core import dist_checkpointing
 from megatron.core.dist_checkpointing.mapping import ShardedStateDict, ShardedTensor
+from megatron.core.dist_checkpointing.strategies import filesystem_async
 
 from megatron_omni.checkpoint.errors import CheckpointError
 from megatron_omni.models.dit.model import DiTStage
@@ -103,6 +105,20 @@ def model_sharded_state_dict(model: DiTStage, prefix: str = "") -> ShardedStateD
     return out
 
 
+def synchronous_write_results() -> None:
+    """Collect Megatron's checkpoint write results in this process (call before `dist_checkpointing.save`).
+
+    Megatron-Core's torch_dist writer hands its results through a queue made by a *spawned*
+    `multiprocessing.Manager` the first time a process saves, so that an asynchronous save (run in another process)
+    can reach it. A spawned process re-imports the caller's `__main__` (the trainer entry point: torch and
+    megatron-core again), 5-13 s on two cores, and the first save waits for it. Our saves are synchronous: the
+    writer puts and gets its results in the saving process itself (`write_preloaded_data_multiproc` puts,
+    `retrieve_write_results` gets), so a plain in-process queue carries them with nothing started. An asynchronous
+    save (none here) would need Megatron's own queue back."""
+    if filesystem_async._results_queue is None:
+        filesystem_async._results_queue = queue.Queue()
+
+
 def save_model_checkpoint(model: DiTStage, checkpoint_dir: str | Path, family: str,
                           diffusers_config: dict[str, Any], prefix: str = "") -> None:
     """Save `model` (all ranks call this) with its content metadata. The folder is created here."""
@@ -110,6 +126,7 @@ def save_model_checkpoint(model: DiTStage, checkpoint_dir: str | Path, family: s
     if dist.get_rank() == 0:
         os.makedirs(ckpt, exist_ok=True)
     dist.barrier()
+    synchronous_write_results()
     dist_checkpointing.save(
         model_sharded_state_dict(model, prefix), ckpt,
         content_metadata=content_metadata(family, diffusers_config, model_layout(model)),

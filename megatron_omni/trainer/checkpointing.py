@@ -48,7 +48,7 @@ from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
 
 from megatron_omni.checkpoint import CheckpointError, manifest
-from megatron_omni.checkpoint.sharded_state import model_sharded_state_dict
+from megatron_omni.checkpoint.sharded_state import model_sharded_state_dict, synchronous_write_results
 from megatron_omni.trainer.config import ConfigError
 
 ModelShardedState = Callable[[torch.nn.Module], ShardedStateDict]
@@ -279,6 +279,7 @@ def save_checkpoint(run_dir: Path, step: int, model: torch.nn.Module | None, opt
     dist.broadcast_object_list(shared, src=0)
     state["common"], state["scheduler"] = shared
     try:
+        synchronous_write_results()
         dist_checkpointing.save(state, str(tmp), content_metadata=content_metadata)
         # Each rank checksums the data files it wrote (torch DCP names them __<rank>_<n>.distcp), in parallel.
         mine = manifest.entries(tmp, [n for n in manifest.content_files(tmp) if n.startswith(f"__{rank}_")])

@@ -11,7 +11,14 @@ from pathlib import Path
 
 import pytest
 
-from tests.e2e.test_flowgrpo_train import _assert_same_state, _final_state, _kill_after_checkpoint, _rewards, _train
+from tests.e2e.test_flowgrpo_train import (
+    _assert_same_state,
+    _Background,
+    _final_state,
+    _kill_after_checkpoint,
+    _rewards,
+    _train,
+)
 
 RECIPE = ["--recipe", "examples.ar_dit.recipe:tiny"]
 STEPS = 8
@@ -53,11 +60,11 @@ def test_sigkill_and_resume_is_bit_identical(tmp_path: Path) -> None:
     # A decoder lr of its own: two optimizer parameter groups to match on load.
     args = [*RECIPE, "--set", "steps=4", "--set", "checkpoint.every=1", "--set", "checkpoint.keep=5",
             "--set", "ar_dit.decoder_lr_scale=0.5"]
-    ref = tmp_path / "uninterrupted"
-    done = _train(ref, *args)
+    ref, run = tmp_path / "uninterrupted", tmp_path / "killed"
+    with _Background(ref, *args) as uninterrupted:  # one rank each: the reference runs while the other is killed
+        _kill_after_checkpoint(run, 2, *args)
+        done = uninterrupted.result()
     assert done.returncode == 0, done.stderr[-3000:]
-    run = tmp_path / "killed"
-    _kill_after_checkpoint(run, 2, *args)
     resumed = _train(run, *args, "--resume", "auto")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "resumed from" in resumed.stdout + resumed.stderr

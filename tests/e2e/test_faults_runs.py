@@ -20,7 +20,16 @@ import pytest
 
 from megatron_omni.trainer.preemption import REPEAT_WINDOW_S
 from tests.e2e.conftest import FAULT_STEPS as STEPS
-from tests.e2e.test_flowgrpo_train import ROOT, SHORT, _assert_same_state, _env, _final_state, _rewards, _train
+from tests.e2e.test_flowgrpo_train import (
+    ROOT,
+    SHORT,
+    _assert_same_state,
+    _Background,
+    _env,
+    _final_state,
+    _rewards,
+    _train,
+)
 
 # A refusal happens before any work: seconds, however slow the machine (imports dominate).
 REFUSAL_S = 60
@@ -64,7 +73,14 @@ def test_overwrite_and_auto_or_new_start_one_new_run(first_run: Path, tmp_path: 
     shutil.copytree(first_run, run)
     (run / "notes.txt").write_text("mine")
     old_id = json.loads((run / "config.json").read_text())["run_id"]
-    proc = _train(run, "--overwrite", "--set", "steps=1")
+    # auto-or-new on a folder without a checkpoint (a run lost before its first one), checked below: its run goes
+    # on meanwhile (one rank each, independent folders).
+    lost = tmp_path / "lost"
+    lost.mkdir()
+    (lost / "metrics.jsonl").write_text(json.dumps({"step": 0, "reward_mean": 0.0}) + "\n")
+    with _Background(lost, "--resume", "auto-or-new", "--set", "steps=1") as auto_or_new:
+        proc = _train(run, "--overwrite", "--set", "steps=1")
+        lost_proc = auto_or_new.result()
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "--overwrite: removed" in proc.stdout
     assert (run / "notes.txt").read_text() == "mine", "--overwrite removed a file that is not the run's"
@@ -72,12 +88,8 @@ def test_overwrite_and_auto_or_new_start_one_new_run(first_run: Path, tmp_path: 
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step_000001"]
     new_id = json.loads((run / "config.json").read_text())["run_id"]
     assert new_id != old_id and (run / "checkpoints" / "step_000001" / "RUN_ID").read_text().strip() == new_id
-    # auto-or-new on a folder without a checkpoint (a run lost before its first one): a new run, old records gone.
-    lost = tmp_path / "lost"
-    lost.mkdir()
-    (lost / "metrics.jsonl").write_text(json.dumps({"step": 0, "reward_mean": 0.0}) + "\n")
-    proc = _train(lost, "--resume", "auto-or-new", "--set", "steps=1")
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    # auto-or-new on a folder without a checkpoint: a new run, old records gone.
+    assert lost_proc.returncode == 0, lost_proc.stderr[-3000:]
     assert _steps(lost) == [0] and _rewards(lost)[0] == _rewards(first_run)[0]
 
 

@@ -12,6 +12,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -31,12 +32,48 @@ def _env() -> dict[str, str]:
     return {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
 
 
-def _train(run_dir: Path, *args: str, nproc: int = 1, timeout: float = 900) -> subprocess.CompletedProcess:
+def _command(run_dir: Path, *args: str, nproc: int = 1) -> list[str]:
     base = [sys.executable, "-m", "megatron_omni.train", "--set", f"run_dir={run_dir}", *SHORT, *args]
     if nproc > 1:
         base = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
                 "--master-port", str(free_port()), "-m", "megatron_omni.train", *base[3:]]
-    return subprocess.run(base, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=timeout)
+    return base
+
+
+def _train(run_dir: Path, *args: str, nproc: int = 1, timeout: float = 900) -> subprocess.CompletedProcess:
+    return subprocess.run(_command(run_dir, *args, nproc=nproc), cwd=ROOT, env=_env(), capture_output=True, text=True,
+                          timeout=timeout)
+
+
+class _Background:
+    """`_train` started now and finished later: runs that do not depend on each other run at once (one-rank runs
+    take one core each, OMP_NUM_THREADS=1; the machine has two), the suite's budget. `result()` waits and returns
+    what `_train` would; leaving the `with` block kills the run if it is still going (a failed assertion)."""
+
+    def __init__(self, run_dir: Path, *args: str, nproc: int = 1, timeout: float = 900) -> None:
+        self.timeout = timeout
+        self.proc = subprocess.Popen(_command(run_dir, *args, nproc=nproc), cwd=ROOT, env=_env(), text=True,
+                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+        self.done: subprocess.CompletedProcess | None = None
+
+    def result(self) -> subprocess.CompletedProcess:
+        if self.done is None:
+            try:
+                out, err = self.proc.communicate(timeout=self.timeout)
+            except subprocess.TimeoutExpired:
+                self.__exit__()
+                raise
+            self.done = subprocess.CompletedProcess(self.proc.args, self.proc.returncode, out, err)
+        return self.done
+
+    def __enter__(self) -> _Background:
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        if self.proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.communicate()
 
 
 def _rewards(run_dir: Path) -> list[float]:
@@ -80,20 +117,39 @@ def _kill_after_checkpoint(run: Path, step: int, *args: str) -> None:
     assert marker.exists(), f"the run never reached its step-{step} checkpoint"
 
 
-def _resumes_bit_identically(ref: Path, run: Path, kill_at: int, last: int, *args: str) -> None:
-    """A run SIGKILLed after its step-`kill_at` checkpoint and resumed with `--resume auto` ends with the model and
-    optimizer state of the uninterrupted run `ref` at step `last`, bit for bit."""
-    _kill_after_checkpoint(run, kill_at, *args)
+def _resumes_bit_identically(ref: Path, run: Path, kill_at: int, last: int, *args: str, killed: bool = False) -> None:
+    """A run SIGKILLed after its step-`kill_at` checkpoint (here, or by the caller: `killed`) and resumed with
+    `--resume auto` ends with the model and optimizer state of the uninterrupted run `ref` at step `last`, bit for
+    bit."""
+    if not killed:
+        _kill_after_checkpoint(run, kill_at, *args)
     resumed = _train(run, *args, "--resume", "auto")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "resumed from" in resumed.stdout + resumed.stderr
     _assert_same_state(_final_state(ref, last), _final_state(run, last))
 
 
+BF16 = ["--set", "model.params_dtype=bf16", "--set", "rollout.dtype=bf16"]
+
+
+@pytest.fixture(scope="module")
+def one_rank_runs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, tuple[Path, _Background]]]:
+    """The module's independent one-rank runs, started together when the first of their tests needs one (each takes
+    one core; they overlap each other and the tests in between): name -> (run folder, its `_Background`)."""
+    root = tmp_path_factory.mktemp("one_rank")
+    args = {"tp1": ["--set", "steps=8"], "bf16": ["--set", "steps=8", *BF16],
+            # A bf16 engine against the fp32 trainer: a gap of ~1e-4.
+            "gap": ["--set", "steps=2", "--set", "rollout.dtype=bf16", "--set", "algorithm.max_logp_gap=1e-7"]}
+    runs = {name: (root / name, _Background(root / name, *a)) for name, a in args.items()}
+    yield runs
+    for _, run in runs.values():
+        run.__exit__()
+
+
 @pytest.mark.slow
-def test_reward_rises_tp1(tmp_path: Path) -> None:
-    run = tmp_path / "tp1"
-    proc = _train(run, "--set", "steps=8")
+def test_reward_rises_tp1(one_rank_runs: dict) -> None:
+    run, background = one_rank_runs["tp1"]
+    proc = background.result()
     assert proc.returncode == 0, proc.stderr[-3000:]
     r = _rewards(run)
     print("tp=1 reward per step:", [f"{x:.3f}" for x in r])
@@ -128,11 +184,13 @@ def test_sigkill_and_resume_is_bit_identical(tmp_path: Path) -> None:
     """With an EMA of the weights kept (optim.ema_decay): it is checkpointed and resumes bit-identically too."""
     steps = ["--set", "steps=4", "--set", "checkpoint.every=1", "--set", "checkpoint.keep=5",
              "--set", "optim.ema_decay=0.9"]
-    ref = tmp_path / "uninterrupted"
-    assert _train(ref, *steps).returncode == 0
-
-    run = tmp_path / "killed"
-    _resumes_bit_identically(ref, run, 2, 4, *steps)
+    ref, run, plain = tmp_path / "uninterrupted", tmp_path / "killed", tmp_path / "plain"
+    # The reference and the EMA-less run of the refusal below run while the killed run runs and resumes.
+    with _Background(ref, *steps) as uninterrupted, _Background(plain, "--set", "steps=1") as without_ema:
+        _kill_after_checkpoint(run, 2, *steps)
+        assert uninterrupted.result().returncode == 0, uninterrupted.result().stderr[-3000:]
+        _resumes_bit_identically(ref, run, 2, 4, *steps, killed=True)
+        assert without_ema.result().returncode == 0, without_ema.result().stderr[-3000:]
     assert _rewards(ref)[-1] == _rewards(run)[-1]
     model = _final_state(ref, 4)["model"]
     ema = [k for k in model if k.startswith("ema.")]
@@ -150,8 +208,6 @@ def test_sigkill_and_resume_is_bit_identical(tmp_path: Path) -> None:
     assert exports["weights"].keys() == exports["ema"].keys()
     assert any(not torch.equal(v, exports["ema"][k]) for k, v in exports["weights"].items())
     # A checkpoint without an EMA cannot resume a job that keeps one: refused by name.
-    plain = tmp_path / "plain"
-    assert _train(plain, "--set", "steps=1").returncode == 0
     refused = _train(plain, "--set", "steps=2", "--set", "optim.ema_decay=0.9", "--resume", "auto")
     assert refused.returncode != 0 and "holds no EMA of the weights" in refused.stderr, refused.stderr[-2000:]
 
@@ -164,8 +220,10 @@ def test_fp8_rollout_reward_rises_and_resumes_bit_identically(tmp_path: Path) ->
     quantizer's state is rebuilt from the synced weights)."""
     steps = ["--set", "steps=8", "--set", "rollout.quantization=fp8", "--set", "algorithm.is_cap=2",
              "--set", "checkpoint.every=4", "--set", "checkpoint.keep=5"]
-    ref = tmp_path / "uninterrupted"
-    proc = _train(ref, *steps)
+    ref, run = tmp_path / "uninterrupted", tmp_path / "killed"
+    with _Background(ref, *steps) as uninterrupted:  # runs while the other run is killed
+        _kill_after_checkpoint(run, 4, *steps)
+        proc = uninterrupted.result()
     assert proc.returncode == 0, proc.stderr[-3000:]
     r = _rewards(ref)
     records = [json.loads(line) for line in (ref / "metrics.jsonl").read_text().splitlines()]
@@ -178,8 +236,7 @@ def test_fp8_rollout_reward_rises_and_resumes_bit_identically(tmp_path: Path) ->
         assert 0 < m["train_rollout_dlogp"] < 1e-2 and 0 < m["sync_probe_quant_diff"] <= m["sync_probe_quant_bound"]
         assert m["is_truncated_frac"] == 0.0 and m["is_weight_max"] <= 2.0
 
-    run = tmp_path / "killed"
-    _resumes_bit_identically(ref, run, 4, 8, *steps)
+    _resumes_bit_identically(ref, run, 4, 8, *steps, killed=True)
     assert _rewards(ref) == _rewards(run)
 
 
@@ -189,8 +246,9 @@ def test_bypass_and_recompute_give_the_same_first_update(tmp_path: Path) -> None
     # The engine samples with its own diffusers copy (not the trainer's module), so the two implementations
     # must agree.
     own = ["--set", "steps=1", "--set", "rollout.transformer=engine"]
-    assert _train(a, *own).returncode == 0
-    assert _train(b, *own, "--set", "algorithm.old_logprob=bypass").returncode == 0
+    with _Background(a, *own) as recompute, _Background(b, *own, "--set", "algorithm.old_logprob=bypass") as bypass:
+        assert recompute.result().returncode == 0, recompute.result().stderr[-3000:]
+        assert bypass.result().returncode == 0, bypass.result().stderr[-3000:]
     sa, sb = _final_state(a, 1), _final_state(b, 1)
     # The rollout and trainer log-probs agree to ~1e-8, not bit for bit, and Adam's first step is nearly
     # sign(grad) * lr: the updates must agree to 0.1% of one step (lr = 3e-3 in the demo recipe).
@@ -315,15 +373,12 @@ def test_dry_run_prints_the_plan_without_work(tmp_path: Path) -> None:
     assert not run.exists()
 
 
-BF16 = ["--set", "model.params_dtype=bf16", "--set", "rollout.dtype=bf16"]
-
-
 @pytest.mark.slow
-def test_reward_rises_bf16(tmp_path: Path) -> None:
+def test_reward_rises_bf16(one_rank_runs: dict) -> None:
     """bf16 mixed precision end to end: bf16 model and engine (sharing the module at one rank), fp32 main
     params and Adam state, fp32 SDE math and log-probs."""
-    run = tmp_path / "bf16"
-    proc = _train(run, "--set", "steps=8", *BF16)
+    run, background = one_rank_runs["bf16"]
+    proc = background.result()
     assert proc.returncode == 0, proc.stderr[-3000:]
     r = _rewards(run)
     print("bf16 reward per step:", [f"{x:.3f}" for x in r])
@@ -354,10 +409,8 @@ def test_bf16_distributed_optimizer_resumes_bit_identically(tmp_path: Path) -> N
 
 
 @pytest.mark.slow
-def test_a_log_prob_gap_above_the_bound_exits_4(tmp_path: Path) -> None:
-    run = tmp_path / "gap"
-    # A bf16 engine against the fp32 trainer: a gap of ~1e-4.
-    proc = _train(run, "--set", "steps=2", "--set", "rollout.dtype=bf16", "--set", "algorithm.max_logp_gap=1e-7")
+def test_a_log_prob_gap_above_the_bound_exits_4(one_rank_runs: dict) -> None:
+    proc = one_rank_runs["gap"][1].result()
     assert proc.returncode == 4, proc.stderr[-3000:]
     assert "train/rollout mismatch: step 0: mean |logp_trainer - logp_rollout|" in proc.stderr, proc.stderr[-2000:]
     assert "exceeds algorithm.max_logp_gap = 1.000e-07" in proc.stderr

@@ -28,14 +28,35 @@ def _env() -> dict[str, str]:
     return {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
 
 
-def _pretrain(out: Path, *args: str, nproc: int = 1) -> subprocess.CompletedProcess:
+def _command(out: Path, *args: str, nproc: int = 1) -> list[str]:
     cmd = [sys.executable, TOOL, "--out", str(out), *SHORT, *args]
     if nproc > 1:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-port",
                str(free_port()), *cmd[1:]]
-    proc = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=600)
+    return cmd
+
+
+def _pretrain(out: Path, *args: str, nproc: int = 1) -> subprocess.CompletedProcess:
+    proc = subprocess.run(_command(out, *args, nproc=nproc), cwd=ROOT, env=_env(), capture_output=True, text=True,
+                          timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc
+
+
+def _pretrain_at_once(*runs: tuple[Path, list[str], int]) -> None:
+    """`_pretrain` of each (out, args, nproc) at the same time: independent runs (own folders and ports, one core
+    per rank at OMP_NUM_THREADS=1) overlap on the two cores instead of waiting for each other (the suite's budget)."""
+    procs = [subprocess.Popen(_command(out, *args, nproc=nproc), cwd=ROOT, env=_env(), stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True, start_new_session=True) for out, args, nproc in runs]
+    try:
+        for proc in procs:
+            out = proc.communicate(timeout=600)[0]
+            assert proc.returncode == 0, out[-6000:]
+    finally:  # a failed or timed-out run: none of the others outlives the test
+        for proc in procs:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.communicate()
 
 
 def _assert_refused(argv: list[str], message: str, out: Path) -> None:
@@ -61,10 +82,16 @@ def _tool():
 
 
 @pytest.fixture(scope="module")
-def built(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("pretrain") / "pipeline"
-    _pretrain(out)
-    return out
+def builds(tmp_path_factory) -> tuple[Path, Path]:
+    """The default command run twice at once into two folders: the module's pipeline and its rebuild (same seed)."""
+    root = tmp_path_factory.mktemp("pretrain")
+    _pretrain_at_once((root / "pipeline", [], 1), (root / "again", [], 1))
+    return root / "pipeline", root / "again"
+
+
+@pytest.fixture(scope="module")
+def built(builds: tuple[Path, Path]) -> Path:
+    return builds[0]
 
 
 def test_folder_is_a_complete_offline_pipeline(built: Path) -> None:
@@ -87,9 +114,8 @@ def test_folder_is_a_complete_offline_pipeline(built: Path) -> None:
     assert traj.latents.shape[-2] == 64  # 16 x 16 latent packed 2 x 2: 64 image tokens
 
 
-def test_same_seed_rebuilds_the_same_folder(built: Path, tmp_path: Path) -> None:
-    again = tmp_path / "again"
-    _pretrain(again)
+def test_same_seed_rebuilds_the_same_folder(builds: tuple[Path, Path]) -> None:
+    built, again = builds
     for part in ("transformer", "vae", "text_encoder"):
         for f in sorted((built / part).glob("*.safetensors")):
             assert f.read_bytes() == (again / part / f.name).read_bytes(), f"{part}/{f.name} differs"
@@ -136,8 +162,7 @@ def trained(built: Path, tmp_path_factory) -> dict:
     assert proc.returncode == 0, rest + log.read_text()[-3000:]
     steps = json.loads((out / "pretrain.json").read_text())["transformer_steps"]
     same = [*args[len(SHORT):], "--max-steps", str(steps)]
-    _pretrain(root / "reference", *same)
-    _pretrain(root / "tp2", *same, "--tp", "2", nproc=2)
+    _pretrain_at_once((root / "reference", same, 1), (root / "tp2", [*same, "--tp", "2"], 2))
     return {"interrupted": out, "reference": root / "reference", "tp2": root / "tp2", "steps": steps}
 
 
@@ -207,15 +232,14 @@ def test_pixel_space_folder_continues_and_lends_its_vae(tmp_path: Path) -> None:
     assert gray.shape == (3, 64, 64) and torch.equal(gray[0], gray[1]) and torch.equal(gray[1], gray[2])
     # One continuation for both halves of the layout rule: the flag given (--max-offset) wins, every other key
     # (font sizes, colours, offset step: none of them the defaults) is the folder's.
-    more = tmp_path / "more"
-    _pretrain(more, "--init-from", str(pixel), "--seed", "1", "--max-offset", "0")
+    more, lent = tmp_path / "more", tmp_path / "lent"
+    _pretrain_at_once((more, ["--init-from", str(pixel), "--seed", "1", "--max-offset", "0"], 1),
+                      (lent, ["--vae-from", str(pixel)], 1))
     assert json.loads((more / "model_index.json").read_text())["vae"] == index["vae"]
     continued = json.loads((more / "pretrain.json").read_text())
     assert continued["args"]["space"] == "pixel" and continued["layout"] == {**layout, "max_offset": 0}
     vae_config = json.loads((pixel / "vae" / "config.json").read_text())
     assert json.loads((more / "vae" / "config.json").read_text()) == vae_config
-    lent = tmp_path / "lent"
-    _pretrain(lent, "--vae-from", str(pixel))
     assert json.loads((lent / "vae" / "config.json").read_text()) == vae_config
     for flag in ("--init-from", "--vae-from"):
         _assert_refused(["--out", str(tmp_path / "refused"), *SHORT, flag, str(pixel), "--space", "pixel"],

@@ -37,12 +37,17 @@ def save_hybrid(model, checkpoint_dir: str | Path, hybrid_config: dict[str, Any]
     the hybrid config as content metadata."""
     from megatron.core import dist_checkpointing
 
-    from megatron_omni.checkpoint.sharded_state import ar_dit_content_metadata, ar_dit_sharded_state_dict
+    from megatron_omni.checkpoint.sharded_state import (
+        ar_dit_content_metadata,
+        ar_dit_sharded_state_dict,
+        synchronous_write_results,
+    )
 
     ckpt = str(checkpoint_dir)
     if dist.get_rank() == 0:
         os.makedirs(ckpt, exist_ok=True)
     dist.barrier()
+    synchronous_write_results()
     dist_checkpointing.save(ar_dit_sharded_state_dict(model), ckpt,
                             content_metadata=ar_dit_content_metadata(hybrid_config))
 
