@@ -1,7 +1,8 @@
-"""Fixtures shared by the e2e fault tests."""
+"""Fixtures shared by the e2e tests."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -12,12 +13,27 @@ from tests.e2e.test_flowgrpo_train import _train
 FAULT_STEPS = ["--set", "steps=4", "--set", "checkpoint.every=2", "--set", "checkpoint.keep=5"]
 
 
+@pytest.fixture(scope="module", autouse=True)
+def no_inherited_rendezvous() -> None:
+    """Drop MASTER_ADDR / MASTER_PORT from this process before each e2e module: tests/distributed runs first and
+    leaves them set in this process (the whole suite shows it, a module alone does not), and a one-rank run that inherits MASTER_PORT binds
+    that port instead of a free one, so two runs a test overlaps fail with EADDRINUSE (seen only in the whole
+    suite). Tests that need a rendezvous set their own."""
+    _drop_rendezvous()
+
+
+def _drop_rendezvous() -> None:
+    for name in ("MASTER_ADDR", "MASTER_PORT"):
+        os.environ.pop(name, None)
+
+
 @pytest.fixture(scope="session")
 def first_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """An uninterrupted 4-step run with checkpoints after steps 2 and 4 (the reference a fault test compares
     with); one for the whole session (test_faults_checkpoints.py and test_faults_runs.py each built their own, the
     same run twice), never modified (tests copy it; test_faults_runs.py checks that a refused start leaves it
     untouched)."""
+    _drop_rendezvous()  # a session fixture is set up before the module's autouse one
     run = tmp_path_factory.mktemp("runs") / "first"
     proc = _train(run, *FAULT_STEPS)
     assert proc.returncode == 0, proc.stderr[-3000:]
