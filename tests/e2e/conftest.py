@@ -16,9 +16,9 @@ FAULT_STEPS = ["--set", "steps=4", "--set", "checkpoint.every=2", "--set", "chec
 @pytest.fixture(scope="module", autouse=True)
 def no_inherited_rendezvous() -> None:
     """Drop MASTER_ADDR / MASTER_PORT from this process before each e2e module: tests/distributed runs first and
-    leaves them set in this process (the whole suite shows it, a module alone does not), and a one-rank run that inherits MASTER_PORT binds
-    that port instead of a free one, so two runs a test overlaps fail with EADDRINUSE (seen only in the whole
-    suite). Tests that need a rendezvous set their own."""
+    leaves them set here (the whole suite shows it, a module alone does not), and a one-rank run that inherits
+    MASTER_PORT binds that port instead of a free one, so two runs a test overlaps fail with EADDRINUSE. Tests
+    that need a rendezvous set their own."""
     _drop_rendezvous()
 
 
