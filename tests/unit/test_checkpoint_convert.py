@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 import random
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -21,10 +22,11 @@ from safetensors.torch import save_file
 
 from megatron_omni.checkpoint.convert import hf_to_mcore, mcore_to_hf
 from megatron_omni.checkpoint.errors import CheckpointError
-from megatron_omni.checkpoint.sharded_state import content_metadata
+from megatron_omni.checkpoint.sharded_state import content_metadata, read_content_metadata
 from megatron_omni.checkpoint.streaming import save_streaming, single_process_group
 from megatron_omni.checkpoint.summary import format_summary, inspect_checkpoint
 from model_providers.qwen_image import provider
+from tools.checkpoint.convert import main
 
 # ------------------------------------------------------------------------------------------------ helpers
 
@@ -38,14 +40,20 @@ def random_config(seed: int) -> dict[str, Any]:
                 joint_attention_dim=r.choice([8, 20, 36]), axes_dims_rope=axes)
 
 
-def diffusers_model(config: str | dict[str, Any], seed: int = 0, dtype: torch.dtype = torch.float32):
-    """diffusers' transformer with random non-zero weights (its adaLN starts at zero otherwise)."""
+def random_model(model_cls: type, config: dict[str, Any], seed: int = 0, dtype: torch.dtype = torch.float32):
+    """`model_cls(**config)` (a diffusers transformer) with random non-zero weights (adaLN starts at zero
+    otherwise), a function of the seed only."""
     torch.manual_seed(seed)
-    model = QwenImageTransformer2DModel(**provider.hf_config(config))
+    model = model_cls(**config)
     with torch.no_grad():
         for p in model.parameters():
             p.normal_(0.0, 0.2)
     return model.to(dtype).eval()
+
+
+def diffusers_model(config: str | dict[str, Any], seed: int = 0, dtype: torch.dtype = torch.float32):
+    """diffusers' Qwen-Image transformer with random non-zero weights."""
+    return random_model(QwenImageTransformer2DModel, provider.hf_config(config), seed, dtype)
 
 
 def write_diffusers(folder: Path, config: str | dict[str, Any], seed: int = 0, dtype: torch.dtype = torch.float32,
@@ -53,6 +61,21 @@ def write_diffusers(folder: Path, config: str | dict[str, Any], seed: int = 0, d
     """A diffusers transformer folder (sharded safetensors + index) written by diffusers itself."""
     diffusers_model(config, seed, dtype).save_pretrained(folder, max_shard_size=max_shard_size)
     return folder
+
+
+def assert_round_trip_byte_exact(src: Path, work: Path, family: str, class_name: str,
+                                 hf_config: Callable[[dict], dict]) -> None:
+    """A sharded diffusers folder `src` through `hf-to-mcore` and back (`mcore-to-hf`) under `work`: the checkpoint
+    names `family` and `class_name`, every tensor comes back byte-identical and the config equal (as `hf_config`
+    normalises it)."""
+    assert len(list(src.glob("*.safetensors"))) > 1  # sharded, with an index
+    assert main(["hf-to-mcore", str(src), str(work / "mcore"), "--no-progress"]) == 0
+    meta = read_content_metadata(work / "mcore")
+    source_config = json.loads((src / "config.json").read_text())
+    assert meta["family"] == family and meta["diffusers_config"]["_class_name"] == class_name
+    assert main(["mcore-to-hf", str(work / "mcore"), str(work / "back"), "--no-progress"]) == 0
+    assert tensor_hashes(work / "back") == tensor_hashes(src)
+    assert hf_config(json.loads((work / "back" / "config.json").read_text())) == hf_config(source_config)
 
 
 def write_raw(folder: Path, config: dict[str, Any], state: dict[str, torch.Tensor]) -> Path:

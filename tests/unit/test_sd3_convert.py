@@ -12,22 +12,16 @@ import pytest
 import torch
 from diffusers import SD3Transformer2DModel, StableDiffusion3Pipeline
 
-from megatron_omni.checkpoint.sharded_state import read_content_metadata
 from model_providers import get_family
 from model_providers.sd3 import provider
 from model_providers.sd3.tiny_pipeline import make_tiny_pipeline
-from tests.unit.test_checkpoint_convert import tensor_hashes
+from tests.unit.test_checkpoint_convert import assert_round_trip_byte_exact, random_model, tensor_hashes
 from tools.checkpoint.convert import main
 
 
 def write_sd3_folder(folder: Path, config: dict, seed: int = 0, dtype: torch.dtype = torch.float32) -> Path:
     """A diffusers SD3 transformer folder with random non-zero weights, sharded (written by diffusers)."""
-    torch.manual_seed(seed)
-    model = SD3Transformer2DModel(**config)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.normal_(0.0, 0.2)
-    model.to(dtype).save_pretrained(folder, max_shard_size="100KB")
+    random_model(SD3Transformer2DModel, config, seed, dtype).save_pretrained(folder, max_shard_size="100KB")
     return folder
 
 
@@ -35,14 +29,7 @@ def write_sd3_folder(folder: Path, config: dict, seed: int = 0, dtype: torch.dty
 def test_round_trip_is_byte_exact(tmp_path: Path, dtype: torch.dtype, dual: tuple[int, ...]) -> None:
     config = dict(provider.hf_config("tiny"), dual_attention_layers=dual)
     src = write_sd3_folder(tmp_path / "hf", config, dtype=dtype)
-    assert len(list(src.glob("*.safetensors"))) > 1  # sharded, with an index
-    assert main(["hf-to-mcore", str(src), str(tmp_path / "mcore"), "--no-progress"]) == 0
-    meta = read_content_metadata(tmp_path / "mcore")
-    assert meta["family"] == "sd3" and meta["diffusers_config"]["_class_name"] == "SD3Transformer2DModel"
-    assert main(["mcore-to-hf", str(tmp_path / "mcore"), str(tmp_path / "back"), "--no-progress"]) == 0
-    assert tensor_hashes(tmp_path / "back") == tensor_hashes(src)
-    back = json.loads((tmp_path / "back" / "config.json").read_text())
-    assert provider.hf_config(back) == provider.hf_config(json.loads((src / "config.json").read_text()))
+    assert_round_trip_byte_exact(src, tmp_path, "sd3", "SD3Transformer2DModel", provider.hf_config)
 
 
 def test_mappings_follow_the_dual_attention_blocks() -> None:

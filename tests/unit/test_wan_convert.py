@@ -5,41 +5,27 @@ nothing written."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
 import torch
 from diffusers import WanTransformer3DModel
 
-from megatron_omni.checkpoint.sharded_state import read_content_metadata
 from model_providers.wan import provider
-from tests.unit.test_checkpoint_convert import tensor_hashes
+from tests.unit.test_checkpoint_convert import assert_round_trip_byte_exact, random_model
 from tools.checkpoint.convert import main
 
 
 def write_wan_folder(folder: Path, config: dict, seed: int = 0, dtype: torch.dtype = torch.float32) -> Path:
     """A diffusers Wan transformer folder with random non-zero weights, sharded (written by diffusers)."""
-    torch.manual_seed(seed)
-    model = WanTransformer3DModel(**config)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.normal_(0.0, 0.2)
-    model.to(dtype).save_pretrained(folder, max_shard_size="100KB")
+    random_model(WanTransformer3DModel, config, seed, dtype).save_pretrained(folder, max_shard_size="100KB")
     return folder
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_round_trip_is_byte_exact(tmp_path: Path, dtype: torch.dtype) -> None:
     src = write_wan_folder(tmp_path / "hf", provider.hf_config("tiny"), dtype=dtype)
-    assert len(list(src.glob("*.safetensors"))) > 1  # sharded, with an index
-    assert main(["hf-to-mcore", str(src), str(tmp_path / "mcore"), "--no-progress"]) == 0
-    meta = read_content_metadata(tmp_path / "mcore")
-    assert meta["family"] == "wan" and meta["diffusers_config"]["_class_name"] == "WanTransformer3DModel"
-    assert main(["mcore-to-hf", str(tmp_path / "mcore"), str(tmp_path / "back"), "--no-progress"]) == 0
-    assert tensor_hashes(tmp_path / "back") == tensor_hashes(src)
-    back = json.loads((tmp_path / "back" / "config.json").read_text())
-    assert provider.hf_config(back) == provider.hf_config(json.loads((src / "config.json").read_text()))
+    assert_round_trip_byte_exact(src, tmp_path, "wan", "WanTransformer3DModel", provider.hf_config)
 
 
 def test_an_image_to_video_wan_is_refused_by_name(tmp_path: Path, capsys) -> None:
