@@ -34,25 +34,33 @@ class DecoderMapping:
     stage: str  # "pre" (first pipeline stage), "block", "post" (last stage)
 
 
-def layer_mappings(layer: int) -> list[DecoderMapping]:
-    """The mappings of decoder layer `layer` (0-based, global)."""
-    m, h = f"decoder.layers.{layer}.", f"model.layers.{layer}."
-    attn = f"{h}self_attn."
+def layer_mappings(layer: int, hf_root: str = "model.", meg_suffix: str = "",
+                   hf_suffix: str = "") -> list[DecoderMapping]:
+    """The mappings of decoder layer `layer` (0-based, global).
+
+    hf_root: the prefix of the Qwen2 model's names (BAGEL's LLM: `language_model.model.`); meg_suffix, hf_suffix:
+    one expert's suffix on each Megatron module and each Qwen2 module (BAGEL's generation expert: `_gen` and
+    `_moe_gen`, as in `q_proj_moe_gen.weight` and `mlp_moe_gen.gate_proj.weight`); empty for a plain decoder.
+    """
+    s, g = meg_suffix, hf_suffix
+    m, h = f"decoder.layers.{layer}.", f"{hf_root}layers.{layer}."
+    attn, mlp = f"{h}self_attn.", f"{h}mlp{g}."
     out = [
-        DecoderMapping(f"{m}input_layernorm.weight", (f"{h}input_layernorm.weight",), "copy", None, layer, "block"),
-        DecoderMapping(f"{m}self_attention.linear_qkv.weight",
-                       (f"{attn}q_proj.weight", f"{attn}k_proj.weight", f"{attn}v_proj.weight"),
-                       "fuse_qkv", 0, layer, "block"),
-        DecoderMapping(f"{m}self_attention.linear_qkv.bias",
-                       (f"{attn}q_proj.bias", f"{attn}k_proj.bias", f"{attn}v_proj.bias"),
-                       "fuse_qkv", 0, layer, "block"),
-        DecoderMapping(f"{m}self_attention.linear_proj.weight", (f"{attn}o_proj.weight",), "copy", 1, layer,
+        DecoderMapping(f"{m}input_layernorm{s}.weight", (f"{h}input_layernorm{g}.weight",), "copy", None, layer,
                        "block"),
-        DecoderMapping(f"{m}pre_mlp_layernorm.weight", (f"{h}post_attention_layernorm.weight",), "copy", None,
+        DecoderMapping(f"{m}self_attention.linear_qkv{s}.weight",
+                       (f"{attn}q_proj{g}.weight", f"{attn}k_proj{g}.weight", f"{attn}v_proj{g}.weight"),
+                       "fuse_qkv", 0, layer, "block"),
+        DecoderMapping(f"{m}self_attention.linear_qkv{s}.bias",
+                       (f"{attn}q_proj{g}.bias", f"{attn}k_proj{g}.bias", f"{attn}v_proj{g}.bias"),
+                       "fuse_qkv", 0, layer, "block"),
+        DecoderMapping(f"{m}self_attention.linear_proj{s}.weight", (f"{attn}o_proj{g}.weight",), "copy", 1, layer,
+                       "block"),
+        DecoderMapping(f"{m}pre_mlp_layernorm{s}.weight", (f"{h}post_attention_layernorm{g}.weight",), "copy", None,
                        layer, "block"),
-        DecoderMapping(f"{m}mlp.linear_fc1.weight", (f"{h}mlp.gate_proj.weight", f"{h}mlp.up_proj.weight"),
+        DecoderMapping(f"{m}mlp{s}.linear_fc1.weight", (f"{mlp}gate_proj.weight", f"{mlp}up_proj.weight"),
                        "fuse_gate_up", 0, layer, "block"),
-        DecoderMapping(f"{m}mlp.linear_fc2.weight", (f"{h}mlp.down_proj.weight",), "copy", 1, layer, "block"),
+        DecoderMapping(f"{m}mlp{s}.linear_fc2.weight", (f"{mlp}down_proj.weight",), "copy", 1, layer, "block"),
     ]
     return out
 

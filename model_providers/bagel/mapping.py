@@ -12,40 +12,18 @@ use them; they stay a frozen replicated module): `FROZEN_PREFIXES` names them fo
 from __future__ import annotations
 
 from model_providers.ar_dit.decoder_mapping import DecoderMapping
+from model_providers.ar_dit.decoder_mapping import layer_mappings as qwen2_layer_mappings
 
 FROZEN_PREFIXES = ("vit_model.", "connector.", "vit_pos_embed.")
-
-
-def _expert(layer: int, gen: bool) -> list[DecoderMapping]:
-    s, g = ("_gen", "_moe_gen") if gen else ("", "")
-    m, h = f"decoder.layers.{layer}.", f"language_model.model.layers.{layer}."
-    a = f"{h}self_attn."
-    mlp = f"{h}mlp{g}."
-    out = [
-        DecoderMapping(f"{m}input_layernorm{s}.weight", (f"{h}input_layernorm{g}.weight",), "copy", None, layer,
-                       "block"),
-        DecoderMapping(f"{m}self_attention.linear_qkv{s}.weight",
-                       (f"{a}q_proj{g}.weight", f"{a}k_proj{g}.weight", f"{a}v_proj{g}.weight"), "fuse_qkv", 0,
-                       layer, "block"),
-        DecoderMapping(f"{m}self_attention.linear_qkv{s}.bias",
-                       (f"{a}q_proj{g}.bias", f"{a}k_proj{g}.bias", f"{a}v_proj{g}.bias"), "fuse_qkv", 0, layer,
-                       "block"),
-        DecoderMapping(f"{m}self_attention.linear_proj{s}.weight", (f"{a}o_proj{g}.weight",), "copy", 1, layer,
-                       "block"),
-        DecoderMapping(f"{m}pre_mlp_layernorm{s}.weight", (f"{h}post_attention_layernorm{g}.weight",), "copy", None,
-                       layer, "block"),
-        DecoderMapping(f"{m}mlp{s}.linear_fc1.weight", (f"{mlp}gate_proj.weight", f"{mlp}up_proj.weight"),
-                       "fuse_gate_up", 0, layer, "block"),
-        DecoderMapping(f"{m}mlp{s}.linear_fc2.weight", (f"{mlp}down_proj.weight",), "copy", 1, layer, "block"),
-    ]
-    return out
+LLM_ROOT = "language_model.model."  # the Qwen2 model's names in ema.safetensors
 
 
 def layer_mappings(layer: int, qk_norm: bool = True) -> list[DecoderMapping]:
     """Both experts' tensors of decoder layer `layer` (global index)."""
-    out = _expert(layer, False) + _expert(layer, True)
+    out = (qwen2_layer_mappings(layer, LLM_ROOT)
+           + qwen2_layer_mappings(layer, LLM_ROOT, meg_suffix="_gen", hf_suffix="_moe_gen"))
     if qk_norm:
-        h = f"language_model.model.layers.{layer}.self_attn."
+        h = f"{LLM_ROOT}layers.{layer}.self_attn."
         for s, g in (("", ""), ("_gen", "_moe_gen")):
             for which in ("q", "k"):
                 out.append(DecoderMapping(f"decoder.layers.{layer}.self_attention.{which}_layernorm{s}.weight",
@@ -59,7 +37,7 @@ def all_mappings(num_layers: int, qk_norm: bool = True) -> list[DecoderMapping]:
         return DecoderMapping(meg, (hf,), "copy", tp_dim, None, stage)
 
     out = [
-        one("embedding.word_embeddings.weight", "language_model.model.embed_tokens.weight", 0, "pre"),
+        one("embedding.word_embeddings.weight", f"{LLM_ROOT}embed_tokens.weight", 0, "pre"),
         one("time_embedder.linear_1.weight", "time_embedder.mlp.0.weight", None, "pre"),
         one("time_embedder.linear_1.bias", "time_embedder.mlp.0.bias", None, "pre"),
         one("time_embedder.linear_2.weight", "time_embedder.mlp.2.weight", None, "pre"),
@@ -71,8 +49,8 @@ def all_mappings(num_layers: int, qk_norm: bool = True) -> list[DecoderMapping]:
     for layer in range(num_layers):
         out.extend(layer_mappings(layer, qk_norm))
     out += [
-        one("decoder.final_layernorm.weight", "language_model.model.norm.weight", None, "post"),
-        one("decoder.final_layernorm_gen.weight", "language_model.model.norm_moe_gen.weight", None, "post"),
+        one("decoder.final_layernorm.weight", f"{LLM_ROOT}norm.weight", None, "post"),
+        one("decoder.final_layernorm_gen.weight", f"{LLM_ROOT}norm_moe_gen.weight", None, "post"),
         one("llm2vae.weight", "llm2vae.weight", None, "post"),
         one("llm2vae.bias", "llm2vae.bias", None, "post"),
         one("output_layer.weight", "language_model.lm_head.weight", 0, "post"),
