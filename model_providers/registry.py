@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-FAMILY_KINDS = ("dit", "ar_dit")
+FAMILY_KINDS = ("dit", "ar_dit", "mot")
 
 
 @dataclass(frozen=True)
@@ -156,6 +156,10 @@ class ModelFamily:
         has no quantized rollout).
     traits: what a DiT family's pipeline samples and which trainer features it supports (`DiTTraits`); None for
         a family the DiT trainer does not train.
+    trainer: for a family trained by a trainer of its own, the module (a dotted name, data: this room never
+        imports the trainer room) that defines `build_trainer(cfg, groups, run_dir) -> (trainer, reward function
+        or None)` and `check_config(cfg)` (raises ValueError naming a setting the family cannot take); None: the
+        trainer of the family's kind.
 
     The conversion fields (all None for a family without a diffusers transformer folder of its own):
     diffusers_class: the `_class_name` of the family's diffusers transformer config.json (how a folder says
@@ -189,6 +193,7 @@ class ModelFamily:
     megatron_module: type | None = None
     quantized_linears: tuple[str, ...] = ()
     traits: DiTTraits | None = None
+    trainer: str | None = None
     diffusers_class: str | None = None
     arch_config: Callable[[Any], dict[str, Any]] | None = None
     mappings: Callable[[int], list[Any]] | None = None
@@ -251,6 +256,8 @@ def get_family(name: str) -> ModelFamily:
         raise ValueError(f"model_providers/{name}/family.py: kind {family.kind!r} is not one of {FAMILY_KINDS}")
     if family.kind == "dit" and family.traits is None:
         raise ValueError(f"model_providers/{name}/family.py: a DiT family declares its traits (DiTTraits)")
+    if family.kind == "mot" and family.trainer is None:
+        raise ValueError(f"model_providers/{name}/family.py: a MoT family names its trainer module (trainer=)")
     return family
 
 

@@ -217,3 +217,28 @@ def load_bagel_checkpoint(model, checkpoint: str | Path, bucket_bytes: int = DEF
 
 def _geometry_of(cfg, qk_norm: bool) -> tuple[int, bool]:
     return cfg.num_layers, qk_norm
+
+
+def bagel_sharded_state_dict(model) -> dict[str, Any]:
+    """This rank's `ShardedStateDict` of a `BagelMoT` stage (the trainer's checkpoints), keyed by local name,
+    each tensor under its global Megatron name: tp-split tensors sharded along their mapping's dim (the fused
+    SwiGLU fc1 as Megatron-Core's gate/up factory, so it reshards over TP), the rest replicated over tp. The data
+    is the parameter itself, so Megatron's optimizer maps its state onto these keys and loading writes in place."""
+    from megatron.core.dist_checkpointing import ShardedTensor
+    from megatron.core.transformer.mlp import apply_swiglu_sharded_factory
+
+    from model_providers.bagel.provider import local_mappings
+
+    pg = model.pg_collection
+    tp_rank, tp_size, dp_rank = pg.tp.rank(), pg.tp.size(), pg.dp_cp.rank()
+    params = model.state_dict(keep_vars=True)
+    out: dict[str, Any] = {}
+    for name, m in local_mappings(model).items():
+        t = params[name]
+        if m.tp_dim is None:
+            sh = ShardedTensor.from_rank_offsets(m.megatron, t, replica_id=(0, tp_rank, dp_rank))
+        else:
+            sh = ShardedTensor.from_rank_offsets(m.megatron, t, (m.tp_dim, tp_rank, tp_size),
+                                                 replica_id=(0, 0, dp_rank))
+        out[name] = apply_swiglu_sharded_factory(sh, ()) if m.kind == "fuse_gate_up" else sh
+    return out

@@ -221,6 +221,13 @@ def check_family(cfg: Any) -> str:
     family = get_family(cfg.model.family)
     if family.kind == "ar_dit":
         _check_ar_dit(cfg, family)
+    if family.trainer is not None:  # a family with its own trainer checks the settings that trainer reads
+        import importlib
+
+        try:
+            importlib.import_module(family.trainer).check_config(cfg)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
     return family.kind
 
 

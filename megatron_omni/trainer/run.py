@@ -1,6 +1,7 @@
 """The training run of every model family: set-up, the step loop with a progress bar, checkpoints, metrics and
 pictures. The trainer is picked by the family's kind (`model_providers.get_family(model.family).kind`):
-"dit" -> `FlowGRPOTrainer`, "ar_dit" -> `ARDiTTrainer`; both return a `skeleton.StepResult` per step and carry
+"dit" -> `FlowGRPOTrainer`, "ar_dit" -> `ARDiTTrainer`, or the trainer module a family names
+(`ModelFamily.trainer`: BAGEL's `BagelTrainer`); all return a `skeleton.StepResult` per step and carry
 what a checkpoint needs (`model`, `optimizer`, `scheduler`, `ema`, `extra_copies` (other frozen copies by name),
 `sharded_state`, `content_metadata`, `guard`, `checkpoint_identity`: what a resume must match), so this loop, its
 checkpoints and its resume are the same for both."""
@@ -8,6 +9,7 @@ checkpoints and its resume are the same for both."""
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import json
 from pathlib import Path
 
@@ -129,6 +131,8 @@ def build_trainer(cfg: JobConfig, groups, run_dir: Path, job_group=None) -> tupl
     """The trainer of `cfg.model.family`'s kind and the reward client it scores with (None: the trainer scores
     in process). Collective (every rank; `job_group`: the trainer's ranks of a disaggregated job)."""
     family = get_family(cfg.model.family)
+    if family.trainer is not None:  # a family with a trainer of its own names its module (data, not a branch)
+        return importlib.import_module(family.trainer).build_trainer(cfg, groups, run_dir)
     if family.kind == "ar_dit":
         from megatron_omni.trainer.ar_dit import ARDiTTrainConfig, ARDiTTrainer, load_trajectory_reward
 

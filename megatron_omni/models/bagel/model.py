@@ -196,6 +196,15 @@ class BagelMoT(MegatronModule):
         self.input_tensor = input_tensor[0] if isinstance(input_tensor, list) else input_tensor
 
 
+def text_cfg(v_cond: torch.Tensor, v_uncond: torch.Tensor, scale: float, renorm_min: float = 0.0) -> torch.Tensor:
+    """BAGEL's text classifier-free guidance with its `global` renorm (vLLM-Omni's `Bagel._combine_cfg` with the
+    image scale 1): `v' = v_u + scale (v_c - v_u)`, scaled by `clamp(|v_c| / (|v'| + 1e-8), renorm_min, 1)`
+    (norms over the whole [n, p] velocity: one image). Returns [n, p]."""
+    guided = v_uncond + scale * (v_cond - v_uncond)
+    factor = (torch.norm(v_cond) / (torch.norm(guided) + 1e-8)).clamp(min=renorm_min, max=1.0)
+    return guided * factor
+
+
 def pipeline_run(stage_fn, pp_group, shape: tuple[int, ...], dtype: torch.dtype):
     """Run `stage_fn(hidden_or_None)` stage after stage over `pp_group` (forward only, one micro-batch): stage r
     receives [shape] hidden states from stage r - 1 and sends its result to r + 1. Returns the last stage's result

@@ -1,0 +1,284 @@
+"""FlowGRPO on BAGEL's text-to-image generation (`model.family=bagel`, the family's own trainer: its
+`ModelFamily.trainer` names this module).
+
+rollout (vLLM-Omni's BAGEL pipeline with our SDE window, `rollout.vllm_omni.bagel`, in this process) -> rewards
+(the reward function of `reward.*`, in process or a server) -> group advantages -> old log-probs (recomputed by
+our Megatron BAGEL, or the rollout's with `algorithm.old_logprob=bypass`) -> mini-batch updates of the clipped
+surrogate over the window's transitions through Megatron-Core DDP and optimizer -> weight sync into the rollout's
+modules (vLLM-Omni's loader, every rollout parameter written or the sync raises naming it).
+
+The recompute rebuilds what the rollout conditioned on: the prompt's text KV cache (the understanding expert,
+causal, positions 0..L-1), then per window step the generation expert's velocity of the recorded latents at the
+recorded t (image-query tokens at RoPE position L), and under text CFG the unconditional branch (no text KV, RoPE
+position 0) combined with BAGEL's global renorm (`models.bagel.model.text_cfg`); then `algorithms.sde`'s
+log-prob of the recorded next latents.
+
+What trains: the generation expert and the generation-side modules (`planner.mot.is_generation_tensor`: the
+`_gen` MoT weights, time embedder, vae2llm, llm2vae, the generation final norm); the understanding expert, the
+embeddings and the LM head are frozen (text-to-image never reads the LM head; the frozen text pass then runs
+without autograd). Layout: tp and dp (pp 1, no cp); rollout tp 1 in this process.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from megatron_omni.algorithms.advantages import group_advantages
+from megatron_omni.algorithms.loss import flowgrpo_loss
+from megatron_omni.algorithms.sde import sde_step
+from megatron_omni.checkpoint.bagel import bagel_sharded_state_dict
+from megatron_omni.models.bagel.model import latent_position_ids, text_cfg
+from megatron_omni.parallel.platform import seed_everything
+from megatron_omni.planner.mot import is_generation_tensor
+from megatron_omni.rollout.base import FinishedSample
+from megatron_omni.rollout.vllm_omni.bagel import BagelSampling, BagelTrajectory, open_bagel_pipeline
+from megatron_omni.trainer.config import JobConfig, torch_dtype
+from megatron_omni.trainer.grad_guard import GradGuard
+from megatron_omni.trainer.rewards import RewardFunction, gather_rewards
+from megatron_omni.trainer.skeleton import StepResult, UpdateTally, mini_batch_rows, step_metrics, step_prompts, update
+from megatron_omni.trainer.training_state import OptimizerSettings, build_ddp_and_optimizer, build_scheduler
+from model_providers import get_family
+
+CONTENT_KEY = "bagel_rl"
+
+
+def prompt_token_ids(prompt: str, vocab_size: int) -> list[int]:
+    """A prompt's token ids (whitespace-separated integers: the tiny BAGEL has no tokenizer). Raises ValueError
+    naming the prompt."""
+    ids = prompt.split()
+    if not ids or not all(t.isdigit() and int(t) < vocab_size for t in ids):
+        raise ValueError(f"prompt {prompt!r}: a BAGEL prompt here is whitespace-separated token ids in [0, "
+                         f"{vocab_size}) (the tiny BAGEL has no tokenizer)")
+    return [int(t) for t in ids]
+
+
+def check_config(cfg: JobConfig) -> None:
+    """The settings this trainer reads, against what it supports; raises ValueError naming the setting."""
+    from megatron_omni.trainer.config_checks import check_reward
+
+    family = get_family(cfg.model.family)
+    if cfg.model.preset not in family.presets:
+        raise ValueError(f"model.preset={cfg.model.preset!r} must be {'|'.join(family.presets)} for "
+                         f"model.family={family.name} (the model's sizes and its autoencoder come from it)")
+    bcfg = family.config(cfg.model.preset)
+    p, r, a = cfg.parallel, cfg.rollout, cfg.algorithm
+    stride = bcfg["bagel"]["vae_config"]["downsample"] * bcfg["bagel"]["latent_patch_size"]
+    side = stride * bcfg["bagel"]["max_latent_size"]
+    refused = [
+        (p.pp != 1 or p.ulysses != 1 or p.ring != 1, "parallel", "BAGEL RL runs tp x dp (pp 1: the trainer's "
+         "backward is not pipelined; no context parallelism)"),
+        (r.engine != "vllm_omni", "rollout.engine", "must be vllm_omni (vLLM-Omni's BAGEL pipeline)"),
+        (r.vllm_omni_process != "inline", "rollout.vllm_omni_process", "must be inline (the BAGEL pipeline runs "
+         "in the trainer's process)"),
+        (r.tp != 1, "rollout.tp", "must be 1"),
+        (a.name != "flowgrpo", "algorithm.name", "must be flowgrpo"),
+        (a.beta != 0, "algorithm.beta", "must be 0 (no reference copy)"),
+        (a.is_cap not in (None, 0), "algorithm.is_cap", "must be unset"),
+        (cfg.model.lora.rank != 0, "model.lora.rank", "must be 0 (no LoRA for BAGEL yet)"),
+        (cfg.optim.ema_decay != 0, "optim.ema_decay", "must be 0"),
+        (bool(cfg.eval.prompts), "eval.prompts", "must be empty (no held-out evaluation for BAGEL yet)"),
+        (r.height % stride or r.width % stride or max(r.height, r.width) > side, "rollout.height/width",
+         f"must be multiples of {stride} up to {side}"),
+        (r.num_steps < 2, "rollout.num_steps", "must be >= 2"),
+        (r.negative_prompt not in (None, ""), "rollout.negative_prompt", "must be unset (BAGEL's unconditional "
+         "branch is the empty text cache)"),
+        (cfg.model.pipeline != "tiny" and not (Path(cfg.model.pipeline) / "ema.safetensors").exists(),
+         "model.pipeline", "must be tiny or a BAGEL folder (ema.safetensors, llm_config.json, ...)"),
+    ]
+    for bad, name, why in refused:
+        if bad:
+            raise ValueError(f"{name}: {why} with model.family={family.name}")
+    vocab = int(bcfg["llm_config"]["vocab_size"])
+    for prompt in cfg.prompts:
+        prompt_token_ids(prompt, vocab)
+    sampling(cfg, bcfg)  # the window against the steps
+    check_reward(cfg)
+
+
+def sampling(cfg: JobConfig, bcfg: dict[str, Any]) -> BagelSampling:
+    """The rollout's sampler settings from `rollout.*` (BAGEL's schedule has num_steps + 1 points; its shift is
+    the folder's `timestep_shift`; `guidance_scale` is BAGEL's text CFG scale)."""
+    from megatron_omni.algorithms.window import check_window
+
+    r = cfg.rollout
+    s = BagelSampling(num_timesteps=r.num_steps + 1, timestep_shift=float(bcfg["bagel"]["timestep_shift"]),
+                      noise_level=r.noise_level, window_size=r.window_size,
+                      window_range=tuple(r.window_range) if r.window_range is not None else None,
+                      sde_type=r.sde_type, cfg_text_scale=max(1.0, r.guidance_scale), height=r.height, width=r.width)
+    check_window(s.num_steps, s.window_size, s.window_bounds())
+    return s
+
+
+def prepare_folder(cfg: JobConfig, run_dir: Path) -> Path:
+    """The BAGEL folder to train: `model.pipeline`, or for "tiny" the preset's seeded tiny folder written into
+    the run folder (rank 0, once)."""
+    if cfg.model.pipeline != "tiny":
+        return Path(cfg.model.pipeline)
+    from model_providers.bagel.provider import write_bagel_folder
+
+    path = run_dir / "bagel"
+    if dist.get_rank() == 0 and not path.exists():
+        write_bagel_folder(path, cfg.model.preset, seed=cfg.model.tiny_seed)
+    dist.barrier()
+    return path
+
+
+def build_trainer(cfg: JobConfig, groups: Any, run_dir: Path) -> tuple[BagelTrainer, None]:
+    """The family trainer entry point (`ModelFamily.trainer`): the trainer, which scores in process (None)."""
+    return BagelTrainer(cfg, groups, run_dir), None
+
+
+class BagelTrainer:
+    """Model, optimizer, rollout pipeline and reward function of one rank."""
+
+    sharded_state = staticmethod(bagel_sharded_state_dict)
+    checkpoint_identity: dict = {}  # nothing beyond the model config a resume must match (no LoRA base)
+    ema = None
+    extra_copies: dict = {}
+
+    def __init__(self, cfg: JobConfig, groups: Any, run_dir: str | Path) -> None:
+        from model_providers.bagel.provider import read_bagel_folder
+
+        self.cfg, self.groups = cfg, groups
+        seed_everything(cfg.seed, tp_rank=groups.tp.rank())
+        self.family = get_family(cfg.model.family)
+        folder = prepare_folder(cfg, Path(run_dir))
+        bcfg, state = read_bagel_folder(folder)
+        bcfg["ae"] = self.family.config(cfg.model.preset)["ae"]  # the folder stores the autoencoder's weights only
+        self.bcfg = bcfg
+        self.sampling = sampling(cfg, bcfg)
+        vocab = int(bcfg["llm_config"]["vocab_size"])
+        tok = bcfg["tokens"]
+        self.prompts = [[tok["bos_token_id"], *prompt_token_ids(p, vocab), tok["eos_token_id"]] for p in cfg.prompts]
+        self.model = self.family.build_model(bcfg, groups, params_dtype=torch_dtype(cfg.model.params_dtype))
+        self.family.load_state(self.model, state)
+        for name, p in self.model.named_parameters():
+            p.requires_grad_(is_generation_tensor(name))
+        self.markers = torch.tensor([tok["start_of_image"], tok["end_of_image"]])
+        self._stack = contextlib.ExitStack()
+        self.engine = self._stack.enter_context(open_bagel_pipeline(bcfg, folder, torch_dtype(cfg.rollout.dtype)))
+        o = cfg.optim
+        self.ddp, self.optimizer = build_ddp_and_optimizer(
+            self.model, self.model.config, groups.mcore,
+            OptimizerSettings(lr=o.lr, weight_decay=o.weight_decay, adam_beta1=o.adam_beta1,
+                              adam_beta2=o.adam_beta2, adam_eps=o.adam_eps, clip_grad=o.clip_grad))
+        self.scheduler = build_scheduler(self.optimizer, o.lr, o.weight_decay, o.warmup_steps,
+                                         cfg.steps * o.mini_batches)
+        self.guard = GradGuard(o.max_bad_steps)
+        self.reward_fn = RewardFunction(cfg.reward.scorer, cfg.reward.url, cfg.reward.timeout_s, None,
+                                        cfg.reward.options)
+
+    # ----------------------------------------------------------------------------------- checkpoints
+    def content_metadata(self, step: int) -> dict[str, Any]:
+        """What a checkpoint records about the model: the BAGEL config (the same after every step)."""
+        return {CONTENT_KEY: {"format_version": 1, "config": {k: self.bcfg[k] for k in
+                                                              ("llm_config", "bagel", "tokens")}}}
+
+    def sync_weights(self) -> float:
+        """Load the trained weights into the rollout's vLLM-Omni modules (full tensors gathered over tp; the
+        rollout refuses an unknown, missing or misshapen tensor by name); returns the seconds. Collective."""
+        t0 = time.perf_counter()
+        self.engine.load_weights(self.family.export_state(self.model))
+        return time.perf_counter() - t0
+
+    def close(self) -> None:
+        """Leave vLLM-Omni's parallel state (the rollout pipeline's)."""
+        self._stack.close()
+
+    # ------------------------------------------------------------------------------------- log-probs
+    def velocity(self, text_kv: Any, prompt_len: int, latents: torch.Tensor, grid: tuple[int, int], t: float,
+                 cfg_scale: float, renorm_min: float) -> torch.Tensor:
+        """The guided velocity [n, p] (fp32) of latents [n, p] at BAGEL's t, conditioned on a prompt's text KV
+        (`prompt_len` tokens), on an h x w latent-token `grid`; text CFG when `cfg_scale` > 1 (the unconditional
+        branch: no text, RoPE position 0)."""
+        h, w = grid
+        n = latents.shape[0]
+        dtype = self.model.config.params_dtype
+        pos = latent_position_ids(h, w, self.bcfg["bagel"]["max_latent_size"])
+        ts = torch.full((n,), float(t), dtype=dtype)
+        x = latents.to(dtype)
+        v = self.model.stage_velocity(text_kv, prompt_len, self.markers, x, ts, pos).float()
+        if cfg_scale > 1:
+            v_uncond = self.model.stage_velocity(None, 0, self.markers, x, ts, pos).float()
+            v = text_cfg(v, v_uncond, cfg_scale, renorm_min)
+        return v
+
+    def log_probs(self, traj: BagelTrajectory) -> torch.Tensor:
+        """Window log-probs [N, W] of `traj` under the current model (differentiable where grad is enabled)."""
+        rows = []
+        for i in range(len(traj)):
+            ids = traj.prompt_ids[i]
+            with torch.no_grad():  # the understanding expert is frozen: the text KV carries no gradient
+                _, kv, _ = self.model.stage_text(ids)
+            steps = []
+            for j in range(traj.window_size):
+                x = traj.latents[i, j]
+                v = self.velocity(kv, ids.shape[0], x, traj.grid, float(traj.sigmas[i, j]),
+                                  float(traj.cfg_scales[i, j]), traj.cfg_renorm_min)
+                out = sde_step(x[None], v[None], float(traj.sigmas[i, j]), float(traj.sigmas_next[i, j]),
+                               traj.noise_level, traj.sde_type, sigma_after_one=float(traj.sigma_after_one[i]),
+                               next_latents=traj.next_latents[i, j][None])
+                steps.append(out.log_prob[0])
+            rows.append(torch.stack(steps))
+        return torch.stack(rows)
+
+    # ------------------------------------------------------------------------------------------ a step
+    def train_step(self, step: int) -> StepResult:
+        """One RL step: rollout, rewards, advantages, old log-probs, mini-batch updates, weight sync."""
+        c, r, g = self.cfg, self.cfg.rollout, self.groups
+        t: dict[str, float] = {}
+        prompts, gids, seeds = step_prompts(self.prompts, c.seed, step, r.prompts_per_step, r.group_size,
+                                            g.dp.rank(), g.dp.size())
+        ids = [torch.tensor(prompts[k // r.group_size]) for k in range(len(seeds))]
+        group_ids = [gids[k // r.group_size] for k in range(len(seeds))]
+        t0 = time.perf_counter()
+        traj = self.engine.generate(ids, self.sampling, seeds, group_ids)
+        t["rollout"] = time.perf_counter() - t0
+        texts = [" ".join(str(int(x)) for x in p[1:-1]) for p in traj.prompt_ids]
+        t0 = time.perf_counter()
+        self.reward_fn.begin(len(traj))
+        for k in range(len(traj)):
+            self.reward_fn.on_sample(FinishedSample(k, texts[k], group_ids[k], seeds[k], traj.images[k]))
+        rewards = self.reward_fn.collect().float()
+        t["reward"] = time.perf_counter() - t0
+        all_r, all_g, offset = gather_rewards(g.dp, rewards, traj.group_ids)
+        adv = group_advantages(all_r, all_g, std_mode=c.algorithm.std_mode, clip=c.algorithm.adv_clip)
+        advantages = adv.advantages[offset: offset + len(traj)]
+        t0 = time.perf_counter()
+        if c.algorithm.old_logprob == "recompute":
+            with torch.no_grad():
+                old = self.log_probs(traj)
+        else:
+            old = traj.log_probs
+        t["old_logprob"] = time.perf_counter() - t0
+        gap = (old - traj.log_probs).abs()
+        t0 = time.perf_counter()
+        metrics = self._update(traj, old, advantages, step)
+        t["train"] = time.perf_counter() - t0
+        t["sync"] = self.sync_weights()
+        metrics.update(step_metrics(all_r, adv.zero_std_ratio, float(gap.mean()), t, g.layout.world_size))
+        metrics["train_rollout_dlogp_max"] = float(gap.max())
+        return StepResult(metrics, traj, rewards, traj.images, texts)
+
+    def _update(self, traj: BagelTrajectory, old: torch.Tensor, adv: torch.Tensor, step: int) -> dict[str, float]:
+        c = self.cfg
+        sums: dict[str, float] = {}
+        tally = UpdateTally()
+        chunks = mini_batch_rows(len(traj), c.seed, step, c.optim.mini_batches)
+        for rows in chunks:
+            def backward(rows: torch.Tensor = rows) -> dict[str, Any]:
+                loss = flowgrpo_loss(self.log_probs(traj.select(rows)), old[rows], adv[rows], c.algorithm.clip_range)
+                loss.loss.backward()
+                return loss.metrics
+
+            res, metrics = update(self.ddp, self.optimizer, self.scheduler, self.guard, self.groups.mcore, backward)
+            tally.add(res)
+            for k, v in metrics.items():
+                sums[k] = sums.get(k, 0.0) + float(v) / len(chunks)
+        return {**sums, **tally.metrics(self.optimizer)}
