@@ -115,6 +115,44 @@ def sampling(cfg: JobConfig, bcfg: dict[str, Any]) -> BagelSampling:
     return s
 
 
+def velocity(model: Any, text_kv: Any, prompt_len: int, markers: torch.Tensor, latents: torch.Tensor,
+             grid: tuple[int, int], t: float, cfg_scale: float, renorm_min: float) -> torch.Tensor:
+    """The guided velocity [n, p] (fp32) of our `BagelMoT` (pp 1) for latents [n, p] at BAGEL's t on an h x w
+    latent-token `grid`, conditioned on a prompt's text KV (`prompt_len` tokens; `markers` the start / end of
+    image ids); text CFG when `cfg_scale` > 1 (the unconditional branch: no text KV, RoPE position 0)."""
+    h, w = grid
+    n = latents.shape[0]
+    dtype = model.config.params_dtype
+    pos = latent_position_ids(h, w, model.arch.max_latent_size)
+    ts = torch.full((n,), float(t), dtype=dtype)
+    x = latents.to(dtype)
+    v = model.stage_velocity(text_kv, prompt_len, markers, x, ts, pos).float()
+    if cfg_scale > 1:
+        v = text_cfg(v, model.stage_velocity(None, 0, markers, x, ts, pos).float(), cfg_scale, renorm_min)
+    return v
+
+
+def window_log_probs(model: Any, traj: BagelTrajectory, markers: torch.Tensor) -> torch.Tensor:
+    """Window log-probs [N, W] of a rollout's trajectory under our `BagelMoT` (pp 1): per sample the prompt's text
+    KV (no autograd: the understanding expert is frozen), then per window step the guided velocity of the recorded
+    latents and `algorithms.sde`'s log-prob of the recorded next latents; differentiable where grad is on."""
+    rows = []
+    for i in range(len(traj)):
+        ids = traj.prompt_ids[i]
+        with torch.no_grad():
+            _, kv, _ = model.stage_text(ids)
+        steps = []
+        for j in range(traj.window_size):
+            x, s = traj.latents[i, j], float(traj.sigmas[i, j])
+            v = velocity(model, kv, ids.shape[0], markers, x, traj.grid, s, float(traj.cfg_scales[i, j]),
+                         traj.cfg_renorm_min)
+            out = sde_step(x[None], v[None], s, float(traj.sigmas_next[i, j]), traj.noise_level, traj.sde_type,
+                           sigma_after_one=float(traj.sigma_after_one[i]), next_latents=traj.next_latents[i, j][None])
+            steps.append(out.log_prob[0])
+        rows.append(torch.stack(steps))
+    return torch.stack(rows)
+
+
 def prepare_folder(cfg: JobConfig, run_dir: Path) -> Path:
     """The BAGEL folder to train: `model.pipeline`, or for "tiny" the preset's seeded tiny folder written into
     the run folder (rank 0, once)."""
@@ -191,43 +229,6 @@ class BagelTrainer:
         """Leave vLLM-Omni's parallel state (the rollout pipeline's)."""
         self._stack.close()
 
-    # ------------------------------------------------------------------------------------- log-probs
-    def velocity(self, text_kv: Any, prompt_len: int, latents: torch.Tensor, grid: tuple[int, int], t: float,
-                 cfg_scale: float, renorm_min: float) -> torch.Tensor:
-        """The guided velocity [n, p] (fp32) of latents [n, p] at BAGEL's t, conditioned on a prompt's text KV
-        (`prompt_len` tokens), on an h x w latent-token `grid`; text CFG when `cfg_scale` > 1 (the unconditional
-        branch: no text, RoPE position 0)."""
-        h, w = grid
-        n = latents.shape[0]
-        dtype = self.model.config.params_dtype
-        pos = latent_position_ids(h, w, self.bcfg["bagel"]["max_latent_size"])
-        ts = torch.full((n,), float(t), dtype=dtype)
-        x = latents.to(dtype)
-        v = self.model.stage_velocity(text_kv, prompt_len, self.markers, x, ts, pos).float()
-        if cfg_scale > 1:
-            v_uncond = self.model.stage_velocity(None, 0, self.markers, x, ts, pos).float()
-            v = text_cfg(v, v_uncond, cfg_scale, renorm_min)
-        return v
-
-    def log_probs(self, traj: BagelTrajectory) -> torch.Tensor:
-        """Window log-probs [N, W] of `traj` under the current model (differentiable where grad is enabled)."""
-        rows = []
-        for i in range(len(traj)):
-            ids = traj.prompt_ids[i]
-            with torch.no_grad():  # the understanding expert is frozen: the text KV carries no gradient
-                _, kv, _ = self.model.stage_text(ids)
-            steps = []
-            for j in range(traj.window_size):
-                x = traj.latents[i, j]
-                v = self.velocity(kv, ids.shape[0], x, traj.grid, float(traj.sigmas[i, j]),
-                                  float(traj.cfg_scales[i, j]), traj.cfg_renorm_min)
-                out = sde_step(x[None], v[None], float(traj.sigmas[i, j]), float(traj.sigmas_next[i, j]),
-                               traj.noise_level, traj.sde_type, sigma_after_one=float(traj.sigma_after_one[i]),
-                               next_latents=traj.next_latents[i, j][None])
-                steps.append(out.log_prob[0])
-            rows.append(torch.stack(steps))
-        return torch.stack(rows)
-
     # ------------------------------------------------------------------------------------------ a step
     def train_step(self, step: int) -> StepResult:
         """One RL step: rollout, rewards, advantages, old log-probs, mini-batch updates, weight sync."""
@@ -253,7 +254,7 @@ class BagelTrainer:
         t0 = time.perf_counter()
         if c.algorithm.old_logprob == "recompute":
             with torch.no_grad():
-                old = self.log_probs(traj)
+                old = window_log_probs(self.model, traj, self.markers)
         else:
             old = traj.log_probs
         t["old_logprob"] = time.perf_counter() - t0
@@ -273,7 +274,8 @@ class BagelTrainer:
         chunks = mini_batch_rows(len(traj), c.seed, step, c.optim.mini_batches)
         for rows in chunks:
             def backward(rows: torch.Tensor = rows) -> dict[str, Any]:
-                loss = flowgrpo_loss(self.log_probs(traj.select(rows)), old[rows], adv[rows], c.algorithm.clip_range)
+                new = window_log_probs(self.model, traj.select(rows), self.markers)
+                loss = flowgrpo_loss(new, old[rows], adv[rows], c.algorithm.clip_range)
                 loss.loss.backward()
                 return loss.metrics
 

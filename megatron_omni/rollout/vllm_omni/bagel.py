@@ -321,7 +321,7 @@ def _pipeline_class() -> type:
             rec = [[r for r in record] for record, _ in per]
             stack = lambda k: torch.stack([torch.stack([r[k] for r in rs]) for rs in rec])  # noqa: E731
             scalars = lambda k: torch.tensor([[r[k] for r in rs] for rs in rec], dtype=torch.float32)  # noqa: E731
-            images = torch.stack([torch.from_numpy(np.asarray(im)).permute(2, 0, 1).float() / 255 for _, im in per])
+            images = torch.stack([torch.from_numpy(np.array(im)).permute(2, 0, 1).float() / 255 for _, im in per])
             d = self.bagel.latent_downsample
             return BagelTrajectory(
                 prompt_ids=[ids.long().clone() for ids in prompt_ids], latents=stack(0), next_latents=stack(1),
