@@ -101,3 +101,120 @@ def generation_step_flops(model: str | dict[str, Any], image_tokens: int, prompt
     p = arch(cfg).patch_latent_dim
     io = 2 * image_tokens * (2 * p * h) + 2 * image_tokens * (256 * h + h * h)  # vae2llm, llm2vae, time embedder
     return n_layers * (2 * q * linear + attn) + io
+
+
+# Megatron's activation estimate per layer and token without recomputation, bf16: 34 h bytes (flash attention: no
+# score matrix), divided over tp (sequence-parallel-free CPU form: the full layer count on one stage).
+ACTIVATION_BYTES_PER_TOKEN_HIDDEN = 34
+# What the allocator and the runtime keep beside the model's tensors (CUDA context, NCCL buffers, fragmentation).
+RESERVED_BYTES = 6 * GIB
+
+
+@dataclass(frozen=True)
+class MoTPlan:
+    """One BAGEL RL layout on one GPU kind: tp (dp = gpus / tp), the trainer's memory (`MoTMemory`), the activations
+    of one sample's window step (forward + backward, both CFG branches), the rollout's own bf16 copy of the model
+    (vLLM-Omni's BAGEL pipeline in the trainer's process at rollout tp 1: both experts, the ViT and VAE left out as
+    small), the total against the GPU's memory, and the step's forward FLOPs per GPU."""
+
+    gpu: str
+    tp: int
+    dp: int
+    memory: MoTMemory
+    activations: int
+    rollout_copy: int
+    reserved: int
+    capacity: int
+    step_flops_per_gpu: float
+    step_s: float
+
+    @property
+    def total(self) -> int:
+        return self.memory.total + self.activations + self.rollout_copy + self.reserved
+
+    @property
+    def fits(self) -> bool:
+        return self.total <= self.capacity
+
+    def lines(self) -> list[str]:
+        return [f"{self.gpu} tp={self.tp} dp={self.dp}: {self.memory.gib()}",
+                f"  + activations {self.activations / GIB:.1f} GiB + rollout copy {self.rollout_copy / GIB:.1f} GiB "
+                f"+ reserved {self.reserved / GIB:.1f} GiB = {self.total / GIB:.1f} GiB of {self.capacity / GIB:.1f} "
+                f"GiB: {'fits' if self.fits else 'does not fit'}",
+                f"  step: {self.step_flops_per_gpu / 1e12:.0f} TFLOPs per GPU, about {self.step_s:.0f} s at the "
+                f"assumed MFU"]
+
+
+def plan_mot(model: str | dict[str, Any], gpu: str, gpus: int = 8, height: int = 1024, width: int = 1024,
+             prompt_tokens: int = 64, samples: int = 64, num_steps: int = 10, window: int = 2, cfg: bool = True,
+             train: str = "gen", mfu: float = 0.3) -> list[MoTPlan]:
+    """Every tensor-parallel size BAGEL's query groups and the GPU count admit, planned for FlowGRPO on
+    text-to-image: `samples` images per step of `num_steps` denoising steps (the rollout: every step, one forward
+    per CFG branch), `window` of them trained (recompute + forward + backward: 4 forwards' worth) per sample."""
+    from megatron_omni.planner.specs import GPUS
+
+    if gpu not in GPUS:
+        raise ValueError(f"unknown GPU kind {gpu!r}; known: {sorted(GPUS)}")
+    spec = GPUS[gpu]
+    c = bagel_config(model)
+    llm, b = c["llm_config"], c["bagel"]
+    stride = b["vae_config"]["downsample"] * b["latent_patch_size"]
+    if height % stride or width % stride or max(height, width) > stride * b["max_latent_size"]:
+        raise ValueError(f"image {height}x{width} must be multiples of {stride} up to {stride * b['max_latent_size']}")
+    image_tokens = (height // stride) * (width // stride)
+    branches = 2 if cfg else 1
+    h, n_layers = llm["hidden_size"], llm["num_hidden_layers"]
+    step = generation_step_flops(c, image_tokens, prompt_tokens)
+    total_params = sum(rank_parameter_counts(c, 1))
+    plans = []
+    for tp in (1, 2, 4, 8):
+        if gpus % tp or llm["num_key_value_heads"] % tp:
+            continue
+        dp = gpus // tp
+        mem = mot_memory(c, tp, 1, train, bf16=True, dp=dp, distributed_optimizer=True)
+        act = ACTIVATION_BYTES_PER_TOKEN_HIDDEN * n_layers * (image_tokens + 2) * h * branches // tp
+        flops = samples * branches * step * (num_steps + 4 * window) / gpus
+        plans.append(MoTPlan(gpu, tp, dp, mem, act, total_params * 2, RESERVED_BYTES, spec.memory_bytes, flops,
+                             flops / (spec.peak_bf16_flops * mfu)))
+    return plans
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m megatron_omni.planner.mot --gpu H200 H800`: the layouts of BAGEL RL on one node of each GPU kind;
+    exit 3 when none fits on some kind, 2 on bad input."""
+    import argparse
+
+    ap = argparse.ArgumentParser(prog="python -m megatron_omni.planner.mot", description=main.__doc__)
+    ap.add_argument("--preset", default="7b-mot")
+    ap.add_argument("--gpu", nargs="+", default=["H200"], help="GPU kinds, each planned in turn")
+    ap.add_argument("--gpus", type=int, default=8)
+    ap.add_argument("--height", type=int, default=1024)
+    ap.add_argument("--width", type=int, default=1024)
+    ap.add_argument("--samples", type=int, default=64, help="images per RL step")
+    ap.add_argument("--num-steps", type=int, default=10)
+    ap.add_argument("--window", type=int, default=2)
+    ap.add_argument("--no-cfg", action="store_true")
+    ap.add_argument("--train", default="gen", choices=("gen", "both"))
+    args = ap.parse_args(argv)
+    status = 0
+    for gpu in args.gpu:
+        try:
+            plans = plan_mot(args.preset, gpu, args.gpus, args.height, args.width, samples=args.samples,
+                             num_steps=args.num_steps, window=args.window, cfg=not args.no_cfg, train=args.train)
+        except (KeyError, ValueError) as exc:
+            print(f"plan: {exc}")
+            return 2
+        print(f"BAGEL {args.preset} RL on {args.gpus} x {gpu}, {args.height}x{args.width}, {args.samples} images "
+              f"per step, {args.num_steps} steps, window {args.window}, train {args.train}")
+        for p in plans:
+            print("\n".join(p.lines()))
+        fitting = [p for p in plans if p.fits]
+        if fitting:
+            print(f"chosen: tp={fitting[0].tp} dp={fitting[0].dp} (the smallest tp that fits)")
+        else:
+            print(f"no layout fits on {gpu}")
+            status = 3
+    return status
+
+if __name__ == "__main__":
+    raise SystemExit(main())
