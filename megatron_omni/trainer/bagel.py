@@ -5,7 +5,8 @@ rollout (vLLM-Omni's BAGEL pipeline with our SDE window, `rollout.vllm_omni.bage
 (the reward function of `reward.*`, in process or a server) -> group advantages -> old log-probs (recomputed by
 our Megatron BAGEL, or the rollout's with `algorithm.old_logprob=bypass`) -> mini-batch updates of the clipped
 surrogate over the window's transitions through Megatron-Core DDP and optimizer -> weight sync into the rollout's
-modules (vLLM-Omni's loader, every rollout parameter written or the sync raises naming it).
+modules through the bridge (the family's weight part at rollout tp 1, coverage-checked: a tensor refused or left
+unwritten raises naming it).
 
 The recompute rebuilds what the rollout conditioned on: the prompt's text KV cache (the understanding expert,
 causal, positions 0..L-1), then per window step the generation expert's velocity of the recorded latents at the
@@ -32,6 +33,8 @@ import torch.distributed as dist
 from megatron_omni.algorithms.advantages import group_advantages
 from megatron_omni.algorithms.loss import flowgrpo_loss
 from megatron_omni.algorithms.sde import sde_step
+from megatron_omni.bridge import WeightSync
+from megatron_omni.bridge.family_sync import family_plans
 from megatron_omni.checkpoint.bagel import bagel_sharded_state_dict
 from megatron_omni.models.bagel.model import latent_position_ids, text_cfg
 from megatron_omni.parallel.platform import seed_everything
@@ -201,6 +204,13 @@ class BagelTrainer:
         self.markers = torch.tensor([tok["start_of_image"], tok["end_of_image"]])
         self._stack = contextlib.ExitStack()
         self.engine = self._stack.enter_context(open_bagel_pipeline(bcfg, folder, torch_dtype(cfg.rollout.dtype)))
+        # The bridge into the rollout pipeline: the family's plan at rollout tp 1 (full tensors gathered over the
+        # trainer's tp, bucketed), every BAGEL tensor checked written once by the coverage ledger.
+        (part, plan), = family_plans(self.family, bcfg, trainer_tp=groups.tp.size(), rollout_kind="vllm_omni",
+                                     rollout_tp=1, mode="full").items()
+        self.weight_sync = WeightSync(plan, sources=self.family.megatron_sources(self.model)[part],
+                                      target=self.engine.weight_target(), tp_group=groups.tp,
+                                      tp_rank=groups.tp.rank())
         o = cfg.optim
         self.ddp, self.optimizer = build_ddp_and_optimizer(
             self.model, self.model.config, groups.mcore,
@@ -219,11 +229,10 @@ class BagelTrainer:
                                                               ("llm_config", "bagel", "tokens")}}}
 
     def sync_weights(self) -> float:
-        """Load the trained weights into the rollout's vLLM-Omni modules (full tensors gathered over tp; the
-        rollout refuses an unknown, missing or misshapen tensor by name); returns the seconds. Collective."""
-        t0 = time.perf_counter()
-        self.engine.load_weights(self.family.export_state(self.model))
-        return time.perf_counter() - t0
+        """Load the trained weights into the rollout's vLLM-Omni modules through the bridge (buckets of full
+        tensors gathered over tp; a tensor the rollout refuses or leaves unloaded raises naming it); returns the
+        seconds. Collective over tp."""
+        return self.weight_sync.sync().seconds
 
     def close(self) -> None:
         """Leave vLLM-Omni's parallel state (the rollout pipeline's)."""

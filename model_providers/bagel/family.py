@@ -28,5 +28,7 @@ FAMILY = ModelFamily(
     load_state=provider.load_bagel_state,
     export_state=provider.export_bagel_state,
     megatron_shapes=provider.megatron_shapes,
+    weight_parts=provider.weight_parts,
+    megatron_sources=provider.megatron_sources,
     trainer="megatron_omni.trainer.bagel",
 )

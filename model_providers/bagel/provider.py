@@ -25,6 +25,7 @@ from model_providers.ar_dit.decoder_mapping import DecoderMapping
 from model_providers.ar_dit.decoder_provider import gather_mapped_tensors, load_mapped_tensors
 from model_providers.bagel.mapping import FROZEN_PREFIXES, all_mappings
 from model_providers.bagel.presets import bagel_preset
+from model_providers.registry import SameNameLayout, WeightPart
 
 
 def bagel_config(name_or_config: str | dict[str, Any]) -> dict[str, Any]:
@@ -114,6 +115,30 @@ def export_bagel_state(model: BagelMoT, tensors: dict[str, torch.Tensor] | None 
     """BAGEL-named full tensors of this pipeline stage, gathered over tp (collective over tp). `tensors` defaults
     to the model's parameters (pass `{name: p.grad}` to map gradients)."""
     return gather_mapped_tensors(model, local_mappings(model), tensors)
+
+
+def _rollout_layout(kind: str) -> SameNameLayout:
+    """BAGEL's rollout layout: vLLM-Omni's BAGEL pipeline takes BAGEL-named full tensors through its own loader at
+    rollout tp 1 (`rollout.vllm_omni.bagel.BagelWeightTarget`)."""
+    if kind != "vllm_omni":
+        raise KeyError(f"BAGEL has no {kind!r} rollout layout (its rollout is vLLM-Omni's BAGEL pipeline)")
+    return SameNameLayout(kind="vllm_omni", max_tp=1)
+
+
+def weight_parts(name_or_config: str | dict[str, Any]) -> dict[str, WeightPart]:
+    """The one part the bridge syncs: every tensor of `BagelMoT` (both experts, the generation side, embeddings
+    and head) into the rollout pipeline, under BAGEL's names."""
+    cfg = bagel_config(name_or_config)
+    llm = cfg["llm_config"]
+    return {"bagel": WeightPart(all_mappings(llm["num_hidden_layers"], arch(cfg).qk_norm), megatron_shapes(cfg),
+                                llm["num_attention_heads"], llm["num_hidden_layers"], _rollout_layout,
+                                num_groups=llm["num_key_value_heads"])}
+
+
+def megatron_sources(model: BagelMoT) -> dict[str, dict[str, torch.Tensor]]:
+    """This rank's tensors by global Megatron name (local tp shards of its stage, the parameters' storage)."""
+    state = model.state_dict(keep_vars=True)
+    return {"bagel": {m.megatron: state[name].detach() for name, m in local_mappings(model).items()}}
 
 
 # ---------------------------------------------------------------------------------------------- the folder

@@ -1,7 +1,8 @@
 """BAGEL RL's rollout and recompute agree: our `FlowGRPOBagelPipeline` (vLLM-Omni 0.30's BAGEL pipeline with our SDE
 window, in a spawned gloo rank as the other in-process vLLM-Omni tests) records trajectories whose window log-probs
 our Megatron BAGEL (`trainer.bagel.window_log_probs`) reproduces, with BAGEL's text CFG; a weight update reaches
-the rollout through its coverage-checked loader (a missing, unknown or misshapen tensor refused by name); our
+the rollout through the bridge (the family's weight part at rollout tp 1, its coverage ledger naming a tensor the
+rollout left unwritten; the pipeline's loader refuses a missing, unknown or misshapen tensor by name); our
 `text_cfg` is vLLM-Omni's `_combine_cfg`. One rank job, one tiny folder.
 
 Measured (fp32 rollout and recompute, CFG 4.0, 2 samples x 2 window steps): first-step |dlogp| and the largest
@@ -57,7 +58,17 @@ def _checks(rank: int, world_size: int, folder: str) -> dict:
             for name, p in model.named_parameters():
                 if name.startswith(("llm2vae.", "decoder.layers.0.mlp_gen.")) or name.endswith("linear_qkv_gen.weight"):
                     p.add_(0.05 * torch.randn(p.shape, generator=torch.Generator().manual_seed(7)))
-        pipe.load_weights(provider.export_bagel_state(model))
+        from megatron_omni.bridge import WeightSync
+        from megatron_omni.bridge.family_sync import family_plans
+        from megatron_omni.rollout.vllm_omni.bagel import BagelWeightTarget
+        from model_providers import get_family
+
+        fam = get_family("bagel")
+        (part, plan), = family_plans(fam, cfg, trainer_tp=1, rollout_kind="vllm_omni", rollout_tp=1,
+                                     mode="full").items()
+        sources = fam.megatron_sources(model)[part]
+        stats = WeightSync(plan, sources=sources, target=pipe.weight_target(), tp_group=groups.tp, tp_rank=0).sync()
+        out["sync_buckets"] = stats.buckets
         after = pipe.generate(ids, params, SEEDS, [0, 1])
         with torch.no_grad():
             ours_after = window_log_probs(model, after, markers)
@@ -75,6 +86,22 @@ def _checks(rank: int, world_size: int, folder: str) -> dict:
                 errors[what] = None
             except ValueError as exc:
                 errors[what] = str(exc)
+
+
+        class Dropping(BagelWeightTarget):  # a rollout loader that silently skips one tensor
+            def load_full(self, items):
+                return super().load_full([(n, t) for n, t in items if n != "llm2vae.bias"])
+
+        try:
+            WeightSync(plan, sources=sources, target=Dropping(pipe), tp_group=groups.tp, tp_rank=0).sync()
+            errors["bridge_unwritten"] = None
+        except Exception as exc:  # noqa: BLE001 - the message is what is checked
+            errors["bridge_unwritten"] = str(exc)
+        try:
+            family_plans(fam, cfg, trainer_tp=1, rollout_kind="vllm_omni", rollout_tp=2, mode="full")
+            errors["rollout_tp2"] = None
+        except Exception as exc:  # noqa: BLE001
+            errors["rollout_tp2"] = str(exc)
         out["errors"] = errors
         still = pipe.generate(ids, params, SEEDS, [0, 1])
         out["refusal_kept_weights"] = torch.equal(still.next_latents, after.next_latents)
@@ -111,8 +138,8 @@ def test_recompute_reproduces_rollout_log_probs(figures: dict) -> None:
     assert figures["cfg_equal"] < 1e-6, figures
 
 
-def test_weight_update_reaches_rollout(figures: dict) -> None:
-    assert figures["update_moved"] > 1e-3, figures
+def test_weight_update_reaches_rollout_through_bridge(figures: dict) -> None:
+    assert figures["sync_buckets"] >= 1 and figures["update_moved"] > 1e-3, figures
     assert figures["after_window"] < FP32_TOL, figures
 
 
@@ -121,6 +148,8 @@ def test_bad_updates_refused_by_name(figures: dict) -> None:
     assert e["missing"] is not None and "llm2vae.bias" in e["missing"], e
     assert e["unknown"] is not None and "layers.9.mlp.up_proj" in e["unknown"], e
     assert e["shape"] is not None and "vae2llm.weight" in e["shape"], e
+    assert e["bridge_unwritten"] is not None and "llm2vae.bias" in e["bridge_unwritten"], e
+    assert e["rollout_tp2"] is not None, e
     assert figures["refusal_kept_weights"]
 
 

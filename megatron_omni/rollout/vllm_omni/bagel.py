@@ -264,6 +264,37 @@ def _pipeline_class() -> type:
             finish_loading(self.bagel)
             return set(expected)
 
+        @torch.no_grad()
+        def load_partial(self, items: Sequence[tuple[str, torch.Tensor]]) -> set[str]:
+            """Load some BAGEL-named full tensors (one bridge bucket): each language-model tensor through vLLM-Omni's
+            `load_weights` (alone, so what it loaded is known per name), each generation-side tensor copied. A name
+            this pipeline does not hold or a wrong shape raises ValueError naming it. Returns the names loaded (the
+            bridge's coverage ledger names any it did not)."""
+            from megatron_omni.rollout.vllm_omni.inline import finish_loading
+            from model_providers.bagel.provider import bagel_shapes
+
+            shapes = bagel_shapes(self.cfg)
+            params = dict(self.bagel.named_parameters())
+            loaded = set()
+            for name, t in items:
+                if name not in shapes:
+                    raise ValueError(f"BAGEL weight update: unknown tensor {name!r}")
+                if tuple(t.shape) != tuple(shapes[name]):
+                    raise ValueError(f"BAGEL weight update: {name} has shape {tuple(t.shape)}, expected "
+                                     f"{tuple(shapes[name])}")
+                if name.startswith(LLM_PREFIX):
+                    if self.language_model.load_weights([(name[len(LLM_PREFIX):], t.to(self.dtype))]):
+                        loaded.add(name)
+                elif name in BAGEL_GEN_TENSORS:
+                    params[name].copy_(t)
+                    loaded.add(name)
+            finish_loading(self.bagel)
+            return loaded
+
+        def weight_target(self) -> BagelWeightTarget:
+            """The bridge's rollout target for this pipeline (rollout tp 1)."""
+            return BagelWeightTarget(self)
+
         def load_folder(self, folder: str | Path) -> None:
             """Load a BAGEL folder's `ema.safetensors` and `ae.safetensors`."""
             from safetensors.torch import load_file
@@ -333,6 +364,30 @@ def _pipeline_class() -> type:
                 seeds=[int(s) for s in seeds])
 
     return FlowGRPOBagelPipeline
+
+
+class BagelWeightTarget:
+    """The bridge's view of a `FlowGRPOBagelPipeline` (`bridge.targets.RolloutTarget`, rollout tp 1): its
+    parameters by their BAGEL (`ema.safetensors`) names, as shape-only meta tensors (the vLLM-Omni modules fuse
+    q/k/v and gate/up under other names; the family's layout keeps BAGEL's names, `SameNameLayout`), so the
+    bridge's coverage ledger checks every BAGEL tensor written exactly once; `load_full` is the pipeline's
+    `load_partial`. Full mode only (nothing is written in place)."""
+
+    kind = "vllm_omni"
+    tp_rank = 0
+    tp_size = 1
+
+    def __init__(self, pipeline: Any) -> None:
+        from model_providers.bagel.provider import bagel_shapes
+
+        self.pipeline = pipeline
+        self._params = {n: torch.empty(s, device="meta") for n, s in bagel_shapes(pipeline.cfg).items()}
+
+    def parameters(self) -> dict[str, torch.Tensor]:
+        return self._params
+
+    def load_full(self, items: Sequence[tuple[str, torch.Tensor]]) -> set[str]:
+        return self.pipeline.load_partial(items)
 
 
 def __getattr__(name: str) -> Any:
