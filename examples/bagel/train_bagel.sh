@@ -33,6 +33,7 @@ if [ "$DRY_RUN" != "1" ]; then
          "examples.bagel.recipe:tiny" >&2
     exit 2
 fi
+echo "train_bagel: 1 node x $GPUS_PER_NODE GPUs ($GPU_KIND) = world size $GPUS_PER_NODE"
 exec "$PYTHON" -m megatron_omni.planner.mot --preset 7b-mot --gpu $GPU_KIND --gpus "$GPUS_PER_NODE" \
     --height "$HEIGHT" --width "$WIDTH" --samples "$SAMPLES" --num-steps "$NUM_STEPS" --window "$WINDOW" \
     --train "$TRAIN" "$@"

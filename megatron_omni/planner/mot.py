@@ -137,7 +137,9 @@ class MoTPlan:
         return self.total <= self.capacity
 
     def lines(self) -> list[str]:
-        return [f"{self.gpu} tp={self.tp} dp={self.dp}: {self.memory.gib()}",
+        m = self.memory
+        return [f"{self.gpu} tp={self.tp} dp={self.dp}: weights {m.weights / GIB:.1f} GiB + grads {m.grads / GIB:.1f} "
+                f"GiB + optimizer states {m.optimizer / GIB:.1f} GiB",
                 f"  + activations {self.activations / GIB:.1f} GiB + rollout copy {self.rollout_copy / GIB:.1f} GiB "
                 f"+ reserved {self.reserved / GIB:.1f} GiB = {self.total / GIB:.1f} GiB of {self.capacity / GIB:.1f} "
                 f"GiB: {'fits' if self.fits else 'does not fit'}",
@@ -197,6 +199,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--train", default="gen", choices=("gen", "both"))
     args = ap.parse_args(argv)
     status = 0
+    print(f"dry run: world size {args.gpus} trainer ranks (one node of {args.gpus} GPUs; the rollout runs in the "
+          "trainer's processes)")
     for gpu in args.gpu:
         try:
             plans = plan_mot(args.preset, gpu, args.gpus, args.height, args.width, samples=args.samples,
@@ -206,14 +210,25 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         print(f"BAGEL {args.preset} RL on {args.gpus} x {gpu}, {args.height}x{args.width}, {args.samples} images "
               f"per step, {args.num_steps} steps, window {args.window}, train {args.train}")
+        print("memory per GPU: weights (both experts, bf16) + grads and optimizer states (the trained share, "
+              "distributed optimizer over dp) + activations + the rollout's copy")
         for p in plans:
             print("\n".join(p.lines()))
         fitting = [p for p in plans if p.fits]
         if fitting:
-            print(f"chosen: tp={fitting[0].tp} dp={fitting[0].dp} (the smallest tp that fits)")
+            best = fitting[0]
+            print(f"chosen: tp={best.tp} dp={best.dp} (the smallest tp that fits)")
+            print(f"step time: about {best.step_s:.0f} s at MFU 0.3 (FLOPs only), "
+                  f"{args.samples / best.step_s / args.gpus:.3f} images/s/GPU")
         else:
             print(f"no layout fits on {gpu}")
             status = 3
+    weights = sum(rank_parameter_counts(args.preset, 1)) * 2
+    print(f"bridge: full tensors gathered over the trainer's tp into vLLM-Omni's BAGEL pipeline at rollout tp 1, "
+          f"{weights / GIB:.1f} GiB (bf16) per sync, coverage-checked")
+    print("reference (VeRL-Omni and UniRL train BAGEL; no per-GPU throughput of theirs is recorded here)")
+    if status == 0:
+        print("dry run OK")
     return status
 
 if __name__ == "__main__":

@@ -27,7 +27,7 @@ def test_dry_run_plans_7b_mot_on_h200_and_h800() -> None:
     lines = proc.stdout.splitlines()
     for gpu, chosen, rejected in (("H200", "tp=1 dp=8", []), ("H800", "tp=4 dp=2", ["tp=1", "tp=2"])):
         head = lines.index(next(t for t in lines if t.startswith(f"BAGEL 7b-mot RL on 8 x {gpu}")))
-        block = lines[head:head + 12]
+        block = lines[head:head + 14]
         assert f"chosen: {chosen} (the smallest tp that fits)" in block, proc.stdout
         for tp in rejected:
             i = next(i for i, t in enumerate(block) if t.startswith(f"{gpu} {tp} "))
