@@ -70,6 +70,9 @@ def transformer_config(name_or_config: str | dict[str, Any], *, tp: int = 1, pp:
         layernorm_epsilon=llm["rms_norm_eps"], gated_linear_unit=True, activation_func=F.silu,
         add_bias_linear=False, add_qkv_bias=True, rotary_interleaved=False, hidden_dropout=0.0,
         attention_dropout=0.0, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+        # Our MoT layers build their own QK norms; the flag makes Megatron's finalize_model_grads sum the
+        # q/k_layernorm grads over tp (each tp rank's covers its own heads only, the weights are replicated).
+        qk_layernorm=bool(llm.get("qk_norm", True)),
         params_dtype=params_dtype, pipeline_dtype=params_dtype, bf16=params_dtype == torch.bfloat16,
     )
     kwargs.update(megatron_config_defaults())

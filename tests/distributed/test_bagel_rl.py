@@ -3,7 +3,8 @@ window, in a spawned gloo rank as the other in-process vLLM-Omni tests) records 
 our Megatron BAGEL (`trainer.bagel.window_log_probs`) reproduces, with BAGEL's text CFG; a weight update reaches
 the rollout through the bridge (the family's weight part at rollout tp 1, its coverage ledger naming a tensor the
 rollout left unwritten; the pipeline's loader refuses a missing, unknown or misshapen tensor by name); our
-`text_cfg` is vLLM-Omni's `_combine_cfg`. One rank job, one tiny folder.
+`text_cfg` is vLLM-Omni's `_combine_cfg`. One rank job, one tiny folder. And (two ranks): an update at tp 2 keeps the
+replicated tensors (the per-head QK norms above all) equal on both tp ranks.
 
 Measured (fp32 rollout and recompute, CFG 4.0, 2 samples x 2 window steps): first-step |dlogp| and the largest
 over the window 0.0 and 1.2e-7 (2.4e-7 in the recipe's CPU run); bf16 rollout (vLLM-Omni's code as shipped,
@@ -155,3 +156,49 @@ def test_bad_updates_refused_by_name(figures: dict) -> None:
 
 def test_bf16_rollout_close_to_fp32_recompute(figures: dict) -> None:
     assert 0 < figures["bf16_dlogp"] < 1e-2, figures  # measured 7.3e-4
+
+
+def _tp2_update(rank: int, world_size: int) -> dict:
+    """One optimizer update of the generation expert at tp 2 through Megatron-Core DDP: every replicated tensor
+    (the per-head QK norms, whose grads each tp rank sees for its own heads only, the generation side) stays equal
+    on both tp ranks."""
+    from megatron_omni.parallel import ParallelLayout, build_parallel_groups
+    from megatron_omni.parallel.platform import seed_everything
+    from megatron_omni.planner.mot import is_generation_tensor
+    from megatron_omni.trainer.grad_guard import GradGuard
+    from megatron_omni.trainer.skeleton import update
+    from megatron_omni.trainer.training_state import OptimizerSettings, build_ddp_and_optimizer, build_scheduler
+    from model_providers.bagel import provider
+
+    cfg = provider.bagel_config("tiny")
+    groups = build_parallel_groups(ParallelLayout(tp=2))
+    seed_everything(0, tp_rank=groups.tp.rank())
+    model = provider.build_model(cfg, groups)
+    provider.load_bagel_state(model, provider.random_bagel_state(cfg, seed=5))
+    for name, p in model.named_parameters():
+        p.requires_grad_(is_generation_tensor(name))
+    ddp, opt = build_ddp_and_optimizer(model, model.config, groups.mcore, OptimizerSettings(lr=1e-2))
+    sched = build_scheduler(opt, 1e-2, 0.0)
+    g = torch.Generator().manual_seed(2)
+    latents, ids = torch.randn(4, 16, generator=g), torch.tensor(PROMPTS[0])
+    markers = torch.tensor([3, 4])
+    pos = torch.arange(4)
+
+    def backward() -> None:
+        with torch.no_grad():
+            _, kv, _ = model.stage_text(ids)
+        v = model.stage_velocity(kv, len(ids), markers, latents, torch.full((4,), 0.7), pos)
+        (v.square().mean()).backward()
+
+    update(ddp, opt, sched, GradGuard(3), groups.mcore, backward)
+    replicated = {n: p.detach().clone() for n, p in model.named_parameters()
+                  if is_generation_tensor(n) and ("layernorm" in n or not n.startswith("decoder.layers."))}
+    gathered = [None, None]
+    torch.distributed.all_gather_object(gathered, replicated, group=groups.tp)
+    return {"differ": sorted(n for n in replicated if not torch.equal(gathered[0][n], gathered[1][n])),
+            "qk_norms": sum("q_layernorm" in n or "k_layernorm" in n for n in replicated)}
+
+
+def test_tp2_update_keeps_replicated_tensors_equal() -> None:
+    out = run_ranks(_tp2_update, 2, timeout_s=600)
+    assert out[0]["qk_norms"] > 0 and out[0]["differ"] == [], out
