@@ -22,7 +22,7 @@ import torch
 
 from model_providers.flux.presets import preset
 from model_providers.qwen_image.tiny_pipeline import write_tiny_pipeline
-from model_providers.sd3.tiny_pipeline import CLIP_CONTEXT, build_clip_tokenizer, build_t5_tokenizer
+from model_providers.sd3.tiny_pipeline import CLIP_CONTEXT, build_clip_tokenizer, build_t5_tokenizer, tiny_t5, tiny_vae
 
 LATENT_CHANNELS = 16  # FLUX's VAE latent channels; the transformer sees them packed 2 x 2
 
@@ -48,8 +48,8 @@ class TinyFluxPipelineConfig:
 
 def build_components(cfg: TinyFluxPipelineConfig, seed: int) -> dict:
     """Every pipeline component, weights drawn from `seed` (one seeded stream per component)."""
-    from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxTransformer2DModel
-    from transformers import CLIPTextConfig, CLIPTextModel, T5Config, T5EncoderModel
+    from diffusers import FlowMatchEulerDiscreteScheduler, FluxTransformer2DModel
+    from transformers import CLIPTextConfig, CLIPTextModel
 
     t = cfg.transformer_config()
     if t["in_channels"] != 4 * LATENT_CHANNELS or (t.get("out_channels") or t["in_channels"]) != t["in_channels"]:
@@ -63,14 +63,8 @@ def build_components(cfg: TinyFluxPipelineConfig, seed: int) -> dict:
         torch.manual_seed(seed)
         transformer = FluxTransformer2DModel(**t).eval()
         torch.manual_seed(seed + 1)
-        vae = AutoencoderKL(
-            in_channels=3, out_channels=3, latent_channels=LATENT_CHANNELS,
-            down_block_types=("DownEncoderBlock2D",) * len(cfg.vae_block_channels),
-            up_block_types=("UpDecoderBlock2D",) * len(cfg.vae_block_channels),
-            block_out_channels=cfg.vae_block_channels, layers_per_block=1, norm_num_groups=4,
-            # FLUX.1's published latent normalisation (vae/config.json)
-            scaling_factor=0.3611, shift_factor=0.1159, use_quant_conv=False, use_post_quant_conv=False,
-        ).eval()
+        # FLUX.1's published latent normalisation (vae/config.json)
+        vae = tiny_vae(LATENT_CHANNELS, cfg.vae_block_channels, scaling_factor=0.3611, shift_factor=0.1159)
         torch.manual_seed(seed + 2)
         text_encoder = CLIPTextModel(CLIPTextConfig(
             vocab_size=len(clip_tok), hidden_size=pooled, intermediate_size=2 * pooled,
@@ -79,12 +73,7 @@ def build_components(cfg: TinyFluxPipelineConfig, seed: int) -> dict:
             pad_token_id=eos,
         )).eval()
         torch.manual_seed(seed + 3)
-        text_encoder_2 = T5EncoderModel(T5Config(
-            vocab_size=len(t5_tok), d_model=joint, d_kv=joint // cfg.t5_heads, d_ff=cfg.t5_ff, num_layers=cfg.t5_layers,
-            num_heads=cfg.t5_heads, relative_attention_num_buckets=8, relative_attention_max_distance=32,
-            feed_forward_proj="gated-gelu", pad_token_id=t5_tok.pad_token_id, eos_token_id=t5_tok.eos_token_id,
-            decoder_start_token_id=t5_tok.pad_token_id,
-        )).eval()
+        text_encoder_2 = tiny_t5(t5_tok, joint, cfg.t5_heads, cfg.t5_ff, cfg.t5_layers)
     # FLUX.1-dev's scheduler/scheduler_config.json: the resolution-dependent (dynamic, exponential) shift.
     scheduler = FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=3.0, use_dynamic_shifting=True,
                                                 base_shift=0.5, max_shift=1.15, base_image_seq_len=256,

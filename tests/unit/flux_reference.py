@@ -5,10 +5,11 @@ on any tensor-parallel layout. Used in one process (tests/unit) and on spawned g
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 from diffusers import FluxTransformer2DModel
 
+from megatron_omni.models.dit.flux_interface import flux_image_ids
 from model_providers.flux import provider
+from tests.unit import sd3_reference
 
 GRID = (3, 4)  # a non-square patch grid of packed 2x2 latent patches
 S_TXT = 5
@@ -24,14 +25,6 @@ def reference_model(dtype: torch.dtype = torch.float32) -> FluxTransformer2DMode
         for p in ref.parameters():
             p.normal_(0.0, 0.2)
     return ref if dtype == torch.float32 else ref.to(dtype)
-
-
-def image_ids(h: int, w: int) -> torch.Tensor:
-    """The FLUX pipeline's image ids [h*w, 3]: (0, row, column) per packed patch."""
-    ids = torch.zeros(h, w, 3)
-    ids[..., 1] = torch.arange(h)[:, None]
-    ids[..., 2] = torch.arange(w)[None, :]
-    return ids.reshape(h * w, 3)
 
 
 def batch() -> dict[str, torch.Tensor]:
@@ -50,10 +43,6 @@ def batch() -> dict[str, torch.Tensor]:
     )
 
 
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30))
-
-
 def parity(groups, dtype: torch.dtype = torch.float32) -> dict:
     """Run both models on `batch()` (forward, then backward of the weighted sum); return the forward's max abs
     and relative error, the relative error of every diffusers parameter's gradient rebuilt from this rank's
@@ -64,38 +53,15 @@ def parity(groups, dtype: torch.dtype = torch.float32) -> dict:
     b = batch()
     ref = reference_model(dtype)
     ref_out = ref(hidden_states=b["latents"].to(dtype), encoder_hidden_states=b["prompt_embeds"].to(dtype),
-                  pooled_projections=b["pooled"].to(dtype), timestep=b["sigma"].to(dtype), img_ids=image_ids(*GRID),
-                  txt_ids=torch.zeros(S_TXT, 3), guidance=b["guidance"], return_dict=False)[0]
+                  pooled_projections=b["pooled"].to(dtype), timestep=b["sigma"].to(dtype),
+                  img_ids=flux_image_ids(*GRID), txt_ids=torch.zeros(S_TXT, 3), guidance=b["guidance"],
+                  return_dict=False)[0]
     (ref_out.float() * b["weight"]).sum().backward()
     ref_grads = {n: p.grad for n, p in ref.named_parameters() if p.grad is not None and p.grad.any()}
 
     seed_everything(0, tp_rank=groups.tp.rank())
     model = provider.build_model(provider.transformer_config("tiny", tp=groups.layout.tp, params_dtype=dtype), groups)
-    ref_state = reference_model(dtype).state_dict()
-    provider.load_hf_state_dict(model, ref_state)
-    exported = provider.stage_hf_tensors(model)
-    round_trip = sorted(set(ref_state) ^ set(exported)) + [
-        n for n in ref_state if n in exported and not (ref_state[n].dtype == exported[n].dtype
-                                                       and torch.equal(ref_state[n], exported[n]))]
-
-    out = model(DiTBatch(b["latents"], b["prompt_embeds"], None, b["sigma"], (1, *GRID), pooled=b["pooled"],
-                         guidance=b["guidance"]))
-    (out.float() * b["weight"]).sum().backward()
-    grads = {}
-    for name, p in model.named_parameters():
-        if p.grad is None:
-            continue
-        g = p.grad.clone()
-        if groups.layout.tp > 1 and ("q_layernorm" in name or "k_layernorm" in name):
-            dist.all_reduce(g, group=groups.tp)  # finalize_model_grads' sum over tp of the replicated QK norms
-        grads[name] = g
-    hf_grads = provider.stage_hf_tensors(model, grads)
-    return {
-        "shape": (tuple(out.shape), tuple(ref_out.shape)),
-        "fwd_abs": float((out.detach().float() - ref_out.detach().float()).abs().max()),
-        "fwd_rel": _rel(out.detach(), ref_out.detach()),
-        "grad": {n: _rel(g, ref_grads[n]) for n, g in hf_grads.items() if n in ref_grads},
-        "n_ref_grads": len(ref_grads),
-        "stray": [n for n, g in hf_grads.items() if n not in ref_grads and g.any()],
-        "round_trip": round_trip,
-    }
+    return sd3_reference.compare(
+        groups, provider, model, reference_model(dtype).state_dict(),
+        lambda: model(DiTBatch(b["latents"], b["prompt_embeds"], None, b["sigma"], (1, *GRID), pooled=b["pooled"],
+                               guidance=b["guidance"])), b["weight"], ref_out, ref_grads)
