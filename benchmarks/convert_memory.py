@@ -1,6 +1,7 @@
 """Peak memory of checkpoint conversion versus checkpoint size: a synthetic Qwen-Image transformer of at
 least 2 GB (a shape between `small` and `20b`, written on the fly; `--family sd3`: an SD3.5-Medium-width
-transformer with dual attention in its first half of the blocks) converted diffusers -> Megatron ->
+transformer with dual attention in its first half of the blocks; `--family flux`: a FLUX.1-dev-width transformer with
+twice as many single- as double-stream blocks, as FLUX.1-dev) converted diffusers -> Megatron ->
 diffusers by our streaming converter, and by the plain approach (load every tensor, then save) as the
 reference, each conversion in a fresh process so its peak RSS is its own.
 
@@ -8,7 +9,7 @@ Prints, per direction, the median over runs of wall time, GB/s and peak RSS (and
 process's RSS after imports), then last the ratio peak-RSS / checkpoint-size of our converter (the worse
 direction; target < 0.5).
 
-Usage: python benchmarks/convert_memory.py [--family qwen_image|sd3] [--gb 2.0] [--runs 3] [--no-reference]
+Usage: python benchmarks/convert_memory.py [--family qwen_image|sd3|flux] [--gb 2.0] [--runs 3] [--no-reference]
     [--workdir DIR]
 """
 
@@ -33,12 +34,18 @@ BASE = dict(patch_size=2, in_channels=64, out_channels=16, attention_head_dim=12
 SD3_BASE = dict(sample_size=128, patch_size=2, in_channels=16, out_channels=16, attention_head_dim=64,
                 num_attention_heads=24, joint_attention_dim=4096, caption_projection_dim=1536,
                 pooled_projection_dim=2048, pos_embed_max_size=384, qk_norm="rms_norm")
-CLASSES = {"qwen_image": "QwenImageTransformer2DModel", "sd3": "SD3Transformer2DModel"}
+# FLUX.1-dev's width (24 heads x 128), text and pooled widths and guidance embedding.
+FLUX_BASE = dict(patch_size=1, in_channels=64, out_channels=None, attention_head_dim=128, num_attention_heads=24,
+                 joint_attention_dim=4096, pooled_projection_dim=768, guidance_embeds=True, axes_dims_rope=(16, 56, 56))
+CLASSES = {"qwen_image": "QwenImageTransformer2DModel", "sd3": "SD3Transformer2DModel",
+           "flux": "FluxTransformer2DModel"}
 
 
 def _shape(family: str, layers: int) -> dict:
     if family == "sd3":
         return dict(SD3_BASE, num_layers=layers, dual_attention_layers=tuple(range(layers // 2)))
+    if family == "flux":
+        return dict(FLUX_BASE, num_layers=layers, num_single_layers=2 * layers)
     return dict(BASE, num_layers=layers)
 
 
@@ -183,7 +190,7 @@ def main() -> None:
         width = config["num_attention_heads"] * config["attention_head_dim"]
         print(f"checkpoint: {args.family}, {config['num_layers']} blocks, width {width}, bf16, {size / 1e9:.2f} GB")
         if args.family != "qwen_image" and not args.no_reference:
-            print("the load-everything reference is Qwen-Image's: --family sd3 measures ours only")
+            print(f"the load-everything reference is Qwen-Image's: --family {args.family} measures ours only")
             args.no_reference = True
         kinds = ["ours:hf-to-mcore", "ours:mcore-to-hf"]
         if not args.no_reference:

@@ -104,6 +104,8 @@ class DiTTraits:
     pooled_dim_key: the transformer config key of the pooled text embedding's width, for a family conditioned on
         one (SD3.5's pooled CLIP embeddings, carried in the trajectory); None: no pooled embedding.
     planned: the dry-run planner has a cost model (memory, FLOPs) for the family; False: `--dry-run` refuses it.
+    guidance_embeds_key: the transformer config key saying the model takes the distilled guidance scale as an input
+        (FLUX.1-dev's `guidance_embeds`; the trajectory carries it); None: no family model takes one.
     """
 
     pipeline_class: str
@@ -118,6 +120,7 @@ class DiTTraits:
     sample_panels: Callable[[list[str], Any], tuple[Any, list[str]]] | None = None
     pooled_dim_key: str | None = None
     planned: bool = True
+    guidance_embeds_key: str | None = None
 
 
 @dataclass(frozen=True)

@@ -1,10 +1,11 @@
 """Write a complete, tiny pipeline folder offline, deterministically from a seed: Qwen-Image (default), the
-Wan text-to-video pipeline (`--family wan`), the SD3.5 pipeline (`--family sd3`) or the Qwen-Image-Edit pipeline
-(`--family qwen_image_edit`).
+Wan text-to-video pipeline (`--family wan`), the SD3.5 pipeline (`--family sd3`), the FLUX.1 pipeline (`--family
+flux`) or the Qwen-Image-Edit pipeline (`--family qwen_image_edit`).
 
     python tools/make_tiny_pipeline.py --out /tmp/tiny-qwen-image --seed 0 [--preset small]
     python tools/make_tiny_pipeline.py --family wan --out /tmp/tiny-wan --seed 0
     python tools/make_tiny_pipeline.py --family sd3 --out /tmp/tiny-sd3 --seed 0
+    python tools/make_tiny_pipeline.py --family flux --out /tmp/tiny-flux --seed 0
     python tools/make_tiny_pipeline.py --family qwen_image_edit --out /tmp/tiny-edit --seed 0
 
 The builders live in `model_providers/<family>/tiny_pipeline.py` (the trainer uses them for `model.pipeline=tiny`);
@@ -29,7 +30,8 @@ from model_providers.qwen_image.tiny_pipeline import (  # noqa: E402,F401  (re-e
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--family", choices=("qwen_image", "wan", "sd3", "qwen_image_edit"), default="qwen_image")
+    parser.add_argument("--family", choices=("qwen_image", "wan", "sd3", "flux", "qwen_image_edit"),
+                        default="qwen_image")
     parser.add_argument("--out", required=True, help="destination folder")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--preset", choices=("tiny", "small"), default="tiny",
@@ -42,7 +44,7 @@ def main() -> None:
         from model_providers.qwen_image_edit.tiny_pipeline import make_tiny_edit_pipeline
 
         path = make_tiny_edit_pipeline(args.out, seed=args.seed, overwrite=args.overwrite)
-    elif args.family in ("wan", "sd3"):
+    elif args.family in ("wan", "sd3", "flux"):
         from importlib import import_module
 
         make = import_module(f"model_providers.{args.family}.tiny_pipeline").make_tiny_pipeline

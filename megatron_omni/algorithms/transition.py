@@ -34,7 +34,8 @@ class Trajectory(Protocol):
     img_shape: tuple[int, int, int]
     noise_level: float
     sde_type: str
-    # pooled_embeds / negative_pooled_embeds [N, P] and cfg_rescale are read when present (SD3.5's rollouts)
+    # pooled_embeds / negative_pooled_embeds [N, P] and cfg_rescale are read when present (SD3.5's rollouts), and
+    # distilled_guidance [N] (FLUX.1-dev's)
 
     @property
     def step_indices(self) -> torch.Tensor: ...  # [N, W] grid index of each window step
@@ -67,11 +68,16 @@ class TransitionInputs:
 
 def conditioning(traj: Trajectory, rows: torch.Tensor) -> dict:
     """`guided_batch`'s conditioning keywords for samples `rows` of `traj`: its source-image tokens and grids
-    (an edit trajectory's `cond_latents`, `cond_shapes`), none for a trajectory without them."""
+    (an edit trajectory's `cond_latents`, `cond_shapes`) and the distilled guidance input of a guidance-distilled
+    model's trajectory (`distilled_guidance`); none for a trajectory without them."""
+    out = {}
+    guidance = getattr(traj, "distilled_guidance", None)
+    if guidance is not None:
+        out["distilled_guidance"] = guidance[rows]
     cond = getattr(traj, "cond_latents", None)
     if cond is None:
-        return {}
-    return {"cond_latents": cond[rows], "cond_shapes": tuple(traj.cond_shapes)}
+        return out
+    return out | {"cond_latents": cond[rows], "cond_shapes": tuple(traj.cond_shapes)}
 
 
 def _rows(t: torch.Tensor | None, rows: torch.Tensor) -> torch.Tensor | None:

@@ -57,7 +57,8 @@ class GuidedBatch:
     cond_latents [B + K, S_c, C] or None: conditioning-image tokens (Qwen-Image-Edit's sources) that follow the
     latents in the forward's image stream, on patch grids `cond_shapes`; the velocity is read from the first S.
     pooled [B + K, P] pooled text embeddings of a family conditioned on them (SD3.5), or None; cfg_rescale: true
-    CFG rescales per token (Qwen-Image) or not (SD3.5, plain guidance).
+    CFG rescales per token (Qwen-Image) or not (SD3.5, plain guidance). distilled_guidance [B + K]: the guidance
+    scale a guidance-distilled model takes as an input (FLUX.1-dev), or None.
     """
 
     latents: torch.Tensor
@@ -71,6 +72,7 @@ class GuidedBatch:
     cond_shapes: tuple[tuple[int, int, int], ...] = ()
     pooled: torch.Tensor | None = None
     cfg_rescale: bool = True
+    distilled_guidance: torch.Tensor | None = None
 
     @property
     def batch(self) -> int:
@@ -91,6 +93,8 @@ class GuidedBatch:
         )
         if self.pooled is not None:
             out["pooled_projections"] = self.pooled.to(dtype)
+        if self.distilled_guidance is not None:
+            out["guidance"] = self.distilled_guidance.float()
         return out
 
     @property
@@ -139,6 +143,7 @@ def guided_batch(
     pooled: torch.Tensor | None = None,
     negative_pooled: torch.Tensor | None = None,
     cfg_rescale: bool = True,
+    distilled_guidance: torch.Tensor | None = None,
 ) -> GuidedBatch:
     """Stack the conditional rows and the negative rows of the CFG samples into one forward's batch; its
     `velocity(model, dtype)` is each row's velocity with true CFG on the rows whose guidance scale is > 1.
@@ -157,6 +162,7 @@ def guided_batch(
         pooled, negative_pooled: [B, P] pooled text embeddings of the prompts and negative prompts (a family
             conditioned on them; None otherwise).
         cfg_rescale: true CFG's per-token rescale (False: plain guidance).
+        distilled_guidance: [B] a guidance-distilled model's guidance input (FLUX.1-dev), or None.
     """
     if (cond_latents is None) != (not cond_shapes):
         raise ValueError("cond_latents and cond_shapes go together (conditioning tokens and their grids)")
@@ -166,7 +172,7 @@ def guided_batch(
     )
     if cfg_rows.numel() == 0:
         return GuidedBatch(latents, prompt_embeds, prompt_mask, sigma, cfg_rows, guidance_scale, tuple(img_shape),
-                           cond_latents, cond_shapes, pooled, cfg_rescale)
+                           cond_latents, cond_shapes, pooled, cfg_rescale, distilled_guidance)
     if negative_embeds is None or negative_mask is None:
         raise ValueError("guidance_scale > 1 needs negative prompt embeddings")
     if (pooled is None) != (negative_pooled is None):
@@ -196,6 +202,8 @@ def guided_batch(
         cond_shapes=cond_shapes,
         pooled=None if pooled is None else torch.cat([pooled, negative_pooled[cfg_rows]]),
         cfg_rescale=cfg_rescale,
+        distilled_guidance=None if distilled_guidance is None else torch.cat([distilled_guidance,
+                                                                              distilled_guidance[cfg_rows]]),
     )
 
 

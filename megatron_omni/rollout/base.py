@@ -88,6 +88,9 @@ class SamplingParams(SdeWindowParams):
     # MixGRPO-Flash: the ODE steps after the window are re-spaced into this many steps sampled with the multistep
     # DPM-Solver++ (`algorithms.mixgrpo`); None: the grid's own steps, Euler. Needs a fixed `window_start`.
     tail_steps: int | None = None
+    # The guidance scale a guidance-distilled model takes as an input (FLUX.1-dev's `guidance`, not true CFG); None:
+    # the engine's default for a model that takes one (FLUX: FluxPipeline's 3.5), none for a model that does not.
+    distilled_guidance: float | None = None
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -99,6 +102,8 @@ class SamplingParams(SdeWindowParams):
             raise ValueError(f"guidance_scale must be >= 1 (1 = no CFG), got {self.guidance_scale}")
         if self.guidance_scale > 1 and self.negative_prompt is None:
             raise ValueError("guidance_scale > 1 (true CFG) needs a negative_prompt (may be ' ')")
+        if self.distilled_guidance is not None and not self.distilled_guidance > 0:
+            raise ValueError(f"distilled_guidance must be positive, got {self.distilled_guidance}")
         if not 1 <= self.max_sequence_length <= 1024:
             raise ValueError(f"max_sequence_length must be in [1, 1024], got {self.max_sequence_length}")
         if self.text_length is not None and not 1 <= self.text_length <= self.max_sequence_length:
@@ -143,7 +148,8 @@ class Trajectory:
     pooled_embeds / negative_pooled_embeds [N, P] fp32: the pooled text embeddings the rollout conditioned on, for a
     family that takes them (SD3.5's pooled CLIP embeddings; None otherwise), so a recompute sees what the rollout
     saw; cfg_rescale: how true CFG combined the velocities (True: Qwen-Image's per-token rescale; False: plain
-    guidance, SD3.5's).
+    guidance, SD3.5's); distilled_guidance [N] fp32: the guidance scale a guidance-distilled model took as an input
+    (FLUX.1-dev's; None for a model that takes none).
 
     Video (the Wan engine): S = f * h * w tokens of 3D patches (frames first, then rows and columns) and
     C = c * pt * ph * pw (`models.dit.embeddings.patchify_video`); img_shape = (f, h, w), the patch grid of the
@@ -182,6 +188,7 @@ class Trajectory:
     pooled_embeds: torch.Tensor | None = None
     negative_pooled_embeds: torch.Tensor | None = None
     cfg_rescale: bool = True
+    distilled_guidance: torch.Tensor | None = None
 
     def __len__(self) -> int:
         return len(self.prompts)

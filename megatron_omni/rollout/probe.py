@@ -33,6 +33,7 @@ from megatron_omni.rollout.base import Trajectory
 PROBE_GRID = (1, 2, 2)  # (frames, h, w) patches: 4 image tokens
 PROBE_TEXT = 3  # text tokens
 PROBE_SEED = 20_240_552  # fixed: every rank and every sync probes the same batch
+PROBE_DISTILLED_GUIDANCE = 3.5  # the guidance input of a guidance-distilled model's probe (FluxPipeline's default)
 # Largest max |engine mean - trainer mean| accepted, by the lower of the two compute dtypes. fp32: both sides
 # run the same math with other kernels (measured ~1e-7 on the tiny model); bf16: a few bf16 roundings of
 # the velocity times |dt|, far below what a stale tensor of a trained model moves.
@@ -45,12 +46,13 @@ class ProbeMismatch(RuntimeError):
 
 def probe_trajectory(hf_config: Mapping[str, Any], device: torch.device | None = None, *,
                      channels: int | None = None, text_dim: int | None = None,
-                     pooled_dim: int | None = None) -> Trajectory:
+                     pooled_dim: int | None = None, distilled_guidance: float | None = None) -> Trajectory:
     """The fixed probe batch for a transformer with diffusers config `hf_config`: one sample whose one window
     step goes from sigma 0.8 to 0.5 (latents [1, 1, 4, C], text [1, 3, D], seeded), no CFG. C and D default to
     Qwen-Image's (`in_channels`, `joint_attention_dim`); another family passes its own (`DiTTraits`: a video
     family's packed 3D-patch channels and text width); `pooled_dim`: the width of a pooled text embedding the
-    family is conditioned on (SD3.5's; None: none)."""
+    family is conditioned on (SD3.5's; None: none); `distilled_guidance`: the guidance input of a guidance-distilled
+    model (FLUX.1-dev's; None: none)."""
     g = torch.Generator().manual_seed(PROBE_SEED)
     s = PROBE_GRID[0] * PROBE_GRID[1] * PROBE_GRID[2]
     c = int(hf_config["in_channels"]) if channels is None else int(channels)
@@ -75,6 +77,7 @@ def probe_trajectory(hf_config: Mapping[str, Any], device: torch.device | None =
         noise_level=1.0,
         sde_type="sde",
         pooled_embeds=None if pooled_dim is None else torch.randn(1, int(pooled_dim), generator=g),
+        distilled_guidance=None if distilled_guidance is None else torch.tensor([float(distilled_guidance)]),
     )
     if device is None:
         return traj

@@ -119,6 +119,8 @@ class RolloutConfig:
     # Text tokens a prompt is cut to; Wan pads every prompt's text to it (text_length when set), so a small
     # value keeps a tiny video model's cross-attention small.
     max_sequence_length: int = SamplingParams.max_sequence_length
+    # A guidance-distilled family's guidance input (FLUX.1-dev; its traits' `guidance_embeds_key`); None: its default
+    distilled_guidance: float | None = SamplingParams.distilled_guidance
     prompts_per_step: int = 4
     group_size: int = 4
     max_batch_size: int = 16

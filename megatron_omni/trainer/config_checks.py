@@ -39,6 +39,7 @@ BOUNDS: list[tuple[str, float | None, bool, float | None, bool]] = [
     ("rollout.noise_level", 0, True, None, False),
     ("rollout.window_size", 0, True, None, False),
     ("rollout.guidance_scale", 1, True, None, False),
+    ("rollout.distilled_guidance", 0, False, None, False),
     ("rollout.prompts_per_step", 1, True, None, False),
     ("rollout.group_size", 2, True, None, False),  # group-relative advantages need two samples per prompt
     ("rollout.max_batch_size", 1, True, None, False),
@@ -478,6 +479,9 @@ def check_dit_traits(cfg: Any) -> None:
     if r.guidance_scale > 1 and not traits.true_cfg:
         raise ConfigError(f"rollout.guidance_scale={r.guidance_scale!r} is not supported with model.family={name} "
                           "yet: its rollout samples without true CFG (guidance 1)")
+    if r.distilled_guidance is not None and traits.guidance_embeds_key is None:
+        raise ConfigError(f"rollout.distilled_guidance={r.distilled_guidance!r} is not supported with model.family="
+                          f"{name}: its models take no distilled guidance input")
     if cfg.eval.guidance_scale is not None and cfg.eval.guidance_scale > 1 and not traits.true_cfg:
         raise ConfigError(f"eval.guidance_scale={cfg.eval.guidance_scale!r} is not supported with model.family="
                           f"{name} yet: its rollout samples without true CFG (guidance 1)")

@@ -55,6 +55,7 @@ from megatron_omni.parallel.groups import ParallelGroups
 from megatron_omni.parallel.platform import seed_everything
 from megatron_omni.rollout.base import SamplingParams, Trajectory, WeightSink
 from megatron_omni.rollout.probe import (
+    PROBE_DISTILLED_GUIDANCE,
     QuantizedProbe,
     probe_tolerance,
     probe_trajectory,
@@ -208,8 +209,10 @@ class FlowGRPOTrainer:
         self.guard = GradGuard(cfg.optim.max_bad_steps, "optim.max_bad_steps", job_group)
         traits = self.family.traits
         pooled_dim = None if traits.pooled_dim_key is None else int(self.hf_config[traits.pooled_dim_key])
+        guided = traits.guidance_embeds_key is not None and bool(self.hf_config.get(traits.guidance_embeds_key))
         self.probe = probe_trajectory(self.hf_config, platform.device(), channels=traits.token_channels(self.hf_config),
-                                      text_dim=int(self.hf_config[traits.text_dim_key]), pooled_dim=pooled_dim)
+                                      text_dim=int(self.hf_config[traits.text_dim_key]), pooled_dim=pooled_dim,
+                                      distilled_guidance=PROBE_DISTILLED_GUIDANCE if guided else None)
         self.probe_tolerance = probe_tolerance(mcfg.params_dtype, self.engine.dtype)
         self.syncs = 0
         self.last_quantized_probe: QuantizedProbe | None = None

@@ -127,7 +127,7 @@ class PipelineStep:
             x = inputs.batch.model_inputs(dtype)
             out = module(DiTBatch(x["hidden_states"], x["encoder_hidden_states"], x["encoder_hidden_states_mask"],
                                   x["timestep"], tuple(inputs.batch.img_shape), inputs.batch.cond_shapes,
-                                  x.get("pooled_projections")))
+                                  x.get("pooled_projections"), x.get("guidance")))
             return out, partial(loss_fn, mb, inputs)
 
         return self.schedule(

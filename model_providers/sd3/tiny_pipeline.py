@@ -85,10 +85,36 @@ def _clip(hidden: int, projection: int, layers: int, vocab_size: int, eos: int, 
     )).eval()
 
 
+def tiny_vae(latent_channels: int, block_channels: tuple[int, ...], scaling_factor: float, shift_factor: float):
+    """An `AutoencoderKL` (SD3's and FLUX's VAE class) with one layer per block, `len(block_channels)` blocks (4: the
+    8x spatial compression) and the published latent normalisation, drawn from torch's current seed."""
+    from diffusers import AutoencoderKL
+
+    return AutoencoderKL(
+        in_channels=3, out_channels=3, latent_channels=latent_channels,
+        down_block_types=("DownEncoderBlock2D",) * len(block_channels),
+        up_block_types=("UpDecoderBlock2D",) * len(block_channels),
+        block_out_channels=block_channels, layers_per_block=1, norm_num_groups=4,
+        scaling_factor=scaling_factor, shift_factor=shift_factor, use_quant_conv=False, use_post_quant_conv=False,
+    ).eval()
+
+
+def tiny_t5(tokenizer, d_model: int, heads: int, ff: int, layers: int):
+    """A gated-GELU `T5EncoderModel` (T5 v1.1's, as SD3 and FLUX use) of width `d_model` over `tokenizer`'s
+    vocabulary, drawn from torch's current seed."""
+    from transformers import T5Config, T5EncoderModel
+
+    return T5EncoderModel(T5Config(
+        vocab_size=len(tokenizer), d_model=d_model, d_kv=d_model // heads, d_ff=ff, num_layers=layers,
+        num_heads=heads, relative_attention_num_buckets=8, relative_attention_max_distance=32,
+        feed_forward_proj="gated-gelu", pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
+        decoder_start_token_id=tokenizer.pad_token_id,
+    )).eval()
+
+
 def build_components(cfg: TinySD3PipelineConfig, seed: int) -> dict:
     """Every pipeline component, weights drawn from `seed` (one seeded stream per component)."""
-    from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel
-    from transformers import T5Config, T5EncoderModel
+    from diffusers import FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel
 
     t = cfg.transformer_config()
     (l_hidden, l_proj), (g_hidden, g_proj) = cfg.clip_l, cfg.clip_g
@@ -107,26 +133,14 @@ def build_components(cfg: TinySD3PipelineConfig, seed: int) -> dict:
         torch.manual_seed(seed)
         transformer = SD3Transformer2DModel(**t).eval()
         torch.manual_seed(seed + 1)
-        vae = AutoencoderKL(
-            in_channels=3, out_channels=3, latent_channels=t["in_channels"],
-            down_block_types=("DownEncoderBlock2D",) * len(cfg.vae_block_channels),
-            up_block_types=("UpDecoderBlock2D",) * len(cfg.vae_block_channels),
-            block_out_channels=cfg.vae_block_channels, layers_per_block=1, norm_num_groups=4,
-            # SD3.5's published latent normalisation (vae/config.json)
-            scaling_factor=1.5305, shift_factor=0.0609, use_quant_conv=False, use_post_quant_conv=False,
-        ).eval()
+        # SD3.5's published latent normalisation (vae/config.json)
+        vae = tiny_vae(t["in_channels"], cfg.vae_block_channels, scaling_factor=1.5305, shift_factor=0.0609)
         torch.manual_seed(seed + 2)
         text_encoder = _clip(l_hidden, l_proj, cfg.clip_layers, len(clip_tok), eos, bos)
         torch.manual_seed(seed + 3)
         text_encoder_2 = _clip(g_hidden, g_proj, cfg.clip_layers, len(clip_tok), eos, bos)
         torch.manual_seed(seed + 4)
-        d = t["joint_attention_dim"]
-        text_encoder_3 = T5EncoderModel(T5Config(
-            vocab_size=len(t5_tok), d_model=d, d_kv=d // cfg.t5_heads, d_ff=cfg.t5_ff, num_layers=cfg.t5_layers,
-            num_heads=cfg.t5_heads, relative_attention_num_buckets=8, relative_attention_max_distance=32,
-            feed_forward_proj="gated-gelu", pad_token_id=t5_tok.pad_token_id, eos_token_id=t5_tok.eos_token_id,
-            decoder_start_token_id=t5_tok.pad_token_id,
-        )).eval()
+        text_encoder_3 = tiny_t5(t5_tok, t["joint_attention_dim"], cfg.t5_heads, cfg.t5_ff, cfg.t5_layers)
     scheduler = FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=cfg.shift)
     return {"transformer": transformer, "vae": vae, "scheduler": scheduler,
             "text_encoder": text_encoder, "tokenizer": clip_tok, "text_encoder_2": text_encoder_2,

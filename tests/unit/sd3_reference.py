@@ -60,15 +60,24 @@ def parity(groups, dtype: torch.dtype = torch.float32) -> dict:
 
     seed_everything(0, tp_rank=groups.tp.rank())
     model = provider.build_model(provider.transformer_config("tiny", tp=groups.layout.tp, params_dtype=dtype), groups)
-    ref_state = reference_model(dtype).state_dict()
+    return compare(groups, provider, model, reference_model(dtype).state_dict(),
+                   lambda: model(SD3Batch(b["latents"], b["prompt_embeds"], b["pooled"], b["timestep"])), b["weight"],
+                   ref_out, ref_grads)
+
+
+def compare(groups, provider, model, ref_state: dict, run, weight: torch.Tensor, ref_out: torch.Tensor,
+            ref_grads: dict) -> dict:
+    """The Megatron side of a parity check against a diffusers reference that has run (`ref_out`, `ref_grads`):
+    load `ref_state` into `model` through `provider` (a family provider module), export it back, run `run()` and the
+    backward of its output weighted by `weight`; the result dict `check` reads."""
     provider.load_hf_state_dict(model, ref_state)
     exported = provider.stage_hf_tensors(model)
     round_trip = sorted(set(ref_state) ^ set(exported)) + [
         n for n in ref_state if n in exported and not (ref_state[n].dtype == exported[n].dtype
                                                        and torch.equal(ref_state[n], exported[n]))]
 
-    out = model(SD3Batch(b["latents"], b["prompt_embeds"], b["pooled"], b["timestep"]))
-    (out.float() * b["weight"]).sum().backward()
+    out = run()
+    (out.float() * weight).sum().backward()
     grads = {}
     for name, p in model.named_parameters():
         if p.grad is None:

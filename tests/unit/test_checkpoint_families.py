@@ -42,11 +42,11 @@ def test_only_families_with_a_diffusers_conversion_are_detected() -> None:
 
 
 def test_an_unknown_class_names_the_known_families() -> None:
-    with pytest.raises(CheckpointError, match=r"config.json: unknown model family \(class 'FluxTransformer2DModel'\)"
-                                              r".*'QwenImageTransformer2DModel'.*'SD3Transformer2DModel'.*"
-                                              r"'WanTransformer3DModel'.*"
-                                              r"known families: \['qwen_image', 'sd3', 'wan'\]"):
-        family_of_config(_tiny_config("FluxTransformer2DModel"), "config.json")
+    with pytest.raises(CheckpointError, match=r"config.json: unknown model family \(class 'HunyuanDiT2DModel'\)"
+                                              r".*'FluxTransformer2DModel'.*'QwenImageTransformer2DModel'.*"
+                                              r"'SD3Transformer2DModel'.*'WanTransformer3DModel'.*"
+                                              r"known families: \['flux', 'qwen_image', 'sd3', 'wan'\]"):
+        family_of_config(_tiny_config("HunyuanDiT2DModel"), "config.json")
     with pytest.raises(CheckpointError, match="no '_class_name'"):
         family_of_config(presets.preset("tiny"), "config.json")
 

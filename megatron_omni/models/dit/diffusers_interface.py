@@ -49,8 +49,9 @@ def stream_grids(img_shapes: list) -> tuple[tuple[int, int, int], ...]:
 class DiffusersForward(nn.Module):
     """`forward(hidden_states [b, s, c], encoder_hidden_states [b, l, d], encoder_hidden_states_mask [b, l],
     timestep [b] (= sigma), img_shapes [[(f, h, w), *condition grids]] * b, return_dict=False,
-    pooled_projections [b, p] or None) -> ([b, s, c_out],)`; with condition grids (Qwen-Image-Edit) `s` counts
-    the conditioning tokens too and so does the output."""
+    pooled_projections [b, p] or None, guidance [b] (a guidance-distilled model's input) or None) ->
+    ([b, s, c_out],)`; with condition grids (Qwen-Image-Edit) `s` counts the conditioning tokens too and so does the
+    output."""
 
     def __init__(self, model: DiTStage) -> None:
         super().__init__()
@@ -67,9 +68,10 @@ class DiffusersForward(nn.Module):
         img_shapes: list,
         return_dict: bool = False,
         pooled_projections: torch.Tensor | None = None,
+        guidance: torch.Tensor | None = None,
         **unused,
     ) -> tuple[torch.Tensor]:
         grid, *cond = stream_grids(img_shapes)
         out = self.model(DiTBatch(hidden_states, encoder_hidden_states, encoder_hidden_states_mask, timestep, grid,
-                                  cond_grids=tuple(cond), pooled=pooled_projections))
+                                  cond_grids=tuple(cond), pooled=pooled_projections, guidance=guidance))
         return (gather_image_shards(out, self.model.cp_group),)

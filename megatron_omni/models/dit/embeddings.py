@@ -159,3 +159,23 @@ def apply_interleaved_rope(x: torch.Tensor, rotations: torch.Tensor) -> torch.Te
     """
     xc = torch.view_as_complex(x.float().unflatten(-1, (-1, 2)).contiguous())
     return torch.view_as_real(xc * rotations[:, None, None, :]).flatten(-2).to(x.dtype)
+
+
+def flux_rope_angles(height: int, width: int, text_len: int, axes_dims: tuple[int, int, int],
+                     theta: float = 10000.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotation angles (float64) of FLUX.1's image tokens [h*w, d/2] (rows, then columns) and text tokens
+    [text_len, d/2], as diffusers' `FluxPosEmbed` computes them from the FLUX pipeline's ids: an image token at
+    patch (i, j) has ids (0, i, j), every text token (0, 0, 0) (all its angles 0: no rotation). Each axis' angles
+    are float64 like `FluxPosEmbed`'s; `height`/`width` are in patches (packed 2x2 latent patches)."""
+    axes = [torch.outer(torch.arange(n, dtype=torch.float64), _axis_inv_freq(a, theta, torch.float64))
+            for n, a in zip((1, height, width), axes_dims, strict=True)]
+    f, h, w = (a.shape[-1] for a in axes)
+    img = torch.cat(
+        [
+            axes[0].expand(height, width, f),
+            axes[1][:, None, :].expand(height, width, h),
+            axes[2][None, :, :].expand(height, width, w),
+        ],
+        dim=-1,
+    ).reshape(height * width, -1)
+    return img, torch.zeros(text_len, sum(axes_dims) // 2, dtype=torch.float64)

@@ -42,6 +42,7 @@ class DiTBatch:
         (Qwen-Image-Edit's source images, diffusers' `img_shapes[i][1:]`); () for plain generation. The image
         stream is then `[generated | cond 1 | ...]`, `s_img` their total, and the output covers all of it.
     pooled: [b, pooled_dim] pooled text embeddings of a family conditioned on them (SD3.5), or None
+    guidance: [b] the distilled guidance scale a guidance-distilled model takes as an input (FLUX.1-dev), or None
     """
 
     latents: torch.Tensor | None
@@ -51,6 +52,7 @@ class DiTBatch:
     grid: tuple[int, int, int]
     cond_grids: tuple[tuple[int, int, int], ...] = ()
     pooled: torch.Tensor | None = None
+    guidance: torch.Tensor | None = None
 
     @property
     def grids(self) -> tuple[tuple[int, int, int], ...]:

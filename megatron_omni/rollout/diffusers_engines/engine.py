@@ -79,6 +79,7 @@ class _Sample:
     cond_shapes: tuple[tuple[int, int, int], ...] = ()
     pooled: torch.Tensor | None = None  # [P] pooled text embedding (a family conditioned on one: SD3.5)
     neg_pooled: torch.Tensor | None = None
+    distilled_guidance: float | None = None  # a guidance-distilled model's guidance input (FLUX.1-dev)
 
     @property
     def batch_key(self) -> tuple:
@@ -343,6 +344,8 @@ class DiffusersRolloutEngine:
         if batch[0].pooled is not None:
             pooled = torch.stack([s.pooled for s in batch])
             neg_pooled = torch.stack([s.pooled if s.neg_pooled is None else s.neg_pooled for s in batch])
+        if batch[0].distilled_guidance is not None:
+            cond["distilled_guidance"] = torch.tensor([s.distilled_guidance for s in batch], device=dev)
         v = guided_batch(latents, sigma, text, mask, batch[0].img_shape, guidance_scale=guidance,
                          negative_embeds=neg_text, negative_mask=neg_mask, pooled=pooled, negative_pooled=neg_pooled,
                          cfg_rescale=self.cfg_rescale, **cond).velocity(self.velocity_model, self.dtype)
@@ -517,6 +520,8 @@ class DiffusersRolloutEngine:
             negative_pooled_embeds=(torch.stack([s.neg_pooled for s in samples])
                                     if s0.pooled is not None and params.do_cfg else None),
             cfg_rescale=self.cfg_rescale,
+            distilled_guidance=(None if s0.distilled_guidance is None else
+                                torch.tensor([s.distilled_guidance for s in samples], dtype=torch.float32)),
         )
 
     @staticmethod
@@ -615,6 +620,7 @@ class DiffusersRolloutEngine:
 ENGINE_CLASSES = {
     "WanPipeline": "megatron_omni.rollout.diffusers_engines.wan:WanRolloutEngine",
     "StableDiffusion3Pipeline": "megatron_omni.rollout.diffusers_engines.sd3:SD3RolloutEngine",
+    "FluxPipeline": "megatron_omni.rollout.diffusers_engines.flux:FluxRolloutEngine",
     "QwenImageEditPlusPipeline": "megatron_omni.rollout.diffusers_engines.edit:EditRolloutEngine",
 }
 

@@ -37,6 +37,7 @@ class SD3RolloutEngine(DiffusersRolloutEngine):
     `DiffusersRolloutEngine`'s (`model_path`: a diffusers `StableDiffusion3Pipeline` folder)."""
 
     cfg_rescale = False
+    default_max_sequence_length = 256  # StableDiffusion3Pipeline's
 
     def _load_pipeline(self, model_path: str | os.PathLike, dtype: torch.dtype):
         from diffusers import StableDiffusion3Pipeline
@@ -86,6 +87,13 @@ class SD3RolloutEngine(DiffusersRolloutEngine):
         """T5 tokens each prompt has before the pipeline pads it (its text is always 77 + max_sequence_length)."""
         return [len(self.pipe.tokenizer_3(p).input_ids) for p in prompts]
 
+    def _pipeline_encode(self, prompt: str, max_length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The pipeline's text states [1, L, D] and pooled embedding [1, P] of one prompt."""
+        embeds, _, pooled, _ = self.pipe.encode_prompt(prompt=prompt, prompt_2=None, prompt_3=None,
+                                                       device=self.device, do_classifier_free_guidance=False,
+                                                       max_sequence_length=max_length)
+        return embeds, pooled
+
     def _encode(self, prompt: str, max_length: int) -> tuple[torch.Tensor, torch.Tensor]:
         key = (prompt, max_length)
         if key in self._cache:
@@ -94,9 +102,7 @@ class SD3RolloutEngine(DiffusersRolloutEngine):
             return self._cache[key]
         self.stats["cache_misses"] += 1
         # One prompt per call: an embedding is a function of its prompt alone (see the base engine's cache).
-        embeds, _, pooled, _ = self.pipe.encode_prompt(prompt=prompt, prompt_2=None, prompt_3=None,
-                                                       device=self.device, do_classifier_free_guidance=False,
-                                                       max_sequence_length=max_length)
+        embeds, pooled = self._pipeline_encode(prompt, max_length)
         self._cache[key] = (embeds[0].float().clone(), pooled[0].float().clone())
         while len(self._cache) > self.embed_cache_size:
             self._cache.popitem(last=False)
@@ -106,7 +112,7 @@ class SD3RolloutEngine(DiffusersRolloutEngine):
     def encode_prompts(self, prompts: Sequence[str], max_length: int | None = None) -> list[torch.Tensor]:
         """Text states of each prompt as `StableDiffusion3Pipeline.encode_prompt` computes them: a list of
         [77 + max_length, D] fp32 (max_length: T5's padded length, the call's `max_sequence_length`)."""
-        length = 256 if max_length is None else max_length  # the pipeline's default
+        length = self.default_max_sequence_length if max_length is None else max_length
         return [self._encode(p, length)[0] for p in prompts]
 
     def pooled_embeds(self, prompt: str, max_length: int) -> torch.Tensor:
