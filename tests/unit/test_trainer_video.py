@@ -23,7 +23,7 @@ from model_providers.wan.provider import hf_config
 def test_families_declare_their_traits() -> None:
     wan, qwen = get_family("wan").traits, get_family("qwen_image").traits
     assert wan.video and wan.frame_multiple == 4 and wan.pipeline_class == "WanPipeline"
-    assert wan.rollout_engines == ("diffusers",) and wan.true_cfg and not wan.flash_tail
+    assert wan.rollout_engines == ("diffusers", "vllm_omni") and wan.true_cfg and not wan.flash_tail
     assert not qwen.video and qwen.true_cfg and qwen.flash_tail and "vllm_omni" in qwen.rollout_engines
     tiny = hf_config("tiny")
     assert wan.token_channels(tiny) == tiny["in_channels"] * 4  # packed 3D patch (1, 2, 2)
@@ -45,7 +45,8 @@ def _edit(*overrides: str) -> JobConfig:  # a family without true CFG (traits.tr
     (lambda: _edit("eval.prompts=[\"a cat\"]", "eval.guidance_scale=2"),
      "eval.guidance_scale=2.0 is not supported with model.family=qwen_image_edit"),
     (lambda: _wan("rollout.num_frames=10"), "rollout.num_frames=10 with model.family=wan: num_frames - 1"),
-    (lambda: _wan("rollout.engine=vllm_omni"), "rollout.engine='vllm_omni' is not supported with model.family=wan"),
+    (lambda: apply_overrides(JobConfig(), ["model.family=sd3", "rollout.engine=vllm_omni"]),
+     "rollout.engine='vllm_omni' is not supported with model.family=sd3"),
     (lambda: apply_overrides(JobConfig(), ["rollout.num_frames=5"]), "rollout.num_frames=5 with model.family="
                                                                       "qwen_image"),
     (lambda: apply_overrides(JobConfig(), ["reward.scorer=jpeg_compressibility+temporal_consistency"]),

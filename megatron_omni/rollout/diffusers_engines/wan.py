@@ -31,6 +31,18 @@ from megatron_omni.rollout.base import SamplingParams
 from megatron_omni.rollout.diffusers_engines.engine import DiffusersRolloutEngine, _Sample
 
 
+def wan_token_ids(tokenizer: Any, text: str, max_length: int | None = None) -> tuple[int, ...]:
+    """The token ids `WanPipeline` feeds its text encoder for `text` (its prompt cleaning, the tokenizer's special
+    tokens, truncated to `max_length` as it truncates before encoding), without the padding."""
+    from diffusers.pipelines.wan.pipeline_wan import prompt_clean
+
+    ids = tokenizer(prompt_clean(text), add_special_tokens=True, truncation=max_length is not None,
+                    max_length=max_length).input_ids
+    if not ids:
+        raise ValueError(f"prompt {text!r} gives no tokens")
+    return tuple(ids)
+
+
 class WanRolloutEngine(DiffusersRolloutEngine):
     """Rollout with diffusers' Wan text-to-video components (see the module docstring); the arguments are
     `DiffusersRolloutEngine`'s (`model_path`: a diffusers `WanPipeline` folder)."""
@@ -99,15 +111,8 @@ class WanRolloutEngine(DiffusersRolloutEngine):
 
     # ------------------------------------------------------------------ prompts
     def token_ids(self, text: str, max_length: int | None = None) -> tuple[int, ...]:
-        """The token ids `WanPipeline` feeds its text encoder for `text` (its prompt cleaning, the tokenizer's
-        special tokens, truncated to `max_length` as it truncates before encoding), without the padding."""
-        from diffusers.pipelines.wan.pipeline_wan import prompt_clean
-
-        ids = self.pipe.tokenizer(prompt_clean(text), add_special_tokens=True, truncation=max_length is not None,
-                                  max_length=max_length).input_ids
-        if not ids:
-            raise ValueError(f"prompt {text!r} gives no tokens")
-        return tuple(ids)
+        """The token ids `WanPipeline` feeds its text encoder for `text` (`wan_token_ids`)."""
+        return wan_token_ids(self.pipe.tokenizer, text, max_length)
 
     def text_lengths(self, prompts) -> list[int]:
         """Text tokens each prompt gives the transformer before the zero padding."""
