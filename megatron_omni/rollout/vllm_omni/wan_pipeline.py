@@ -31,8 +31,6 @@ import importlib
 import importlib.util
 import json
 import os
-import sys
-import types
 from collections.abc import Sequence
 from pathlib import Path
 from types import ModuleType
@@ -59,16 +57,12 @@ WEIGHT_RENAMES = {"scale_shift_table": "output_scale_shift_prepare.scale_shift_t
 
 
 def wan2_2_module(name: str) -> ModuleType:
-    """`vllm_omni.diffusion.models.wan2_2.<name>`, imported without running the package's `__init__` (see the module
-    docstring)."""
-    pkg = "vllm_omni.diffusion.models.wan2_2"
-    if pkg not in sys.modules:
-        spec = importlib.util.find_spec(pkg)
-        package = types.ModuleType(pkg)
-        package.__path__ = list(spec.submodule_search_locations)
-        package.__spec__ = spec
-        sys.modules[pkg] = package
-    return importlib.import_module(f"{pkg}.{name}")
+    """`vllm_omni.diffusion.models.wan2_2.<name>`, imported without running the package's `__init__` where
+    torchvision is missing (`plugin.bare_wan_package`; see the module docstring)."""
+    from megatron_omni.rollout.vllm_omni.plugin import install_import_shims
+
+    install_import_shims()
+    return importlib.import_module(f"vllm_omni.diffusion.models.wan2_2.{name}")
 
 
 def folder_shift(model: str) -> float:
