@@ -184,6 +184,19 @@ def test_a_head_dim_whose_rope_vllm_omni_slices_wrongly_is_refused() -> None:
         check_rope_split(preset("tiny"))
 
 
+def test_the_engine_refuses_such_a_folder_before_it_starts(tmp_path: Path) -> None:
+    """`rollout.engine=vllm_omni` on the `tiny` preset's folder: refused by name before any worker starts (a
+    worker's start-up error would reach the trainer without its cause)."""
+    from megatron_omni.rollout.registry import EngineSettings
+    from megatron_omni.rollout.vllm_omni.engine import pipeline_class_of, start_omni
+    from megatron_omni.rollout.vllm_omni.wan_pipeline import WAN_PIPELINE_CLASS
+
+    folder = make_folder(tmp_path, 16)
+    assert pipeline_class_of(folder)[0] == WAN_PIPELINE_CLASS
+    with pytest.raises(ValueError, match="attention_head_dim=16"):
+        start_omni(folder, 1, EngineSettings(), WAN_PIPELINE_CLASS)
+
+
 def test_trajectories_equal_the_diffusers_wan_engine(results: list[dict]) -> None:
     for r in results:
         for case in ("no_cfg", "cfg", "engine"):

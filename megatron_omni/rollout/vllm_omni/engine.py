@@ -643,6 +643,8 @@ def start_omni(pipeline_dir: str | os.PathLike, tp: int, settings: Any, pipeline
     install_import_shims()
     module, _, name = pipeline_class.rpartition(".")
     try:
+        # what the class's constructor would refuse in a worker (e.g. the Wan class's `check_folder`), refused here
+        getattr(importlib.import_module(module), "check_folder", lambda _: None)(folder)
         getattr(importlib.import_module(module), name)
     except (ImportError, AttributeError) as exc:
         raise ImportError(f"pipeline class {pipeline_class} does not import: {exc}") from None

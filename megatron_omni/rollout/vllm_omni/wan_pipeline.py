@@ -111,6 +111,13 @@ def check_rope_split(config: dict[str, Any]) -> None:
                          "the diffusers engine")
 
 
+def check_folder(folder: str | os.PathLike) -> None:
+    """Everything `FlowGRPOWanPipeline` refuses about a folder (`require_text_to_video`, `check_rope_split`), checked
+    before an engine starts (`engine.start_omni`: a worker's start-up error reaches the caller without its cause)."""
+    require_text_to_video(str(folder))
+    check_rope_split(json.loads((Path(folder) / "transformer" / "config.json").read_text()))
+
+
 class WanSdeStepper(SdeStepper, WanRolloutEngine):
     """The embedded Wan engine's loop (`WanRolloutEngine`'s hooks: latents, grid, text, decode, plain CFG) over a
     vLLM-Omni Wan2.2 pipeline's components (`SdeStepper`'s construction and loading)."""
@@ -147,8 +154,7 @@ def _build_pipeline_class() -> type:
         weight_renames = WEIGHT_RENAMES  # read by the worker extension's weight receiver
 
         def __init__(self, *, od_config: Any, prefix: str = "") -> None:
-            require_text_to_video(od_config.model)
-            check_rope_split(json.loads((Path(od_config.model) / "transformer" / "config.json").read_text()))
+            check_folder(od_config.model)
             if is_modelopt_fp8(od_config.quantization_config):
                 raise ValueError("the vLLM-Omni Wan pipeline runs unquantized (the Wan family names no FP8 linears)")
             super().__init__(od_config=od_config, prefix=prefix)
