@@ -23,12 +23,13 @@ FAMILY = ModelFamily(
     megatron_sources=provider.megatron_sources,
     megatron_module=WanModel,
     tiny_pipeline=TinyPipeline(make=provider.make_tiny_pipeline, transformer_config=provider.tiny_transformer_config),
-    # Video (4k + 1 frames: Wan's VAE compresses time 4x); what the trainer does not support on Wan yet: the
-    # vLLM-Omni engine (no SDE pipeline class for its Wan2.2 pipeline), true CFG (Wan's guidance has no per-token
-    # rescale) and MixGRPO-Flash's tail (Wan samples a static-shift grid): rollout/diffusers_engines/wan.py.
+    # Video (4k + 1 frames: Wan's VAE compresses time 4x); true CFG is WanPipeline's plain (unrescaled) guidance,
+    # chosen by the engine and recorded in the trajectory; both engines sample it (vLLM-Omni through our SDE class
+    # over its Wan2.2 pipeline, rollout/vllm_omni/wan_pipeline.py); what the trainer does not support on Wan yet:
+    # MixGRPO-Flash's tail (Wan samples a static-shift grid): rollout/diffusers_engines/wan.py.
     traits=DiTTraits(pipeline_class="WanPipeline", text_dim_key="text_dim", video=True, frame_multiple=4,
                      token_channels=lambda c: int(c["in_channels"]) * math.prod(c["patch_size"]),
-                     rollout_engines=("diffusers",), true_cfg=False, flash_tail=False),
+                     rollout_engines=("diffusers", "vllm_omni"), flash_tail=False),
     diffusers_class="WanTransformer3DModel",
     arch_config=provider.hf_config,
     mappings=mapping.all_mappings,

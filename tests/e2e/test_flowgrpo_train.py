@@ -292,10 +292,6 @@ def test_bypass_and_recompute_give_the_same_first_update(tmp_path: Path) -> None
         (["--set", "optim.lr=0"], "optim.lr=0.0 must be > 0"),
         # What the Wan (video) family does not support yet, by its traits, and frames / scorers / folders that
         # do not fit the family
-        ([*WAN, "--set", "rollout.guidance_scale=3", "--set", "rollout.negative_prompt= "],
-         "rollout.guidance_scale=3.0 is not supported with model.family=wan"),
-        ([*WAN, "--set", "rollout.engine=vllm_omni"],
-         "rollout.engine='vllm_omni' is not supported with model.family=wan"),
         ([*WAN, "--set", "algorithm.name=mixgrpo", "--set", "algorithm.mixgrpo.flash_ratio=0.4"],
          "algorithm.mixgrpo.flash_ratio=0.4 is not supported with model.family=wan"),
         ([*WAN, "--set", "rollout.quantization=fp8"], "rollout.quantization='fp8' with model.family=wan"),

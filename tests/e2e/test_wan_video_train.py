@@ -1,25 +1,36 @@
 """FlowGRPO on video end to end, as users run it: the Wan demo recipe (`examples.wan.recipe:wan_video_demo`, the
 tiny offline Wan pipeline built into the run folder, temporal-consistency reward on frame strips) through
-`python -m megatron_omni.train`. The reward rises at TP=1 and at CP=2 (Ulysses, torchrun), the run folder holds
-the sample videos (GIF, MP4) beside the first-frame PNG grids, and a SIGKILLed run resumes bit-identically.
+`python -m megatron_omni.train`. The reward rises at TP=1 with true CFG (WanPipeline's guidance 5.0 and a negative
+prompt, in rollout, recompute and the held-out evaluation) and at CP=2 (Ulysses, torchrun, no CFG), the run folder
+holds the sample videos (GIF, MP4) beside the first-frame PNG grids, and a SIGKILLed CFG run resumes
+bit-identically.
 
-Margin: the mean reward of the last two of 8 steps minus that of the first two, measured at TP=1 over seeds
-0 / 1 / 2: +0.0160 / +0.0076 / +0.0150 (the step's reward std is ~0.001-0.003); CP=2, seed 0: +0.0160. The
-tests assert > 0.005, below the smallest."""
+Margin: the mean reward of the last two of 8 steps minus that of the first two. Without CFG, measured at TP=1 over
+seeds 0 / 1 / 2: +0.0160 / +0.0076 / +0.0150 (the step's reward std is ~0.001-0.003); CP=2, seed 0: +0.0160: the
+test asserts > 0.005, below the smallest. With CFG 5.0 at TP=1, seeds 0 / 1 / 2: +0.0066 / +0.0070 / +0.0085: the
+test asserts > 0.004. With CFG 5.0 on the vLLM-Omni engine (in process, on the tiny folder with head dim 12:
+`wan_pipeline.check_rope_split`), seeds 0 / 1 / 2: +0.0065 / +0.0120 / +0.0121, train/rollout |dlogp| <= 3.6e-7:
+the test asserts > 0.004 and |dlogp| < 1e-5."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
 
+from tests.distributed.test_wan_vllm_omni import make_folder
 from tests.e2e.test_flowgrpo_train import _resumes_bit_identically, _rewards, _train
 
 WAN = ["--recipe", "examples.wan.recipe:wan_video_demo", "--set", "steps=8"]
 # The TP=1 run also evaluates held-out prompts before and after (ODE, 2 x 2 clips): video grids in eval/.
 EVAL = ["--set", 'eval.prompts=["a red cat", "a blue ball"]', "--set", "eval.num_steps=6",
         "--set", "checkpoint.every=4", "--set", "checkpoint.keep=5"]
+# True CFG as WanPipeline applies it (its default scale; the tiny byte tokenizer gives no token for "", the
+# pipeline's default negative prompt, so a short one).
+CFG = ["--set", "rollout.guidance_scale=5", "--set", "rollout.negative_prompt=blurry"]
 MARGIN = 0.005
+CFG_MARGIN = 0.004
 
 
 def _rise(r: list[float]) -> float:
@@ -28,19 +39,24 @@ def _rise(r: list[float]) -> float:
 
 @pytest.fixture(scope="module")
 def tp1_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """An uninterrupted TP=1 run of 8 steps, checkpoints after steps 4 and 8 (the resume test's reference), with a
-    held-out evaluation before and after."""
+    """An uninterrupted TP=1 run of 8 steps with true CFG, checkpoints after steps 4 and 8 (the resume test's
+    reference), with a held-out evaluation (guided too) before and after."""
     run = tmp_path_factory.mktemp("wan") / "tp1"
-    proc = _train(run, *WAN, *EVAL)
+    proc = _train(run, *WAN, *CFG, *EVAL)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return run
 
 
 @pytest.mark.slow
-def test_video_reward_rises_tp1_and_the_run_folder_holds_videos(tp1_run: Path) -> None:
+def test_video_reward_rises_tp1_with_cfg_and_the_run_folder_holds_videos(tp1_run: Path) -> None:
     r = _rewards(tp1_run)
-    print("wan tp=1 reward per step:", [f"{x:.4f}" for x in r], f"rise {_rise(r):+.4f}")
-    assert len(r) == 8 and _rise(r) > MARGIN, r
+    print("wan tp=1 cfg 5 reward per step:", [f"{x:.4f}" for x in r], f"rise {_rise(r):+.4f}")
+    assert len(r) == 8 and _rise(r) > CFG_MARGIN, r
+    assert json.loads((tp1_run / "config.json").read_text())["rollout"]["guidance_scale"] == 5.0
+    # the trainer's recompute guides as the rollout did (plain guidance, the negative rows carried)
+    lines = (tp1_run / "metrics.jsonl").read_text().splitlines()
+    gaps = [json.loads(line)["train_rollout_dlogp_max"] for line in lines]
+    assert max(gaps) < 1e-5, gaps
     # image_every=0: the last step's samples, a first-frame PNG grid and the grid as a GIF of every frame
     samples = tp1_run / "samples"
     assert (samples / "step_0007.png").is_file()
@@ -65,8 +81,24 @@ def test_video_reward_rises_cp2_ulysses_with_mp4(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
-def test_video_run_resumes_bit_identically(tp1_run: Path, tmp_path: Path) -> None:
-    args = [*WAN, *EVAL]
+def test_video_run_with_cfg_resumes_bit_identically(tp1_run: Path, tmp_path: Path) -> None:
+    args = [*WAN, *CFG, *EVAL]
     run = tmp_path / "killed"
     _resumes_bit_identically(tp1_run, run, 4, 8, *args)
     assert _rewards(tp1_run) == _rewards(run)
+
+
+@pytest.mark.slow
+def test_video_reward_rises_with_cfg_on_the_vllm_omni_engine(tmp_path: Path) -> None:
+    """rollout.engine=vllm_omni (our FlowGRPOWanPipeline in the trainer's rank), true CFG 5.0: every step's weights
+    reach vLLM-Omni's Wan transformer through the bridge (probed), the Megatron recompute agrees with its
+    trajectories, and the reward rises."""
+    run = tmp_path / "vllm"
+    proc = _train(run, *WAN, *CFG, "--set", f"model.pipeline={make_folder(tmp_path)}", "--set",
+                  "rollout.engine=vllm_omni", "--set", "rollout.vllm_omni_process=inline")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    r = _rewards(run)
+    print("wan vllm-omni cfg 5 reward per step:", [f"{x:.4f}" for x in r], f"rise {_rise(r):+.4f}")
+    assert len(r) == 8 and _rise(r) > CFG_MARGIN, r
+    gaps = [json.loads(line)["train_rollout_dlogp_max"] for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert max(gaps) < 1e-5, gaps

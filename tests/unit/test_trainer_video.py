@@ -23,7 +23,7 @@ from model_providers.wan.provider import hf_config
 def test_families_declare_their_traits() -> None:
     wan, qwen = get_family("wan").traits, get_family("qwen_image").traits
     assert wan.video and wan.frame_multiple == 4 and wan.pipeline_class == "WanPipeline"
-    assert wan.rollout_engines == ("diffusers",) and not wan.true_cfg and not wan.flash_tail
+    assert wan.rollout_engines == ("diffusers", "vllm_omni") and wan.true_cfg and not wan.flash_tail
     assert not qwen.video and qwen.true_cfg and qwen.flash_tail and "vllm_omni" in qwen.rollout_engines
     tiny = hf_config("tiny")
     assert wan.token_channels(tiny) == tiny["in_channels"] * 4  # packed 3D patch (1, 2, 2)
@@ -35,13 +35,18 @@ def _wan(*overrides: str) -> JobConfig:
     return apply_overrides(JobConfig(), ["model.family=wan", "rollout.num_frames=9", *overrides])
 
 
+def _edit(*overrides: str) -> JobConfig:  # a family without true CFG (traits.true_cfg False)
+    return apply_overrides(JobConfig(), ["model.family=qwen_image_edit", *overrides])
+
+
 @pytest.mark.parametrize("cfg,message", [
-    (lambda: _wan("rollout.guidance_scale=2", "rollout.negative_prompt= "),
-     "rollout.guidance_scale=2.0 is not supported with model.family=wan"),
-    (lambda: _wan("eval.prompts=[\"a cat\"]", "eval.guidance_scale=2"),
-     "eval.guidance_scale=2.0 is not supported with model.family=wan"),
+    (lambda: _edit("rollout.guidance_scale=2", "rollout.negative_prompt= "),
+     "rollout.guidance_scale=2.0 is not supported with model.family=qwen_image_edit"),
+    (lambda: _edit("eval.prompts=[\"a cat\"]", "eval.guidance_scale=2"),
+     "eval.guidance_scale=2.0 is not supported with model.family=qwen_image_edit"),
     (lambda: _wan("rollout.num_frames=10"), "rollout.num_frames=10 with model.family=wan: num_frames - 1"),
-    (lambda: _wan("rollout.engine=vllm_omni"), "rollout.engine='vllm_omni' is not supported with model.family=wan"),
+    (lambda: apply_overrides(JobConfig(), ["model.family=sd3", "rollout.engine=vllm_omni"]),
+     "rollout.engine='vllm_omni' is not supported with model.family=sd3"),
     (lambda: apply_overrides(JobConfig(), ["rollout.num_frames=5"]), "rollout.num_frames=5 with model.family="
                                                                       "qwen_image"),
     (lambda: apply_overrides(JobConfig(), ["reward.scorer=jpeg_compressibility+temporal_consistency"]),
@@ -57,6 +62,8 @@ def test_refusals_by_traits(cfg, message: str) -> None:
 def test_wan_config_with_video_keys_validates() -> None:
     _wan("rollout.max_sequence_length=16", "reward.scorer=temporal_consistency", "reward.video_frames=5",
          "logging.video_format=mp4", "rollout.height=32", "rollout.width=32").validate(1)
+    _wan("rollout.guidance_scale=5", "rollout.negative_prompt=", "eval.prompts=[\"a cat\"]",
+         "eval.guidance_scale=5").validate(1)  # true CFG (WanPipeline's default 5.0)
 
 
 def test_pipeline_folder_of_another_family_is_refused(tmp_path: Path) -> None:

@@ -10,8 +10,10 @@ family hooks this overrides), producing the same `Trajectory` record (video shap
   padding), zero-padded to `max_sequence_length` (or `text_length`) in every forward: Wan attends to all of it.
 - Decode: de-normalised by the VAE's `latents_mean/std`, `AutoencoderKLWan.decode`, the pipeline's video
   post-processing: frames [F, 3, H, W] fp32 in [0, 1] per sample.
-- True CFG is refused: Wan's guidance is plain `v_neg + g (v_pos - v_neg)`, without the per-token rescale of
-  the trainer's Qwen-Image `true_cfg` (`algorithms.cfg`), so recording it would break train/rollout agreement.
+- True CFG as `WanPipeline` guides (`guidance_scale` 5.0 there by default): plain `v_neg + g (v_pos - v_neg)`,
+  no per-token rescale (`cfg_rescale = False`, recorded in the trajectory so the recompute guides the same way);
+  the negative prompt is encoded and zero-padded like the prompt (the pipeline's default negative prompt is "").
+  The pipeline runs the two rows in two forwards, the engine in one (equal up to float rounding).
 """
 
 from __future__ import annotations
@@ -29,9 +31,23 @@ from megatron_omni.rollout.base import SamplingParams
 from megatron_omni.rollout.diffusers_engines.engine import DiffusersRolloutEngine, _Sample
 
 
+def wan_token_ids(tokenizer: Any, text: str, max_length: int | None = None) -> tuple[int, ...]:
+    """The token ids `WanPipeline` feeds its text encoder for `text` (its prompt cleaning, the tokenizer's special
+    tokens, truncated to `max_length` as it truncates before encoding), without the padding."""
+    from diffusers.pipelines.wan.pipeline_wan import prompt_clean
+
+    ids = tokenizer(prompt_clean(text), add_special_tokens=True, truncation=max_length is not None,
+                    max_length=max_length).input_ids
+    if not ids:
+        raise ValueError(f"prompt {text!r} gives no tokens")
+    return tuple(ids)
+
+
 class WanRolloutEngine(DiffusersRolloutEngine):
     """Rollout with diffusers' Wan text-to-video components (see the module docstring); the arguments are
     `DiffusersRolloutEngine`'s (`model_path`: a diffusers `WanPipeline` folder)."""
+
+    cfg_rescale = False  # WanPipeline's guidance is plain
 
     def _load_pipeline(self, model_path: str | os.PathLike, dtype: torch.dtype):
         from diffusers import WanPipeline
@@ -79,13 +95,6 @@ class WanRolloutEngine(DiffusersRolloutEngine):
             raise ValueError(f"{f} latent frames do not split into temporal patches of {pt}")
         return (f // pt, h // ph, w // pw)
 
-    def generate(self, prompts, params: SamplingParams, group_size: int = 1, seeds=None, on_sample=None):
-        """See `DiffusersRolloutEngine.generate`; refuses true CFG (see the module docstring)."""
-        if params.do_cfg:
-            raise ValueError("the Wan engine samples without true CFG (guidance_scale 1): Wan's guidance has no "
-                             "per-token rescale, which the trainer's CFG applies")
-        return super().generate(prompts, params, group_size=group_size, seeds=seeds, on_sample=on_sample)
-
     def _initial_latents(self, generator: torch.Generator, img_shape: tuple[int, int, int],
                          params: SamplingParams) -> torch.Tensor:
         c, f, h, w = self._latent_shape(params)
@@ -102,15 +111,8 @@ class WanRolloutEngine(DiffusersRolloutEngine):
 
     # ------------------------------------------------------------------ prompts
     def token_ids(self, text: str, max_length: int | None = None) -> tuple[int, ...]:
-        """The token ids `WanPipeline` feeds its text encoder for `text` (its prompt cleaning, the tokenizer's
-        special tokens, truncated to `max_length` as it truncates before encoding), without the padding."""
-        from diffusers.pipelines.wan.pipeline_wan import prompt_clean
-
-        ids = self.pipe.tokenizer(prompt_clean(text), add_special_tokens=True, truncation=max_length is not None,
-                                  max_length=max_length).input_ids
-        if not ids:
-            raise ValueError(f"prompt {text!r} gives no tokens")
-        return tuple(ids)
+        """The token ids `WanPipeline` feeds its text encoder for `text` (`wan_token_ids`)."""
+        return wan_token_ids(self.pipe.tokenizer, text, max_length)
 
     def text_lengths(self, prompts) -> list[int]:
         """Text tokens each prompt gives the transformer before the zero padding."""

@@ -63,6 +63,19 @@ from megatron_omni.rollout.vllm_omni.pipeline import (
 from megatron_omni.rollout.vllm_omni.worker import WORKER_EXTENSION
 
 DEFAULT_BUCKET_BYTES = 512 * 1024 * 1024
+# Our pipeline class for a folder whose model_index.json names another pipeline than Qwen-Image's (default
+# `PIPELINE_CLASS`), and the `module:function(folder, prompts) -> [int]` that counts a prompt's text tokens for it.
+PIPELINE_CLASSES = {
+    "WanPipeline": ("megatron_omni.rollout.vllm_omni.wan_pipeline.FlowGRPOWanPipeline",
+                    "megatron_omni.rollout.vllm_omni.wan_pipeline:text_lengths"),
+}
+
+
+def pipeline_class_of(folder: str | os.PathLike) -> tuple[str, str | None]:
+    """(our pipeline class, its text-length counter or None) for the diffusers folder (see `PIPELINE_CLASSES`)."""
+    index = Path(folder) / "model_index.json"
+    name = json.loads(index.read_text()).get("_class_name") if index.is_file() else None
+    return PIPELINE_CLASSES.get(name, (PIPELINE_CLASS, None))
 
 
 def omni_kwargs(model_path: str | os.PathLike, tensor_parallel_size: int = 1, dtype: str = "bfloat16",
@@ -117,12 +130,13 @@ class VllmOmniRolloutEngine:
             raise FileNotFoundError(f"no diffusers pipeline folder at {model_path}")
         self.dtype = dtype if isinstance(dtype, torch.dtype) else getattr(torch, dtype)
         self.quantization = quantization or QuantizationSpec()
+        self.pipeline_class, self._text_counter = pipeline_class_of(model_path)
         if omni is None and (peers is None or peers.spmd or dist.get_rank() == peers.ranks[0]):
             from vllm_omni import Omni
 
             omni = Omni(**omni_kwargs(model_path, tensor_parallel_size, str(self.dtype).removeprefix("torch."),
                                       quantization_config=vllm_quantization_config(self.quantization),
-                                      **omni_extra))
+                                      pipeline_class=self.pipeline_class, **omni_extra))
         self.model_path = Path(model_path)
         self.tp = int(tensor_parallel_size)
         self.omni = omni
@@ -144,7 +158,10 @@ class VllmOmniRolloutEngine:
     def text_lengths(self, prompts: Sequence[str]) -> list[int]:
         """Text tokens each prompt gives the transformer (see `RolloutEngine.text_lengths`): counted with the
         folder's tokenizer and diffusers' own prompt template (our pipeline class encodes as diffusers does),
-        on every rank, whether or not it owns the engine."""
+        on every rank, whether or not it owns the engine (another family's folder: its `PIPELINE_CLASSES` counter)."""
+        if self._text_counter is not None:
+            module, _, name = self._text_counter.partition(":")
+            return getattr(importlib.import_module(module), name)(self.model_path, prompts)
         if self._tokenizer_pipe is None:
             from diffusers import QwenImagePipeline
             from transformers import AutoTokenizer
@@ -200,7 +217,7 @@ class VllmOmniRolloutEngine:
         records = []
         with self._guard("a rollout"):
             for out in self.omni.generate(requests, sampling, py_generator=True, use_tqdm=False):
-                record = record_of(out, PIPELINE_CLASS)
+                record = record_of(out, self.pipeline_class)
                 records.append(record)
                 if on_record is not None:
                     on_record(record)
@@ -560,8 +577,8 @@ def build_vllm_omni_engine(pipeline_dir: str | os.PathLike, settings: Any) -> Vl
 
         from megatron_omni.rollout.vllm_omni.inline import open_in_process_omni
 
-        omni = open_in_process_omni(pipeline_dir, tp, settings.dtype, settings.max_batch_size, PIPELINE_CLASS,
-                                    vllm_quantization_config(settings.quantization))
+        omni = open_in_process_omni(pipeline_dir, tp, settings.dtype, settings.max_batch_size,
+                                    pipeline_class_of(pipeline_dir)[0], vllm_quantization_config(settings.quantization))
         group = get_tp_group()
         peers = RolloutPeers(group.cpu_group, tuple(group.ranks), spmd=True)
         engine = VllmOmniRolloutEngine(pipeline_dir, tp, settings.dtype, omni=omni, peers=peers,
@@ -579,7 +596,7 @@ def build_vllm_omni_engine(pipeline_dir: str | os.PathLike, settings: Any) -> Vl
     omni, failure = None, None
     if rank == peers.ranks[0]:
         try:
-            omni = start_omni(pipeline_dir, tp, settings)
+            omni = start_omni(pipeline_dir, tp, settings, pipeline_class_of(pipeline_dir)[0])
         except Exception as exc:  # every rank of the group raises it below, not only the owner
             failure = f"vLLM-Omni engine for {pipeline_dir} failed to start: {root_cause(exc)}"
     box = [failure]
@@ -626,6 +643,8 @@ def start_omni(pipeline_dir: str | os.PathLike, tp: int, settings: Any, pipeline
     install_import_shims()
     module, _, name = pipeline_class.rpartition(".")
     try:
+        # what the class's constructor would refuse in a worker (e.g. the Wan class's `check_folder`), refused here
+        getattr(importlib.import_module(module), "check_folder", lambda _: None)(folder)
         getattr(importlib.import_module(module), name)
     except (ImportError, AttributeError) as exc:
         raise ImportError(f"pipeline class {pipeline_class} does not import: {exc}") from None

@@ -22,11 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import importlib
-import importlib.util
 import os
-import sys
-import types
 from collections.abc import Iterator
 from typing import Any
 
@@ -88,14 +84,9 @@ def build_wan_transformer(hf_config: dict[str, Any]) -> torch.nn.Module:
     Its package's `__init__` imports the image-to-video pipeline, which imports torchvision (it does not install
     beside the CPU torch), so the package is entered without running its `__init__`: the transformer's own
     module is imported and built as it is."""
-    pkg = "vllm_omni.diffusion.models.wan2_2"
-    if pkg not in sys.modules:
-        spec = importlib.util.find_spec(pkg)
-        package = types.ModuleType(pkg)
-        package.__path__ = list(spec.submodule_search_locations)
-        package.__spec__ = spec
-        sys.modules[pkg] = package
-    module = importlib.import_module(f"{pkg}.wan2_2_transformer")
+    from megatron_omni.rollout.vllm_omni.wan_pipeline import wan2_2_module
+
+    module = wan2_2_module("wan2_2_transformer")
     kwargs = {k: v for k, v in hf_config.items() if k != "qk_norm"}  # vLLM-Omni's always normalises across heads
     return module.WanTransformer3DModel(**kwargs).eval()
 

@@ -75,8 +75,13 @@ class SdeStepper(DiffusersRolloutEngine):
 
     Only the construction differs from `DiffusersRolloutEngine` (nothing is loaded: the components are the
     vLLM-Omni pipeline's, already on its device) and `load_weights`, which goes through vLLM-Omni's
-    loader (fused q/k/v, tensor-parallel slices) and raises on anything it did not load.
+    loader (fused q/k/v, tensor-parallel slices) and raises on anything it did not load. What is Qwen-Image's here
+    (the transformer config the loop reads, the sigma grid's settings, the velocity interface, the full shapes, the
+    loader's renames) is in hooks another family's stepper overrides (`vllm_omni.wan_pipeline.WanSdeStepper`).
     """
+
+    # vLLM-Omni loader renames: diffusers name -> the parameter its `load_weights` reports loaded instead
+    weight_renames: Mapping[str, str] = {}
 
     def __init__(self, pipeline: Any, max_batch_size: int = 8, embed_cache_size: int = 4096) -> None:  # noqa: D107
         if max_batch_size < 1:
@@ -85,10 +90,10 @@ class SdeStepper(DiffusersRolloutEngine):
         self.device = torch.device(pipeline.device)
         self.dtype = next(transformer.parameters()).dtype
         self.pipe = pipeline
-        # The loop reads only `config.in_channels` from the transformer; vLLM-Omni's module has no config.
-        self.transformer = SimpleNamespace(config=SimpleNamespace(in_channels=transformer.in_channels))
-        self.shift = ShiftConfig.from_scheduler_config(pipeline.scheduler.config)
-        self.velocity_model = VllmOmniVelocity(transformer)
+        # The loop reads only a few config fields from the transformer; vLLM-Omni's module has no diffusers config.
+        self.transformer = SimpleNamespace(config=SimpleNamespace(**self._config_view(pipeline)))
+        self.shift = self._pipeline_shift(pipeline)
+        self.velocity_model = self._velocity(pipeline)
         self.max_batch_size = max_batch_size
         self.embed_cache_size = embed_cache_size
         self.progress = False
@@ -96,14 +101,27 @@ class SdeStepper(DiffusersRolloutEngine):
         self._asleep = False
         self.stats = {"forwards": 0, "forward_rows": 0, "cache_hits": 0, "cache_misses": 0}
 
-        self.full_shapes = diffusers_shapes(pipeline.od_config.tf_model_config.to_dict())
+        self.full_shapes = self._full_shapes(pipeline)
+
+    def _config_view(self, pipeline: Any) -> dict[str, Any]:
+        return {"in_channels": pipeline.transformer.in_channels}
+
+    def _pipeline_shift(self, pipeline: Any) -> Any:
+        return ShiftConfig.from_scheduler_config(pipeline.scheduler.config)
+
+    def _velocity(self, pipeline: Any) -> Any:
+        return VllmOmniVelocity(pipeline.transformer)
+
+    def _full_shapes(self, pipeline: Any) -> dict[str, tuple[int, ...]]:
+        return diffusers_shapes(pipeline.od_config.tf_model_config.to_dict())
 
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> list[str]:
         """Diffusers-named transformer tensors (with or without `transformer.`) into vLLM-Omni's module;
         see `load_transformer_weights` (an FP8 engine's in one layer-wise reload)."""
         reloader = getattr(self.pipe, "fp8_reloader", None)
         if reloader is None:
-            return load_transformer_weights(self.pipe.transformer, named_tensors, self.full_shapes)
+            return load_transformer_weights(self.pipe.transformer, named_tensors, self.full_shapes,
+                                            renames=self.weight_renames)
         reloader.begin()
         try:
             return load_transformer_weights(self.pipe.transformer, named_tensors, self.full_shapes, reloader)
@@ -111,14 +129,15 @@ class SdeStepper(DiffusersRolloutEngine):
             reloader.finish()
 
 
-def diffusers_shapes(config: Mapping[str, Any]) -> dict[str, tuple[int, ...]]:
-    """Diffusers name -> full shape of every tensor of a Qwen-Image transformer with this diffusers config
-    (built on the meta device: no memory, no weights)."""
-    from diffusers import QwenImageTransformer2DModel
+def diffusers_shapes(config: Mapping[str, Any],
+                     model_class: str = "QwenImageTransformer2DModel") -> dict[str, tuple[int, ...]]:
+    """Diffusers name -> full shape of every tensor of a diffusers transformer `model_class` (Qwen-Image's by
+    default) with this diffusers config (built on the meta device: no memory, no weights)."""
+    import diffusers
 
     cfg = {k: v for k, v in dict(config).items() if not k.startswith("_")}
     with torch.device("meta"):
-        module = QwenImageTransformer2DModel.from_config(cfg)
+        module = getattr(diffusers, model_class).from_config(cfg)
     return {n: tuple(t.shape) for n, t in module.state_dict().items()}
 
 
@@ -138,20 +157,23 @@ def check_full_weights(named_tensors: Iterable[tuple[str, torch.Tensor]],
 
 
 def load_transformer_weights(transformer: torch.nn.Module, named_tensors: Iterable[tuple[str, torch.Tensor]],
-                             full_shapes: Mapping[str, tuple[int, ...]], reloader: Any = None) -> list[str]:
+                             full_shapes: Mapping[str, tuple[int, ...]], reloader: Any = None,
+                             renames: Mapping[str, str] | None = None) -> list[str]:
     """Load full diffusers-named tensors (prefix `transformer.` optional) through vLLM-Omni's
     `load_weights`, which fuses q/k/v and takes this tp rank's slice; through `reloader` (an FP8 engine's
     `fp8.Fp8WeightReloader`, inside one of its updates) when given.
 
     vLLM-Omni skips unknown names silently and its tp loaders narrow an oversized tensor without
     complaint, so every name and full shape is checked against `full_shapes` first: an unknown name raises
-    KeyError, a wrong shape ValueError, a tensor the loader did not take RuntimeError. Returns the names.
+    KeyError, a wrong shape ValueError, a tensor the loader did not take RuntimeError (one it reports loaded under
+    its new name, `renames[name]`, was taken). Returns the names.
     """
     from megatron_omni.bridge.targets import VllmOmniTarget
 
     items = check_full_weights(named_tensors, full_shapes)
     loaded = (VllmOmniTarget(transformer, 0, 1).load_full(items) if reloader is None else reloader.load(items))
-    missed = [n for n, _ in items if n not in loaded]
+    renames = renames or {}
+    missed = [n for n, _ in items if n not in loaded and renames.get(n) not in loaded]
     if missed:
         raise RuntimeError(f"vLLM-Omni's loader skipped {len(missed)} tensors, e.g. {missed[:3]}")
     return [n for n, _ in items]
@@ -191,8 +213,9 @@ def parse_request(prompt: Any, sampling: Any) -> tuple[str, SamplingParams, int,
             int(sample["group_id"]))
 
 
-def sample_record(s: _Sample) -> dict[str, Any]:
-    """One finished sample as the dict of tensors its request returns ([W, S, C] window latents etc.)."""
+def sample_record(s: _Sample, cfg_rescale: bool = True) -> dict[str, Any]:
+    """One finished sample as the dict of tensors its request returns ([W, S, C] window latents etc.);
+    `cfg_rescale`: how its engine combines true CFG (`DiffusersRolloutEngine.cfg_rescale`)."""
     empty = s.latents.new_zeros(0, *s.latents.shape)
     return {
         "prompt": s.prompt,
@@ -210,6 +233,7 @@ def sample_record(s: _Sample) -> dict[str, Any]:
         "image": s.image.detach().cpu(),
         "final_latents": s.latents.detach().float().cpu(),
         "img_shape": tuple(s.img_shape),
+        "cfg_rescale": bool(cfg_rescale),
     }
 
 
@@ -224,12 +248,14 @@ def record_to_trajectory(records: Sequence[Mapping[str, Any]], params: SamplingP
             raise ValueError(f"sample record {r.get('index')} lacks tensors {bad}")
     if len({r["log_probs"].shape[0] for r in recs}) != 1:
         raise RuntimeError("samples recorded different numbers of window steps")
-    text, mask = pad_text([r["prompt_embeds"] for r in recs], params.text_length)
+    # A family whose transformer attends to the zero padding (Wan) records the length its forwards padded to.
+    length = params.text_length or max((int(r.get("text_length") or 0) for r in recs), default=0) or None
+    text, mask = pad_text([r["prompt_embeds"] for r in recs], length)
     neg = neg_mask = None
     if params.do_cfg:
         if any(r["negative_prompt_embeds"] is None for r in recs):
             raise ValueError("a CFG sample record has no negative prompt embeddings")
-        neg, neg_mask = pad_text([r["negative_prompt_embeds"] for r in recs], params.text_length)
+        neg, neg_mask = pad_text([r["negative_prompt_embeds"] for r in recs], length)
     return Trajectory(
         prompts=[r["prompt"] for r in recs],
         group_ids=torch.tensor([r["group_id"] for r in recs], dtype=torch.long),
@@ -249,6 +275,7 @@ def record_to_trajectory(records: Sequence[Mapping[str, Any]], params: SamplingP
         noise_level=params.noise_level if params.stochastic else 0.0,
         sde_type=params.sde_type,
         final_latents=torch.stack([r["final_latents"] for r in recs]),
+        cfg_rescale=bool(recs[0].get("cfg_rescale", True)),
     )
 
 

@@ -6,7 +6,10 @@ while its own package is still importing. See `platform` for the platform itself
 from __future__ import annotations
 
 import importlib
+import importlib.machinery
+import importlib.util
 import sys
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -17,6 +20,7 @@ PLATFORM_CLASS = "megatron_omni.rollout.vllm_omni.platform.CpuOmniPlatform"
 CPU_WORKER = "megatron_omni.rollout.vllm_omni.cpu_worker"
 MP_EXECUTOR = f"{CPU_WORKER}.CpuMultiprocExecutor"
 _QWEN2_VL_PROCESSOR = "transformers.models.qwen2_vl.image_processing_qwen2_vl"
+_WAN_PACKAGE = "vllm_omni.diffusion.models.wan2_2"
 
 
 def accelerator_present() -> bool:
@@ -38,7 +42,8 @@ def cpu_platform_plugin() -> str | None:
 def install_import_shims() -> None:
     """Make vLLM-Omni's engine modules importable beside the CPU torch (idempotent): transformers' Qwen2-VL image
     processor module, which imports torchvision, is served by its PIL variant (the same `smart_resize`, all
-    vLLM's Qwen2-VL model takes from it). Nothing where torchvision imports."""
+    vLLM's Qwen2-VL model takes from it), and vLLM-Omni's Wan package is entered without its `__init__`
+    (`bare_wan_package`). Nothing where torchvision imports."""
     if _QWEN2_VL_PROCESSOR in sys.modules:
         return
     try:
@@ -46,6 +51,23 @@ def install_import_shims() -> None:
     except ImportError:
         sys.modules[_QWEN2_VL_PROCESSOR] = importlib.import_module(
             "transformers.models.qwen2_vl.image_processing_pil_qwen2_vl")
+        bare_wan_package()
+
+
+def bare_wan_package() -> None:
+    """Register vLLM-Omni's Wan2.2 package without running its `__init__` (idempotent): the `__init__` imports the
+    image-to-video pipeline, which imports torchvision; its text-to-video modules (the pipeline vLLM-Omni's engine
+    loads its post-processing from, the transformer) import without it. Imports nothing of vLLM-Omni itself."""
+    name = _WAN_PACKAGE
+    if name in sys.modules:
+        return
+    root = importlib.util.find_spec("vllm_omni")
+    if root is None:
+        return
+    spec = importlib.machinery.ModuleSpec(name, None, is_package=True)
+    spec.submodule_search_locations = [str(Path(root.submodule_search_locations[0]) / "diffusion" / "models" /
+                                           "wan2_2")]
+    sys.modules[name] = importlib.util.module_from_spec(spec)
 
 
 def cpu_worker_main(*args: Any, **kwargs: Any) -> None:

@@ -88,7 +88,8 @@ class WeightReceiver:
         if again:
             raise WeightUpdateError(f"weight update sends {again[:3]} more than once")
         try:
-            load_transformer_weights(self.pipeline.transformer, items, self.full_shapes, self.reloader)
+            load_transformer_weights(self.pipeline.transformer, items, self.full_shapes, self.reloader,
+                                     renames=getattr(self.pipeline, "weight_renames", None))
         except (KeyError, ValueError, RuntimeError) as e:
             raise WeightUpdateError(f"malformed weight bucket: {e}") from e
         self._seen.update(names)
