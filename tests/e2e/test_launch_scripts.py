@@ -35,6 +35,7 @@ EXPECTED_WORLD = {
     "examples/tiny/ocr_miniature.sh": 1,
     "examples/wan/train_wan.sh": 16,  # SIZE defaults to 14b on NNODES=2
     "examples/sd3/train_sd35.sh": 6,  # SIZE=medium on 1 node, GPUs 6,7 for the reward
+    "examples/qwen_image_edit/train_edit_20b.sh": 6,  # NNODES defaults to 1, GPUs 6,7 for the reward
 }
 # What every dry run prints; a video family's plan (planner/video.py) names videos and the planner's CP choice.
 PLAN_PARTS = ("memory per GPU:", "optimizer states", "step time:", "images/s/GPU", "reference (VeRL-Omni", "bridge:",
@@ -324,3 +325,25 @@ def test_sd35_large_plans_two_nodes_through_slurm(results: dict) -> None:
     assert "dry run: world size 16 trainer ranks" in out and "model sd35-large on 16 x H800" in out
     assert "recipe examples.sd3.recipe:sd35_large_ocr" in out and "/models/stable-diffusion-3.5-large" in out
     assert re.search(r"total +[\d.]+ GiB of 79\.6 GiB -> fits", out), out[-2000:]
+
+
+@pytest.mark.parametrize("recipe,world,reward_gpus,gpu,rc", [("edit_20b_2nodes", 16, 0, "H200", 0),
+                                                             ("edit_20b_1node", 6, 2, "H800", 3)])
+def test_edit_20b_plans_the_source_image(recipe: str, world: int, reward_gpus: int, gpu: str, rc: int,
+                                         monkeypatch: pytest.MonkeyPatch, capsys) -> None:
+    """Qwen-Image-Edit 20B (train_edit_20b.sh's recipes, in this process): the plan counts the source image, its
+    latents in the image stream (4096 tokens after the 1024 generated ones) and its 196 vision tokens in the text
+    stream; the 2-node layout fits an H200, the 1-node one does not fit an H800 (the embedded engine's copy alone is
+    53.7 GiB), rc 3."""
+    from megatron_omni.train import main
+
+    monkeypatch.setenv("WORLD_SIZE", str(world))
+    monkeypatch.setenv("MODEL_BACKEND", "local")
+    monkeypatch.setenv("QWEN_IMAGE_EDIT_PIPELINE", "/nonexistent/edit")
+    monkeypatch.delenv("EDIT_DATA", raising=False)
+    assert main(["--dry-run", "--gpu", gpu, "--reward-gpus", str(reward_gpus), "--recipe",
+                 f"examples.qwen_image_edit.recipe:{recipe}"]) == rc
+    out = capsys.readouterr().out
+    assert "5120 image (of them 4096 source-image) + 452 text tokens" in out, out[-2000:]
+    assert f"model 20b on {world + reward_gpus} x {gpu}" in out
+    assert re.search(r"rollout weights +53\.7 GiB", out), out[-2000:]
