@@ -4,7 +4,8 @@ all in this process:
 
 - diffusers' `QwenImagePipeline.__call__` with the whole batch (every sample one row, as flow_grpo samples): the
   ODE sampler, no log-probabilities (the least a sampler can do: a floor for the work per image);
-- a flow_grpo-style loop written here from its equations (docs/design.md section 4, not our code): the pipeline's
+- a flow_grpo-style loop from its equations (docs/design.md section 4, not our code; the SDE step is
+  `benchmarks/flow_grpo_reference.py`, shared with the SD3 comparison test): the pipeline's
   prompt encoding, latents and sigma grid, then per step one transformer forward on the whole batch and the SDE
   step with its per-element mean log-probability on the noised window (the same window for every sample, as
   flow_grpo draws it), the window's latents and log-probs kept, the VAE decode at the end.
@@ -21,7 +22,6 @@ being moved).
 from __future__ import annotations
 
 import argparse
-import math
 import statistics
 import sys
 import tempfile
@@ -34,6 +34,7 @@ from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.flow_grpo_reference import flow_grpo_sde_step  # noqa: E402
 from megatron_omni.rollout.base import SamplingParams  # noqa: E402
 from megatron_omni.rollout.diffusers_engines.engine import DiffusersRolloutEngine  # noqa: E402
 from model_providers.qwen_image.tiny_pipeline import SMALL_TRANSFORMER, TinyPipelineConfig, make_tiny_pipeline  # noqa: E402
@@ -66,14 +67,10 @@ def flow_grpo_loop(pipe, rows: list[str], seeds: list[int], size: int, steps: in
                              return_dict=False)[0].float()
         x, s, dt = latents.float(), sig[i], sig[i + 1] - sig[i]
         if window[0] <= i < window[1]:
-            s_tilde = sig[1] if s == 1 else s
-            std = noise * torch.sqrt(s / (1 - s_tilde))
-            mean = x + (v + std**2 / (2 * s) * (x + (1 - s) * v)) * dt
-            nxt = mean + std * torch.sqrt(-dt) * torch.randn(x.shape, generator=noise_gen)
-            lp = (-(nxt - mean) ** 2 / (2 * std**2 * (-dt)) - torch.log(std * torch.sqrt(-dt))
-                  - 0.5 * math.log(2 * math.pi))
+            nxt, _, lp = flow_grpo_sde_step(x, v, s, sig[i + 1], sig[1], noise,
+                                            noise=torch.randn(x.shape, generator=noise_gen))
             kept.append((x, nxt))
-            log_probs.append(lp.mean(dim=tuple(range(1, lp.dim()))))
+            log_probs.append(lp)
         else:
             nxt = x + v * dt
         latents = nxt

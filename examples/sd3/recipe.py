@@ -1,6 +1,6 @@
 """SD3.5 recipes: the tiny CPU demo on the offline tiny SD3.5 pipeline, and flow_grpo's published SD3.5-Medium
-recipes (OCR, PickScore) on SD3.5-Medium and -Large (run with torchrun; the planner has no SD3 cost model yet).
-docs/families-sd3.md has what the family supports and the figures."""
+recipes (OCR, PickScore) on SD3.5-Medium and -Large (examples/sd3/train_sd35.sh launches them; `DRY_RUN=1` plans
+them). docs/families-sd3.md has what the family supports and the figures."""
 
 from __future__ import annotations
 
@@ -38,10 +38,14 @@ def tiny() -> JobConfig:
 
 
 
-# The published SD3.5 shapes: the diffusers folder (SD35_PIPELINE, else the default below) and the preset.
+# The published SD3.5 shapes: the diffusers folder (SD35_PIPELINE, else the default below), the preset and the
+# micro-batch ((image, window step) samples per forward; tp=1 x dp, LoRA, no recompute). The micro-batch is the
+# largest the planner (`--dry-run`) fits on an H800 with over 10% of it free, so the same recipe runs on H200 and
+# H800: SD3.5-M on 1 node (6 trainer ranks, GPUs 6,7 for the reward) 67.0 GiB of 79.6 (H800) / 140.4 (H200) at 8;
+# SD3.5-L on 2 nodes (16 ranks) 68.5 GiB at 2 (3 would leave 0.1 GiB).
 SIZES: dict[str, dict] = {
-    "medium": dict(preset="sd35-medium", pipeline="/models/stable-diffusion-3.5-medium"),
-    "large": dict(preset="sd35-large", pipeline="/models/stable-diffusion-3.5-large"),
+    "medium": dict(preset="sd35-medium", pipeline="/models/stable-diffusion-3.5-medium", micro_batch_size=8),
+    "large": dict(preset="sd35-large", pipeline="/models/stable-diffusion-3.5-large", micro_batch_size=2),
 }
 
 
@@ -99,6 +103,7 @@ def sd35(size: str, reward: str) -> JobConfig:
     o.weight_decay = 1e-4
     o.clip_grad = 1.0
     o.mini_batches = 2
+    o.micro_batch_size = shape["micro_batch_size"]
     # flow_grpo's train.ema=True averages its LoRA parameters; our EMA keeps a full copy and is refused with LoRA
     o.ema_decay = 0.0
     cfg.checkpoint.every = 20

@@ -15,9 +15,9 @@ from dataclasses import dataclass
 from itertools import combinations
 
 from megatron_omni.parallel.layout import LayoutError
+from megatron_omni.planner.arch import arch_of
 from megatron_omni.planner.job import JobPlan, fits, plan_job, total_bytes
 from megatron_omni.planner.memory import RECOMPUTE_MODES
-from model_providers.qwen_image.provider import hf_config
 
 # A change: `--set` overrides and a world-size factor (1 = same GPUs).
 Change = tuple[tuple[str, ...], int]
@@ -42,7 +42,7 @@ class Suggestion:
 
 
 def _single_changes(job: JobPlan, micro_batch_size: int) -> Iterator[Change]:
-    lay, cfg = job.layout, hf_config(job.model)
+    lay, cfg = job.layout, arch_of(job.model).config
     for mode in RECOMPUTE_MODES[RECOMPUTE_MODES.index(job.recompute) + 1:]:
         yield (f"model.recompute={mode}",), 1
     heads = cfg["num_attention_heads"]

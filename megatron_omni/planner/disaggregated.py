@@ -24,11 +24,11 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from megatron_omni.parallel.layout import LayoutError, ParallelLayout
+from megatron_omni.planner.arch import arch_of
 from megatron_omni.planner.memory import GIB, rollout_activation_bytes, rollout_parameter_count
 from megatron_omni.planner.plan import plan
 from megatron_omni.planner.report import PlanReport
 from megatron_omni.planner.specs import DEFAULT_MFU, GPUS, GPUSpec, LoRASpec, Precision, RolloutSpec, Workload
-from model_providers.qwen_image.provider import hf_config
 
 STALENESS = 1  # the steady state modelled: the rollout runs one version behind the trainer
 ASSUMPTIONS = (
@@ -169,12 +169,12 @@ def plan_disaggregated(
     trainer = plan(model, layout, trainer_gpus, gpu, workload,
                    rollout=replace(rollout, colocated=False, gpus=rollout_gpus, sleeps=False), **kw)
     gpu_spec = trainer.gpu if gpu_spec is None else gpu_spec
-    w, cfg = trainer.workload, hf_config(model)
-    shard = precision.rollout_param_bytes * rollout_parameter_count(cfg, rollout.tp)
+    w, cfg = trainer.workload, arch_of(model).config
+    shard = precision.rollout_param_bytes * rollout_parameter_count(model, rollout.tp)
     rollout_memory = RolloutMemory(
         weights=shard + precision.rollout_param_bytes * rollout.extra_params,
         back_buffer=shard,
-        activations=rollout_activation_bytes(cfg, tokens=trainer.image_tokens + w.text_tokens,
+        activations=rollout_activation_bytes(model, tokens=trainer.image_tokens + w.text_tokens,
                                              batch=rollout.batch * (2 if w.cfg else 1), rollout_tp=rollout.tp,
                                              act_bytes=precision.activation_bytes),
         reserve=reserve_bytes, capacity=gpu_spec.memory_bytes)

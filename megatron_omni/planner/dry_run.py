@@ -6,9 +6,11 @@ from __future__ import annotations
 import sys
 from collections.abc import Callable
 
-from megatron_omni.bridge.qwen_image import qwen_image_plan, sync_mode
+from megatron_omni.bridge.family_sync import plan_part, sync_mode
 from megatron_omni.planner.advice import suggest
+from megatron_omni.planner.arch import arch_of
 from megatron_omni.planner.job import JobPlan, copy_bytes, fits, plan_disaggregated_job, plan_job
+from model_providers import get_family
 
 FITS, DOES_NOT_FIT = 0, 3  # exit statuses of `python -m megatron_omni.train --dry-run`
 
@@ -25,8 +27,10 @@ def dry_run(job: JobPlan, replan: Callable[[tuple[str, ...], int], JobPlan]) -> 
     # On the cluster vLLM-Omni's workers are processes of their own: its sync is full mode (bucketed RPCs).
     vllm = job.rollout_engine == "vllm_omni"
     mode = "full" if vllm else sync_mode(job.layout.tp, job.layout.pp, rollout.tp)
-    sync = qwen_image_plan(job.model, trainer_tp=job.layout.tp, trainer_pp=job.layout.pp,
-                           rollout_kind=job.rollout_engine, rollout_tp=rollout.tp, mode=mode)
+    arch = arch_of(job.model)
+    part = get_family(arch.family).weight_parts(arch.config)["transformer"]
+    sync = plan_part(part, trainer_tp=job.layout.tp, trainer_pp=job.layout.pp, rollout_kind=job.rollout_engine,
+                     rollout_tp=rollout.tp, mode=mode)
     elements = sync.numel_per_rollout_rank()[0]
     ranks = (f"world size {job.world_size} trainer ranks" if split is None else
              f"world size {job.world_size + job.rollout_gpus} = {job.world_size} trainer ranks + {job.rollout_gpus} "

@@ -21,26 +21,22 @@ from dataclasses import dataclass
 from typing import Any
 
 from megatron_omni.models.lora import matches_any
+from megatron_omni.planner.arch import DiTArch, arch_of
 from megatron_omni.planner.memory import lora_linears
-from model_providers.qwen_image.provider import hf_config, megatron_shapes
 
-# Qwen-Image's VAE downsamples 8x; the transformer then packs 2x2 latent patches into one token.
+# Qwen-Image's and SD3's VAEs downsample 8x; the transformer then packs 2x2 latent patches into one token.
 VAE_SCALE_FACTOR = 8
 
-_IMAGE_WEIGHTS = ("img_in.weight", "proj_out.weight")
-_TEXT_WEIGHTS = ("txt_in.weight",)
-_SAMPLE_WEIGHTS = ("time_embedder.linear_1.weight", "time_embedder.linear_2.weight", "norm_out.linear.weight")
 
-
-def image_tokens(model: str | dict[str, Any], height: int, width: int, vae_scale_factor: int = VAE_SCALE_FACTOR
-                 ) -> int:
+def image_tokens(model: str | dict[str, Any] | DiTArch, height: int, width: int,
+                 vae_scale_factor: int = VAE_SCALE_FACTOR) -> int:
     """Image tokens of one `height x width` image: (height / (vae * patch)) * (width / (vae * patch))."""
-    cfg = hf_config(model)
-    step = vae_scale_factor * cfg["patch_size"]
+    patch = arch_of(model).patch
+    step = vae_scale_factor * patch
     for name, value in (("height", height), ("width", width)):
         if value < step or value % step:
             raise ValueError(f"image {name} {value} must be a positive multiple of vae_scale_factor * patch_size "
-                             f"= {vae_scale_factor} * {cfg['patch_size']} = {step}")
+                             f"= {vae_scale_factor} * {patch} = {step}")
     return (height // step) * (width // step)
 
 
@@ -82,16 +78,20 @@ class ForwardFlops:
         return split / (tp * pp)
 
 
-def forward_flops(model: str | dict[str, Any], image_tokens: int, text_tokens: int) -> ForwardFlops:
-    """FLOPs of one forward pass of one sample with `image_tokens` image and `text_tokens` text tokens."""
+def forward_flops(model: str | dict[str, Any] | DiTArch, image_tokens: int, text_tokens: int) -> ForwardFlops:
+    """FLOPs of one forward pass of one sample with `image_tokens` image and `text_tokens` text tokens.
+
+    SD3 (`DiTArch`): the patch embedding's convolution ([h, c, p, p]) counts as a linear on image tokens, the
+    pooled embedder once per sample; the second image attention of the dual-attention blocks (`img_attn2`) acts
+    on image tokens and adds `4 s_img^2 h`; the last block's text queries do attend (diffusers computes them)."""
     if image_tokens < 1 or text_tokens < 0:
         raise ValueError(f"need image_tokens >= 1 and text_tokens >= 0, got {image_tokens}, {text_tokens}")
-    cfg = hf_config(model)
-    shapes = megatron_shapes(cfg)
+    a = arch_of(model)
+    cfg = a.config
     img = txt = sample = qkv = 0.0
-    for name, shape in shapes.items():
-        if len(shape) != 2:  # biases and norm scales: elementwise, not counted
-            continue
+    for name, shape in a.shapes.items():
+        if name in a.buffers or (len(shape) != 2 and name not in a.image_weights):
+            continue  # biases, norm scales and constant tables: elementwise, not counted
         macs = math.prod(shape)
         if name.startswith("layers."):
             layer, stream, tensor = int(name.split(".")[1]), name.split(".")[2], name.split(".", 3)[3]
@@ -100,30 +100,32 @@ def forward_flops(model: str | dict[str, Any], image_tokens: int, text_tokens: i
                 continue
             if stream == "txt" and layer == cfg["num_layers"] - 1 and not tensor.startswith("linear_qkv."):
                 continue
-            tokens = image_tokens if stream == "img" else text_tokens
+            tokens = text_tokens if stream == "txt" else image_tokens
             flops = 2 * macs * tokens
             if tensor.startswith("linear_qkv."):
                 qkv += flops
-            if stream == "img":
-                img += flops
-            else:
+            if stream == "txt":
                 txt += flops
-        elif name in _IMAGE_WEIGHTS:
+            else:
+                img += flops
+        elif name in a.image_weights:
             img += 2 * macs * image_tokens
-        elif name in _TEXT_WEIGHTS:
+        elif name in a.text_weights:
             txt += 2 * macs * text_tokens
-        elif name in _SAMPLE_WEIGHTS:
+        elif name in a.sample_weights:
             sample += 2 * macs
         else:
             raise ValueError(f"planner FLOPs model does not know where weight {name} {shape} applies")
-    hidden = cfg["num_attention_heads"] * cfg["attention_head_dim"]
+    hidden = a.hidden
     seq = image_tokens + text_tokens
-    # The last block runs image queries only (its text queries' outputs would feed nothing).
-    attention = 4.0 * seq * hidden * (seq * (cfg["num_layers"] - 1) + image_tokens)
+    # Qwen-Image's last block runs image queries only (its text queries' outputs would feed nothing).
+    last_queries = seq if a.last_text_queries else image_tokens
+    attention = 4.0 * seq * hidden * (seq * (a.layers - 1) + last_queries)
+    attention += 4.0 * image_tokens * image_tokens * hidden * len(a.image_attention_layers)
     return ForwardFlops(image_linear=img, text_linear=txt, per_sample=sample, attention=attention, qkv_linear=qkv)
 
 
-def lora_forward_flops(model: str | dict[str, Any], image_tokens: int, text_tokens: int, rank: int,
+def lora_forward_flops(model: str | dict[str, Any] | DiTArch, image_tokens: int, text_tokens: int, rank: int,
                        targets: Sequence[str], tp: int = 1) -> ForwardFlops:
     """FLOPs of the LoRA adapters' forward (`A x`, then `B (A x)`) on the linears matching `targets`, one sample,
     split like `forward_flops` (qkv_linear: the QKV adapters', which selective recompute runs again).
@@ -131,9 +133,10 @@ def lora_forward_flops(model: str | dict[str, Any], image_tokens: int, text_toke
     At tp=1 this is the whole model's count. At tp > 1 it is scaled so that `per_rank(tp, cp, pp)` is what one
     rank computes: the factor a layer keeps whole (A of a column-parallel layer, B of a row-parallel one) runs
     on every tp rank, so it counts tp times here."""
-    cfg = hf_config(model)
+    a = arch_of(model)
+    cfg = a.config
     img = txt = sample = qkv = 0.0
-    for name, (n_out, n_in, row) in lora_linears(cfg).items():
+    for name, (n_out, n_in, row) in lora_linears(a).items():
         if not matches_any(name, targets):
             continue
         _, layer, stream, linear = name.split(".")
@@ -145,11 +148,11 @@ def lora_forward_flops(model: str | dict[str, Any], image_tokens: int, text_toke
             continue
         if stream == "txt" and int(layer) == cfg["num_layers"] - 1 and linear != "linear_qkv":
             continue
-        flops = 2 * macs * (image_tokens if stream == "img" else text_tokens)
+        flops = 2 * macs * (text_tokens if stream == "txt" else image_tokens)
         if linear == "linear_qkv":
             qkv += flops
-        if stream == "img":
-            img += flops
-        else:
+        if stream == "txt":
             txt += flops
+        else:
+            img += flops
     return ForwardFlops(image_linear=img, text_linear=txt, per_sample=sample, attention=0.0, qkv_linear=qkv)

@@ -17,13 +17,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from megatron_omni.models.lora import matches_any, unmatched_targets
-from model_providers.qwen_image.provider import hf_config, megatron_shapes
+from megatron_omni.planner.arch import DiTArch, arch_of
 
 _COLUMN = ("adaln.", "linear_qkv.", "linear_fc1.")
 _ROW_WEIGHTS = ("linear_proj.weight", "linear_fc2.weight")
-_EVERY_STAGE = ("time_embedder.",)
-_FIRST_STAGE = ("img_in.", "txt_norm.", "txt_in.")
-_LAST_STAGE = ("norm_out.", "proj_out.")
 
 GIB = 1024**3
 
@@ -41,18 +38,32 @@ _SAVED_PER_TOKEN = {"none": (8, 17), "selective": (8, 9)}
 RECOMPUTE_MODES = ("none", "selective", "full")
 
 
-def rank_parameter_counts(model: str | dict[str, Any], tp: int, pp: int = 1) -> list[int]:
-    """Parameters held by one rank of each pipeline stage at tensor-parallel size `tp` (index = stage)."""
-    cfg = hf_config(model)
-    layers, heads = cfg["num_layers"], cfg["num_attention_heads"]
+def _stage_of(a: DiTArch, name: str, pp: int) -> range:
+    """The pipeline stages that hold non-block tensor `name`."""
+    if name.startswith(a.every_stage):
+        return range(pp)
+    if name.startswith(a.first_stage):
+        return range(1)
+    if name.startswith(a.last_stage):
+        return range(pp - 1, pp)
+    raise ValueError(f"planner memory model does not know which stage holds {name}")
+
+
+def rank_parameter_counts(model: str | dict[str, Any] | DiTArch, tp: int, pp: int = 1) -> list[int]:
+    """Parameters held by one rank of each pipeline stage at tensor-parallel size `tp` (index = stage); constant
+    buffers (`DiTArch.buffers`: SD3's sincos table) are not parameters (`rank_buffer_counts`)."""
+    a = arch_of(model)
+    layers, heads = a.layers, a.heads
     if layers % pp:
         raise ValueError(f"{layers} blocks are not divisible by pp={pp}")
     if heads % tp:
         raise ValueError(f"{heads} heads are not divisible by tp={tp}")
     per_stage = layers // pp
     counts = [0] * pp
-    for name, shape in megatron_shapes(cfg).items():
+    for name, shape in a.shapes.items():
         n = math.prod(shape)
+        if name in a.buffers:
+            continue
         if name.startswith("layers."):
             layer, tensor = int(name.split(".")[1]), name.split(".", 3)[3]
             if tensor.startswith(_COLUMN) or tensor in _ROW_WEIGHTS:
@@ -61,15 +72,19 @@ def rank_parameter_counts(model: str | dict[str, Any], tp: int, pp: int = 1) -> 
                     raise ValueError(f"{name} {shape}: dim {dim} is not divisible by tp={tp}")
                 n //= tp
             counts[layer // per_stage] += n
-        elif name.startswith(_EVERY_STAGE):
-            for s in range(pp):
-                counts[s] += n
-        elif name.startswith(_FIRST_STAGE):
-            counts[0] += n
-        elif name.startswith(_LAST_STAGE):
-            counts[-1] += n
         else:
-            raise ValueError(f"planner memory model does not know which stage holds {name}")
+            for s in _stage_of(a, name, pp):
+                counts[s] += n
+    return counts
+
+
+def rank_buffer_counts(model: str | dict[str, Any] | DiTArch, pp: int = 1) -> list[int]:
+    """Elements of the constant buffers (replicated over tp, in the model's dtype) one rank of each stage holds."""
+    a = arch_of(model)
+    counts = [0] * pp
+    for name in a.buffers:
+        for s in _stage_of(a, name, pp):
+            counts[s] += math.prod(a.shapes[name])
     return counts
 
 
@@ -81,11 +96,11 @@ _LORA_COLUMN = ("adaln", "linear_qkv", "linear_fc1")
 _LORA_ROW = ("linear_proj", "linear_fc2")
 
 
-def lora_linears(model: str | dict[str, Any]) -> dict[str, tuple[int, int, bool]]:
-    """Every linear LoRA can adapt, by module name (`layers.{i}.{img|txt}.{linear}`, block order):
+def lora_linears(model: str | dict[str, Any] | DiTArch) -> dict[str, tuple[int, int, bool]]:
+    """Every linear LoRA can adapt, by module name (`layers.{i}.{img|txt|img_attn2}.{linear}`, block order):
     (out, in, row_parallel) of its full weight."""
     out = {}
-    for name, shape in megatron_shapes(model).items():
+    for name, shape in arch_of(model).shapes.items():
         if name.startswith("layers.") and name.endswith(".weight"):
             module = name[: -len(".weight")]
             linear = module.rsplit(".", 1)[1]
@@ -106,7 +121,7 @@ class AdapterCounts:
     per_stage: list[int]
 
 
-def lora_adapter_counts(model: str | dict[str, Any], tp: int, pp: int, rank: int, targets: Sequence[str]
+def lora_adapter_counts(model: str | dict[str, Any] | DiTArch, tp: int, pp: int, rank: int, targets: Sequence[str]
                         ) -> AdapterCounts:
     """Exact adapter parameters of rank `rank` on the linears matching `targets` (fnmatch over module names),
     per rank of each stage at `tp`: column-parallel r * in (A, replicated) + out / tp * r (B, split); row-parallel
@@ -114,11 +129,11 @@ def lora_adapter_counts(model: str | dict[str, Any], tp: int, pp: int, rank: int
     matches no linear (a misspelt target would otherwise plan, and train, nothing: `models.lora.add_lora`)."""
     if rank < 1:
         raise ValueError(f"LoRA rank must be >= 1, got {rank}")
-    cfg = hf_config(model)
-    layers = cfg["num_layers"]
+    a = arch_of(model)
+    layers = a.layers
     if layers % pp:
         raise ValueError(f"{layers} blocks are not divisible by pp={pp}")
-    linears = lora_linears(cfg)
+    linears = lora_linears(a)
     unmatched = unmatched_targets(targets, linears)
     if unmatched:
         raise ValueError(f"LoRA targets {unmatched} match no tensor-parallel linear of the model; its linears end "
@@ -139,18 +154,18 @@ def lora_adapter_counts(model: str | dict[str, Any], tp: int, pp: int, rank: int
 
 
 def lora_activation_bytes(
-    model: str | dict[str, Any], *, rank: int, targets: Sequence[str], image_tokens_per_rank: int,
+    model: str | dict[str, Any] | DiTArch, *, rank: int, targets: Sequence[str], image_tokens_per_rank: int,
     text_tokens: int, micro_batch_samples: int, pp: int, in_flight: int, recompute: str, act_bytes: int = 2,
 ) -> int:
     """What the adapters add to the first stage's saved activations: each adapted linear keeps `A x` [tokens, r]
     for B's gradient (its input x is saved anyway, by the base layer or the adapter's A). adaLN sees one vector
     per sample; the last block's text projection and MLP do not run (`MMDiTLayer(text_output=False)`). Full
     recompute keeps them only for the block being recomputed. Adapter dropout's extra copy of x is not counted."""
-    cfg = hf_config(model)
-    layers = cfg["num_layers"]
+    a = arch_of(model)
+    layers = a.layers
     blocks = range(layers // pp)  # the first stage's
     per_block = [0] * len(blocks)
-    for name in lora_linears(cfg):
+    for name in lora_linears(a):
         if not matches_any(name, targets):
             continue
         _, layer, stream, linear = name.split(".")
@@ -162,25 +177,28 @@ def lora_activation_bytes(
         elif stream == "txt" and layer == layers - 1 and linear != "linear_qkv":
             continue
         else:
-            tokens = image_tokens_per_rank if stream == "img" else text_tokens
+            tokens = text_tokens if stream == "txt" else image_tokens_per_rank
         per_block[layer] += act_bytes * micro_batch_samples * tokens * rank
     if recompute == "full":
         return max(per_block, default=0)
     return in_flight * sum(per_block)
 
 
-def rollout_parameter_count(model: str | dict[str, Any], rollout_tp: int) -> int:
-    """Transformer parameters on one GPU of a vLLM-Omni rollout engine at tensor-parallel size `rollout_tp`.
+def rollout_parameter_count(model: str | dict[str, Any] | DiTArch, rollout_tp: int, buffers: bool = True) -> int:
+    """Transformer parameters on one GPU of a vLLM-Omni rollout engine at tensor-parallel size `rollout_tp`, and
+    its constant buffers unless `buffers=False` (what a weight sync sends: the buffers are never synced).
 
     vLLM-Omni splits the attention projections and the MLPs; adaLN, the QK norms, the row-parallel
     biases and all non-block layers are replicated (docs/design.md section 4), so adaLN's third of the model
     is on every rollout GPU.
     """
-    cfg = hf_config(model)
-    if cfg["num_attention_heads"] % rollout_tp:
-        raise ValueError(f"{cfg['num_attention_heads']} heads are not divisible by rollout tp={rollout_tp}")
+    a = arch_of(model)
+    if a.heads % rollout_tp:
+        raise ValueError(f"{a.heads} heads are not divisible by rollout tp={rollout_tp}")
     total = 0
-    for name, shape in megatron_shapes(cfg).items():
+    for name, shape in a.shapes.items():
+        if name in a.buffers and not buffers:
+            continue
         n = math.prod(shape)
         tensor = name.split(".", 3)[3] if name.startswith("layers.") else ""
         if tensor.startswith(("linear_qkv.", "linear_fc1.")) or tensor in _ROW_WEIGHTS:
@@ -190,45 +208,58 @@ def rollout_parameter_count(model: str | dict[str, Any], rollout_tp: int) -> int
 
 
 def block_activation_bytes(
-    hidden: int, tokens: int, samples: int, tp: int, recompute: str, act_bytes: int = 2
+    hidden: int, tokens: int, samples: int, tp: int, recompute: str, act_bytes: int = 2,
+    saved: dict[str, tuple[int, int]] | None = None,
 ) -> int:
     """Bytes one block keeps for its backward pass: `tokens` per sample on this rank (image shard + text),
-    `samples` samples, under `recompute` ('none' | 'selective' | 'full'; full keeps only the inputs)."""
+    `samples` samples, under `recompute` ('none' | 'selective' | 'full'; full keeps only the inputs). `saved`: the
+    family's `(full, tp_split)` multiples of h per token per mode (default: Qwen-Image's, `_SAVED_PER_TOKEN`)."""
     if recompute == "full":
         return act_bytes * tokens * samples * hidden
-    if recompute not in _SAVED_PER_TOKEN:
+    saved = _SAVED_PER_TOKEN if saved is None else saved
+    if recompute not in saved:
         raise ValueError(f"unknown recompute mode {recompute!r}; known: {RECOMPUTE_MODES}")
-    full, split = _SAVED_PER_TOKEN[recompute]
+    full, split = saved[recompute]
     return act_bytes * tokens * samples * (full * hidden + split * hidden // tp)
 
 
 def training_activation_bytes(
-    model: str | dict[str, Any], *, tokens_per_rank: int, micro_batch_samples: int, tp: int, pp: int,
-    in_flight: int, recompute: str, act_bytes: int = 2,
+    model: str | dict[str, Any] | DiTArch, *, tokens_per_rank: int, micro_batch_samples: int, tp: int, pp: int,
+    in_flight: int, recompute: str, act_bytes: int = 2, image_tokens_per_rank: int = 0,
 ) -> int:
     """Peak activation bytes on the first pipeline stage (the fullest under 1F1B).
 
     tokens_per_rank: image tokens / cp + text tokens; micro_batch_samples: samples in one micro-batch
     (CFG doubles them); in_flight: micro-batches whose activations the stage holds at once
-    (min(pp, micro-batches) under 1F1B, 1 without pipelining).
+    (min(pp, micro-batches) under 1F1B, 1 without pipelining); image_tokens_per_rank: image tokens / cp, which the
+    second image attention of `DiTArch.image_attention_layers` blocks (SD3.5-M) saves more for.
     """
-    cfg = hf_config(model)
-    hidden = cfg["num_attention_heads"] * cfg["attention_head_dim"]
-    blocks = cfg["num_layers"] // pp
-    per_block = block_activation_bytes(hidden, tokens_per_rank, micro_batch_samples, tp, recompute, act_bytes)
-    held = blocks * in_flight * per_block
+    a = arch_of(model)
+    hidden = a.hidden
+    blocks = a.layers // pp
+    per_block = block_activation_bytes(hidden, tokens_per_rank, micro_batch_samples, tp, recompute, act_bytes,
+                                       a.saved_per_token)
+    dual = sum(1 for i in a.image_attention_layers if i < blocks)  # on the first stage
+    extra = 0
+    if dual and recompute != "full":
+        full, split = a.image_attention_saved
+        extra = act_bytes * image_tokens_per_rank * micro_batch_samples * (full * hidden + split * hidden // tp)
+    held = in_flight * (blocks * per_block + dual * extra)
     if recompute == "full":  # the block being recomputed holds its full set once
-        held += block_activation_bytes(hidden, tokens_per_rank, micro_batch_samples, tp, "none", act_bytes)
+        held += block_activation_bytes(hidden, tokens_per_rank, micro_batch_samples, tp, "none", act_bytes,
+                                       a.saved_per_token)
+        if dual:
+            full, split = a.image_attention_saved
+            held += act_bytes * image_tokens_per_rank * micro_batch_samples * (full * hidden + split * hidden // tp)
     return held
 
 
 def rollout_activation_bytes(
-    model: str | dict[str, Any], *, tokens: int, batch: int, rollout_tp: int, act_bytes: int = 2
+    model: str | dict[str, Any] | DiTArch, *, tokens: int, batch: int, rollout_tp: int, act_bytes: int = 2
 ) -> int:
     """Working set of one inference forward (no grad): the live tensors of one block at its widest point
     (residual, modulated input, gated branch: 3 x h; fc1 and GELU outputs: 8 x h / tp) per token."""
-    cfg = hf_config(model)
-    hidden = cfg["num_attention_heads"] * cfg["attention_head_dim"]
+    hidden = arch_of(model).hidden
     return act_bytes * tokens * batch * (3 * hidden + 8 * hidden // rollout_tp)
 
 

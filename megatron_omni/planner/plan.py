@@ -36,6 +36,7 @@ from dataclasses import replace
 from typing import Any
 
 from megatron_omni.parallel.layout import LayoutError, ParallelLayout
+from megatron_omni.planner.arch import DiTArch, arch_of
 from megatron_omni.planner.flops import forward_flops, image_tokens, lora_forward_flops
 from megatron_omni.planner.memory import (
     GIB,
@@ -43,6 +44,7 @@ from megatron_omni.planner.memory import (
     MemoryReport,
     lora_activation_bytes,
     lora_adapter_counts,
+    rank_buffer_counts,
     rank_parameter_counts,
     rollout_activation_bytes,
     rollout_parameter_count,
@@ -52,14 +54,12 @@ from megatron_omni.planner.report import LoRAReport, PlanReport, TimeReport
 from megatron_omni.planner.specs import (
     DEFAULT_MFU,
     GPUS,
-    QWEN_IMAGE_TEXT_ENCODER_PARAMS,
     GPUSpec,
     LoRASpec,
     Precision,
     RolloutSpec,
     Workload,
 )
-from model_providers.qwen_image.provider import hf_config
 
 
 def _positive(**values: Any) -> None:
@@ -69,21 +69,25 @@ def _positive(**values: Any) -> None:
 
 
 def validate(
-    model: str | dict[str, Any], layout: ParallelLayout, world_size: int, workload: Workload,
+    model: str | dict[str, Any] | DiTArch, layout: ParallelLayout, world_size: int, workload: Workload,
     rollout: RolloutSpec,
 ) -> tuple[ParallelLayout, int, int]:
     """Check that the job can run; returns (layout with dp resolved, image tokens, micro-batches per
-    mini-batch per replica). Raises LayoutError naming the size that is wrong."""
+    mini-batch per replica). Image tokens are the generated image's plus `workload.condition_tokens` (an edit's
+    source latents, in the same stream). Raises LayoutError naming the size that is wrong."""
     w = workload
     _positive(sampling_steps=w.sampling_steps, window=w.window, prompts=w.prompts, group_size=w.group_size,
               mini_batches=w.mini_batches, micro_batch_size=w.micro_batch_size, text_tokens=w.text_tokens,
               rollout_tp=rollout.tp, rollout_batch=rollout.batch)
     if w.window > w.sampling_steps:
         raise LayoutError(f"window {w.window} is longer than the {w.sampling_steps} sampling steps")
-    cfg = hf_config(model)
+    if w.condition_tokens < 0:
+        raise LayoutError(f"condition_tokens={w.condition_tokens} must be >= 0")
+    a = arch_of(model)
+    cfg = a.config
     resolved = layout.resolve(world_size)
     try:
-        tokens = image_tokens(cfg, w.height, w.width)
+        tokens = image_tokens(a, w.height, w.width) + w.condition_tokens
     except ValueError as e:
         raise LayoutError(str(e)) from e
     resolved.validate_model(num_heads=cfg["num_attention_heads"], num_layers=cfg["num_layers"],
@@ -163,30 +167,34 @@ def plan(
         if not 0 < v <= 1:
             raise LayoutError(f"{name}={v} must be in (0, 1]")
     lay, s_img, micro = validate(model, layout, world_size, workload, rollout)
-    w, cfg = workload, hf_config(model)
+    a = arch_of(model)
+    w, cfg = workload, a.config
     tp, cp, pp, dp = lay.tp, lay.cp, lay.pp, lay.dp
+    a.check_layout(tp, cp, pp, recompute)
     lora = lora if lora is not None and lora.enabled else None
     adapters = None
     if lora is not None:
         try:
-            adapters = lora_adapter_counts(cfg, tp, pp, lora.rank, lora.targets)
+            adapters = lora_adapter_counts(a, tp, pp, lora.rank, lora.targets)
         except ValueError as e:
             raise LayoutError(str(e)) from e
     warnings: list[str] = []
     if tp * lay.ulysses > gpus_per_node:
         warnings.append(f"tp*ulysses = {tp * lay.ulysses} spans more than one {gpus_per_node}-GPU node: "
                         "its collectives cross the network (modelled at network bandwidth)")
-    flops = forward_flops(cfg, s_img, w.text_tokens)
+    flops = forward_flops(a, s_img, w.text_tokens)
     cfg_x = 2 if w.cfg else 1
     hidden = cfg["num_attention_heads"] * cfg["attention_head_dim"]
     blocks_per_stage = cfg["num_layers"] // pp
 
     # --- memory
-    stage_params = rank_parameter_counts(cfg, tp, pp)
+    stage_params = rank_parameter_counts(a, tp, pp)
     base_stage_params = stage_params
     if adapters is not None:  # every weight stays, beside the adapters; only the adapters train
         stage_params = [b + a for b, a in zip(base_stage_params, adapters.per_stage, strict=True)]
     params = max(stage_params)
+    # Constant buffers (SD3's sincos table) sit beside the weights in their dtype; nothing trains them.
+    weights = max(p + b for p, b in zip(stage_params, rank_buffer_counts(a, pp), strict=True))
     trained = params if adapters is None else max(adapters.per_stage)
     shard = dp * cp if precision.distributed_optimizer else 1
     tokens_rank = s_img // cp + w.text_tokens
@@ -194,23 +202,23 @@ def plan(
     in_flight = min(pp, micro) if pp > 1 else 1
 
     def acts(mode: str) -> int:
-        held = training_activation_bytes(cfg, tokens_per_rank=tokens_rank, micro_batch_samples=mb_samples, tp=tp,
+        held = training_activation_bytes(a, tokens_per_rank=tokens_rank, micro_batch_samples=mb_samples, tp=tp,
                                          pp=pp, in_flight=in_flight, recompute=mode,
-                                         act_bytes=precision.activation_bytes)
+                                         act_bytes=precision.activation_bytes, image_tokens_per_rank=s_img // cp)
         if lora is not None:
-            held += lora_activation_bytes(cfg, rank=lora.rank, targets=lora.targets,
+            held += lora_activation_bytes(a, rank=lora.rank, targets=lora.targets,
                                           image_tokens_per_rank=s_img // cp, text_tokens=w.text_tokens,
                                           micro_batch_samples=mb_samples, pp=pp, in_flight=in_flight,
                                           recompute=mode, act_bytes=precision.activation_bytes)
         return held
 
     rollout_gpus = world_size if rollout.colocated else rollout.gpus
-    rollout_weights = precision.rollout_param_bytes * (rollout_parameter_count(cfg, rollout.tp)
+    rollout_weights = precision.rollout_param_bytes * (rollout_parameter_count(a, rollout.tp)
                                                        + rollout.extra_params)
-    rollout_acts = rollout_activation_bytes(cfg, tokens=s_img + w.text_tokens, batch=rollout.batch * cfg_x,
+    rollout_acts = rollout_activation_bytes(a, tokens=s_img + w.text_tokens, batch=rollout.batch * cfg_x,
                                             rollout_tp=rollout.tp, act_bytes=precision.activation_bytes)
     memory = MemoryReport(
-        parameters=precision.param_bytes * params,
+        parameters=precision.param_bytes * weights,
         gradients=precision.grad_bytes * trained,
         optimizer_states=-(-precision.optimizer_bytes * trained // shard),
         activations=acts(recompute),
@@ -242,7 +250,10 @@ def plan(
     uly_bw = bw(lay.ulysses, tp)
     uly_fwd = (4 * _alltoall_s(act_b * s_img // cp * hidden / tp, lay.ulysses, uly_bw)
                + _alltoall_s(act_b * w.text_tokens * hidden / tp, lay.ulysses, uly_bw))
-    comm_fwd = (tp_fwd + uly_fwd) * blocks_per_stage  # per sample per stage forward
+    # A second image attention (SD3.5-M's dual blocks) all-reduces its output projection once more.
+    dual_blocks = sum(1 for i in a.image_attention_layers if i < blocks_per_stage)
+    comm_fwd = ((tp_fwd + uly_fwd) * blocks_per_stage
+                + dual_blocks * _allreduce_s(act_b * s_img // cp * hidden, tp, bw(tp, 1)))  # per sample, stage fwd
     fwd_passes_train = {"none": 1, "selective": 1, "full": 2}[recompute]  # forward comms in one training pass
     comm_train_sample = comm_fwd * (fwd_passes_train + 1)  # + the backward's mirror of the forward collectives
 
@@ -256,8 +267,8 @@ def plan(
         # See the module docstring: forward with the adapters; backward = the base's input gradients only (1x
         # its GEMMs' forward: no weight-gradient GEMMs), attention's 2x, the adapters' 2x; recompute runs the
         # forward (full) or the QKV projections and attention (selective) again, their adapters included.
-        ad_whole = lora_forward_flops(cfg, s_img, w.text_tokens, lora.rank, lora.targets)
-        ad_rank = lora_forward_flops(cfg, s_img, w.text_tokens, lora.rank, lora.targets, tp=tp).per_rank(tp, cp, pp)
+        ad_whole = lora_forward_flops(a, s_img, w.text_tokens, lora.rank, lora.targets)
+        ad_rank = lora_forward_flops(a, s_img, w.text_tokens, lora.rank, lora.targets, tp=tp).per_rank(tp, cp, pp)
         attn_rank = replace(flops, image_linear=0.0, text_linear=0.0, per_sample=0.0).per_rank(tp, cp, pp)
         extra_rank = {"none": 0.0, "selective": (flops.selective_recompute + ad_whole.qkv_linear) * ratio_rank,
                       "full": fwd_rank + ad_rank}[recompute]
@@ -286,7 +297,7 @@ def plan(
 
     r_mfu = rollout.mfu if rollout.mfu is not None else mfu
     r_fwd = w.images * w.sampling_steps * cfg_x  # transformer forwards of one sample each, whole job
-    encoder_flops = w.prompts * cfg_x * 2 * QWEN_IMAGE_TEXT_ENCODER_PARAMS * w.text_tokens
+    encoder_flops = w.prompts * cfg_x * a.encoder_flops(w.text_tokens)
     replicas = rollout.replicas if rollout.replicas is not None else rollout_gpus // rollout.tp
     r_compute = (r_fwd * flops.total + encoder_flops) / (replicas * rollout.tp * peak * r_mfu)
     r_tp_fwd = 2 * cfg["num_layers"] * (_allreduce_s(act_b * s_img * hidden, rollout.tp, bw(rollout.tp, 1))
@@ -295,7 +306,7 @@ def plan(
     rollout_s = r_compute + r_comm
 
     # Weight sync: what one rollout GPU receives. Direct mode (same tp, no pp) copies the own shard locally.
-    sync_bytes = precision.rollout_param_bytes * rollout_parameter_count(cfg, rollout.tp)
+    sync_bytes = precision.rollout_param_bytes * rollout_parameter_count(a, rollout.tp, buffers=False)
     direct = rollout.colocated and rollout.in_process and rollout.tp == tp and pp == 1
     sync_s = sync_bytes / (gpu.hbm_bytes_per_s if direct else bw(tp * pp, 1))
     step_s = rollout_s + old_s + train_s + sync_s
@@ -317,7 +328,7 @@ def plan(
         sync_s=sync_s,
     )
     return PlanReport(
-        model=model if isinstance(model, str) else "custom", layout=lay, gpu=gpu, workload=w, rollout=rollout,
+        model=a.name, layout=lay, gpu=gpu, workload=w, rollout=rollout,
         recompute=recompute, mfu=mfu, gpus=total_gpus, image_tokens=s_img, micro_batches=micro, flops=flops,
         flops_per_image=flops_per_image, stage_parameters=stage_params, memory=memory, time=time,
         warnings=warnings, precision=precision,

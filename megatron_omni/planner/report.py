@@ -90,8 +90,9 @@ class PlanReport:
             f"({'colocated' if self.rollout.colocated else f'{self.rollout.gpus} own GPUs'}"
             f"{'' if self.rollout.replicas is None else f', {self.rollout.replicas} replicas'}), "
             f"{'distributed' if self.precision.distributed_optimizer else 'replicated'} optimizer",
-            f"workload: {w.prompts} prompts x {w.group_size}, {w.height}x{w.width} ({self.image_tokens} image + "
-            f"{w.text_tokens} text tokens), {w.sampling_steps} steps, window {w.window}, {w.mini_batches} "
+            f"workload: {w.prompts} prompts x {w.group_size}, {w.height}x{w.width} ({self.image_tokens} image"
+            f"{f' (of them {w.condition_tokens} source-image)' if w.condition_tokens else ''} + {w.text_tokens} text "
+            f"tokens), {w.sampling_steps} steps, window {w.window}, {w.mini_batches} "
             f"mini-batches x {self.micro_batches} micro-batches of {w.micro_batch_size}, cfg={w.cfg}",
             f"assumption: MFU {self.mfu:.2f} of {self.gpu.peak_bf16_flops / 1e12:.0f} TFLOP/s bf16 peak "
             f"(rollout MFU {self.rollout.mfu or self.mfu:.2f}); one forward = {self.flops.total / 1e12:.2f} TFLOP",

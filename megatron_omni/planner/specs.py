@@ -45,7 +45,8 @@ GPUS: dict[str, GPUSpec] = {
 class Workload:
     """One FlowGRPO step: `prompts x group_size` images of `height x width`, `sampling_steps` denoising
     steps of which `window` are trained, split into `mini_batches` optimizer steps of `micro_batch_size`
-    (image, step) samples per forward. `text_tokens` counts the prompt tokens the transformer sees."""
+    (image, step) samples per forward. `text_tokens` counts the prompt tokens the transformer sees;
+    `condition_tokens` the image-stream tokens appended after the generated image's (an edit's source latents)."""
 
     height: int = 512
     width: int = 512
@@ -58,6 +59,7 @@ class Workload:
     micro_batch_size: int = 1
     cfg: bool = False
     recompute_old_logprob: bool = True
+    condition_tokens: int = 0
 
     @property
     def images(self) -> int:

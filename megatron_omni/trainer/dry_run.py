@@ -23,6 +23,7 @@ from megatron_omni.planner import (
     Workload,
     measured_mfu,
 )
+from megatron_omni.planner.arch import SD3_CLIP_TOKENS, dit_arch, edit_tokens, qwen_image_edit_arch
 from megatron_omni.planner.dry_run import dry_run as planner_dry_run
 from megatron_omni.planner.video import VideoWorkload, choose_cp, plan_video
 from megatron_omni.trainer.config import ConfigError, JobConfig, apply_overrides, trainer_world_size
@@ -59,8 +60,25 @@ def job_plan(cfg: JobConfig, world_size: int, gpu: str, gpus_per_node: int = 8, 
     the trainer and every rollout group of rollout.tp ranks rolls out its share of the images; disaggregated
     (placement.mode), `world_size` less placement.rollout_ranks train and those roll out (`JobPlan.rollout_gpus`).
     The embedded diffusers engine keeps its full weights resident; vLLM-Omni sleeps during the update. The tiny
-    pipeline's text encoder and VAE are negligible."""
+    pipeline's text encoder and VAE are negligible. The family's cost model (`planner.arch`) gives the text
+    stream: SD3.5's CLIP 77 + T5 `rollout.max_sequence_length` tokens, Qwen-Image's 256-token prompt budget (an
+    edit's plus the source's vision tokens, its source latents in the image stream)."""
     model, source = _model_config(cfg)
+    family = cfg.model.family
+    text_tokens, condition_tokens = Workload.text_tokens, 0
+    if family == "qwen_image_edit":
+        from model_providers.qwen_image_edit.conditioning import EditAreas
+        from model_providers.qwen_image_edit.tiny_pipeline import TinyEditConfig
+
+        # The folder's edit_config.json, else diffusers' areas (a dry run without the folder plans those).
+        areas = TinyEditConfig().areas if cfg.model.pipeline == "tiny" else EditAreas.of_folder(cfg.model.pipeline)
+        src = edit_tokens(cfg.rollout.height, cfg.rollout.width, areas.condition_area, areas.vae_area)
+        arch = qwen_image_edit_arch(model, src.patches)
+        text_tokens, condition_tokens = text_tokens + src.vision, src.condition
+    else:
+        arch = dit_arch(family, model)
+    if family == "sd3":
+        text_tokens = SD3_CLIP_TOKENS + cfg.rollout.max_sequence_length
     r, p = cfg.rollout, cfg.parallel
     # Disaggregated: the planner's world is the trainer ranks; the last placement.rollout_ranks roll out.
     rollout_gpus = cfg.placement.rollout_ranks if cfg.placement.mode == "disaggregated" else 0
@@ -69,13 +87,14 @@ def job_plan(cfg: JobConfig, world_size: int, gpu: str, gpus_per_node: int = 8, 
     dp = world_size // (p.tp * p.ulysses * p.ring * p.pp)
     vllm = r.engine == "vllm_omni"
     rollout = RolloutSpec(tp=r.tp, sleeps=vllm, in_process=not vllm,
-                          extra_params=0 if cfg.model.pipeline == "tiny" else RolloutSpec.extra_params)
+                          extra_params=0 if cfg.model.pipeline == "tiny" else arch.extra_params)
     precision = Precision.of(cfg.model.params_dtype, r.dtype, cfg.optim.distributed_optimizer)
     per_replica = r.prompts_per_step * r.group_size // cfg.optim.mini_batches // dp
     workload = Workload(height=r.height, width=r.width, sampling_steps=r.num_steps, window=r.window_size,
                         prompts=r.prompts_per_step, group_size=r.group_size, mini_batches=cfg.optim.mini_batches,
                         micro_batch_size=cfg.optim.micro_batch_size or max(per_replica, 1),
-                        cfg=r.guidance_scale > 1, recompute_old_logprob=cfg.algorithm.old_logprob == "recompute")
+                        cfg=r.guidance_scale > 1, recompute_old_logprob=cfg.algorithm.old_logprob == "recompute",
+                        text_tokens=text_tokens, condition_tokens=condition_tokens)
     # The frozen reference of the KL term (in the parameters' dtype) and the EMA of the weights (fp32): each one
     # more copy of this rank's shard (not in the memory model's total). With LoRA the reference is the same model
     # with its adapters off (no copy), and the EMA is refused (config_checks.check_lora).
@@ -85,7 +104,7 @@ def job_plan(cfg: JobConfig, world_size: int, gpu: str, gpus_per_node: int = 8, 
         copies.append(StateCopy(f"KL reference (algorithm.beta={cfg.algorithm.beta:g})", precision.param_bytes))
     if cfg.optim.ema_decay > 0:
         copies.append(StateCopy(f"EMA of the weights (optim.ema_decay={cfg.optim.ema_decay:g}, fp32)", 4))
-    return JobPlan(model=model, model_source=source,
+    return JobPlan(model=arch, model_source=source,
                    layout=ParallelLayout(tp=p.tp, ulysses=p.ulysses, ring=p.ring, pp=p.pp),
                    world_size=world_size, gpu=gpu, workload=workload, rollout=rollout, precision=precision,
                    recompute=cfg.model.recompute or "none", mfu=mfu, mfu_source=mfu_source,

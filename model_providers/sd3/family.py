@@ -29,7 +29,7 @@ FAMILY = ModelFamily(
     traits=DiTTraits(pipeline_class="StableDiffusion3Pipeline",
                      token_channels=lambda c: int(c["in_channels"]) * int(c["patch_size"]) ** 2,
                      text_dim_key="joint_attention_dim", rollout_engines=("diffusers",), flash_tail=False,
-                     pooled_dim_key="pooled_projection_dim", planned=False),
+                     pooled_dim_key="pooled_projection_dim"),
     diffusers_class="SD3Transformer2DModel",
     arch_config=provider.hf_config,
     config_mappings=provider.config_mappings,

@@ -1,12 +1,17 @@
 """The dry-run planner's memory formula against the bytes the code really allocates.
 
-On two gloo ranks, for the tiny and small presets at TP 1 and 2 (dp = 2 / tp), in fp32 and bf16, with and
-without the distributed optimizer: each rank builds the Megatron model, wraps it the way the trainer does
+On two gloo ranks, for Qwen-Image's tiny and small presets and SD3.5's tiny one (a dual-attention block, a plain
+block, the context-pre-only block) at TP 1 and 2 (dp = 2 / tp), in fp32 and bf16, with and without the
+distributed optimizer: each rank builds the Megatron model, wraps it the way the trainer does
 (`training_state.build_ddp_and_optimizer`), takes one optimizer step (Adam's state is created lazily) and
 counts the storages behind its parameters, DDP's main-grad buffers, the main parameters and Adam's moments
-(`allocated_bytes`); the embedded rollout engine's copy is diffusers' transformer in the rollout dtype. The
+(`allocated_bytes`; SD3's constant sincos table, a buffer, is counted with the parameters, as the planner counts
+it); the embedded rollout engine's copy is diffusers' transformer in the rollout dtype (its buffers included). The
 planner's figures for the same config must be within 5% of each (rank 0, the first stage, is what the
 planner reports).
+
+The same ranks measure what one SD3 block saves for its backward (saved-tensor hooks, fp32, a dual-attention
+block and a plain one, at TP 1 and 2, with and without full recompute) against the planner's activation model.
 """
 
 from __future__ import annotations
@@ -19,14 +24,59 @@ import torch
 from megatron_omni.parallel.layout import ParallelLayout
 from megatron_omni.parallel.rank_pool import run_ranks
 from megatron_omni.planner import Precision, RolloutSpec, Workload, plan
+from megatron_omni.planner.arch import sd3_arch
+from megatron_omni.planner.memory import block_activation_bytes
 from model_providers.qwen_image import provider
+from model_providers.sd3 import provider as sd3_provider
 
-CASES = list(itertools.product(("tiny", "small"), (1, 2), ("fp32", "bf16"), (False, True)))
+CASES = list(itertools.product(("tiny", "small", "sd3-tiny"), (1, 2), ("fp32", "bf16"), (False, True)))
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+# An SD3 model wide enough that per-token activations dominate the [b, h] modulation vectors: block 0 dual.
+SD3_WIDE = dict(sd3_provider.preset("tiny"), attention_head_dim=32, num_attention_heads=4, caption_projection_dim=128)
+S_IMG, S_TXT, BATCH = 256, 64, 2
+
+
+def _nbytes(tensors) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def _sd3_saved(tp: int) -> dict:
+    """Bytes one SD3 block (0: dual attention, 1: plain) saves for its backward, without and with full recompute."""
+    from megatron.core import tensor_parallel
+
+    from megatron_omni.parallel import build_parallel_groups
+
+    groups = build_parallel_groups(ParallelLayout(tp=tp))
+    model = sd3_provider.build_model(sd3_provider.transformer_config(SD3_WIDE, tp=tp), groups).train()
+    h = model.config.hidden_size
+    params = {t.untyped_storage().data_ptr() for t in model.parameters()}
+    out = {}
+    for block in (0, 1):
+        for mode in ("none", "full"):
+            seen: dict[int, int] = {}
+
+            def pack(t: torch.Tensor, seen: dict[int, int] = seen) -> torch.Tensor:
+                st = t.untyped_storage()
+                if st.data_ptr() not in params:
+                    seen[st.data_ptr()] = st.nbytes()
+                return t
+
+            img = torch.randn(S_IMG, BATCH, h, requires_grad=True)
+            txt = torch.randn(S_TXT, BATCH, h, requires_grad=True)
+            temb = torch.randn(BATCH, h)
+            layer = model.layers[block]
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                if mode == "full":
+                    img2, txt2 = tensor_parallel.checkpoint(layer, False, img, txt, temb)
+                else:
+                    img2, txt2 = layer(img, txt, temb)
+            (img2.sum() + txt2.sum()).backward()  # the saved set is usable: backward runs
+            out[(block, mode)] = sum(seen.values())
+    return out
 
 
 def _measure(rank: int, world_size: int) -> dict:
-    from diffusers import QwenImageTransformer2DModel
+    from diffusers import QwenImageTransformer2DModel, SD3Transformer2DModel
 
     from megatron_omni.parallel import build_parallel_groups
     from megatron_omni.parallel.platform import seed_everything
@@ -34,10 +84,12 @@ def _measure(rank: int, world_size: int) -> dict:
 
     out = {}
     for preset, tp, dtype, distributed in CASES:
+        sd3 = preset == "sd3-tiny"
+        prov, name = (sd3_provider, "tiny") if sd3 else (provider, preset)
         groups = build_parallel_groups(ParallelLayout(tp=tp))
         seed_everything(0, tp_rank=groups.tp.rank())
-        cfg = provider.transformer_config(preset, tp=tp, params_dtype=DTYPES[dtype])
-        model = provider.build_model(cfg, groups)
+        cfg = prov.transformer_config(name, tp=tp, params_dtype=DTYPES[dtype])
+        model = prov.build_model(cfg, groups)
         ddp, optimizer = build_ddp_and_optimizer(model, cfg, groups.mcore,
                                                  OptimizerSettings(lr=1e-4, distributed_optimizer=distributed))
         ddp.zero_grad_buffer()
@@ -45,9 +97,13 @@ def _measure(rank: int, world_size: int) -> dict:
         ok, _, _ = optimizer.step()
         assert ok
         counted = allocated_bytes(ddp, optimizer)
-        engine = QwenImageTransformer2DModel(**provider.hf_config(preset)).to(DTYPES[dtype])
-        counted["rollout_weights"] = sum(p.numel() * p.element_size() for p in engine.parameters())
+        counted["parameters"] += _nbytes(model.buffers())  # SD3's sincos table (Qwen-Image has no buffers)
+        engine_cls = SD3Transformer2DModel if sd3 else QwenImageTransformer2DModel
+        engine = engine_cls(**prov.hf_config(name)).to(DTYPES[dtype])
+        counted["rollout_weights"] = _nbytes(engine.parameters()) + _nbytes(engine.buffers())
         out[(preset, tp, dtype, distributed)] = counted
+    for tp in (1, 2):
+        out[("sd3-saved", tp)] = _sd3_saved(tp)
     return out
 
 
@@ -59,7 +115,8 @@ def measured() -> dict:
 @pytest.mark.parametrize("preset,tp,dtype,distributed", CASES)
 def test_planner_memory_equals_allocated_bytes(measured, preset: str, tp: int, dtype: str,
                                                distributed: bool) -> None:
-    report = plan(preset, ParallelLayout(tp=tp), 2, "H200", Workload(height=64, width=64, prompts=2, group_size=2),
+    model = sd3_provider.hf_config("tiny") if preset == "sd3-tiny" else preset
+    report = plan(model, ParallelLayout(tp=tp), 2, "H200", Workload(height=64, width=64, prompts=2, group_size=2),
                   rollout=RolloutSpec(extra_params=0), precision=Precision.of(dtype, dtype, distributed),
                   recompute="none")
     got = measured[(preset, tp, dtype, distributed)]
@@ -70,3 +127,26 @@ def test_planner_memory_equals_allocated_bytes(measured, preset: str, tp: int, d
         assert got[part] > 0, part
         assert abs(value - got[part]) <= 0.05 * got[part], (
             f"{part}: planner {value:,} B vs allocated {got[part]:,} B ({value / got[part]:.3f})")
+        print(f"{preset} tp={tp} {dtype} distributed={distributed} {part}: planner {value:,} B, allocated "
+              f"{got[part]:,} B ({value / got[part]:.4f})")
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_sd3_activation_model_matches_saved_tensors(measured, tp: int) -> None:
+    """The planner's SD3 activations per block (`planner.arch`: a plain block 9 + 17 / tp multiples of h per token,
+    a dual block's second image attention 2 + 10 / tp more per image token, full recompute the block's inputs)
+    against what the blocks save: the model may save up to 5% more (per-token norm statistics, the [b, h]
+    modulation vectors), never less."""
+    a = sd3_arch(SD3_WIDE)
+    h, tokens = a.hidden, S_IMG + S_TXT
+    full, split = a.image_attention_saved
+    plain = block_activation_bytes(h, tokens, BATCH, tp, "none", 4, a.saved_per_token)
+    predicted = {(1, "none"): plain, (0, "none"): plain + 4 * S_IMG * BATCH * (full * h + split * h // tp),
+                 (0, "full"): block_activation_bytes(h, tokens, BATCH, tp, "full", 4, a.saved_per_token)}
+    predicted[(1, "full")] = predicted[(0, "full")]
+    got = measured[("sd3-saved", tp)]
+    for key, want in predicted.items():
+        print(f"sd3 tp={tp} block {key[0]} ({'dual' if key[0] == 0 else 'plain'}) recompute {key[1]}: measured "
+              f"{got[key]:,} B, predicted {want:,} B ({got[key] / want:.4f})")
+    bad = {k: (got[k], want) for k, want in predicted.items() if not want <= got[k] < 1.05 * want}
+    assert not bad, bad

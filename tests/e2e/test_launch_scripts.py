@@ -34,6 +34,8 @@ EXPECTED_WORLD = {
     "examples/tiny/train_tiny.sh": 2,
     "examples/tiny/ocr_miniature.sh": 1,
     "examples/wan/train_wan.sh": 16,  # SIZE defaults to 14b on NNODES=2
+    "examples/sd3/train_sd35.sh": 6,  # SIZE=medium on 1 node, GPUs 6,7 for the reward
+    "examples/qwen_image_edit/train_edit_20b.sh": 6,  # NNODES defaults to 1, GPUs 6,7 for the reward
 }
 # What every dry run prints; a video family's plan (planner/video.py) names videos and the planner's CP choice.
 PLAN_PARTS = ("memory per GPU:", "optimizer states", "step time:", "images/s/GPU", "reference (VeRL-Omni", "bridge:",
@@ -45,7 +47,8 @@ TIMEOUT_S = 300
 
 def _env(extra: dict[str, str] | None = None) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("SLURM_", "NNODES", "NODE_RANK", "WORLD_SIZE", "REWARD_", "RECIPE", "CFG"))}
+           if not k.startswith(("SLURM_", "NNODES", "NODE_RANK", "WORLD_SIZE", "REWARD_", "RECIPE", "CFG",
+                                "LAUNCH_SCRIPT", "SIZE"))}
     env.update(HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1", PYTHON=sys.executable, DRY_RUN="1")
     return {**env, **(extra or {})}
 
@@ -68,6 +71,7 @@ BAD = {
     "vlm_judge_without_gpus": ("examples/qwen_image/train_20b_1node.sh", [], {"REWARD_KIND": "vlm", "REWARD_GPUS": ""},
                                r"REWARD_KIND=vlm needs REWARD_GPUS"),
     "wan_unknown_size": ("examples/wan/train_wan.sh", [], {"SIZE": "7b"}, r"SIZE=7b: expected 14b or 5b"),
+    "sd35_unknown_size": ("examples/sd3/train_sd35.sh", [], {"SIZE": "xl"}, r"SIZE=xl: expected medium or large"),
 }
 # The same checks, in this process (cheap: no interpreter start): (recipe, world size, overrides, rc, pattern).
 BAD_IN_PROCESS = {
@@ -93,6 +97,10 @@ def results() -> dict[str, subprocess.CompletedProcess]:
             | {f"train_20b_nnodes_{n}": ("examples/qwen_image/train_20b.sh", [], {"NNODES": str(n)}) for n in (2, 4)}
             | {"lora_h800_no_reward_gpu": (LORA_H800, [], {"REWARD_ON_GPU": "0"})}
             | {"wan_5b": ("examples/wan/train_wan.sh", [], {"SIZE": "5b"})}
+            # SD3.5-L on 2 nodes through the Slurm script (LAUNCH_SCRIPT), on H800
+            | {"sd35_large_slurm_h800": ("examples/qwen_image/slurm_20b.sbatch", [],
+                                         {"LAUNCH_SCRIPT": "examples/sd3/train_sd35.sh", "SIZE": "large",
+                                          "GPU_KIND": "H800"})}
             | {"rollout_gpus": ("examples/qwen_image/train_20b_1node.sh", [], {"REWARD_GPUS": "", "ROLLOUT_GPUS": "2"}),
                "rollout_gpus_all": ("examples/qwen_image/train_20b_1node.sh", [],
                                     {"REWARD_GPUS": "", "ROLLOUT_GPUS": "8"})})
@@ -307,3 +315,35 @@ def test_several_scorers_start_in_one_server_with_their_weights() -> None:
     assert "--scorer pickscore@cpu --scorer ocr@cpu --reward '0.7*pickscore+0.3*ocr?'" in lines[0]
     assert """--scorer-kwargs '{"pickscore": {"model": "/m"}}'""" in lines[0]
     assert "'reward.scorer=0.7*pickscore+0.3*ocr?'" in lines[1]  # the trainer checks the server's terms against it
+
+
+def test_sd35_large_plans_two_nodes_through_slurm(results: dict) -> None:
+    """SD3.5-L through the Slurm script's LAUNCH_SCRIPT: 16 trainer ranks at tp=1 x dp=16 fit an H800."""
+    proc = results["sd35_large_slurm_h800"]
+    out = proc.stdout
+    assert proc.returncode == 0, f"{out[-2000:]}\n{proc.stderr[-3000:]}"
+    assert "dry run: world size 16 trainer ranks" in out and "model sd35-large on 16 x H800" in out
+    assert "recipe examples.sd3.recipe:sd35_large_ocr" in out and "/models/stable-diffusion-3.5-large" in out
+    assert re.search(r"total +[\d.]+ GiB of 79\.6 GiB -> fits", out), out[-2000:]
+
+
+@pytest.mark.parametrize("recipe,world,reward_gpus,gpu,rc", [("edit_20b_2nodes", 16, 0, "H200", 0),
+                                                             ("edit_20b_1node", 6, 2, "H800", 3)])
+def test_edit_20b_plans_the_source_image(recipe: str, world: int, reward_gpus: int, gpu: str, rc: int,
+                                         monkeypatch: pytest.MonkeyPatch, capsys) -> None:
+    """Qwen-Image-Edit 20B (train_edit_20b.sh's recipes, in this process): the plan counts the source image, its
+    latents in the image stream (4096 tokens after the 1024 generated ones) and its 196 vision tokens in the text
+    stream; the 2-node layout fits an H200, the 1-node one does not fit an H800 (the embedded engine's copy alone is
+    53.7 GiB), rc 3."""
+    from megatron_omni.train import main
+
+    monkeypatch.setenv("WORLD_SIZE", str(world))
+    monkeypatch.setenv("MODEL_BACKEND", "local")
+    monkeypatch.setenv("QWEN_IMAGE_EDIT_PIPELINE", "/nonexistent/edit")
+    monkeypatch.delenv("EDIT_DATA", raising=False)
+    assert main(["--dry-run", "--gpu", gpu, "--reward-gpus", str(reward_gpus), "--recipe",
+                 f"examples.qwen_image_edit.recipe:{recipe}"]) == rc
+    out = capsys.readouterr().out
+    assert "5120 image (of them 4096 source-image) + 452 text tokens" in out, out[-2000:]
+    assert f"model 20b on {world + reward_gpus} x {gpu}" in out
+    assert re.search(r"rollout weights +53\.7 GiB", out), out[-2000:]

@@ -1,8 +1,10 @@
 """flow_grpo's SD3.5 recipes (`examples.sd3.recipe`) validate at the world sizes they are meant for (SD3.5-M on
-one node of 8, SD3.5-L on two), with flow_grpo's settings; a dry run of the SD3 family is refused by name (the
-planner has no SD3 cost model yet), exit status 2, no traceback."""
+one node of 8, SD3.5-L on two), with flow_grpo's settings; their dry runs plan layouts that fit on an H800, and
+layouts the SD3 model cannot run (CP, PP) are refused by name."""
 
 from __future__ import annotations
+
+import re
 
 import pytest
 
@@ -33,10 +35,27 @@ def test_flow_grpo_settings() -> None:
         recipe.sd35("medium", "geneval")
 
 
-def test_dry_run_is_refused_by_name(monkeypatch: pytest.MonkeyPatch, capsys, tmp_path) -> None:
-    (tmp_path / "model_index.json").write_text('{"_class_name": "StableDiffusion3Pipeline"}')
-    monkeypatch.setenv("SD35_PIPELINE", str(tmp_path))
-    monkeypatch.setenv("WORLD_SIZE", "8")
-    assert main(["--dry-run", "--recipe", "examples.sd3.recipe:sd35_medium_ocr"]) == 2
-    err = capsys.readouterr().err
-    assert "no cost model" in err and "model.family=sd3" in err and "Traceback" not in err
+@pytest.mark.parametrize("name,world,gpu,reward_gpus", [("sd35_medium_ocr", 6, "H800", 2),
+                                                        ("sd35_large_pickscore", 16, "H800", 0)])
+def test_dry_run_plans_and_fits(name: str, world: int, gpu: str, reward_gpus: int, monkeypatch: pytest.MonkeyPatch,
+                                capsys) -> None:
+    """The planner's SD3 cost model: the launch scripts' layouts fit on an H800 (the H200 dry runs are the launch
+    scripts' own, tests/e2e/test_launch_scripts.py); the text stream is CLIP's 77 + T5's 128 tokens."""
+    monkeypatch.setenv("SD35_PIPELINE", "/nonexistent/sd35")  # no folder here: the recipe's preset is planned
+    monkeypatch.setenv("WORLD_SIZE", str(world))
+    monkeypatch.delenv("OCR_PROMPTS", raising=False)
+    assert main(["--dry-run", "--gpu", gpu, "--reward-gpus", str(reward_gpus), "--recipe",
+                 f"examples.sd3.recipe:{name}"]) == 0
+    out = capsys.readouterr().out
+    assert "1024 image + 205 text tokens" in out and f"x {gpu}:" in out and "dry run OK" in out
+    assert re.search(r"total +[\d.]+ GiB of 79\.6 GiB -> fits", out), out[-2000:]
+
+
+def test_sd3_layouts_the_model_lacks_are_refused(monkeypatch: pytest.MonkeyPatch, capsys) -> None:
+    monkeypatch.setenv("SD35_PIPELINE", "/nonexistent/sd35")
+    monkeypatch.setenv("WORLD_SIZE", "16")
+    for override, message in (("parallel.pp=2", "no pipeline parallelism"), ("parallel.ulysses=2",
+                                                                              "no context parallelism")):
+        assert main(["--dry-run", "--recipe", "examples.sd3.recipe:sd35_large_ocr", "--set", override]) == 2
+        err = capsys.readouterr().err
+        assert message in err and "Traceback" not in err, err
