@@ -123,10 +123,26 @@ def _resumes_bit_identically(ref: Path, run: Path, kill_at: int, last: int, *arg
     bit."""
     if not killed:
         _kill_after_checkpoint(run, kill_at, *args)
-    resumed = _train(run, *args, "--resume", "auto")
+    _assert_resumed_bit_identically(ref, run, last, _train(run, *args, "--resume", "auto"))
+
+
+def _assert_resumed_bit_identically(ref: Path, run: Path, last: int, resumed: subprocess.CompletedProcess) -> None:
+    """`resumed`, the `--resume auto` of the killed run `run`, resumed and ended with the model and optimizer state
+    of the uninterrupted run `ref` at step `last`, bit for bit."""
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "resumed from" in resumed.stdout + resumed.stderr
     _assert_same_state(_final_state(ref, last), _final_state(run, last))
+
+
+def _killed_and_resumed_beside(ref: Path, run: Path, kill_at: int, *args: str) -> tuple[subprocess.CompletedProcess,
+                                                                                        subprocess.CompletedProcess]:
+    """The uninterrupted one-rank run `ref` and, at the same time on the other core, the same command into `run`
+    SIGKILLed after its step-`kill_at` checkpoint and resumed with `--resume auto`: two lanes of about one run
+    each instead of three runs one after another (the suite's budget). Returns (ref's run, the resume)."""
+    with _Background(ref, *args) as uninterrupted:
+        _kill_after_checkpoint(run, kill_at, *args)
+        resumed = _train(run, *args, "--resume", "auto")
+        return uninterrupted.result(), resumed
 
 
 BF16 = ["--set", "model.params_dtype=bf16", "--set", "rollout.dtype=bf16"]
