@@ -20,16 +20,7 @@ import pytest
 from megatron_omni.checkpoint import manifest
 from tests.e2e.conftest import FAULT_STEPS as STEPS
 from tests.e2e.test_faults_runs import _steps
-from tests.e2e.test_flowgrpo_train import (
-    ROOT,
-    SHORT,
-    _assert_same_state,
-    _Background,
-    _env,
-    _final_state,
-    _rewards,
-    _train,
-)
+from tests.e2e.test_flowgrpo_train import ROOT, SHORT, _assert_same_state, _env, _final_state, _rewards, _train
 
 CONVERT = [sys.executable, str(ROOT / "tools" / "checkpoint" / "convert.py")]
 INJECT = Path(__file__).parent / "fault_injection"
@@ -58,34 +49,31 @@ def test_a_damaged_latest_checkpoint_is_named_and_skipped(first_run: Path, tmp_p
         f.truncate(size // 2)  # cut short, as by a full disk or a copy that stopped; COMPLETE is still there
     assert (bad / "COMPLETE").is_file()
 
-    # A checkpoint folder given by path is verified the same way before it is loaded: that start (own folders, its
-    # own session) goes on beside the conversions and the resume below (the suite's budget).
+    proc, seconds = _convert("inspect", str(bad))
+    assert proc.returncode == 2 and seconds < 60, proc.stderr[-2000:]
+    line = proc.stderr.strip().splitlines()[-1]
+    assert "damaged checkpoint" in line and "__0_0.distcp" in line and f"{size // 2} bytes, {size} written" in line
+    out = tmp_path / "hf"
+    proc, seconds = _convert("mcore-to-hf", str(bad), str(out), "--no-progress")
+    assert proc.returncode == 2 and seconds < 60 and "__0_0.distcp" in proc.stderr.strip().splitlines()[-1]
+    assert not out.exists() and not list(tmp_path.glob(".hf.partial-*"))
+    assert _convert("inspect", str(run / "checkpoints" / "step_000002"))[0].returncode == 0
+
+    resumed = _train(run, *STEPS, "--resume", "auto")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    said = resumed.stdout + resumed.stderr
+    assert f"skipping damaged checkpoint {bad}: __0_0.distcp" in said
+    assert f"resumed from {run / 'checkpoints' / 'step_000002'} at step 2" in said
+    # Nothing lost: the redone steps give the uninterrupted run's weights, optimizer state and metrics.
+    _assert_same_state(_final_state(first_run, 4), _final_state(run, 4))
+    assert _rewards(run) == _rewards(first_run) and _steps(run) == [0, 1, 2, 3]
+    # A checkpoint folder given by path is verified the same way before it is loaded.
     again = tmp_path / "again"
     shutil.copytree(first_run / "checkpoints" / "step_000004", tmp_path / "given")
     with open(tmp_path / "given" / "common.pt", "r+b") as f:
         f.seek(0)
         f.write(b"XXXX")
-    with _Background(again, "--set", "steps=5", "--resume", str(tmp_path / "given"), timeout=300) as given:
-        # The conversions one at a time (each is timed); the resume below rewrites step 4, so it waits for them.
-        proc, seconds = _convert("inspect", str(bad))
-        assert proc.returncode == 2 and seconds < 60, proc.stderr[-2000:]
-        line = proc.stderr.strip().splitlines()[-1]
-        assert "damaged checkpoint" in line and "__0_0.distcp" in line and f"{size // 2} bytes, {size} written" in line
-        out = tmp_path / "hf"
-        proc, seconds = _convert("mcore-to-hf", str(bad), str(out), "--no-progress")
-        assert proc.returncode == 2 and seconds < 60 and "__0_0.distcp" in proc.stderr.strip().splitlines()[-1]
-        assert not out.exists() and not list(tmp_path.glob(".hf.partial-*"))
-        assert _convert("inspect", str(run / "checkpoints" / "step_000002"))[0].returncode == 0
-
-        resumed = _train(run, *STEPS, "--resume", "auto")
-        assert resumed.returncode == 0, resumed.stderr[-3000:]
-        said = resumed.stdout + resumed.stderr
-        assert f"skipping damaged checkpoint {bad}: __0_0.distcp" in said
-        assert f"resumed from {run / 'checkpoints' / 'step_000002'} at step 2" in said
-        # Nothing lost: the redone steps give the uninterrupted run's weights, optimizer state and metrics.
-        _assert_same_state(_final_state(first_run, 4), _final_state(run, 4))
-        assert _rewards(run) == _rewards(first_run) and _steps(run) == [0, 1, 2, 3]
-        proc = given.result()
+    proc = _train(again, "--set", "steps=5", "--resume", str(tmp_path / "given"), timeout=300)
     assert proc.returncode != 0 and "common.pt does not match its checksum" in proc.stderr, proc.stderr[-2000:]
 
 
