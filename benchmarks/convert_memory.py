@@ -92,6 +92,17 @@ def _rss() -> int:
         return int(f.read().split()[1]) * resource.getpagesize()
 
 
+def peak_rss() -> int:
+    """This process's own peak RSS in bytes (`VmHWM`). Not `getrusage(RUSAGE_SELF).ru_maxrss`: a spawned child
+    starts by (v)fork + exec, and Linux keeps the pre-exec memory's high-water mark in it, so a conversion's child
+    would report at least the benchmark process's peak (it wrote the synthetic checkpoint), not its own."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("/proc/self/status has no VmHWM line")
+
+
 def _child(kind: str, src: str, dst: str, result: mp.Queue) -> None:
     import warnings
 
@@ -115,8 +126,7 @@ def _child(kind: str, src: str, dst: str, result: mp.Queue) -> None:
         with single_process_group():
             _reference_mcore_to_hf(src, dst)
     seconds = time.perf_counter() - start
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    result.put((seconds, peak, base))
+    result.put((seconds, peak_rss(), base))
 
 
 def _reference_hf_to_mcore(src: str, dst: str) -> None:

@@ -13,9 +13,8 @@ import pytest
 
 from tests.e2e.test_flowgrpo_train import (
     _assert_same_state,
-    _Background,
     _final_state,
-    _kill_after_checkpoint,
+    _killed_and_resumed_beside,
     _rewards,
     _train,
 )
@@ -61,11 +60,9 @@ def test_sigkill_and_resume_is_bit_identical(tmp_path: Path) -> None:
     args = [*RECIPE, "--set", "steps=4", "--set", "checkpoint.every=1", "--set", "checkpoint.keep=5",
             "--set", "ar_dit.decoder_lr_scale=0.5"]
     ref, run = tmp_path / "uninterrupted", tmp_path / "killed"
-    with _Background(ref, *args) as uninterrupted:  # one rank each: the reference runs while the other is killed
-        _kill_after_checkpoint(run, 2, *args)
-        done = uninterrupted.result()
+    # One rank each: the reference runs while the other is killed and resumed.
+    done, resumed = _killed_and_resumed_beside(ref, run, 2, *args)
     assert done.returncode == 0, done.stderr[-3000:]
-    resumed = _train(run, *args, "--resume", "auto")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "resumed from" in resumed.stdout + resumed.stderr
     a, b = _final_state(ref, 4), _final_state(run, 4)

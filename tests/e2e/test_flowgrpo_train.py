@@ -11,6 +11,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -48,21 +49,25 @@ def _train(run_dir: Path, *args: str, nproc: int = 1, timeout: float = 900) -> s
 class _Background:
     """`_train` started now and finished later: runs that do not depend on each other run at once (one-rank runs
     take one core each, OMP_NUM_THREADS=1; the machine has two), the suite's budget. `result()` waits and returns
-    what `_train` would; leaving the `with` block kills the run if it is still going (a failed assertion)."""
+    what `_train` would; leaving the `with` block kills the run if it is still going (a failed assertion). A thread
+    reads the run's output as it comes: a run that logs more than a pipe holds must not stall until `result()`."""
 
     def __init__(self, run_dir: Path, *args: str, nproc: int = 1, timeout: float = 900) -> None:
         self.timeout = timeout
         self.proc = subprocess.Popen(_command(run_dir, *args, nproc=nproc), cwd=ROOT, env=_env(), text=True,
                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
         self.done: subprocess.CompletedProcess | None = None
+        self._output: list[str] = []
+        self._reader = threading.Thread(target=lambda: self._output.extend(self.proc.communicate()), daemon=True)
+        self._reader.start()
 
     def result(self) -> subprocess.CompletedProcess:
         if self.done is None:
-            try:
-                out, err = self.proc.communicate(timeout=self.timeout)
-            except subprocess.TimeoutExpired:
+            self._reader.join(self.timeout)
+            if self._reader.is_alive():
                 self.__exit__()
-                raise
+                raise subprocess.TimeoutExpired(self.proc.args, self.timeout)
+            out, err = self._output
             self.done = subprocess.CompletedProcess(self.proc.args, self.proc.returncode, out, err)
         return self.done
 
@@ -73,7 +78,7 @@ class _Background:
         if self.proc.poll() is None:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.communicate()
+        self._reader.join()
 
 
 def _rewards(run_dir: Path) -> list[float]:
@@ -123,10 +128,26 @@ def _resumes_bit_identically(ref: Path, run: Path, kill_at: int, last: int, *arg
     bit."""
     if not killed:
         _kill_after_checkpoint(run, kill_at, *args)
-    resumed = _train(run, *args, "--resume", "auto")
+    _assert_resumed_bit_identically(ref, run, last, _train(run, *args, "--resume", "auto"))
+
+
+def _assert_resumed_bit_identically(ref: Path, run: Path, last: int, resumed: subprocess.CompletedProcess) -> None:
+    """`resumed`, the `--resume auto` of the killed run `run`, resumed and ended with the model and optimizer state
+    of the uninterrupted run `ref` at step `last`, bit for bit."""
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "resumed from" in resumed.stdout + resumed.stderr
     _assert_same_state(_final_state(ref, last), _final_state(run, last))
+
+
+def _killed_and_resumed_beside(ref: Path, run: Path, kill_at: int, *args: str) -> tuple[subprocess.CompletedProcess,
+                                                                                        subprocess.CompletedProcess]:
+    """The uninterrupted one-rank run `ref` and, at the same time on the other core, the same command into `run`
+    SIGKILLed after its step-`kill_at` checkpoint and resumed with `--resume auto`: two lanes of about one run
+    each instead of three runs one after another (the suite's budget). Returns (ref's run, the resume)."""
+    with _Background(ref, *args) as uninterrupted:
+        _kill_after_checkpoint(run, kill_at, *args)
+        resumed = _train(run, *args, "--resume", "auto")
+        return uninterrupted.result(), resumed
 
 
 BF16 = ["--set", "model.params_dtype=bf16", "--set", "rollout.dtype=bf16"]
@@ -188,27 +209,32 @@ def test_sigkill_and_resume_is_bit_identical(tmp_path: Path) -> None:
     # The reference and the EMA-less run of the refusal below run while the killed run runs and resumes.
     with _Background(ref, *steps) as uninterrupted, _Background(plain, "--set", "steps=1") as without_ema:
         _kill_after_checkpoint(run, 2, *steps)
+        resumed = _train(run, *steps, "--resume", "auto")  # while the reference still runs
         assert uninterrupted.result().returncode == 0, uninterrupted.result().stderr[-3000:]
-        _resumes_bit_identically(ref, run, 2, 4, *steps, killed=True)
+        _assert_resumed_bit_identically(ref, run, 4, resumed)
         assert without_ema.result().returncode == 0, without_ema.result().stderr[-3000:]
-    assert _rewards(ref)[-1] == _rewards(run)[-1]
-    model = _final_state(ref, 4)["model"]
-    ema = [k for k in model if k.startswith("ema.")]
-    assert ema and all(k.removeprefix("ema.") in model for k in ema)
-    assert any(not torch.equal(model[k], model[k.removeprefix("ema.")]) for k in ema), "the EMA must lag the weights"
-    # `mcore-to-hf --prefix ema.` exports the EMA: the same diffusers tensors, other values.
-    from safetensors.torch import load_file
+    # A checkpoint without an EMA cannot resume a job that keeps one (asserted below): that start runs while this
+    # process exports the EMA.
+    with _Background(plain, "--set", "steps=2", "--set", "optim.ema_decay=0.9", "--resume", "auto") as refusing:
+        assert _rewards(ref)[-1] == _rewards(run)[-1]
+        model = _final_state(ref, 4)["model"]
+        ema = [k for k in model if k.startswith("ema.")]
+        assert ema and all(k.removeprefix("ema.") in model for k in ema)
+        assert any(not torch.equal(model[k], model[k.removeprefix("ema.")]) for k in ema), \
+            "the EMA must lag the weights"
+        # `mcore-to-hf --prefix ema.` exports the EMA: the same diffusers tensors, other values.
+        from safetensors.torch import load_file
 
-    from megatron_omni.checkpoint.convert import mcore_to_hf
+        from megatron_omni.checkpoint.convert import mcore_to_hf
 
-    exports = {}
-    for name, prefix in (("weights", ""), ("ema", "ema.")):
-        mcore_to_hf(ref / "checkpoints" / "step_000004", tmp_path / name, prefix=prefix, progress=False)
-        exports[name] = {k: v for f in sorted((tmp_path / name).glob("*.safetensors")) for k, v in load_file(f).items()}
-    assert exports["weights"].keys() == exports["ema"].keys()
-    assert any(not torch.equal(v, exports["ema"][k]) for k, v in exports["weights"].items())
-    # A checkpoint without an EMA cannot resume a job that keeps one: refused by name.
-    refused = _train(plain, "--set", "steps=2", "--set", "optim.ema_decay=0.9", "--resume", "auto")
+        exports = {}
+        for name, prefix in (("weights", ""), ("ema", "ema.")):
+            mcore_to_hf(ref / "checkpoints" / "step_000004", tmp_path / name, prefix=prefix, progress=False)
+            exports[name] = {k: v for f in sorted((tmp_path / name).glob("*.safetensors"))
+                             for k, v in load_file(f).items()}
+        assert exports["weights"].keys() == exports["ema"].keys()
+        assert any(not torch.equal(v, exports["ema"][k]) for k, v in exports["weights"].items())
+        refused = refusing.result()
     assert refused.returncode != 0 and "holds no EMA of the weights" in refused.stderr, refused.stderr[-2000:]
 
 
@@ -221,9 +247,7 @@ def test_fp8_rollout_reward_rises_and_resumes_bit_identically(tmp_path: Path) ->
     steps = ["--set", "steps=8", "--set", "rollout.quantization=fp8", "--set", "algorithm.is_cap=2",
              "--set", "checkpoint.every=4", "--set", "checkpoint.keep=5"]
     ref, run = tmp_path / "uninterrupted", tmp_path / "killed"
-    with _Background(ref, *steps) as uninterrupted:  # runs while the other run is killed
-        _kill_after_checkpoint(run, 4, *steps)
-        proc = uninterrupted.result()
+    proc, resumed = _killed_and_resumed_beside(ref, run, 4, *steps)
     assert proc.returncode == 0, proc.stderr[-3000:]
     r = _rewards(ref)
     records = [json.loads(line) for line in (ref / "metrics.jsonl").read_text().splitlines()]
@@ -236,7 +260,7 @@ def test_fp8_rollout_reward_rises_and_resumes_bit_identically(tmp_path: Path) ->
         assert 0 < m["train_rollout_dlogp"] < 1e-2 and 0 < m["sync_probe_quant_diff"] <= m["sync_probe_quant_bound"]
         assert m["is_truncated_frac"] == 0.0 and m["is_weight_max"] <= 2.0
 
-    _resumes_bit_identically(ref, run, 4, 8, *steps, killed=True)
+    _assert_resumed_bit_identically(ref, run, 8, resumed)
     assert _rewards(ref) == _rewards(run)
 
 

@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -36,15 +37,8 @@ def _command(out: Path, *args: str, nproc: int = 1) -> list[str]:
     return cmd
 
 
-def _pretrain(out: Path, *args: str, nproc: int = 1) -> subprocess.CompletedProcess:
-    proc = subprocess.run(_command(out, *args, nproc=nproc), cwd=ROOT, env=_env(), capture_output=True, text=True,
-                          timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return proc
-
-
 def _pretrain_at_once(*runs: tuple[Path, list[str], int]) -> None:
-    """`_pretrain` of each (out, args, nproc) at the same time: independent runs (own folders and ports, one core
+    """The tool run for each (out, args, nproc), all at the same time: independent runs (own folders and ports, one core
     per rank at OMP_NUM_THREADS=1) overlap on the two cores instead of waiting for each other (the suite's budget)."""
     procs = [subprocess.Popen(_command(out, *args, nproc=nproc), cwd=ROOT, env=_env(), stdout=subprocess.PIPE,
                               stderr=subprocess.STDOUT, text=True, start_new_session=True) for out, args, nproc in runs]
@@ -137,11 +131,43 @@ def _weights(folder: Path, part: str) -> dict:
 TRAIN_TEXT = ["--text-encoder", "train"]
 
 
+# The pixel-space command test_pixel_space_folder_continues_and_lends_its_vae starts from.
+PIXEL = ["--space", "pixel", "--max-offset", "8", "--offset-step", "8", "--font-sizes", "14", "15"]
+
+
 @pytest.fixture(scope="module")
-def trained(built: Path, tmp_path_factory) -> dict:
+def pixel_started(tmp_path_factory) -> Iterator[tuple[Path, subprocess.Popen, Path]]:
+    """The `PIXEL` run started now and finished by its test (`_finished`): `trained` asks for it first, so it runs
+    beside the interrupted run, the one run of this module that would otherwise have a core to itself (one rank,
+    OMP_NUM_THREADS=1). Yields (run folder, process, its output file); killed at the module's end if still going."""
+    root = tmp_path_factory.mktemp("pixel")
+    log = root / "output.txt"
+    with log.open("w") as out:
+        proc = subprocess.Popen(_command(root / "pixel", *PIXEL), cwd=ROOT, env=_env(), stdout=out,
+                                stderr=subprocess.STDOUT, start_new_session=True)
+    yield root / "pixel", proc, log
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
+def _finished(started: tuple[Path, subprocess.Popen, Path]) -> Path:
+    out, proc, log = started
+    try:
+        proc.wait(timeout=600)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    assert proc.returncode == 0, log.read_text()[-6000:]
+    return out
+
+
+@pytest.fixture(scope="module")
+def trained(built: Path, pixel_started: tuple, tmp_path_factory) -> dict:
     """`--text-encoder train --vae-from built`: a run SIGTERMed mid-run ("interrupted": steps and evaluations
     keep going until the signal lands), the same command stopped at the step whose model the interrupted run
-    wrote ("reference", TP=1) and at TP=2 ("tp2", torchrun); "steps": that step."""
+    wrote ("reference", TP=1) and at TP=2 ("tp2", torchrun); "steps": that step. `pixel_started` only so that
+    the pixel run overlaps the interrupted one."""
     root = tmp_path_factory.mktemp("trained")
     out, log = root / "interrupted", root / "stderr.txt"
     args = [*SHORT, "--max-steps", "100000", *TRAIN_TEXT, "--vae-from", str(built)]
@@ -206,7 +232,7 @@ def test_text_encoder_training_and_vae_from(built: Path, trained: dict, tmp_path
                     "--vae-from", tmp_path / "both")
 
 
-def test_pixel_space_folder_continues_and_lends_its_vae(tmp_path: Path) -> None:
+def test_pixel_space_folder_continues_and_lends_its_vae(pixel_started: tuple, tmp_path: Path) -> None:
     """`--space pixel` writes a pipeline whose VAE is the exact PixelShuffleVAE with the dataset's latent
     statistics, that samples through the diffusers engine, continues with `--init-from` (on the folder's
     dataset layout but for what a flag changes) and lends its VAE with `--vae-from`; `--space pixel` beside
@@ -215,8 +241,7 @@ def test_pixel_space_folder_continues_and_lends_its_vae(tmp_path: Path) -> None:
     from megatron_omni.rollout.diffusers_engines.engine import DiffusersRolloutEngine
     from model_providers.ocr_miniature.pixel_vae import PixelShuffleVAE
 
-    pixel = tmp_path / "pixel"
-    _pretrain(pixel, "--space", "pixel", "--max-offset", "8", "--offset-step", "8", "--font-sizes", "14", "15")
+    pixel = _finished(pixel_started)  # PIXEL
     index = json.loads((pixel / "model_index.json").read_text())
     assert index["vae"] == ["model_providers.ocr_miniature.pixel_vae", "PixelShuffleVAE"]
     record = json.loads((pixel / "pretrain.json").read_text())

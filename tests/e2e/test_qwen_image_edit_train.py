@@ -9,11 +9,12 @@ about 0.0004; a random tiny model writes nothing legible, so the rise is the kee
 
 from __future__ import annotations
 
+import subprocess
 from pathlib import Path
 
 import pytest
 
-from tests.e2e.test_flowgrpo_train import _resumes_bit_identically, _rewards, _train
+from tests.e2e.test_flowgrpo_train import _assert_resumed_bit_identically, _killed_and_resumed_beside, _rewards
 
 EDIT = ["--recipe", "examples.qwen_image_edit.recipe:tiny", "--set", "steps=8", "--set", "checkpoint.every=4",
         "--set", "checkpoint.keep=5"]
@@ -21,11 +22,18 @@ MARGIN = 0.0008
 
 
 @pytest.fixture(scope="module")
-def edit_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    run = tmp_path_factory.mktemp("edit") / "tp1"
-    proc = _train(run, *EDIT)
+def edit_runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, subprocess.CompletedProcess]:
+    """The 8-step run and, beside it, the same run SIGKILLed after its step-4 checkpoint and resumed: (run, killed,
+    the resume)."""
+    root = tmp_path_factory.mktemp("edit")
+    proc, resumed = _killed_and_resumed_beside(root / "tp1", root / "killed", 4, *EDIT)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    return run
+    return root / "tp1", root / "killed", resumed
+
+
+@pytest.fixture(scope="module")
+def edit_run(edit_runs: tuple) -> Path:
+    return edit_runs[0]
 
 
 def test_edit_reward_rises_and_the_grid_shows_source_and_output(edit_run: Path) -> None:
@@ -36,7 +44,7 @@ def test_edit_reward_rises_and_the_grid_shows_source_and_output(edit_run: Path) 
     assert (edit_run / "samples" / "step_0007.png").is_file()
 
 
-def test_edit_run_resumes_bit_identically(edit_run: Path, tmp_path: Path) -> None:
-    run = tmp_path / "killed"
-    _resumes_bit_identically(edit_run, run, 4, 8, *EDIT)
+def test_edit_run_resumes_bit_identically(edit_runs: tuple) -> None:
+    edit_run, run, resumed = edit_runs
+    _assert_resumed_bit_identically(edit_run, run, 8, resumed)
     assert _rewards(edit_run) == _rewards(run)

@@ -2,7 +2,7 @@
 SD3.5 pipeline built into the run folder, true CFG 4.5 with the pooled CLIP embeddings carried in the trajectory,
 JPEG compressibility) through `python -m megatron_omni.train`. The reward rises over 8 steps, the trainer's
 recompute agrees with the rollout, and a SIGKILLed run resumes bit-identically. One uninterrupted run serves the
-module.
+module; the killed run and its resume run beside it.
 
 Margin: the mean reward of the last two of 8 steps minus that of the first two, measured at seeds 0 / 1 / 2:
 +0.049 / -0.154 / +0.056 (the recipe's docstring: the tiny random model learns at two of three seeds); the test
@@ -11,11 +11,12 @@ runs seed 0 and asserts > 0.02."""
 from __future__ import annotations
 
 import json
+import subprocess
 from pathlib import Path
 
 import pytest
 
-from tests.e2e.test_flowgrpo_train import _resumes_bit_identically, _rewards, _train
+from tests.e2e.test_flowgrpo_train import _assert_resumed_bit_identically, _killed_and_resumed_beside, _rewards
 
 SD3 = ["--recipe", "examples.sd3.recipe:tiny", "--set", "seed=0", "--set", "checkpoint.every=4",
        "--set", "checkpoint.keep=5"]
@@ -23,12 +24,18 @@ MARGIN = 0.02
 
 
 @pytest.fixture(scope="module")
-def run(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """An uninterrupted run of 8 steps, checkpoints after steps 4 and 8 (the resume test's reference)."""
-    folder = tmp_path_factory.mktemp("sd3") / "tp1"
-    proc = _train(folder, *SD3)
+def runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, subprocess.CompletedProcess]:
+    """An uninterrupted run of 8 steps, checkpoints after steps 4 and 8 (the resume test's reference), and beside
+    it the same run SIGKILLed after its step-4 checkpoint and resumed: (run, killed, the resume)."""
+    root = tmp_path_factory.mktemp("sd3")
+    proc, resumed = _killed_and_resumed_beside(root / "tp1", root / "killed", 4, *SD3)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    return folder
+    return root / "tp1", root / "killed", resumed
+
+
+@pytest.fixture(scope="module")
+def run(runs: tuple) -> Path:
+    return runs[0]
 
 
 def test_sd3_reward_rises_and_train_agrees_with_rollout(run: Path) -> None:
@@ -43,7 +50,7 @@ def test_sd3_reward_rises_and_train_agrees_with_rollout(run: Path) -> None:
     assert config["model"]["family"] == "sd3" and config["rollout"]["guidance_scale"] == 4.5
 
 
-def test_sd3_run_resumes_bit_identically(run: Path, tmp_path: Path) -> None:
-    killed = tmp_path / "killed"
-    _resumes_bit_identically(run, killed, 4, 8, *SD3)
+def test_sd3_run_resumes_bit_identically(runs: tuple) -> None:
+    run, killed, resumed = runs
+    _assert_resumed_bit_identically(run, killed, 8, resumed)
     assert _rewards(run) == _rewards(killed)

@@ -15,12 +15,13 @@ the test asserts > 0.004 and |dlogp| < 1e-5."""
 from __future__ import annotations
 
 import json
+import subprocess
 from pathlib import Path
 
 import pytest
 
 from tests.distributed.test_wan_vllm_omni import make_folder
-from tests.e2e.test_flowgrpo_train import _resumes_bit_identically, _rewards, _train
+from tests.e2e.test_flowgrpo_train import _assert_resumed_bit_identically, _killed_and_resumed_beside, _rewards, _train
 
 WAN = ["--recipe", "examples.wan.recipe:wan_video_demo", "--set", "steps=8"]
 # The TP=1 run also evaluates held-out prompts before and after (ODE, 2 x 2 clips): video grids in eval/.
@@ -38,13 +39,19 @@ def _rise(r: list[float]) -> float:
 
 
 @pytest.fixture(scope="module")
-def tp1_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def tp1_runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, subprocess.CompletedProcess]:
     """An uninterrupted TP=1 run of 8 steps with true CFG, checkpoints after steps 4 and 8 (the resume test's
-    reference), with a held-out evaluation (guided too) before and after."""
-    run = tmp_path_factory.mktemp("wan") / "tp1"
-    proc = _train(run, *WAN, *CFG, *EVAL)
+    reference), with a held-out evaluation (guided too) before and after; beside it the same run SIGKILLed after its
+    step-4 checkpoint and resumed: (run, killed, the resume)."""
+    root = tmp_path_factory.mktemp("wan")
+    proc, resumed = _killed_and_resumed_beside(root / "tp1", root / "killed", 4, *WAN, *CFG, *EVAL)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    return run
+    return root / "tp1", root / "killed", resumed
+
+
+@pytest.fixture(scope="module")
+def tp1_run(tp1_runs: tuple) -> Path:
+    return tp1_runs[0]
 
 
 @pytest.mark.slow
@@ -81,10 +88,9 @@ def test_video_reward_rises_cp2_ulysses_with_mp4(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
-def test_video_run_with_cfg_resumes_bit_identically(tp1_run: Path, tmp_path: Path) -> None:
-    args = [*WAN, *CFG, *EVAL]
-    run = tmp_path / "killed"
-    _resumes_bit_identically(tp1_run, run, 4, 8, *args)
+def test_video_run_with_cfg_resumes_bit_identically(tp1_runs: tuple) -> None:
+    tp1_run, run, resumed = tp1_runs
+    _assert_resumed_bit_identically(tp1_run, run, 8, resumed)
     assert _rewards(tp1_run) == _rewards(run)
 
 
