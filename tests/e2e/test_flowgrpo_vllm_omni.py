@@ -176,3 +176,53 @@ def test_an_engine_that_cannot_start_is_one_line_before_any_training(background:
     assert f"no transformer weights (*.safetensors) in {folder / 'transformer'}" in line, line
     assert not (run / "metrics.jsonl").exists()
     assert seconds < 120
+
+
+@pytest.mark.slow
+def test_a_worker_killed_while_a_data_parallel_rank_waits_ends_every_rank(tmp_path: Path) -> None:
+    """Rollout tp 1 with two trainer ranks (data parallel 2): each rank owns its own engine. Rank 0's worker is
+    SIGKILLed once the first step's metrics are written; rank 1, whose engine is alive, waits for rank 0 in the
+    step's collectives. Started as torchrun starts them (env://, but no agent to kill the survivors): rank 0 exits 1
+    within seconds naming its worker, pid and the step, and rank 1 does not hang: it exits non-zero within the same
+    bound (the transport sees rank 0 gone; its message is gloo's closed connection, rank 0's line names the
+    cause)."""
+    from megatron_omni.parallel.rank_pool import free_port
+
+    run, port, world = tmp_path / "dp2", free_port(), 2
+    cmd = [sys.executable, "-m", "megatron_omni.train", "--set", f"run_dir={run}", *SHORT, *VLLM, "--set", "steps=50"]
+    procs = [subprocess.Popen(cmd, cwd=ROOT, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              start_new_session=True,
+                              env={**_env(), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(r),
+                                   "LOCAL_RANK": str(r), "WORLD_SIZE": str(world), "LOCAL_WORLD_SIZE": str(world)})
+             for r in range(world)]
+    try:
+        pid = None
+        for line in procs[0].stdout:
+            found = re.search(r"trainer ranks \[0\]: worker processes \(rank: pid\) \{0: (\d+)\}", line)
+            if found:
+                pid = int(found.group(1))
+                break
+        assert pid is not None, "rank 0 printed no worker pid"
+        metrics = run / "metrics.jsonl"
+        deadline = time.monotonic() + 300
+        while not (metrics.exists() and metrics.read_text().strip()):
+            assert all(q.poll() is None for q in procs) and time.monotonic() < deadline, "no step finished"
+            time.sleep(0.05)
+        os.kill(pid, signal.SIGKILL)
+        killed = time.monotonic()
+        errs = [q.communicate(timeout=120)[1] for q in procs]
+        seconds = time.monotonic() - killed
+    finally:
+        for q in procs:
+            if q.poll() is None:
+                os.killpg(q.pid, signal.SIGKILL)
+                q.communicate()
+    lines = [x for x in errs[0].splitlines() if x.startswith("rollout engine error:")]
+    print(f"exits {[q.returncode for q in procs]} {seconds:.1f} s after the kill: {lines}; rank 1's last line:",
+          errs[1].strip().splitlines()[-1:])
+    assert procs[0].returncode == 1 and len(lines) == 1, errs[0][-3000:]
+    assert lines[0].startswith(f"rollout engine error: vLLM-Omni worker rank 0 (pid {pid}, killed by SIGKILL, "
+                               "exit code -9) died during"), lines[0]
+    assert re.search(r"at training step [1-9]", lines[0]), lines[0]
+    assert procs[1].returncode not in (0, None), errs[1][-3000:]
+    assert seconds < 60
