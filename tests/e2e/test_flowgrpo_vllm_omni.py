@@ -186,15 +186,10 @@ def test_a_worker_killed_while_a_data_parallel_rank_waits_ends_every_rank(tmp_pa
     within seconds naming its worker, pid and the step, and rank 1 does not hang: it exits non-zero within the same
     bound (the transport sees rank 0 gone; its message is gloo's closed connection, rank 0's line names the
     cause)."""
-    from megatron_omni.parallel.rank_pool import free_port
+    from tests.e2e.test_async_train import _kill_all, _start_ranks
 
-    run, port, world = tmp_path / "dp2", free_port(), 2
-    cmd = [sys.executable, "-m", "megatron_omni.train", "--set", f"run_dir={run}", *SHORT, *VLLM, "--set", "steps=50"]
-    procs = [subprocess.Popen(cmd, cwd=ROOT, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                              start_new_session=True,
-                              env={**_env(), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(r),
-                                   "LOCAL_RANK": str(r), "WORLD_SIZE": str(world), "LOCAL_WORLD_SIZE": str(world)})
-             for r in range(world)]
+    run = tmp_path / "dp2"
+    procs = _start_ranks(run, *VLLM, "--set", "steps=50")
     try:
         pid = None
         for line in procs[0].stdout:
@@ -213,10 +208,7 @@ def test_a_worker_killed_while_a_data_parallel_rank_waits_ends_every_rank(tmp_pa
         errs = [q.communicate(timeout=120)[1] for q in procs]
         seconds = time.monotonic() - killed
     finally:
-        for q in procs:
-            if q.poll() is None:
-                os.killpg(q.pid, signal.SIGKILL)
-                q.communicate()
+        _kill_all(procs)
     lines = [x for x in errs[0].splitlines() if x.startswith("rollout engine error:")]
     print(f"exits {[q.returncode for q in procs]} {seconds:.1f} s after the kill: {lines}; rank 1's last line:",
           errs[1].strip().splitlines()[-1:])
