@@ -114,12 +114,18 @@ def build_rollout_engine(cfg: JobConfig, pipeline_dir: Path) -> Any:
     if r.engine != "vllm_omni":
         return build_engine(r.engine, pipeline_dir, settings)
     from megatron_omni.rollout.vllm_omni.engine import VllmOmniRolloutEngine, _without_env, start_omni
+    from megatron_omni.rollout.vllm_omni.faults import EngineStartError, root_cause
 
     # torchrun's TORCHELASTIC_USE_AGENT_STORE makes every env:// or tcp:// rendezvous a client of torchrun's own
     # store: the engine's worker processes would wait forever for the rendezvous server vLLM starts itself.
-    with _without_env("TORCHELASTIC_USE_AGENT_STORE"):
-        omni = start_omni(pipeline_dir, 1, settings)
-    return VllmOmniRolloutEngine(pipeline_dir, 1, settings.dtype, omni=omni, quantization=quantization)
+    try:
+        with _without_env("TORCHELASTIC_USE_AGENT_STORE"):
+            omni = start_omni(pipeline_dir, 1, settings)
+    except Exception as exc:  # one line naming the cause (vLLM-Omni wraps it in messageless exceptions)
+        raise EngineStartError(f"vLLM-Omni engine for {pipeline_dir} failed to start: {root_cause(exc)}") from exc
+    engine = VllmOmniRolloutEngine(pipeline_dir, 1, settings.dtype, omni=omni, quantization=quantization)
+    engine.load_initial_weights()  # FP8: the folder's weights quantized as every swap quantizes them
+    return engine
 
 
 def transport(cfg: JobConfig, groups: PlacementGroups) -> DistributedTransport:
@@ -348,7 +354,15 @@ class AsyncLoop:
         """Push the version the trainer holds into the rollout ranks' back buffers (with its probe means);
         returns the seconds it took. Every trainer rank calls it."""
         t0 = time.perf_counter()
-        push_weights(self.version, self.weight_sync, self.trainer.probe_means(), self.client)
+        try:
+            push_weights(self.version, self.weight_sync, self.trainer.probe_means(), self.client)
+        except RuntimeError as exc:
+            # A rollout rank that left (its engine did not start, on a resume the first thing the trainer does is
+            # this push) breaks the broadcast with a transport error: the root raises the cause it reported.
+            reported = None if self.client is None else self.client.reported_failure(self.settings.heartbeat_s + 5)
+            if reported is None:
+                raise
+            raise reported from exc
         if isinstance(self.weight_sync.sources, MergedSources):
             self.weight_sync.sources.forget()  # the next push merges the updated adapters
         self.pushes += 1

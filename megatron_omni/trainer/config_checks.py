@@ -536,9 +536,6 @@ def placement_limits(cfg: Any) -> list[str]:
     unsupported = [
         (cfg.algorithm.name == "diffusionnft", "algorithm.name", cfg.algorithm.name,
          "its ODE rollout samples with a lagging old policy the rollout ranks do not hold"),
-        (cfg.rollout.engine == "vllm_omni" and cfg.rollout.quantization != "none", "rollout.quantization",
-         cfg.rollout.quantization, "vLLM-Omni's FP8 linears reload layer-wise in place and have no back buffer in "
-         "the engine's workers; use rollout.engine=diffusers (its FP8 rollout re-quantizes on swap) or none"),
         (cfg.rollout.tp != 1, "rollout.tp", cfg.rollout.tp, "each rollout rank owns one engine on its own GPU (rollout "
          "tp 1; more rollout ranks split the images)"),
         (cfg.rollout.engine == "vllm_omni" and cfg.rollout.vllm_omni_process != "engine", "rollout.vllm_omni_process",

@@ -19,7 +19,16 @@ from pathlib import Path
 import pytest
 
 from megatron_omni.parallel.rank_pool import free_port
-from tests.e2e.test_flowgrpo_train import ROOT, SHORT, _assert_same_state, _env, _final_state, _rewards, _train
+from tests.e2e.test_flowgrpo_train import (
+    ROOT,
+    SHORT,
+    _assert_same_state,
+    _Background,
+    _env,
+    _final_state,
+    _rewards,
+    _train,
+)
 
 # One trainer rank + one rollout rank; checkpoints only at the end unless a test asks for more.
 ASYNC = ["--set", "placement.mode=disaggregated", "--set", "placement.rollout_ranks=1", "--set", "checkpoint.every=0"]
@@ -33,15 +42,17 @@ def _metrics(run: Path) -> list[dict]:
     return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
 
 
-def _start_ranks(run: Path, *args: str, world: int = 2) -> list[subprocess.Popen]:
+def _start_ranks(run: Path, *args: str, world: int = 2,
+                 rank_env: dict[int, dict[str, str]] | None = None) -> list[subprocess.Popen]:
     """The ranks of a job started as torchrun starts them (env://), each in its own session (killed whole by the
-    caller)."""
+    caller); `rank_env`: more variables for some ranks."""
     port = free_port()
     cmd = [sys.executable, "-m", "megatron_omni.train", "--set", f"run_dir={run}", *SHORT, *args]
     procs = []
     for rank in range(world):
         env = {**_env(), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank),
-               "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_WORLD_SIZE": str(world)}
+               "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_WORLD_SIZE": str(world),
+               **(rank_env or {}).get(rank, {})}
         procs.append(subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                       text=True, start_new_session=True))
     return procs
@@ -270,12 +281,12 @@ def test_fp8_rollout_ranks_sample_quantized_and_pass_every_swap_probe(uninterrup
 
 # The rollout rank owns vLLM-Omni's `Omni` engine (our CPU platform plugin, one worker process); staleness 1, a
 # checkpoint after steps 2 and 4.
-VLLM_ASYNC = ["--set", "steps=5", *ASYNC, "--set", "rollout.engine=vllm_omni", "--set", "async.max_staleness=1",
+VLLM_ASYNC = ["--set", "steps=4", *ASYNC, "--set", "rollout.engine=vllm_omni", "--set", "async.max_staleness=1",
               "--set", "checkpoint.every=2", "--set", "checkpoint.keep=5"]
 
 
 # The reward gain (mean of the last two steps minus the first two) the vLLM-Omni run must beat.
-REWARD_GAIN = 0.02  # measured: +0.040 (rewards -2.338, -2.315, -2.283, -2.290, -2.283)
+REWARD_GAIN = 0.02  # measured: +0.040 (rewards -2.338, -2.315, -2.283, -2.290; the fifth step -2.283)
 
 
 def _engine_processes(rank_pid: int) -> list:
@@ -289,53 +300,100 @@ def _engine_processes(rank_pid: int) -> list:
 def test_vllm_omni_rollout_ranks_learn_report_engine_failure_and_resume_equal(tmp_path: Path) -> None:
     """`rollout.engine=vllm_omni` disaggregated (1 trainer + 1 rollout rank owning an `Omni` engine): every push goes
     over `collective_rpc` into the back buffer in the engine's worker, swapped in between two requests with the probe
-    (one line at the end counts the swaps, each probe passed or the run fails); the reward rises over the 5 steps
-    and every step's versions are max(0, k - 1). A second run: once its step-2 checkpoint is complete the engine's
-    processes on the rollout rank are SIGKILLed: the trainer exits 1 with a message naming rollout rank 1 and the
-    engine's failure; every rank killed, `--resume auto` ends equal to the uninterrupted run bit for bit."""
-    ref = tmp_path / "uninterrupted"
-    p = _train(ref, *VLLM_ASYNC, nproc=2)
+    (one line at the end counts the swaps, each probe passed or the run fails); the reward rises over the 4 steps
+    and every step's versions are max(0, k - 1). Beside it, 3 steps with `rollout.quantization=fp8` (vLLM's FP8
+    linears in the worker; its back copy quantized at each swap, `QuantizedBackBuffer`): every swap passes the
+    quantized probe, step 0 samples quantized (its reward near the unquantized run's, not equal; the behaviour /
+    trainer gap > 0 on every step). A second run (overlapping the first): once its step-2 checkpoint
+    is complete the engine's processes on the rollout rank are SIGKILLed: the trainer exits 1 with a message naming
+    rollout rank 1 and the engine's failure. Every rank killed, a `--resume auto` whose rollout rank's engine cannot
+    start (vLLM's logging config missing on that rank only) ends with the trainer's exit 1 naming that cause
+    (`EngineStartError`), not the transport error of its first push, nothing written; then `--resume auto` ends
+    equal to the uninterrupted run bit for bit."""
+    ref, fp8 = tmp_path / "uninterrupted", tmp_path / "fp8"
+    fp8_args = ["--set", "steps=3", *ASYNC, "--set", "rollout.engine=vllm_omni", "--set", "async.max_staleness=1",
+                "--set", "rollout.quantization=fp8", "--set", "algorithm.is_cap=2"]
+    with _Background(ref, *VLLM_ASYNC, nproc=2) as uninterrupted, _Background(fp8, *fp8_args, nproc=2) as quantized:
+        run = tmp_path / "killed"
+        procs = _start_ranks(run, *VLLM_ASYNC)
+        trainer, rollout = procs
+        marker = run / "checkpoints" / "step_000002" / "COMPLETE"
+        try:
+            deadline = time.monotonic() + 600
+            while not marker.exists():
+                assert all(q.poll() is None for q in procs) and time.monotonic() < deadline, "no step-2 checkpoint"
+                time.sleep(0.02)
+            engine = _engine_processes(rollout.pid)
+            assert engine, "the rollout rank runs no engine process"
+            for q in engine:
+                q.kill()
+            killed = time.monotonic()
+            _, err = trainer.communicate(timeout=300)
+            waited = time.monotonic() - killed
+        finally:
+            _kill_all(procs)
+        print(f"engine killed: the trainer exited {trainer.returncode} after {waited:.1f} s:",
+              [line for line in err.splitlines() if "rollout error" in line])
+        assert trainer.returncode == 1, err[-3000:]
+        assert "rollout error: rollout rank 1 failed serving step" in err, err[-3000:]
+        assert not (run / "checkpoints" / "step_000004").exists()
+
+        _resume_with_an_engine_that_cannot_start(run, tmp_path / "missing-logging.json")
+        resumed = _train(run, *VLLM_ASYNC, "--resume", "auto", nproc=2)
+        assert resumed.returncode == 0, resumed.stderr[-3000:]
+        assert "resumed from" in resumed.stdout + resumed.stderr
+        p, q = uninterrupted.result(), quantized.result()
     assert p.returncode == 0, p.stderr[-3000:]
-    out = p.stdout + p.stderr
-    # 5 steps at staleness 1: versions 0, 0, 1, 2, 3 are sampled, so 3 pushes are swapped in.
-    swaps = re.search(r"rollout rank 1: (\d+) requests, (\d+) swaps, every swap's probe passed \(max \|diff\| (\S+)\)",
-                      out)
-    assert swaps and swaps.group(1) == "5" and swaps.group(2) == "3", out[-3000:]
+    # 4 steps at staleness 1: versions 0, 0, 1, 2 are sampled, so 2 pushes are swapped in.
+    swaps = _swaps(p.stdout + p.stderr)
+    assert swaps and swaps.group(1) == "4" and swaps.group(2) == "2", (p.stdout + p.stderr)[-3000:]
     assert float(swaps.group(3)) < 1e-4  # fp32 on both sides (probe.TOLERANCES)
     m = _metrics(ref)
     r = [x["reward_mean"] for x in m]
     print("vllm_omni disaggregated, staleness 1: reward per step", [f"{x:.3f}" for x in r], "swap probe", swaps[3])
     assert sum(r[-2:]) / 2 > sum(r[:2]) / 2 + REWARD_GAIN, r
-    assert [x["policy_version_min"] for x in m] == [x["policy_version_max"] for x in m] == [0, 0, 1, 2, 3]
-
-    run = tmp_path / "killed"
-    procs = _start_ranks(run, *VLLM_ASYNC)
-    trainer, rollout = procs
-    marker = run / "checkpoints" / "step_000002" / "COMPLETE"
-    try:
-        deadline = time.monotonic() + 600
-        while not marker.exists():
-            assert all(q.poll() is None for q in procs) and time.monotonic() < deadline, "no step-2 checkpoint"
-            time.sleep(0.02)
-        engine = _engine_processes(rollout.pid)
-        assert engine, "the rollout rank runs no engine process"
-        for q in engine:
-            q.kill()
-        killed = time.monotonic()
-        _, err = trainer.communicate(timeout=300)
-        waited = time.monotonic() - killed
-    finally:
-        _kill_all(procs)
-    print(f"engine killed: the trainer exited {trainer.returncode} after {waited:.1f} s:",
-          [line for line in err.splitlines() if "rollout error" in line])
-    assert trainer.returncode == 1, err[-3000:]
-    assert "rollout error: rollout rank 1 failed serving step" in err, err[-3000:]
-    assert not (run / "checkpoints" / "step_000004").exists()
-
-    resumed = _train(run, *VLLM_ASYNC, "--resume", "auto", nproc=2)
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert "resumed from" in resumed.stdout + resumed.stderr
+    assert [x["policy_version_min"] for x in m] == [x["policy_version_max"] for x in m] == [0, 0, 1, 2]
     for k, (x, y) in enumerate(zip(m, _metrics(run), strict=True)):
         same = {n: x[n] for n in x if not n.startswith(("time_", "images_per_s", "push_s"))}
         assert same == {n: y[n] for n in same}, f"step {k}"
-    _assert_same_state(_final_state(ref, 5), _final_state(run, 5))
+    _assert_same_state(_final_state(ref, 4), _final_state(run, 4))
+
+    assert q.returncode == 0, q.stderr[-3000:]
+    swaps = _swaps(q.stdout + q.stderr)  # versions 0, 0, 1: one swap, its quantized probe passed
+    assert swaps and swaps.group(1) == "3" and swaps.group(2) == "1", (q.stdout + q.stderr)[-3000:]
+    quant = _metrics(fp8)
+    print("vllm_omni fp8 disaggregated: reward per step", [f"{x['reward_mean']:.4f}" for x in quant],
+          "behaviour dlogp", [f"{x['behaviour_dlogp']:.2e}" for x in quant], "unquantized step 0",
+          f"{m[0]['behaviour_dlogp']:.2e}", "swap probe", swaps[3])
+    assert quant[0]["reward_mean"] != m[0]["reward_mean"] and abs(quant[0]["reward_mean"] - m[0]["reward_mean"]) < 0.05
+    # the unquantized engine differs from the trainer by its GEMMs only (fp32): the FP8 gap is far larger
+    assert all(x["behaviour_dlogp"] > 10 * m[0]["behaviour_dlogp"] for x in quant), (m[0]["behaviour_dlogp"], quant)
+    assert [x["policy_version_max"] for x in quant] == [x["policy_version_min"] for x in quant] == [0, 0, 1]
+
+
+def _swaps(out: str) -> re.Match | None:
+    """The trainer's closing line on the rollout rank: (requests, swaps, the largest probe difference)."""
+    return re.search(r"rollout rank 1: (\d+) requests, (\d+) swaps, every swap's probe passed \(max \|diff\| (\S+)\)",
+                     out)
+
+
+def _resume_with_an_engine_that_cannot_start(run: Path, missing: Path) -> None:
+    """`--resume auto` of `run` with the rollout rank's engine failing to start (vLLM refuses a logging config that
+    does not exist: set on the rollout rank only): the trainer's first act is the push of the loaded version, which
+    the rollout rank cannot join; the trainer exits 1 naming the rank and the engine's cause, the rollout rank too,
+    and the run folder keeps its checkpoints and metrics."""
+    before = sorted(p.name for p in (run / "checkpoints").iterdir())
+    procs = _start_ranks(run, *VLLM_ASYNC, "--resume", "auto", rank_env={1: {"VLLM_LOGGING_CONFIG_PATH": str(missing)}})
+    try:
+        outs = [q.communicate(timeout=300)[1] for q in procs]
+    finally:
+        _kill_all(procs)
+    trainer, rollout = outs
+    print("resumed with an engine that cannot start:", [x for x in trainer.splitlines() if "rollout" in x][-2:])
+    assert procs[0].returncode == 1 and procs[1].returncode == 1, (trainer[-2000:], rollout[-2000:])
+    cause = "EngineStartError: vLLM-Omni engine for"
+    assert ("rollout error: rollout rank 1 failed before serving any step:\nrollout.engine='vllm_omni' failed to "
+            f"start on rollout rank 1: {cause}") in trainer, trainer[-3000:]
+    assert f"Could not load logging config. File does not exist: %s', '{missing}'" in trainer, trainer[-3000:]
+    assert "rollout engine error: vLLM-Omni engine for" in rollout, rollout[-3000:]
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == before

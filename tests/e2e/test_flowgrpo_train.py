@@ -346,9 +346,6 @@ def test_bypass_and_recompute_give_the_same_first_update(tmp_path: Path) -> None
         ([*ASYNC, "--set", "model.lora.rank=4", "--set", "rollout.lora_sync=adapter"],
          "rollout.lora_sync='adapter' is not supported with placement.mode=disaggregated"),
         ([*WAN, *ASYNC], "model.family='wan' is not supported with placement.mode=disaggregated"),
-        ([*ASYNC, "--set", "rollout.engine=vllm_omni", "--set", "rollout.quantization=fp8", "--dry-run"],
-         "rollout.quantization='fp8' is not supported with placement.mode=disaggregated: vLLM-Omni's FP8 linears "
-         "reload layer-wise in place and have no back buffer in the engine's workers"),
     ],
 )
 def test_bad_config_fails_before_work(tmp_path: Path, args: list[str], message: str, monkeypatch: pytest.MonkeyPatch,

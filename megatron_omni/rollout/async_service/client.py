@@ -54,7 +54,8 @@ class RolloutRankFailed(RuntimeError):
     """A rollout rank raised while serving a step; the message carries its traceback."""
 
     def __init__(self, rank: int, step: int | None, error: str) -> None:
-        super().__init__(f"rollout rank {rank} failed serving step {step}:\n{error}")
+        at = f"serving step {step}" if step is not None else "before serving any step"
+        super().__init__(f"rollout rank {rank} failed {at}:\n{error}")
         self.rank, self.step, self.error = rank, step, error
 
 
@@ -272,6 +273,26 @@ class RolloutClient:
                 self._file(rank, msg)
         del self._in_flight[step]
         return done
+
+    def reported_failure(self, wait_s: float) -> RuntimeError | None:
+        """After a collective with the rollout ranks failed (a push's broadcast): the failure a rollout rank reported
+        or the rank lost (`RolloutRankFailed` / `RolloutRankLost`, naming its cause), waiting up to `wait_s` for it;
+        None if none came. A rank that fails sends its `Failed` before it leaves, so it is read before its closed
+        connection."""
+        deadline = time.monotonic() + wait_s
+        while (remaining := deadline - time.monotonic()) > 0:
+            try:
+                rank, msg, at = self._events.get(timeout=remaining)
+            except queue.Empty:
+                return None
+            if isinstance(msg, Failed):
+                return RolloutRankFailed(rank, msg.step, msg.error)
+            if isinstance(msg, ChannelLost):
+                self._closed.add(rank)
+                return RolloutRankLost(rank, self._owed_step(rank), msg.reason, msg.waited_s)
+            self._note_progress(rank, msg, at)
+            self._file(rank, msg)
+        return None
 
     def abandon(self) -> None:
         """After a lost or failed rank: ask every rollout rank still reachable to stop, without waiting for anyone

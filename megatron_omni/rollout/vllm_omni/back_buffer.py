@@ -13,7 +13,11 @@ weights until the swap, which the rollout service sends between two requests.
 `RpcBackBuffer` is the rollout rank's side: the bridge's target over those RPCs (full mode, rollout tp 1: the
 workers' shapes for the coverage check) with the `begin` / `finish` / `swap` the async `WeightReceiver` calls.
 
-An FP8 engine (vLLM's FP8 linears, loaded through a layer-wise reloader) has no back buffer: refused by name.
+An FP8 engine (vLLM's FP8 linears, loaded through a layer-wise reloader that quantizes in place) keeps its back copy
+before quantization (`QuantizedBackBuffer`): the update's full tensors, checked by name and full shape as they
+arrive and for completeness at `finish`; the swap loads them through the worker's `WeightReceiver` (quantized there,
+one layer-wise reload), between two requests like every swap. The same memory as the unquantized back copy (one
+transformer in the engine's dtype) and one reload's time per swap.
 Nothing here imports vllm at module level (the worker extension imports this module).
 """
 
@@ -33,8 +37,8 @@ class BackBuffer:
         from megatron_omni.rollout.vllm_omni.worker import WeightReceiver, WeightUpdateError
 
         if getattr(pipeline, "fp8_reloader", None) is not None:
-            raise WeightUpdateError("an FP8 vLLM-Omni engine has no back buffer (its linears reload layer-wise in "
-                                    "place); use rollout.quantization=none with placement.mode=disaggregated")
+            raise WeightUpdateError("an FP8 vLLM-Omni engine's linears reload layer-wise in place: its back copy is "
+                                    "a QuantizedBackBuffer")
         self.pipeline = pipeline
         self.receiver = WeightReceiver(pipeline)
         self.params = dict(pipeline.transformer.named_parameters())
@@ -75,14 +79,73 @@ class BackBuffer:
         return self.swaps
 
 
+class QuantizedBackBuffer:
+    """The back copy of an FP8 engine's transformer in one worker: the update's full (unquantized) tensors, held
+    until the swap quantizes them into the live FP8 linears through the worker's `WeightReceiver`."""
+
+    def __init__(self, pipeline: Any) -> None:
+        from megatron_omni.rollout.vllm_omni.worker import WeightReceiver
+
+        self.pipeline = pipeline
+        self.receiver = WeightReceiver(pipeline)
+        self.full_shapes = {n: tuple(s) for n, s in pipeline.full_shapes.items()}
+        self.held: dict[str, torch.Tensor] = {}
+        self.ready = False
+        self.swaps = 0
+
+    def begin(self) -> None:
+        self.ready = False
+        self.held = {}
+
+    def load(self, named_tensors: Sequence[tuple[str, torch.Tensor]]) -> int:
+        from megatron_omni.rollout.vllm_omni.worker import WeightUpdateError
+
+        for name, t in named_tensors:
+            name = name.removeprefix("transformer.")
+            if name not in self.full_shapes:
+                raise WeightUpdateError(f"malformed weight bucket: unknown transformer weight {name!r}")
+            if tuple(t.shape) != self.full_shapes[name]:
+                raise WeightUpdateError(f"malformed weight bucket: {name}: shape {tuple(t.shape)} != the model's "
+                                        f"full shape {self.full_shapes[name]}")
+            if name in self.held:
+                raise WeightUpdateError(f"weight update sends {name!r} more than once")
+            self.held[name] = t.detach().clone()
+        return len(named_tensors)
+
+    def finish(self) -> int:
+        from megatron_omni.rollout.vllm_omni.worker import WeightUpdateError
+
+        missing = sorted(set(self.full_shapes) - set(self.held))
+        if missing:
+            self.held = {}
+            raise WeightUpdateError(f"partial back-buffer update: {len(missing)} of {len(self.full_shapes)} "
+                                    f"transformer tensors were not sent, e.g. {missing[:3]}; the live weights are kept")
+        self.ready = True
+        return len(self.held)
+
+    def swap(self) -> int:
+        from megatron_omni.rollout.vllm_omni.worker import WeightUpdateError
+
+        if not self.ready:
+            raise WeightUpdateError("back_buffer_swap without a complete back-buffer update (begin, buckets, "
+                                    "finish): the live weights are kept")
+        self.receiver.begin()
+        self.receiver.load(list(self.held.items()))
+        self.receiver.finish()  # the layer-wise reload: quantized, scales set
+        self.held, self.ready = {}, False
+        self.swaps += 1
+        return self.swaps
+
+
 class BackBufferWorkerExtension:
     """The back-buffer RPCs of our worker extension (`worker.FlowGRPOWorkerExtension`); each runs on every worker."""
 
-    def _flowgrpo_back_buffer(self) -> BackBuffer:
+    def _flowgrpo_back_buffer(self) -> BackBuffer | QuantizedBackBuffer:
         pipeline = self.model_runner.pipeline
         buffer = getattr(self, "_flowgrpo_back", None)
         if buffer is None or buffer.pipeline is not pipeline:
-            buffer = BackBuffer(pipeline)
+            fp8 = getattr(pipeline, "fp8_reloader", None) is not None
+            buffer = QuantizedBackBuffer(pipeline) if fp8 else BackBuffer(pipeline)
             self._flowgrpo_back = buffer
         return buffer
 

@@ -448,6 +448,10 @@ class VllmOmniRolloutEngine:
                                            return_means=True).means
         return self._shared(lambda: self._rpc("probe_means", traj)[0])
 
+    def requantize(self) -> None:
+        """Nothing: the workers quantize every update as they load it (a live one, or an FP8 back copy at its swap,
+        `back_buffer.QuantizedBackBuffer`); the asynchronous receiver calls it after each swap."""
+
     def probe_unquantized(self, traj: Trajectory) -> torch.Tensor | None:
         """`probe` for an unquantized engine; None for an FP8 one (it holds only FP8 weights)."""
         return None if self.quantization.enabled else self.probe(traj)
