@@ -9,9 +9,15 @@ replicated tensors (the per-head QK norms above all) equal on both tp ranks.
 Measured (fp32 rollout and recompute, CFG 4.0, 2 samples x 2 window steps): first-step |dlogp| and the largest
 over the window 0.0 and 1.2e-7 (2.4e-7 in the recipe's CPU run); bf16 rollout (vLLM-Omni's code as shipped,
 CPU bf16 autocast) against the fp32 recompute: 7.3e-4 (`bf16_dlogp`, asserted < 1e-2). 60 s (one rank, loaded
-machine)."""
+machine).
+
+The two jobs are independent: the two-rank job starts in a thread first and runs beside the one-rank job (three
+single-thread ranks on the machine's cores instead of one job after the other)."""
 
 from __future__ import annotations
+
+from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import pytest
 import torch
@@ -124,7 +130,14 @@ def _checks(rank: int, world_size: int, folder: str) -> dict:
 
 
 @pytest.fixture(scope="module")
-def figures(tmp_path_factory) -> dict:
+def tp2_job() -> Iterator[Future]:
+    """The two-rank job (`_tp2_update`), started now in a thread; its test reads the result."""
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        yield pool.submit(run_ranks, _tp2_update, 2, timeout_s=600)
+
+
+@pytest.fixture(scope="module")
+def figures(tmp_path_factory, tp2_job: Future) -> dict:
     folder = str(tmp_path_factory.mktemp("bagel-rl") / "tiny")
     result = run_ranks(_checks, 1, folder, timeout_s=600)[0]
     print(result)
@@ -199,6 +212,6 @@ def _tp2_update(rank: int, world_size: int) -> dict:
             "qk_norms": sum("q_layernorm" in n or "k_layernorm" in n for n in replicated)}
 
 
-def test_tp2_update_keeps_replicated_tensors_equal() -> None:
-    out = run_ranks(_tp2_update, 2, timeout_s=600)
+def test_tp2_update_keeps_replicated_tensors_equal(tp2_job: Future) -> None:
+    out = tp2_job.result()
     assert out[0]["qk_norms"] > 0 and out[0]["differ"] == [], out
