@@ -116,6 +116,7 @@ def _case(rank: int, world_size: int, folder: str) -> dict:
                 WeightSync(rpc_plan, sources=megatron_sources(trainer), target=RpcTarget(engine._rpc, 1),
                            tp_group=groups.tp, tp_rank=groups.tp.rank(), bucket_bytes=16 * 1024).sync()
             out["rpc_sync"] = float((engine.probe(probe) - engine_means).abs().max())
+            out["back_buffer"] = _quantized_back_buffer(engine, probe, trained, base, engine_means)
         # a partial update raises, and the engine still serves the synced weights
         out["partial"] = _error(engine.load_weights, [("proj_out.bias", trained["proj_out.bias"])])
         out["after_partial"] = float((engine.probe(probe) - engine_means).abs().max())
@@ -129,6 +130,34 @@ def _case(rank: int, world_size: int, folder: str) -> dict:
     res["names_mismatch"] = _error(check_quantized_names, ["transformer_blocks.0.img_mod.1.weight"], spec,
                                    diffusers_shapes(hf_cfg))
     return res
+
+
+def _quantized_back_buffer(engine, probe, trained: dict, base: dict, synced: torch.Tensor) -> dict:
+    """The disaggregated FP8 engine's back copy (`QuantizedBackBuffer`) over this engine's pipeline: malformed
+    buckets and incomplete updates are refused by name and leave the live weights serving; complete updates swap
+    in (the folder's weights, then the synced ones back)."""
+    from megatron_omni.rollout.vllm_omni.back_buffer import QuantizedBackBuffer
+
+    def moved() -> float:
+        return float((engine.probe(probe) - synced).abs().max())
+
+    back = QuantizedBackBuffer(engine.omni.pipeline)
+    name = next(iter(back.full_shapes))
+    out = {"unknown": _error(back.load, [("no.such.weight", trained[name])]),
+           "shape": _error(back.load, [(name, trained[name].flatten()[:1])])}
+    back.begin()
+    back.load([(name, trained[name])])
+    out["twice"] = _error(back.load, [(name, trained[name])])
+    out["partial"] = _error(back.finish)
+    out["swap_unfinished"] = _error(back.swap)
+    out["kept"] = moved()
+    for key, state in (("swapped_base", base), ("swapped_back", trained)):
+        back.begin()
+        back.load(list(state.items()))
+        back.finish()
+        back.swap()
+        out[key] = moved()
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -170,3 +199,15 @@ def test_partial_update_and_name_mismatch_raise(results: list[dict]) -> None:
             assert r[tp]["partial"].startswith("WeightUpdateError: partial weight update"), r[tp]["partial"]
             assert r[tp]["after_partial"] < 1e-6
         assert r["names_mismatch"].startswith("ValueError") and "only in vLLM-Omni" in r["names_mismatch"]
+
+
+def test_quantized_back_buffer_refuses_malformed_updates_and_swaps_complete_ones(results: list[dict]) -> None:
+    for r in results:
+        out = r[1]["back_buffer"]
+        assert out["unknown"].startswith("WeightUpdateError") and "'no.such.weight'" in out["unknown"], out
+        assert "shape (1,) != the model's full shape" in out["shape"], out
+        assert "more than once" in out["twice"], out
+        assert out["partial"].startswith("WeightUpdateError: partial back-buffer update"), out
+        assert "without a complete back-buffer update" in out["swap_unfinished"], out
+        assert out["kept"] == 0  # nothing refused reached the live FP8 weights
+        assert out["swapped_base"] > 1e-3 and out["swapped_back"] < 1e-6, out
