@@ -85,7 +85,8 @@ class DiTArch:
     Qwen-Image's, measured on its block, `memory._SAVED_PER_TOKEN`); image_attention_saved: what a second image
     attention adds per image token. single_layers: single-stream blocks after the `layers` double ones (FLUX; tensors
     `single_layers.{i}.*`), single_saved their saved activations per token without recompute; text_output_last: the
-    last double block's text stream runs whole (FLUX: the single blocks read it). text_encoders,
+    last double block's text stream runs whole (FLUX: the single blocks read it); latent_pack: latent pixels per token
+    side before the transformer's own patch (FLUX packs 2 x 2 latents into one token, patch_size 1). text_encoders,
     fixed_text_tokens, vae_params: the pipeline's other weights."""
 
     family: str
@@ -112,6 +113,7 @@ class DiTArch:
     single_layers: int = 0
     single_saved: tuple[int, int] = (0, 0)
     text_output_last: bool = False
+    latent_pack: int = 1
 
     @property
     def heads(self) -> int:
@@ -132,7 +134,8 @@ class DiTArch:
 
     @property
     def patch(self) -> int:
-        return int(self.config["patch_size"])
+        """Latent pixels per token side (the packing times the transformer's patch)."""
+        return self.latent_pack * int(self.config["patch_size"])
 
     @property
     def extra_params(self) -> int:
@@ -201,19 +204,20 @@ def flux_arch(model: str | dict[str, Any]) -> DiTArch:
     from model_providers.flux.provider import hf_config, megatron_shapes
 
     cfg = hf_config(model)
+    shapes = megatron_shapes(cfg)
     return DiTArch(
-        family="flux", name=model if isinstance(model, str) else "custom", config=cfg, shapes=megatron_shapes(cfg),
+        family="flux", name=model if isinstance(model, str) else "custom", config=cfg, shapes=shapes,
         every_stage=("time_embedder.", "guidance_embedder.", "pooled_embedder."),
         first_stage=("x_embedder.", "context_embedder."), last_stage=("norm_out.", "proj_out."),
         image_weights=("x_embedder.weight", "proj_out.weight"), text_weights=("context_embedder.weight",),
         sample_weights=tuple(f"{e}.linear_{i}.weight" for e in ("time_embedder", "guidance_embedder",
                                                                 "pooled_embedder") for i in (1, 2)
-                             if f"{e}.linear_{i}.weight" in megatron_shapes(cfg)) + ("norm_out.linear.weight",),
+                             if f"{e}.linear_{i}.weight" in shapes) + ("norm_out.linear.weight",),
         text_encoders=(TextEncoder("CLIP-L", FLUX_CLIP_L_PARAMS, SD3_CLIP_TOKENS), TextEncoder("T5-XXL",
                                                                                               SD3_T5_XXL_PARAMS)),
         vae_params=SD3_VAE_PARAMS, last_text_queries=True, recompute_modes=("none", "full"), cp=False, pp=False,
         single_layers=int(cfg["num_single_layers"]), single_saved=FLUX_SINGLE_SAVED_PER_TOKEN,
-        text_output_last=True)
+        text_output_last=True, latent_pack=2)
 
 
 @dataclass(frozen=True)

@@ -57,3 +57,10 @@ def test_refuses_cp_and_pp_by_name(cp: int, pp: int, what: str) -> None:
         arch_of("flux1-dev").check_layout(1, cp, pp, "full")
     with pytest.raises(LayoutError, match="no 'selective' recompute"):
         arch_of("flux1-dev").check_layout(1, 1, 1, "selective")
+
+
+def test_image_tokens_count_packed_latents() -> None:
+    """FLUX packs 2 x 2 latents (8x VAE) into one token: a 720 x 720 image is 45 x 45 tokens, 1024 x 1024 4096."""
+    from megatron_omni.planner.flops import image_tokens
+
+    assert (image_tokens("flux1-dev", 720, 720), image_tokens("flux1-dev", 1024, 1024)) == (2025, 4096)
