@@ -10,6 +10,12 @@ Two families so far, both joint-attention MMDiTs over [image; text]:
   CLIP-L and CLIP-G (77 tokens each, their penultimate states concatenated and padded to T5's width, their pooled
   outputs the `pooled_embedder`'s input) and T5-XXL (`max_sequence_length` tokens) read the prompt; the text
   stream is [CLIP 77; T5 L]. SD3.5-M's first 13 blocks hold a second image self-attention (`img_attn2`).
+- FLUX.1 (`flux`): its preset `flux1-dev` or a diffusers config with `num_single_layers`; `num_layers` double-stream
+  blocks (the MMDiT block of Qwen-Image, both streams' outputs kept to the last) then `num_single_layers`
+  single-stream blocks over [text; image] (`single_layers.{i}.*`: adaLN 3h, fused QKV, the MLP input projection and
+  one output projection over [attention | MLP], all column-parallel, the output projection's 5h inputs all-gathered
+  over tp first); CLIP-L (77 tokens, its pooled output only) and T5-XXL (`max_sequence_length` tokens, the whole
+  text stream) read the prompt; the guidance embedder reads the distilled guidance scale (one forward per step).
 
 Every planner function that takes `model` accepts a preset name or config (Qwen-Image's, or SD3's when its keys
 say so) or a `DiTArch` (what `dit_arch(family, model)` returns; the trainer's dry run passes one).
@@ -35,6 +41,15 @@ SD3_CLIP_G_PARAMS = 694_659_840
 SD3_T5_XXL_PARAMS = 4_762_310_656
 SD3_VAE_PARAMS = 83_819_683
 SD3_CLIP_TOKENS = 77
+# FLUX.1's CLIP-L is transformers' CLIPTextModel (no text projection: SD3's CLIP-L less its 768 x 768 projection);
+# its T5-XXL and its 16-channel VAE (no quant convs) are SD3's classes and configs.
+FLUX_CLIP_L_PARAMS = SD3_CLIP_L_PARAMS - 768 * 768
+# Saved activations of a FLUX single-stream block per token of [text; image], `(full, tp_split)` multiples of h:
+# an estimate from the block's code, not measured yet (its double blocks are Qwen-Image's, measured): full: adaLN
+# input, norm output, modulated input, the all-gathered [attention | MLP] (5), the output projection's output for
+# the gate (9); split: as Qwen-Image's block without its per-stream copies (QKV 3, Q/K/V/out 4, QK-norm and RoPE
+# intermediates 2, fc1 and GELU outputs 8: 17).
+FLUX_SINGLE_SAVED_PER_TOKEN = (9, 17)
 
 _SD3_PRESETS = ("sd35-medium", "sd35-large")
 # Saved activations of an SD3 block per token, `(full, tp_split)` multiples of h, measured with saved-tensor hooks
@@ -68,7 +83,10 @@ class DiTArch:
     or are skipped (Qwen-Image). recompute_modes / cp / pp: what the Megatron model supports. saved_per_token:
     a block's saved activations per token per recompute mode as `(full, tp_split)` multiples of h (None:
     Qwen-Image's, measured on its block, `memory._SAVED_PER_TOKEN`); image_attention_saved: what a second image
-    attention adds per image token. text_encoders,
+    attention adds per image token. single_layers: single-stream blocks after the `layers` double ones (FLUX; tensors
+    `single_layers.{i}.*`), single_saved their saved activations per token without recompute; text_output_last: the
+    last double block's text stream runs whole (FLUX: the single blocks read it); latent_pack: latent pixels per token
+    side before the transformer's own patch (FLUX packs 2 x 2 latents into one token, patch_size 1). text_encoders,
     fixed_text_tokens, vae_params: the pipeline's other weights."""
 
     family: str
@@ -92,6 +110,10 @@ class DiTArch:
     image_attention_saved: tuple[int, int] = (0, 0)
     cp: bool = True
     pp: bool = True
+    single_layers: int = 0
+    single_saved: tuple[int, int] = (0, 0)
+    text_output_last: bool = False
+    latent_pack: int = 1
 
     @property
     def heads(self) -> int:
@@ -102,12 +124,18 @@ class DiTArch:
         return int(self.config["num_layers"])
 
     @property
+    def blocks(self) -> int:
+        """Every block: the double-stream (or only) ones and the single-stream ones."""
+        return self.layers + self.single_layers
+
+    @property
     def hidden(self) -> int:
         return int(self.config["num_attention_heads"] * self.config["attention_head_dim"])
 
     @property
     def patch(self) -> int:
-        return int(self.config["patch_size"])
+        """Latent pixels per token side (the packing times the transformer's patch)."""
+        return self.latent_pack * int(self.config["patch_size"])
 
     @property
     def extra_params(self) -> int:
@@ -169,6 +197,29 @@ def sd3_arch(model: str | dict[str, Any]) -> DiTArch:
         saved_per_token=SD3_SAVED_PER_TOKEN, image_attention_saved=SD3_IMAGE_ATTENTION_SAVED)
 
 
+def flux_arch(model: str | dict[str, Any]) -> DiTArch:
+    """FLUX.1's transformer (a preset name or diffusers config): TP only (our FLUX model refuses CP and PP), no
+    selective recompute (full checkpoints every block, double then single), no constant buffers (RoPE is computed
+    per forward). The guidance embedder, like the timestep and pooled ones, acts once per sample."""
+    from model_providers.flux.provider import hf_config, megatron_shapes
+
+    cfg = hf_config(model)
+    shapes = megatron_shapes(cfg)
+    return DiTArch(
+        family="flux", name=model if isinstance(model, str) else "custom", config=cfg, shapes=shapes,
+        every_stage=("time_embedder.", "guidance_embedder.", "pooled_embedder."),
+        first_stage=("x_embedder.", "context_embedder."), last_stage=("norm_out.", "proj_out."),
+        image_weights=("x_embedder.weight", "proj_out.weight"), text_weights=("context_embedder.weight",),
+        sample_weights=tuple(f"{e}.linear_{i}.weight" for e in ("time_embedder", "guidance_embedder",
+                                                                "pooled_embedder") for i in (1, 2)
+                             if f"{e}.linear_{i}.weight" in shapes) + ("norm_out.linear.weight",),
+        text_encoders=(TextEncoder("CLIP-L", FLUX_CLIP_L_PARAMS, SD3_CLIP_TOKENS), TextEncoder("T5-XXL",
+                                                                                              SD3_T5_XXL_PARAMS)),
+        vae_params=SD3_VAE_PARAMS, last_text_queries=True, recompute_modes=("none", "full"), cp=False, pp=False,
+        single_layers=int(cfg["num_single_layers"]), single_saved=FLUX_SINGLE_SAVED_PER_TOKEN,
+        text_output_last=True, latent_pack=2)
+
+
 @dataclass(frozen=True)
 class EditTokens:
     """What one source image adds to an edit job's forward (diffusers' `QwenImageEditPlusPipeline`): its VAE
@@ -211,14 +262,19 @@ def dit_arch(family: str, model: str | dict[str, Any]) -> DiTArch:
         return qwen_image_arch(model, family)
     if family == "sd3":
         return sd3_arch(model)
+    if family == "flux":
+        return flux_arch(model)
     raise LayoutError(f"the planner has no cost model for model.family={family}")
 
 
 def arch_of(model: str | dict[str, Any] | DiTArch) -> DiTArch:
-    """`model` as a `DiTArch`: one already, an SD3.5 preset or config (it has `pooled_projection_dim`), else
-    Qwen-Image's."""
+    """`model` as a `DiTArch`: one already, a FLUX.1 preset or config (it has `num_single_layers`), an SD3.5 one
+    (it has `pooled_projection_dim`), else Qwen-Image's."""
     if isinstance(model, DiTArch):
         return model
+    if (isinstance(model, str) and model == "flux1-dev") or (isinstance(model, dict)
+                                                            and "num_single_layers" in model):
+        return flux_arch(model)
     if (isinstance(model, str) and model in _SD3_PRESETS) or (isinstance(model, dict)
                                                               and "pooled_projection_dim" in model):
         return sd3_arch(model)

@@ -83,7 +83,9 @@ def forward_flops(model: str | dict[str, Any] | DiTArch, image_tokens: int, text
 
     SD3 (`DiTArch`): the patch embedding's convolution ([h, c, p, p]) counts as a linear on image tokens, the
     pooled embedder once per sample; the second image attention of the dual-attention blocks (`img_attn2`) acts
-    on image tokens and adds `4 s_img^2 h`; the last block's text queries do attend (diffusers computes them)."""
+    on image tokens and adds `4 s_img^2 h`; the last block's text queries do attend (diffusers computes them).
+    FLUX: the last double block's text stream runs whole, each single block's linears act on [text; image] and its
+    attention adds `4 s^2 h`; the guidance embedder acts once per sample."""
     if image_tokens < 1 or text_tokens < 0:
         raise ValueError(f"need image_tokens >= 1 and text_tokens >= 0, got {image_tokens}, {text_tokens}")
     a = arch_of(model)
@@ -93,12 +95,22 @@ def forward_flops(model: str | dict[str, Any] | DiTArch, image_tokens: int, text
         if name in a.buffers or (len(shape) != 2 and name not in a.image_weights):
             continue  # biases, norm scales and constant tables: elementwise, not counted
         macs = math.prod(shape)
+        if name.startswith("single_layers."):  # FLUX: on [text; image], adaLN once per sample
+            if name.split(".", 2)[2].startswith("adaln."):
+                sample += 2 * macs
+                continue
+            if name.split(".", 2)[2].startswith("linear_qkv."):
+                qkv += 2 * macs * (image_tokens + text_tokens)
+            img += 2 * macs * image_tokens
+            txt += 2 * macs * text_tokens
+            continue
         if name.startswith("layers."):
             layer, stream, tensor = int(name.split(".")[1]), name.split(".")[2], name.split(".", 3)[3]
             if tensor.startswith("adaln."):
                 sample += 2 * macs
                 continue
-            if stream == "txt" and layer == cfg["num_layers"] - 1 and not tensor.startswith("linear_qkv."):
+            if (stream == "txt" and layer == cfg["num_layers"] - 1 and not a.text_output_last
+                    and not tensor.startswith("linear_qkv.")):
                 continue
             tokens = text_tokens if stream == "txt" else image_tokens
             flops = 2 * macs * tokens
@@ -122,6 +134,7 @@ def forward_flops(model: str | dict[str, Any] | DiTArch, image_tokens: int, text
     last_queries = seq if a.last_text_queries else image_tokens
     attention = 4.0 * seq * hidden * (seq * (a.layers - 1) + last_queries)
     attention += 4.0 * image_tokens * image_tokens * hidden * len(a.image_attention_layers)
+    attention += 4.0 * seq * seq * hidden * a.single_layers
     return ForwardFlops(image_linear=img, text_linear=txt, per_sample=sample, attention=attention, qkv_linear=qkv)
 
 

@@ -21,6 +21,9 @@ from megatron_omni.planner.arch import DiTArch, arch_of
 
 _COLUMN = ("adaln.", "linear_qkv.", "linear_fc1.")
 _ROW_WEIGHTS = ("linear_proj.weight", "linear_fc2.weight")
+# FLUX's single-stream block: adaLN, QKV, the MLP input and the output projection over [attention | MLP] are
+# column-parallel (models/dit/flux_layer.py), weights and biases split by rows.
+_SINGLE_COLUMN = (*_COLUMN, "linear_out.")
 
 GIB = 1024**3
 
@@ -72,6 +75,12 @@ def rank_parameter_counts(model: str | dict[str, Any] | DiTArch, tp: int, pp: in
                     raise ValueError(f"{name} {shape}: dim {dim} is not divisible by tp={tp}")
                 n //= tp
             counts[layer // per_stage] += n
+        elif name.startswith("single_layers."):  # FLUX: every linear column-parallel (output rows split)
+            if name.split(".", 2)[2].startswith(_SINGLE_COLUMN):
+                if shape[0] % tp:
+                    raise ValueError(f"{name} {shape}: dim 0 is not divisible by tp={tp}")
+                n //= tp
+            counts[-1] += n  # the last stage's (the family has no pp)
         else:
             for s in _stage_of(a, name, pp):
                 counts[s] += n
@@ -239,6 +248,16 @@ def training_activation_bytes(
     blocks = a.layers // pp
     per_block = block_activation_bytes(hidden, tokens_per_rank, micro_batch_samples, tp, recompute, act_bytes,
                                        a.saved_per_token)
+    if a.single_layers:  # FLUX (no pp): the single-stream blocks over [text; image] beside the double ones
+        single_saved = {"none": a.single_saved}
+        single = [block_activation_bytes(hidden, tokens_per_rank, micro_batch_samples, tp, mode, act_bytes,
+                                         single_saved) for mode in ("none", recompute)]
+        double_none = block_activation_bytes(hidden, tokens_per_rank, micro_batch_samples, tp, "none", act_bytes,
+                                             a.saved_per_token)
+        held = in_flight * (blocks * per_block + a.single_layers * single[1])
+        if recompute == "full":  # the block being recomputed holds its full set once
+            held += max(double_none, single[0])
+        return held
     dual = sum(1 for i in a.image_attention_layers if i < blocks)  # on the first stage
     extra = 0
     if dual and recompute != "full":

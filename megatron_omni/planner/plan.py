@@ -172,6 +172,9 @@ def plan(
     tp, cp, pp, dp = lay.tp, lay.cp, lay.pp, lay.dp
     a.check_layout(tp, cp, pp, recompute)
     lora = lora if lora is not None and lora.enabled else None
+    if lora is not None and a.single_layers:
+        raise LayoutError(f"the planner has no LoRA cost model for the {a.family} model's single-stream blocks yet: "
+                          "plan it without LoRA")
     adapters = None
     if lora is not None:
         try:
@@ -254,6 +257,9 @@ def plan(
     dual_blocks = sum(1 for i in a.image_attention_layers if i < blocks_per_stage)
     comm_fwd = ((tp_fwd + uly_fwd) * blocks_per_stage
                 + dual_blocks * _allreduce_s(act_b * s_img // cp * hidden, tp, bw(tp, 1)))  # per sample, stage fwd
+    # FLUX's single block all-gathers [attention | MLP] (5 h / tp per token) before its output projection and that
+    # projection's h / tp output after it, over [text; image].
+    comm_fwd += a.single_layers * _alltoall_s(act_b * (s_img // cp + w.text_tokens) * 6 * hidden, tp, bw(tp, 1))
     fwd_passes_train = {"none": 1, "selective": 1, "full": 2}[recompute]  # forward comms in one training pass
     comm_train_sample = comm_fwd * (fwd_passes_train + 1)  # + the backward's mirror of the forward collectives
 

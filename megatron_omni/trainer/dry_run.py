@@ -23,7 +23,7 @@ from megatron_omni.planner import (
     Workload,
     measured_mfu,
 )
-from megatron_omni.planner.arch import SD3_CLIP_TOKENS, dit_arch, edit_tokens, qwen_image_edit_arch
+from megatron_omni.planner.arch import dit_arch, edit_tokens, qwen_image_edit_arch
 from megatron_omni.planner.dry_run import dry_run as planner_dry_run
 from megatron_omni.planner.video import VideoWorkload, choose_cp, plan_video
 from megatron_omni.trainer.config import ConfigError, JobConfig, apply_overrides, trainer_world_size
@@ -77,8 +77,8 @@ def job_plan(cfg: JobConfig, world_size: int, gpu: str, gpus_per_node: int = 8, 
         text_tokens, condition_tokens = text_tokens + src.vision, src.condition
     else:
         arch = dit_arch(family, model)
-    if family == "sd3":
-        text_tokens = SD3_CLIP_TOKENS + cfg.rollout.max_sequence_length
+    if family in ("sd3", "flux"):  # CLIP's 77 tokens before T5's (SD3.5); T5's alone (FLUX, CLIP pooled only)
+        text_tokens = arch.fixed_text_tokens + cfg.rollout.max_sequence_length
     r, p = cfg.rollout, cfg.parallel
     # Disaggregated: the planner's world is the trainer ranks; the last placement.rollout_ranks roll out.
     rollout_gpus = cfg.placement.rollout_ranks if cfg.placement.mode == "disaggregated" else 0

@@ -25,11 +25,11 @@ FAMILY = ModelFamily(
     tiny_pipeline=TinyPipeline(make=provider.make_tiny_pipeline, transformer_config=provider.tiny_transformer_config),
     # Images as FLUX's packed 2 x 2 latent patches (one token = in_channels values); the pooled CLIP embedding and
     # the distilled guidance scale ride in the trajectory; no true CFG (FLUX.1-dev is guidance-distilled); no Flash
-    # tail (not wired for this engine).
+    # tail (not wired for this engine); planned (planner.arch.flux_arch).
     traits=DiTTraits(pipeline_class="FluxPipeline",
                      token_channels=lambda c: int(c["in_channels"]) * int(c["patch_size"]) ** 2,
                      text_dim_key="joint_attention_dim", rollout_engines=("diffusers",), true_cfg=False,
-                     flash_tail=False, pooled_dim_key="pooled_projection_dim", planned=False,
+                     flash_tail=False, pooled_dim_key="pooled_projection_dim",
                      guidance_embeds_key="guidance_embeds"),
     diffusers_class="FluxTransformer2DModel",
     arch_config=provider.hf_config,
