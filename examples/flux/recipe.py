@@ -48,14 +48,16 @@ LAYOUTS: dict[int, dict] = {
 def flux1_dev(nodes: int, reward: str = "pickscore") -> JobConfig:
     """FlowGRPO on FLUX.1-dev (12B, guidance-distilled: the guidance scale is the model's input, one forward per
     sampling step, no CFG rows) on `nodes` nodes of 8 GPUs (`LAYOUTS`), toward `reward` ("pickscore" or "ocr").
-    Sources, DanceGRPO's scripts/finetune/finetune_flux_grpo.sh (recalled, not re-read in this session):
-    resolution 720 x 720, 16 sampling steps, timestep fraction 0.6 (here a window of 10 of the 16 steps), group
-    size 12, lr 1e-5, weight decay 1e-4, clip range 1e-4, advantage clip 5, grad clip 1.0, no KL term, full
-    fine-tuning (no LoRA), the distilled guidance 3.5 (diffusers' FluxPipeline default), T5 length 512 (FLUX.1-dev's
-    `max_sequence_length`). The noise level 0.7 is flow_grpo's (its SDE's `noise_level`; DanceGRPO's eta 0.3 is a
-    differently scaled SDE), the window's start range [0, 16) and 16 prompts per step with 2 optimizer updates per
-    step are chosen (flow_grpo's 2 updates per epoch). DanceGRPO's reward is HPSv2, not served here: PickScore is the
-    human-preference scorer we have."""
+    Sources, DanceGRPO's FLUX launch (scripts/finetune/finetune_flux_grpo_8gpus.sh, its flags checked against a
+    published copy): resolution 720 x 720, 16 sampling steps, timestep fraction 0.6 (here a window of 10 of the 16
+    steps), group size 12, lr 1e-5, weight decay 1e-4, clip range 1e-4, advantage clip 5, grad clip 1.0, no KL term,
+    full fine-tuning (no LoRA), the distilled guidance 3.5 (diffusers' FluxPipeline default), T5 length 512
+    (FLUX.1-dev's `max_sequence_length`). The noise level 0.7 is flow_grpo's (its SDE's `noise_level`; DanceGRPO's
+    eta 0.3 is a differently scaled SDE), the window's start range [0, 16) and 16 prompts per step with 2 optimizer
+    updates per step are chosen (flow_grpo's 2 updates per epoch). DanceGRPO's reward is HPSv2, not served here:
+    PickScore is the human- preference scorer we have. DanceGRPO also passes `--shift 3` to its own sigma schedule;
+    here the sigmas are the folder's scheduler's (FLUX.1-dev's resolution-dependent dynamic shift), which the
+    trainer recomputes exactly."""
     import os
 
     from examples.qwen_image.recipe import load_prompts
