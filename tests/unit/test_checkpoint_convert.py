@@ -175,8 +175,8 @@ def _bad_sources(tmp: Path) -> dict[str, tuple[Path, str]]:
     out["extra"] = (write_raw(tmp / "extra", cfg, extra), "unexpected tensors.*transformer_blocks.0.attn.extra.weight")
     shape = dict(state, **{"proj_out.weight": torch.zeros(3, 64)})
     out["shape"] = (write_raw(tmp / "shape", cfg, shape), r"proj_out.weight in .* has shape \(3, 64\)")
-    out["family"] = (write_raw(tmp / "family", dict(cfg, _class_name="FluxTransformer2DModel"), state),
-                     "unknown model family.*FluxTransformer2DModel")
+    out["family"] = (write_raw(tmp / "family", dict(cfg, _class_name="HunyuanDiT2DModel"), state),
+                     "unknown model family.*HunyuanDiT2DModel")
     trunc = write_raw(tmp / "truncated", cfg, state)
     f = trunc / "diffusion_pytorch_model.safetensors"
     f.write_bytes(f.read_bytes()[:-100])

@@ -123,11 +123,12 @@ def test_dry_run_plans_then_refuses_what_the_trainer_cannot_run_yet(capsys: pyte
 
     cfg = _disaggregated_config(engine="vllm_omni")
     cfg.validate(2)  # the rollout ranks own vLLM-Omni Omni engines (docs/async.md)
-    cfg.rollout.quantization = "fp8"
-    with pytest.raises(ConfigError, match="rollout.quantization='fp8' is not supported"):
+    cfg.algorithm.name = "diffusionnft"  # its lagging old policy is not on the rollout ranks (docs/async.md)
+    with pytest.raises(ConfigError, match="algorithm.name='diffusionnft' is not supported"):
         cfg.validate(2)  # a launch refuses it before any work
     cfg.validate(2, planning=True)
-    with pytest.raises(ConfigError, match=r"rollout.quantization='fp8' is not supported .* a launch refuses it"):
+    with pytest.raises(ConfigError, match=r"algorithm.name='diffusionnft' is not supported .* a launch refuses it"):
         dry_run(cfg, 2, "H200")
     out = capsys.readouterr().out
-    assert "disaggregated: 1 trainer + 1 rollout GPUs" in out and "not runnable yet: rollout.quantization='fp8'" in out
+    assert "disaggregated: 1 trainer + 1 rollout GPUs" in out
+    assert "not runnable yet: algorithm.name='diffusionnft'" in out
