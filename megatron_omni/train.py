@@ -120,7 +120,11 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     except (RolloutRankLost, RolloutRankFailed, StalenessError) as exc:  # names the rank or the step (docs/async.md)
         print(f"rollout error: {exc}", file=sys.stderr, flush=True)
-        return 1
+        # The rollout client's receiver threads may still be inside a receive from the rank that left: tearing the
+        # process groups down under them can abort the process (SIGABRT, seen once in the suite), turning this named
+        # exit 1 into -6. Everything of the run is closed by now (run() has unwound), so leave without the teardown.
+        sys.stdout.flush()
+        os._exit(1)
     except (EngineStartError, EngineWorkerDied) as exc:  # one line naming the cause, or the worker and the step
         print(f"rollout engine error: {exc}", file=sys.stderr, flush=True)
         return 1
