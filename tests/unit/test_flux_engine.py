@@ -11,7 +11,6 @@ import torch
 
 from megatron_omni.algorithms.transition import recompute_log_probs
 from megatron_omni.models.dit.diffusers_interface import DiffusersForward
-from megatron_omni.parallel import ParallelLayout, build_parallel_groups, platform
 from megatron_omni.rollout.base import SamplingParams, Trajectory
 from megatron_omni.rollout.diffusers_engines.engine import build_diffusers_engine
 from megatron_omni.rollout.diffusers_engines.flux import FluxRolloutEngine
@@ -28,13 +27,6 @@ def engine(tmp_path_factory: pytest.TempPathFactory) -> FluxRolloutEngine:
     eng = build_diffusers_engine(folder, EngineSettings())
     assert isinstance(eng, FluxRolloutEngine)
     return eng
-
-
-@pytest.fixture(scope="module")
-def groups():
-    platform.init_distributed(rank=0, world_size=1)
-    yield build_parallel_groups(ParallelLayout())
-    platform.destroy_distributed()
 
 
 @pytest.fixture(scope="module")

@@ -10,18 +10,8 @@ import math
 import pytest
 import torch
 
-from megatron_omni.parallel import platform
 from model_providers.flux import provider
 from tests.unit import flux_reference, sd3_reference
-
-
-@pytest.fixture(scope="module")
-def groups():
-    from megatron_omni.parallel import ParallelLayout, build_parallel_groups
-
-    platform.init_distributed(rank=0, world_size=1)
-    yield build_parallel_groups(ParallelLayout())
-    platform.destroy_distributed()
 
 
 def test_fp32_parity_with_diffusers_at_tp1(groups) -> None:
