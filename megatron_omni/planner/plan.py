@@ -334,7 +334,7 @@ def plan(
         sync_s=sync_s,
     )
     return PlanReport(
-        model=a.name, layout=lay, gpu=gpu, workload=w, rollout=rollout,
+        model=a.name, family=a.family, layout=lay, gpu=gpu, workload=w, rollout=rollout,
         recompute=recompute, mfu=mfu, gpus=total_gpus, image_tokens=s_img, micro_batches=micro, flops=flops,
         flops_per_image=flops_per_image, stage_parameters=stage_params, memory=memory, time=time,
         warnings=warnings, precision=precision,

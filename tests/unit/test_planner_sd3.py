@@ -76,3 +76,18 @@ def test_edit_source_tokens() -> None:
     384 -> 392 x 392 (28 x 28 patches, 196 merged tokens)."""
     t = edit_tokens(512, 512, 384 * 384, 1024 * 1024)
     assert (t.condition, t.patches, t.vision) == (4096, 784, 196)
+
+
+def test_only_qwen_image_plans_print_a_ratio_to_the_qwen_image_reference() -> None:
+    """VeRL-Omni's 0.510 images/s/GPU is Qwen-Image 20B's: an SD3.5 or FLUX plan names it without a ratio."""
+    from megatron_omni.parallel.layout import ParallelLayout
+    from megatron_omni.planner import plan
+
+    qwen = plan("20b", ParallelLayout(tp=2), 8, "H200").table().splitlines()[-1]
+    assert qwen.startswith("reference (VeRL-Omni") and "predicted/reference = " in qwen
+    for family, preset in (("sd3", "sd35-medium"), ("flux", "flux1-dev")):
+        report = plan(arch_of(preset), ParallelLayout(tp=4), 8, "H200")
+        line = report.table().splitlines()[-1]
+        assert report.family == family
+        assert line.startswith("reference (VeRL-Omni") and "predicted/reference" not in line, line
+        assert f"no published per-GPU throughput for {family}" in line
