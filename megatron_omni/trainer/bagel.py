@@ -51,18 +51,28 @@ from model_providers import get_family
 CONTENT_KEY = "bagel_rl"
 
 
-def prompt_token_ids(prompt: str, vocab_size: int) -> list[int]:
-    """A prompt's token ids (whitespace-separated integers: the tiny BAGEL has no tokenizer). Raises ValueError
-    naming the prompt."""
-    ids = prompt.split()
-    if not ids or not all(t.isdigit() and int(t) < vocab_size for t in ids):
-        raise ValueError(f"prompt {prompt!r}: a BAGEL prompt here is whitespace-separated token ids in [0, "
-                         f"{vocab_size}) (the tiny BAGEL has no tokenizer)")
-    return [int(t) for t in ids]
+def prompt_tokenizer(cfg: JobConfig, folder: Path | None, tokens: dict[str, int]) -> Any | None:
+    """The tokenizer text prompts go through: the folder's (published layout: Qwen2's files), or for
+    `model.pipeline=tiny` the tiny tokenizer its folder carries; None when every prompt is token ids (nothing is
+    loaded) or, in a dry run, when the folder is not at hand. Raises ValueError naming a folder without one."""
+    from model_providers.bagel.tokenizer import build_tiny_tokenizer, has_tokenizer, is_token_ids, load_tokenizer
+
+    if all(is_token_ids(p) for p in cfg.prompts):
+        return None
+    if folder is None:
+        return build_tiny_tokenizer()
+    if not folder.exists():
+        return None
+    if not has_tokenizer(folder):
+        raise ValueError(f"prompts: text prompts need the BAGEL folder's tokenizer files (tokenizer.json, "
+                         f"tokenizer_config.json); {folder} has none (or write token ids)")
+    return load_tokenizer(folder, tokens)
 
 
-def check_config(cfg: JobConfig) -> None:
-    """The settings this trainer reads, against what it supports; raises ValueError naming the setting."""
+def check_config(cfg: JobConfig, planning: bool = False) -> None:
+    """The settings this trainer reads, against what it supports; raises ValueError naming the setting.
+    `planning` (a dry run): a BAGEL folder that is not at hand is planned from `model.preset` (its prompts are
+    then checked as far as they can be without its tokenizer)."""
     from megatron_omni.trainer.config_checks import check_reward
 
     family = get_family(cfg.model.family)
@@ -91,17 +101,43 @@ def check_config(cfg: JobConfig) -> None:
         (r.num_steps < 2, "rollout.num_steps", "must be >= 2"),
         (r.negative_prompt not in (None, ""), "rollout.negative_prompt", "must be unset (BAGEL's unconditional "
          "branch is the empty text cache)"),
-        (cfg.model.pipeline != "tiny" and not (Path(cfg.model.pipeline) / "ema.safetensors").exists(),
-         "model.pipeline", "must be tiny or a BAGEL folder (ema.safetensors, llm_config.json, ...)"),
+        (cfg.model.pipeline != "tiny" and not planning
+         and not (Path(cfg.model.pipeline) / "ema.safetensors").exists(), "model.pipeline", "must be tiny or a BAGEL folder (ema.safetensors, llm_config.json, ...)"),
     ]
     for bad, name, why in refused:
         if bad:
             raise ValueError(f"{name}: {why} with model.family={family.name}")
+    from model_providers.bagel.tokenizer import encode_prompt, is_token_ids
+
     vocab = int(bcfg["llm_config"]["vocab_size"])
+    folder = None if cfg.model.pipeline == "tiny" else Path(cfg.model.pipeline)
+    tokenizer = prompt_tokenizer(cfg, folder, bcfg["tokens"])
     for prompt in cfg.prompts:
-        prompt_token_ids(prompt, vocab)
+        if tokenizer is not None or is_token_ids(prompt):
+            encode_prompt(prompt, vocab, tokenizer)
     sampling(cfg, bcfg)  # the window against the steps
     check_reward(cfg)
+
+
+def plan_inputs(cfg: JobConfig) -> tuple[dict[str, Any] | str, str, int]:
+    """What a dry run plans with: the BAGEL config (the folder's configs when it is at hand, else `model.preset`),
+    where it came from, and the longest prompt in tokens with bos / eos (64 for text prompts whose tokenizer is not
+    at hand)."""
+    from model_providers.bagel.provider import read_bagel_config
+    from model_providers.bagel.tokenizer import encode_prompt, is_token_ids
+
+    folder = None if cfg.model.pipeline == "tiny" else Path(cfg.model.pipeline)
+    if folder is not None and (folder / "llm_config.json").exists():
+        model, source = read_bagel_config(folder), str(folder)
+    else:
+        model = cfg.model.preset
+        source = f"preset {model!r}" + (f" ({folder} not found here)" if folder is not None else "")
+    bcfg = get_family(cfg.model.family).config(model)
+    tokenizer = prompt_tokenizer(cfg, folder, bcfg["tokens"])
+    vocab = int(bcfg["llm_config"]["vocab_size"])
+    lengths = [len(encode_prompt(p, vocab, tokenizer)) + 2 if tokenizer is not None or is_token_ids(p)
+               else 64 for p in cfg.prompts]
+    return model, source, max(lengths)
 
 
 def sampling(cfg: JobConfig, bcfg: dict[str, Any]) -> BagelSampling:
@@ -194,9 +230,15 @@ class BagelTrainer:
         bcfg["ae"] = self.family.config(cfg.model.preset)["ae"]  # the folder stores the autoencoder's weights only
         self.bcfg = bcfg
         self.sampling = sampling(cfg, bcfg)
+        from model_providers.bagel.tokenizer import encode_prompt
+
         vocab = int(bcfg["llm_config"]["vocab_size"])
         tok = bcfg["tokens"]
-        self.prompts = [[tok["bos_token_id"], *prompt_token_ids(p, vocab), tok["eos_token_id"]] for p in cfg.prompts]
+        # Text prompts through the folder's tokenizer (the tiny folder carries a tiny one), BAGEL's
+        # `[bos] + encode(text) + [eos]`; each kept with its text (what a text reward such as OCR compares with).
+        self.tokenizer = prompt_tokenizer(cfg, folder, tok)
+        self.prompts = [(p, [tok["bos_token_id"], *encode_prompt(p, vocab, self.tokenizer), tok["eos_token_id"]])
+                        for p in cfg.prompts]
         self.model = self.family.build_model(bcfg, groups, params_dtype=torch_dtype(cfg.model.params_dtype))
         self.family.load_state(self.model, state)
         for name, p in self.model.named_parameters():
@@ -245,12 +287,12 @@ class BagelTrainer:
         t: dict[str, float] = {}
         prompts, gids, seeds = step_prompts(self.prompts, c.seed, step, r.prompts_per_step, r.group_size,
                                             g.dp.rank(), g.dp.size())
-        ids = [torch.tensor(prompts[k // r.group_size]) for k in range(len(seeds))]
+        ids = [torch.tensor(prompts[k // r.group_size][1]) for k in range(len(seeds))]
+        texts = [prompts[k // r.group_size][0] for k in range(len(seeds))]
         group_ids = [gids[k // r.group_size] for k in range(len(seeds))]
         t0 = time.perf_counter()
         traj = self.engine.generate(ids, self.sampling, seeds, group_ids)
         t["rollout"] = time.perf_counter() - t0
-        texts = [" ".join(str(int(x)) for x in p[1:-1]) for p in traj.prompt_ids]
         t0 = time.perf_counter()
         self.reward_fn.begin(len(traj))
         for k in range(len(traj)):
