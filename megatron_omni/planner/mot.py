@@ -127,7 +127,8 @@ class MoTPlan:
     capacity: int
     step_flops_per_gpu: float
     step_s: float
-    trained_params: int = 0  # of the trained share on the most loaded stage (what a KL reference or EMA copies)
+    trained_params: int = 0  # of the trained share on the most loaded stage
+    params: int = 0  # every parameter of a rank (what a whole frozen copy, the KL reference or the EMA, holds)
 
     @property
     def total(self) -> int:
@@ -181,7 +182,8 @@ def plan_mot(model: str | dict[str, Any], gpu: str, gpus: int = 8, height: int =
         flops = samples * branches * step * (num_steps + 4 * window) / gpus
         plans.append(MoTPlan(gpu, tp, dp, mem, act, total_params * rollout_bytes, RESERVED_BYTES, spec.memory_bytes,
                              flops, flops / (spec.peak_bf16_flops * mfu),
-                             max(rank_parameter_counts(c, tp, 1, trainable=train))))
+                             max(rank_parameter_counts(c, tp, 1, trainable=train)),
+                             max(rank_parameter_counts(c, tp, 1))))
     return plans
 
 

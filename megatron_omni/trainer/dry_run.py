@@ -254,17 +254,17 @@ def mot_dry_run(cfg: JobConfig, world_size: int, gpu: str) -> int:
           + (", distributed optimizer over dp" if o.distributed_optimizer else "") + ") + activations + the rollout's "
           "copy")
     copies = []
-    if cfg.algorithm.beta > 0 and not cfg.model.lora.enabled:
-        copies.append((f"KL reference (algorithm.beta={cfg.algorithm.beta:g}): the trained share", 2 if bf16 else 4))
+    if cfg.algorithm.beta > 0:
+        copies.append((f"KL reference (algorithm.beta={cfg.algorithm.beta:g}, the initial model)", 2 if bf16 else 4))
     if o.ema_decay > 0:
-        copies.append((f"EMA of the trained share (optim.ema_decay={o.ema_decay:g}, fp32)", 4))
+        copies.append((f"EMA of the weights (optim.ema_decay={o.ema_decay:g}, fp32)", 4))
     fitting, mine = [], None
     for plan in plans:
-        extra = sum(plan.trained_params * width for _, width in copies)
+        extra = sum(plan.params * width for _, width in copies)  # whole copies of the rank's shards
         total = plan.total + extra
         lines = plan.lines()
         for label, width in copies:
-            lines.append(f"  + {label}: {plan.trained_params * width / GIB:.1f} GiB")
+            lines.append(f"  + {label}: {plan.params * width / GIB:.1f} GiB")
         if copies:
             lines.append(f"  = {total / GIB:.1f} GiB of {plan.capacity / GIB:.1f} GiB: "
                          f"{'fits' if total <= plan.capacity else 'does not fit'}")

@@ -96,12 +96,9 @@ def local_mappings(model: BagelMoT) -> dict[str, DecoderMapping]:
     by_global = {m.megatron: m for m in all_mappings(model.config.num_layers, model.arch.qk_norm)}
     out = {}
     for name in model.state_dict():
-        if name.endswith("_extra_state"):
+        if name.endswith("_extra_state") or ".lora.lora_" in name:  # LoRA adapters are not BAGEL tensors
             continue
-        glob = name
-        if name.startswith("decoder.layers."):
-            idx, rest = name[len("decoder.layers."):].split(".", 1)
-            glob = f"decoder.layers.{int(idx) + model.layer_offset}.{rest}"
+        glob = model.global_name(name)
         if glob not in by_global:
             raise KeyError(f"Megatron tensor {glob} has no BAGEL mapping")
         out[name] = by_global[glob]
