@@ -26,8 +26,8 @@ def test_tiny_recipe_validates() -> None:
 @pytest.mark.parametrize("field, value, named", [
     ("rollout.engine", "diffusers", "rollout.engine"),
     ("parallel.pp", 2, "parallel"),
-    ("model.lora.rank", 4, "model.lora.rank"),
-    ("algorithm.beta", 0.1, "algorithm.beta"),
+    ("model.lora.adaln", True, "model.lora.adaln"),
+    ("algorithm.name", "mixgrpo", "algorithm.name"),
     ("rollout.height", 40, "rollout.height"),
     ("model.preset", "huge", "model.preset"),
     ("prompts", ["a red caf\u00e9"], "does not encode it exactly"),  # outside the tiny tokenizer's ASCII
@@ -43,6 +43,28 @@ def test_unsupported_settings_refused_by_name(field: str, value, named: str) -> 
     setattr(obj, last, value)
     with pytest.raises(ConfigError, match=named):
         cfg.validate(world_size=2 if field == "parallel.pp" else 1)
+
+
+def test_lora_kl_ema_settings() -> None:
+    """LoRA, the KL term and the EMA validate; LoRA adapts generation-expert linears only, takes merged weights
+    and no EMA."""
+    cfg = tiny()
+    cfg.model.lora.rank, cfg.algorithm.beta = 4, 0.01
+    cfg.validate(world_size=1)
+    cfg.model.lora.targets = ["decoder.layers.*.mlp.linear_fc1"]  # the understanding expert's
+    with pytest.raises(ConfigError, match="not generation-expert linears"):
+        cfg.validate(world_size=1)
+    cfg.model.lora.targets = ["*.linear_qkv_gn"]
+    with pytest.raises(ConfigError, match="match no parallel linear"):
+        cfg.validate(world_size=1)
+    cfg.model.lora.targets, cfg.rollout.lora_sync = None, "adapter"
+    with pytest.raises(ConfigError, match="rollout.lora_sync"):
+        cfg.validate(world_size=1)
+    cfg.rollout.lora_sync, cfg.optim.ema_decay = "auto", 0.9
+    with pytest.raises(ConfigError, match="optim.ema_decay"):
+        cfg.validate(world_size=1)
+    cfg.model.lora.rank = 0
+    cfg.validate(world_size=1)
 
 
 def test_text_prompts_through_the_folders_tokenizer(tmp_path) -> None:
