@@ -250,7 +250,7 @@ def mot_dry_run(cfg: JobConfig, world_size: int, gpu: str) -> int:
     print(f"workload: {r.prompts_per_step * r.group_size} images per step of {r.height}x{r.width}, {r.num_steps} "
           f"steps, window {r.window_size}, {'text CFG' if r.guidance_scale > 1 else 'no CFG'}, prompts up to "
           f"{prompt_tokens} tokens; model {cfg.model.params_dtype}, rollout {r.dtype}; the generation expert trains")
-    print("memory per GPU, per tp: weights (both experts) + grads and optimizer states (the trained share"
+    print("memory per GPU: for each tp, weights (both experts) + grads and optimizer states (the trained share"
           + (", distributed optimizer over dp" if o.distributed_optimizer else "") + ") + activations + the rollout's "
           "copy")
     copies = []
