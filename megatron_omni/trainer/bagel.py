@@ -17,7 +17,11 @@ log-prob of the recorded next latents.
 What trains: the generation expert and the generation-side modules (`planner.mot.is_generation_tensor`: the
 `_gen` MoT weights, time embedder, vae2llm, llm2vae, the generation final norm); the understanding expert, the
 embeddings and the LM head are frozen (text-to-image never reads the LM head; the frozen text pass then runs
-without autograd). Layout: tp and dp (pp 1, no cp); rollout tp 1 in this process.
+without autograd). With `model.lora.rank > 0` only adapters on the generation expert's linears train, merged into
+the rollout's modules at each sync. `algorithm.beta > 0` adds the KL of the window transitions against the initial
+model (a frozen copy; with LoRA the adapters off); `optim.ema_decay > 0` keeps a checkpointed EMA of the weights.
+Prompts are token ids or text through the folder's tokenizer (`model_providers.bagel.tokenizer`). Layout: tp and
+dp (pp 1, no cp); rollout tp 1 in this process.
 """
 
 from __future__ import annotations
