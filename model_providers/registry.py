@@ -161,8 +161,8 @@ class ModelFamily:
         a family the DiT trainer does not train.
     trainer: for a family trained by a trainer of its own, the module (a dotted name, data: this room never
         imports the trainer room) that defines `build_trainer(cfg, groups, run_dir) -> (trainer, reward function
-        or None)` and `check_config(cfg)` (raises ValueError naming a setting the family cannot take); None: the
-        trainer of the family's kind.
+        or None)` and `check_config(cfg, planning=False)` (raises ValueError naming a setting the family cannot
+        take; `planning`: a dry run, which needs no weights at hand); None: the trainer of the family's kind.
 
     The conversion fields (all None for a family without a diffusers transformer folder of its own):
     diffusers_class: the `_class_name` of the family's diffusers transformer config.json (how a folder says

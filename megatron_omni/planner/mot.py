@@ -127,6 +127,8 @@ class MoTPlan:
     capacity: int
     step_flops_per_gpu: float
     step_s: float
+    trained_params: int = 0  # of the trained share on the most loaded stage
+    params: int = 0  # every parameter of a rank (what a whole frozen copy, the KL reference or the EMA, holds)
 
     @property
     def total(self) -> int:
@@ -149,10 +151,12 @@ class MoTPlan:
 
 def plan_mot(model: str | dict[str, Any], gpu: str, gpus: int = 8, height: int = 1024, width: int = 1024,
              prompt_tokens: int = 64, samples: int = 64, num_steps: int = 10, window: int = 2, cfg: bool = True,
-             train: str = "gen", mfu: float = 0.3) -> list[MoTPlan]:
+             train: str = "gen", mfu: float = 0.3, bf16: bool = True, distributed_optimizer: bool = True,
+             rollout_bytes: int = 2) -> list[MoTPlan]:
     """Every tensor-parallel size BAGEL's query groups and the GPU count admit, planned for FlowGRPO on
     text-to-image: `samples` images per step of `num_steps` denoising steps (the rollout: every step, one forward
-    per CFG branch), `window` of them trained (recompute + forward + backward: 4 forwards' worth) per sample."""
+    per CFG branch), `window` of them trained (recompute + forward + backward: 4 forwards' worth) per sample.
+    `bf16`: the trainer's weights (else fp32); `rollout_bytes`: per parameter of the rollout's copy."""
     from megatron_omni.planner.specs import GPUS
 
     if gpu not in GPUS:
@@ -173,11 +177,13 @@ def plan_mot(model: str | dict[str, Any], gpu: str, gpus: int = 8, height: int =
         if gpus % tp or llm["num_key_value_heads"] % tp:
             continue
         dp = gpus // tp
-        mem = mot_memory(c, tp, 1, train, bf16=True, dp=dp, distributed_optimizer=True)
+        mem = mot_memory(c, tp, 1, train, bf16=bf16, dp=dp, distributed_optimizer=distributed_optimizer)
         act = ACTIVATION_BYTES_PER_TOKEN_HIDDEN * n_layers * (image_tokens + 2) * h * branches // tp
         flops = samples * branches * step * (num_steps + 4 * window) / gpus
-        plans.append(MoTPlan(gpu, tp, dp, mem, act, total_params * 2, RESERVED_BYTES, spec.memory_bytes, flops,
-                             flops / (spec.peak_bf16_flops * mfu)))
+        plans.append(MoTPlan(gpu, tp, dp, mem, act, total_params * rollout_bytes, RESERVED_BYTES, spec.memory_bytes,
+                             flops, flops / (spec.peak_bf16_flops * mfu),
+                             max(rank_parameter_counts(c, tp, 1, trainable=train)),
+                             max(rank_parameter_counts(c, tp, 1))))
     return plans
 
 

@@ -17,7 +17,11 @@ log-prob of the recorded next latents.
 What trains: the generation expert and the generation-side modules (`planner.mot.is_generation_tensor`: the
 `_gen` MoT weights, time embedder, vae2llm, llm2vae, the generation final norm); the understanding expert, the
 embeddings and the LM head are frozen (text-to-image never reads the LM head; the frozen text pass then runs
-without autograd). Layout: tp and dp (pp 1, no cp); rollout tp 1 in this process.
+without autograd). With `model.lora.rank > 0` only adapters on the generation expert's linears train, merged into
+the rollout's modules at each sync. `algorithm.beta > 0` adds the KL of the window transitions against the initial
+model (a frozen copy; with LoRA the adapters off); `optim.ema_decay > 0` keeps a checkpointed EMA of the weights.
+Prompts are token ids or text through the folder's tokenizer (`model_providers.bagel.tokenizer`). Layout: tp and
+dp (pp 1, no cp); rollout tp 1 in this process.
 """
 
 from __future__ import annotations
@@ -31,7 +35,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_omni.algorithms.advantages import group_advantages
-from megatron_omni.algorithms.loss import flowgrpo_loss
+from megatron_omni.algorithms.loss import flowgrpo_loss, kl_penalty
 from megatron_omni.algorithms.sde import sde_step
 from megatron_omni.bridge import WeightSync
 from megatron_omni.bridge.family_sync import family_plans
@@ -49,27 +53,70 @@ from megatron_omni.trainer.training_state import OptimizerSettings, build_ddp_an
 from model_providers import get_family
 
 CONTENT_KEY = "bagel_rl"
+# LoRA's default targets: every parallel linear of the generation expert (q/k/v, o, the SwiGLU's fc1 and fc2).
+BAGEL_LORA_TARGETS = ("decoder.layers.*.self_attention.linear_qkv_gen",
+                      "decoder.layers.*.self_attention.linear_proj_gen",
+                      "decoder.layers.*.mlp_gen.linear_fc1", "decoder.layers.*.mlp_gen.linear_fc2")
+_LINEARS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2", "output_layer")
 
 
-def prompt_token_ids(prompt: str, vocab_size: int) -> list[int]:
-    """A prompt's token ids (whitespace-separated integers: the tiny BAGEL has no tokenizer). Raises ValueError
-    naming the prompt."""
-    ids = prompt.split()
-    if not ids or not all(t.isdigit() and int(t) < vocab_size for t in ids):
-        raise ValueError(f"prompt {prompt!r}: a BAGEL prompt here is whitespace-separated token ids in [0, "
-                         f"{vocab_size}) (the tiny BAGEL has no tokenizer)")
-    return [int(t) for t in ids]
+def lora_targets(cfg: JobConfig, bcfg: dict[str, Any]) -> list[str]:
+    """The parallel linears (global names) `model.lora` adapts: its patterns (default `BAGEL_LORA_TARGETS`) over
+    the model's linears. Raises ValueError naming a pattern that matches none, or a linear outside the
+    generation expert (the understanding expert's pass runs without autograd: an adapter there would not train)."""
+    from megatron_omni.models.lora import matches_any, unmatched_targets
+    from model_providers.bagel.provider import megatron_shapes
+
+    patterns = list(BAGEL_LORA_TARGETS) if cfg.model.lora.targets is None else list(cfg.model.lora.targets)
+    linears = [n.removesuffix(".weight") for n in megatron_shapes(bcfg)
+               if n.endswith(".weight") and n.removesuffix(".weight").rsplit(".", 1)[-1].removesuffix("_gen")
+               in _LINEARS]
+    unmatched = unmatched_targets(patterns, linears)
+    if unmatched:
+        raise ValueError(f"model.lora.targets: {unmatched} match no parallel linear of BAGEL")
+    chosen = [n for n in linears if matches_any(n, patterns)]
+    outside = [n for n in chosen if not is_generation_tensor(n + ".weight")]
+    if outside:
+        raise ValueError(f"model.lora.targets: {outside[:4]} are not generation-expert linears (BAGEL's LoRA adapts "
+                         "the generation expert only)")
+    return chosen
 
 
-def check_config(cfg: JobConfig) -> None:
-    """The settings this trainer reads, against what it supports; raises ValueError naming the setting."""
+def prompt_tokenizer(cfg: JobConfig, folder: Path | None, tokens: dict[str, int]) -> Any | None:
+    """The tokenizer text prompts go through: the folder's (published layout: Qwen2's files), or for
+    `model.pipeline=tiny` the tiny tokenizer its folder carries; None when every prompt is token ids (nothing is
+    loaded) or, in a dry run, when the folder is not at hand. Raises ValueError naming a folder without one."""
+    from model_providers.bagel.tokenizer import build_tiny_tokenizer, has_tokenizer, is_token_ids, load_tokenizer
+
+    if all(is_token_ids(p) for p in cfg.prompts):
+        return None
+    if folder is None:
+        return build_tiny_tokenizer()
+    if not folder.exists():
+        return None
+    if not has_tokenizer(folder):
+        raise ValueError(f"prompts: text prompts need the BAGEL folder's tokenizer files (tokenizer.json, "
+                         f"tokenizer_config.json); {folder} has none (or write token ids)")
+    return load_tokenizer(folder, tokens)
+
+
+def check_config(cfg: JobConfig, planning: bool = False) -> None:
+    """The settings this trainer reads, against what it supports; raises ValueError naming the setting.
+    `planning` (a dry run): a BAGEL folder that is not at hand is planned from `model.preset` (its prompts are
+    then checked as far as they can be without its tokenizer)."""
     from megatron_omni.trainer.config_checks import check_reward
 
     family = get_family(cfg.model.family)
     if cfg.model.preset not in family.presets:
         raise ValueError(f"model.preset={cfg.model.preset!r} must be {'|'.join(family.presets)} for "
                          f"model.family={family.name} (the model's sizes and its autoencoder come from it)")
-    bcfg = family.config(cfg.model.preset)
+    folder = None if cfg.model.pipeline == "tiny" else Path(cfg.model.pipeline)
+    if folder is not None and (folder / "llm_config.json").exists():  # what the trainer will read
+        from model_providers.bagel.provider import read_bagel_config
+
+        bcfg = read_bagel_config(folder)
+    else:
+        bcfg = family.config(cfg.model.preset)
     p, r, a = cfg.parallel, cfg.rollout, cfg.algorithm
     stride = bcfg["bagel"]["vae_config"]["downsample"] * bcfg["bagel"]["latent_patch_size"]
     side = stride * bcfg["bagel"]["max_latent_size"]
@@ -81,27 +128,57 @@ def check_config(cfg: JobConfig) -> None:
          "in the trainer's process)"),
         (r.tp != 1, "rollout.tp", "must be 1"),
         (a.name != "flowgrpo", "algorithm.name", "must be flowgrpo"),
-        (a.beta != 0, "algorithm.beta", "must be 0 (no reference copy)"),
         (a.is_cap not in (None, 0), "algorithm.is_cap", "must be unset"),
-        (cfg.model.lora.rank != 0, "model.lora.rank", "must be 0 (no LoRA for BAGEL yet)"),
-        (cfg.optim.ema_decay != 0, "optim.ema_decay", "must be 0"),
+        (cfg.model.lora.enabled and cfg.optim.ema_decay > 0, "optim.ema_decay", "must be 0 with LoRA (the EMA "
+         "is a copy of the whole model's weights)"),
+        (cfg.model.lora.adaln, "model.lora.adaln", "must be false (BAGEL has no modulation linears)"),
+        (cfg.model.lora.enabled and r.lora_sync not in ("auto", "merge"), "rollout.lora_sync",
+         "must be auto or merge (vLLM-Omni's BAGEL modules take merged weights)"),
         (bool(cfg.eval.prompts), "eval.prompts", "must be empty (no held-out evaluation for BAGEL yet)"),
         (r.height % stride or r.width % stride or max(r.height, r.width) > side, "rollout.height/width",
          f"must be multiples of {stride} up to {side}"),
         (r.num_steps < 2, "rollout.num_steps", "must be >= 2"),
         (r.negative_prompt not in (None, ""), "rollout.negative_prompt", "must be unset (BAGEL's unconditional "
          "branch is the empty text cache)"),
-        (cfg.model.pipeline != "tiny" and not (Path(cfg.model.pipeline) / "ema.safetensors").exists(),
-         "model.pipeline", "must be tiny or a BAGEL folder (ema.safetensors, llm_config.json, ...)"),
+        (cfg.model.pipeline != "tiny" and not planning
+         and not (Path(cfg.model.pipeline) / "ema.safetensors").exists(), "model.pipeline",
+         "must be tiny or a BAGEL folder (ema.safetensors, llm_config.json, ...)"),
     ]
     for bad, name, why in refused:
         if bad:
             raise ValueError(f"{name}: {why} with model.family={family.name}")
+    from model_providers.bagel.tokenizer import encode_prompt, is_token_ids
+
     vocab = int(bcfg["llm_config"]["vocab_size"])
+    tokenizer = prompt_tokenizer(cfg, folder, bcfg["tokens"])
     for prompt in cfg.prompts:
-        prompt_token_ids(prompt, vocab)
+        if tokenizer is not None or is_token_ids(prompt):
+            encode_prompt(prompt, vocab, tokenizer)
     sampling(cfg, bcfg)  # the window against the steps
+    if cfg.model.lora.enabled:
+        lora_targets(cfg, bcfg)
     check_reward(cfg)
+
+
+def plan_inputs(cfg: JobConfig) -> tuple[dict[str, Any] | str, str, int]:
+    """What a dry run plans with: the BAGEL config (the folder's configs when it is at hand, else `model.preset`),
+    where it came from, and the longest prompt in tokens with bos / eos (64 for text prompts whose tokenizer is not
+    at hand)."""
+    from model_providers.bagel.provider import read_bagel_config
+    from model_providers.bagel.tokenizer import encode_prompt, is_token_ids
+
+    folder = None if cfg.model.pipeline == "tiny" else Path(cfg.model.pipeline)
+    if folder is not None and (folder / "llm_config.json").exists():
+        model, source = read_bagel_config(folder), str(folder)
+    else:
+        model = cfg.model.preset
+        source = f"preset {model!r}" + (f" ({folder} not found here)" if folder is not None else "")
+    bcfg = get_family(cfg.model.family).config(model)
+    tokenizer = prompt_tokenizer(cfg, folder, bcfg["tokens"])
+    vocab = int(bcfg["llm_config"]["vocab_size"])
+    lengths = [len(encode_prompt(p, vocab, tokenizer)) + 2 if tokenizer is not None or is_token_ids(p)
+               else 64 for p in cfg.prompts]
+    return model, source, max(lengths)
 
 
 def sampling(cfg: JobConfig, bcfg: dict[str, Any]) -> BagelSampling:
@@ -135,16 +212,18 @@ def velocity(model: Any, text_kv: Any, prompt_len: int, markers: torch.Tensor, l
     return v
 
 
-def window_log_probs(model: Any, traj: BagelTrajectory, markers: torch.Tensor) -> torch.Tensor:
-    """Window log-probs [N, W] of a rollout's trajectory under our `BagelMoT` (pp 1): per sample the prompt's text
-    KV (no autograd: the understanding expert is frozen), then per window step the guided velocity of the recorded
-    latents and `algorithms.sde`'s log-prob of the recorded next latents; differentiable where grad is on."""
-    rows = []
+def window_transitions(model: Any, traj: BagelTrajectory, markers: torch.Tensor
+                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Window log-probs [N, W], transition means [N, W, p, c] and noise coefficients [N, W] of a rollout's
+    trajectory under our `BagelMoT` (pp 1): per sample the prompt's text KV (no autograd: the understanding expert
+    is frozen), then per window step the guided velocity of the recorded latents and `algorithms.sde`'s step
+    (log-prob of the recorded next latents, the mean the KL term compares); differentiable where grad is on."""
+    rows, means, stds = [], [], []
     for i in range(len(traj)):
         ids = traj.prompt_ids[i]
         with torch.no_grad():
             _, kv, _ = model.stage_text(ids)
-        steps = []
+        steps, mean, std = [], [], []
         for j in range(traj.window_size):
             x, s = traj.latents[i, j], float(traj.sigmas[i, j])
             v = velocity(model, kv, ids.shape[0], markers, x, traj.grid, s, float(traj.cfg_scales[i, j]),
@@ -152,8 +231,23 @@ def window_log_probs(model: Any, traj: BagelTrajectory, markers: torch.Tensor) -
             out = sde_step(x[None], v[None], s, float(traj.sigmas_next[i, j]), traj.noise_level, traj.sde_type,
                            sigma_after_one=float(traj.sigma_after_one[i]), next_latents=traj.next_latents[i, j][None])
             steps.append(out.log_prob[0])
+            mean.append(out.coeffs.mean[0])
+            std.append(out.coeffs.std[0])
         rows.append(torch.stack(steps))
-    return torch.stack(rows)
+        means.append(torch.stack(mean))
+        stds.append(torch.stack(std))
+    return torch.stack(rows), torch.stack(means), torch.stack(stds)
+
+
+def window_log_probs(model: Any, traj: BagelTrajectory, markers: torch.Tensor) -> torch.Tensor:
+    """Window log-probs [N, W] of a rollout's trajectory under our `BagelMoT` (`window_transitions`)."""
+    return window_transitions(model, traj, markers)[0]
+
+
+def window_kl(means: torch.Tensor, ref_means: torch.Tensor, stds: torch.Tensor) -> torch.Tensor:
+    """[N, W] KL of each window transition against the reference's (`algorithms.loss.kl_penalty` per step)."""
+    n, w = stds.shape
+    return kl_penalty(means.flatten(0, 1), ref_means.flatten(0, 1), stds.flatten()).reshape(n, w)
 
 
 def prepare_folder(cfg: JobConfig, run_dir: Path) -> Path:
@@ -180,7 +274,6 @@ class BagelTrainer:
 
     sharded_state = staticmethod(bagel_sharded_state_dict)
     checkpoint_identity: dict = {}  # nothing beyond the model config a resume must match (no LoRA base)
-    ema = None
     extra_copies: dict = {}
 
     def __init__(self, cfg: JobConfig, groups: Any, run_dir: str | Path) -> None:
@@ -194,13 +287,38 @@ class BagelTrainer:
         bcfg["ae"] = self.family.config(cfg.model.preset)["ae"]  # the folder stores the autoencoder's weights only
         self.bcfg = bcfg
         self.sampling = sampling(cfg, bcfg)
+        from model_providers.bagel.tokenizer import encode_prompt
+
         vocab = int(bcfg["llm_config"]["vocab_size"])
         tok = bcfg["tokens"]
-        self.prompts = [[tok["bos_token_id"], *prompt_token_ids(p, vocab), tok["eos_token_id"]] for p in cfg.prompts]
+        # Text prompts through the folder's tokenizer (the tiny folder carries a tiny one), BAGEL's
+        # `[bos] + encode(text) + [eos]`; each kept with its text (what a text reward such as OCR compares with).
+        self.tokenizer = prompt_tokenizer(cfg, folder, tok)
+        self.prompts = [(p, [tok["bos_token_id"], *encode_prompt(p, vocab, self.tokenizer), tok["eos_token_id"]])
+                        for p in cfg.prompts]
         self.model = self.family.build_model(bcfg, groups, params_dtype=torch_dtype(cfg.model.params_dtype))
         self.family.load_state(self.model, state)
         for name, p in self.model.named_parameters():
             p.requires_grad_(is_generation_tensor(name))
+        # The KL term's reference (the initial model, frozen) and the EMA of the weights (fp32, checkpointed under
+        # `ema.`): each a whole copy of this rank's shards, built as the DiT trainer builds its copies (the RNG
+        # streams left where they were, so a run with them samples what a run without them samples).
+        # With LoRA (`model.lora.rank > 0`) the adapters on the generation expert's linears are all that trains
+        # (`models.lora.add_lora`, seeded per linear), the reference is the base (the adapters off: no copy), the
+        # checkpoints hold the adapters (`checkpoint.lora.lora_sharded_state_dict`) and the rollout receives the
+        # merged weights `W + scale B A` through the same bridge plan (`bridge.lora_sync.MergedSources`).
+        self.lora = cfg.model.lora
+        if self.lora.enabled:
+            from megatron_omni.checkpoint.lora import lora_sharded_state_dict
+            from megatron_omni.models.lora import add_lora
+
+            add_lora(self.model, lora_targets(cfg, bcfg), self.lora.rank, self.lora.alpha, self.lora.dropout,
+                     seed=cfg.seed, global_name=self.model.global_name)
+            self.sharded_state = lora_sharded_state_dict
+        dtype = torch_dtype(cfg.model.params_dtype)
+        self.reference = (self._frozen_copy(bcfg, state, dtype) if cfg.algorithm.beta > 0 and not self.lora.enabled
+                          else None)
+        self.ema = self._frozen_copy(bcfg, state, torch.float32) if cfg.optim.ema_decay > 0 else None
         self.markers = torch.tensor([tok["start_of_image"], tok["end_of_image"]])
         self._stack = contextlib.ExitStack()
         self.engine = self._stack.enter_context(open_bagel_pipeline(bcfg, folder, torch_dtype(cfg.rollout.dtype)))
@@ -208,7 +326,13 @@ class BagelTrainer:
         # trainer's tp, bucketed), every BAGEL tensor checked written once by the coverage ledger.
         (part, plan), = family_plans(self.family, bcfg, trainer_tp=groups.tp.size(), rollout_kind="vllm_omni",
                                      rollout_tp=1, mode="full").items()
-        self.weight_sync = WeightSync(plan, sources=self.family.megatron_sources(self.model)[part],
+        sources = self.family.megatron_sources(self.model)[part]
+        if self.lora.enabled:
+            from megatron_omni.bridge.lora_sync import MergedSources, merged_linears
+
+            sources = MergedSources(sources, merged_linears(self.model, self.model.global_name))
+        self.sources = sources
+        self.weight_sync = WeightSync(plan, sources=sources,
                                       target=self.engine.weight_target(), tp_group=groups.tp,
                                       tp_rank=groups.tp.rank())
         o = cfg.optim
@@ -232,7 +356,43 @@ class BagelTrainer:
         """Load the trained weights into the rollout's vLLM-Omni modules through the bridge (buckets of full
         tensors gathered over tp; a tensor the rollout refuses or leaves unloaded raises naming it); returns the
         seconds. Collective over tp."""
-        return self.weight_sync.sync().seconds
+        seconds = self.weight_sync.sync().seconds
+        if self.lora.enabled:
+            self.sources.forget()  # the next sync merges the updated adapters
+        return seconds
+
+    def _frozen_copy(self, bcfg: dict[str, Any], state: dict[str, torch.Tensor], dtype: torch.dtype) -> Any:
+        """A frozen `BagelMoT` of this rank's layout holding `state` in `dtype`; building it leaves the torch and
+        Megatron RNG streams where they were."""
+        from megatron.core import tensor_parallel
+
+        tracker = tensor_parallel.get_cuda_rng_tracker()
+        states = tracker.get_states()
+        with torch.random.fork_rng():
+            copy = self.family.build_model(bcfg, self.groups, params_dtype=dtype)
+        tracker.set_states(states)
+        self.family.load_state(copy, state)
+        return copy.requires_grad_(False).eval()
+
+    @contextlib.contextmanager
+    def _reference(self):
+        """The KL term's reference model: the frozen initial copy, or with LoRA the model with its adapters off."""
+        if self.reference is not None:
+            yield self.reference
+            return
+        from megatron_omni.models.lora import adapters_disabled
+
+        with adapters_disabled(self.model):
+            yield self.model
+
+    def update_ema(self) -> None:
+        """ema <- decay * ema + (1 - decay) * weights, for this rank's shards (after an optimizer step; nothing
+        without `optim.ema_decay`)."""
+        if self.ema is None:
+            return
+        weight = 1.0 - self.cfg.optim.ema_decay
+        for e, p in zip(self.ema.parameters(), self.model.parameters(), strict=True):
+            e.lerp_(p.detach().to(e.dtype), weight)
 
     def close(self) -> None:
         """Leave vLLM-Omni's parallel state (the rollout pipeline's)."""
@@ -245,12 +405,12 @@ class BagelTrainer:
         t: dict[str, float] = {}
         prompts, gids, seeds = step_prompts(self.prompts, c.seed, step, r.prompts_per_step, r.group_size,
                                             g.dp.rank(), g.dp.size())
-        ids = [torch.tensor(prompts[k // r.group_size]) for k in range(len(seeds))]
+        ids = [torch.tensor(prompts[k // r.group_size][1]) for k in range(len(seeds))]
+        texts = [prompts[k // r.group_size][0] for k in range(len(seeds))]
         group_ids = [gids[k // r.group_size] for k in range(len(seeds))]
         t0 = time.perf_counter()
         traj = self.engine.generate(ids, self.sampling, seeds, group_ids)
         t["rollout"] = time.perf_counter() - t0
-        texts = [" ".join(str(int(x)) for x in p[1:-1]) for p in traj.prompt_ids]
         t0 = time.perf_counter()
         self.reward_fn.begin(len(traj))
         for k in range(len(traj)):
@@ -281,15 +441,24 @@ class BagelTrainer:
         sums: dict[str, float] = {}
         tally = UpdateTally()
         chunks = mini_batch_rows(len(traj), c.seed, step, c.optim.mini_batches)
+        beta = c.algorithm.beta
         for rows in chunks:
             def backward(rows: torch.Tensor = rows) -> dict[str, Any]:
-                new = window_log_probs(self.model, traj.select(rows), self.markers)
-                loss = flowgrpo_loss(new, old[rows], adv[rows], c.algorithm.clip_range)
+                part = traj.select(rows)
+                new, means, stds = window_transitions(self.model, part, self.markers)
+                kl = None
+                if beta > 0:
+                    with torch.no_grad(), self._reference() as ref:
+                        ref_means = window_transitions(ref, part, self.markers)[1]
+                    kl = window_kl(means, ref_means, stds)
+                loss = flowgrpo_loss(new, old[rows], adv[rows], c.algorithm.clip_range, beta, kl)
                 loss.loss.backward()
                 return loss.metrics
 
             res, metrics = update(self.ddp, self.optimizer, self.scheduler, self.guard, self.groups.mcore, backward)
             tally.add(res)
+            if res.stepped and res.ok:
+                self.update_ema()
             for k, v in metrics.items():
                 sums[k] = sums.get(k, 0.0) + float(v) / len(chunks)
         return {**sums, **tally.metrics(self.optimizer)}

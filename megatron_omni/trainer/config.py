@@ -387,7 +387,7 @@ class JobConfig:
         # Types, value sets, signs and bounds of every field (one line naming the field), the model family and
         # what it supports, then the reward's scorer and URL, then what depends on several fields at once.
         check_fields(self)
-        if check_family(self) != "dit":  # the hybrid's and a family trainer's own checks ran in check_family
+        if check_family(self, planning) != "dit":  # the hybrid's and a family trainer's own checks ran in check_family
             check_placement(self, world_size)
             return _validate_layout(self, world_size)
         check_reward(self)

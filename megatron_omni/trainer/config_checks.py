@@ -211,9 +211,10 @@ def _bound_text(lo: float | None, lo_in: bool, hi: float | None, hi_in: bool) ->
     return f"must be in {'[' if lo_in else '('}{lo:g}, {hi:g}{']' if hi_in else ')'}"
 
 
-def check_family(cfg: Any) -> str:
+def check_family(cfg: Any, planning: bool = False) -> str:
     """model.family names a registered family, and a family's own settings fit it; returns the family's kind.
-    Raises ConfigError naming the field."""
+    `planning` (a dry run) is passed to a family trainer's `check_config` (what a plan does not need, such as the
+    weights' folder, is not required). Raises ConfigError naming the field."""
     from megatron_omni.trainer.config import ConfigError
     from model_providers import family_names, get_family
 
@@ -226,7 +227,7 @@ def check_family(cfg: Any) -> str:
         import importlib
 
         try:
-            importlib.import_module(family.trainer).check_config(cfg)
+            importlib.import_module(family.trainer).check_config(cfg, planning=planning)
         except ValueError as exc:
             raise ConfigError(str(exc)) from None
     return family.kind

@@ -122,6 +122,8 @@ def dry_run(cfg: JobConfig, world_size: int, gpu: str, gpus_per_node: int = 8, r
     Returns 0 when it fits, 3 when it does not (with the changes the planner checked fit); raises ConfigError
     for an invalid config or layout."""
     family = get_family(cfg.model.family)
+    if family.kind == "mot":
+        return mot_dry_run(cfg, world_size, gpu)
     if family.kind != "dit":
         raise ConfigError(f"--dry-run: the planner models DiT families; model.family={cfg.model.family} "
                           "has no cost model yet")
@@ -221,4 +223,70 @@ def video_dry_run(cfg: JobConfig, world_size: int, gpu: str, gpus_per_node: int,
         return 0
     print(f"dry run: does not fit in {gpu} memory" + (f"; the planner's choice fits: --set parallel.ulysses="
                                                       f"{chosen.layout.ulysses}" if chosen is not None else ""))
+    return 3
+
+
+def mot_dry_run(cfg: JobConfig, world_size: int, gpu: str) -> int:
+    """The dry run of a Mixture-of-Transformers family (BAGEL; `planner.mot.plan_mot`): the model's config from
+    the folder when it is at hand (its `llm_config.json` / `config.json`), else `model.preset`; every tp the query
+    groups and the world admit, planned for the job's workload (images per step, steps, window, CFG, precision,
+    the KL reference and EMA copies); the config's tp judged. Returns 0 when the config's tp fits, 3 when not (with
+    the smallest tp that fits); ConfigError for a tp the model does not admit."""
+    from megatron_omni.planner.mot import GIB, plan_mot
+    from megatron_omni.trainer.bagel import plan_inputs
+
+    model, source, prompt_tokens = plan_inputs(cfg)
+    r, p, o = cfg.rollout, cfg.parallel, cfg.optim
+    bf16 = cfg.model.params_dtype == "bf16"
+    try:
+        plans = plan_mot(model, gpu, world_size, r.height, r.width, prompt_tokens=prompt_tokens,
+                         samples=r.prompts_per_step * r.group_size, num_steps=r.num_steps, window=r.window_size,
+                         cfg=r.guidance_scale > 1, bf16=bf16, distributed_optimizer=o.distributed_optimizer,
+                         rollout_bytes=2 if r.dtype == "bf16" else 4)
+    except (KeyError, ValueError) as exc:
+        raise ConfigError(f"plan: {exc}") from None
+    print(f"dry run: world size {world_size} trainer ranks (the rollout runs in the trainer's processes), model "
+          f"from {source} (model.family={cfg.model.family}), {gpu}")
+    print(f"workload: {r.prompts_per_step * r.group_size} images per step of {r.height}x{r.width}, {r.num_steps} "
+          f"steps, window {r.window_size}, {'text CFG' if r.guidance_scale > 1 else 'no CFG'}, prompts up to "
+          f"{prompt_tokens} tokens; model {cfg.model.params_dtype}, rollout {r.dtype}; the generation expert trains")
+    print("memory per GPU: for each tp, weights (both experts) + grads and optimizer states (the trained share"
+          + (", distributed optimizer over dp" if o.distributed_optimizer else "") + ") + activations + the rollout's "
+          "copy")
+    copies = []
+    if cfg.algorithm.beta > 0:
+        copies.append((f"KL reference (algorithm.beta={cfg.algorithm.beta:g}, the initial model)", 2 if bf16 else 4))
+    if o.ema_decay > 0:
+        copies.append((f"EMA of the weights (optim.ema_decay={o.ema_decay:g}, fp32)", 4))
+    fitting, mine = [], None
+    for plan in plans:
+        extra = sum(plan.params * width for _, width in copies)  # whole copies of the rank's shards
+        total = plan.total + extra
+        lines = plan.lines()
+        for label, width in copies:
+            lines.append(f"  + {label}: {plan.params * width / GIB:.1f} GiB")
+        if copies:
+            lines.append(f"  = {total / GIB:.1f} GiB of {plan.capacity / GIB:.1f} GiB: "
+                         f"{'fits' if total <= plan.capacity else 'does not fit'}")
+        print("\n".join(lines))
+        if total <= plan.capacity:
+            fitting.append(plan)
+        if plan.tp == p.tp:
+            mine = (plan, total <= plan.capacity)
+    if mine is None:
+        raise ConfigError(f"layout: parallel.tp={p.tp} is not one the model admits on {world_size} GPUs (tp must "
+                          f"divide the world size and the key/value heads): {[q.tp for q in plans]}")
+    plan, fits = mine
+    print(f"bridge: full tensors gathered over the trainer's tp into vLLM-Omni's BAGEL pipeline at rollout tp 1, "
+          f"{plan.rollout_copy / GIB:.1f} GiB per sync, coverage-checked")
+    print(f"layout: tp={plan.tp} dp={plan.dp} (parallel.tp)")
+    print(f"step time: about {plan.step_s:.0f} s at MFU 0.3 (FLOPs only), "
+          f"{r.prompts_per_step * r.group_size / plan.step_s / world_size:.3f} images/s/GPU")
+    print("reference (VeRL-Omni and UniRL train BAGEL; no per-GPU throughput of theirs is recorded here)")
+    if fits:
+        print("dry run OK: the layout is valid for this world size and fits")
+        return 0
+    hint = (f"the smallest tp that fits: --set parallel.tp={fitting[0].tp}" if fitting else
+            "no tp fits: use a GPU with more memory or more GPUs")
+    print(f"dry run: tp={plan.tp} does not fit in {gpu} memory; {hint}")
     return 3

@@ -96,12 +96,9 @@ def local_mappings(model: BagelMoT) -> dict[str, DecoderMapping]:
     by_global = {m.megatron: m for m in all_mappings(model.config.num_layers, model.arch.qk_norm)}
     out = {}
     for name in model.state_dict():
-        if name.endswith("_extra_state"):
+        if name.endswith("_extra_state") or ".lora.lora_" in name:  # LoRA adapters are not BAGEL tensors
             continue
-        glob = name
-        if name.startswith("decoder.layers."):
-            idx, rest = name[len("decoder.layers."):].split(".", 1)
-            glob = f"decoder.layers.{int(idx) + model.layer_offset}.{rest}"
+        glob = model.global_name(name)
         if glob not in by_global:
             raise KeyError(f"Megatron tensor {glob} has no BAGEL mapping")
         out[name] = by_global[glob]
@@ -223,8 +220,10 @@ def random_bagel_state(name_or_config: str | dict[str, Any], seed: int = 0,
 
 def write_bagel_folder(folder: str | Path, name_or_config: str | dict[str, Any], seed: int = 0) -> Path:
     """Write an offline BAGEL folder in the published layout: `config.json`, `llm_config.json`,
-    `vit_config.json`, `ema.safetensors` (seeded random weights, `random_bagel_state`) and `ae.safetensors`
-    (a FLUX-layout autoencoder of the config's `ae` parameters, seeded). Written to a temp folder, then renamed."""
+    `vit_config.json`, `ema.safetensors` (seeded random weights, `random_bagel_state`), `ae.safetensors`
+    (a FLUX-layout autoencoder of the config's `ae` parameters, seeded) and, when the config's special token ids
+    are the tiny tokenizer's, that tokenizer's files (`tokenizer.json`, `tokenizer_config.json`, as the published
+    folder ships Qwen2's). Written to a temp folder, then renamed."""
     from safetensors.torch import save_file
 
     cfg = bagel_config(name_or_config)
@@ -240,6 +239,11 @@ def write_bagel_folder(folder: str | Path, name_or_config: str | dict[str, Any],
         (tmp / "vit_config.json").write_text(json.dumps(cfg["vit_config"], indent=2))
         save_file({k: v.contiguous() for k, v in random_bagel_state(cfg, seed).items()}, str(tmp / "ema.safetensors"))
         save_file(_flux_autoencoder_state(cfg["ae"], seed), str(tmp / "ae.safetensors"))
+        tiny_ids = dict(zip(("bos_token_id", "eos_token_id", "start_of_image", "end_of_image"), range(1, 5)))
+        if cfg["tokens"] == tiny_ids and cfg["llm_config"]["vocab_size"] >= 100:
+            from model_providers.bagel.tokenizer import build_tiny_tokenizer
+
+            build_tiny_tokenizer().save_pretrained(str(tmp))
         if folder.exists():
             folder.rmdir()
         os.replace(tmp, folder)
@@ -263,7 +267,15 @@ def read_bagel_folder(folder: str | Path) -> tuple[dict[str, Any], dict[str, tor
     from safetensors.torch import load_file
 
     folder = Path(folder)
-    for f in ("config.json", "llm_config.json", "vit_config.json", "ema.safetensors"):
+    if not (folder / "ema.safetensors").exists():
+        raise FileNotFoundError(f"{folder} is not a BAGEL folder: ema.safetensors is missing")
+    return read_bagel_config(folder), load_file(str(folder / "ema.safetensors"))
+
+
+def read_bagel_config(folder: str | Path) -> dict[str, Any]:
+    """The BAGEL config of a folder in the published layout (its three JSON files; no weights read)."""
+    folder = Path(folder)
+    for f in ("config.json", "llm_config.json", "vit_config.json"):
         if not (folder / f).exists():
             raise FileNotFoundError(f"{folder} is not a BAGEL folder: {f} is missing")
     bagel = json.loads((folder / "config.json").read_text())
@@ -272,7 +284,7 @@ def read_bagel_folder(folder: str | Path) -> tuple[dict[str, Any], dict[str, tor
         raise ValueError(f"{folder}/config.json lacks new_token_ids (bos/eos/start/end of image token ids)")
     cfg = dict(llm_config=json.loads((folder / "llm_config.json").read_text()),
                vit_config=json.loads((folder / "vit_config.json").read_text()), bagel=bagel, tokens=tokens)
-    return bagel_config(cfg), load_file(str(folder / "ema.safetensors"))
+    return bagel_config(cfg)
 
 
 def frozen_names(state: dict[str, torch.Tensor]) -> list[str]:

@@ -80,6 +80,18 @@ def _checks(rank: int, world_size: int, folder: str) -> dict:
         with torch.no_grad():
             ours_after = window_log_probs(model, after, markers)
         out["update_moved"] = float((after.next_latents - traj.next_latents).abs().max())
+        # the KL term's reference: the initial weights in a copy of their own; against the trained model the KL of
+        # the window transitions is > 0, against itself exactly 0
+        from megatron_omni.trainer.bagel import window_kl, window_transitions
+
+        ref = provider.build_model(cfg, groups).eval()
+        provider.load_bagel_state(ref, state)
+        with torch.no_grad():
+            _, ref_means, ref_stds = window_transitions(ref, after, markers)
+            _, means, stds = window_transitions(model, after, markers)
+        out["kl_self"] = float(window_kl(ref_means, ref_means, ref_stds).abs().max())
+        out["kl_trained"] = float(window_kl(means, ref_means, stds).min())
+        out["kl_std_equal"] = torch.equal(stds, ref_stds)
         out["after_window"] = float((ours_after - after.log_probs).abs().max())
         # refusals, by name, before anything is written
         full = provider.export_bagel_state(model)
@@ -112,6 +124,30 @@ def _checks(rank: int, world_size: int, folder: str) -> dict:
         out["errors"] = errors
         still = pipe.generate(ids, params, SEEDS, [0, 1])
         out["refusal_kept_weights"] = torch.equal(still.next_latents, after.next_latents)
+        # LoRA on the generation expert (the trainer's default targets): adapters with a non-zero B, merged into the
+        # rollout's modules through the bridge (`MergedSources`), give rollout log-probs the adapted recompute
+        # reproduces; a plain model loaded with the merged weights computes what the adapted one does
+        from megatron_omni.bridge.lora_sync import MergedSources, merged_linears
+        from megatron_omni.models.lora import adapters, adapters_disabled, add_lora
+        from megatron_omni.trainer.bagel import BAGEL_LORA_TARGETS
+
+        adapted = add_lora(model, BAGEL_LORA_TARGETS, 4, 8.0, seed=0, global_name=model.global_name)
+        with torch.no_grad():
+            for a in adapters(model).values():
+                a.lora_b.normal_(0, 0.2, generator=torch.Generator().manual_seed(9))
+        merged = MergedSources(fam.megatron_sources(model)[part], merged_linears(model, model.global_name))
+        WeightSync(plan, sources=merged, target=pipe.weight_target(), tp_group=groups.tp, tp_rank=0).sync()
+        lora_traj = pipe.generate(ids, params, SEEDS, [0, 1])
+        with torch.no_grad():
+            out["lora_window"] = float((window_log_probs(model, lora_traj, markers) - lora_traj.log_probs).abs().max())
+            plain = provider.build_model(cfg, groups).eval()
+            provider.load_bagel_state(plain, provider.export_bagel_state(
+                plain, {k: merged[k] for k in fam.megatron_sources(model)[part]}))
+            out["lora_merge_parity"] = float((window_log_probs(plain, lora_traj, markers)
+                                              - window_log_probs(model, lora_traj, markers)).abs().max())
+        out["lora_moved"] = float((lora_traj.next_latents - after.next_latents).abs().max())
+        out["lora_linears"] = sorted(adapted)
+        out["lora_trainable"] = sorted({n.split(".lora.")[0] for n, p in model.named_parameters() if p.requires_grad})
         # vLLM-Omni's CFG combination equals ours
         from vllm_omni.diffusion.models.bagel.bagel_transformer import Bagel
 
@@ -124,7 +160,7 @@ def _checks(rank: int, world_size: int, folder: str) -> dict:
     with open_bagel_pipeline(cfg, folder, torch.bfloat16) as pipe16:
         pipe16.load_weights(provider.export_bagel_state(model))
         t16 = pipe16.generate(ids, params, SEEDS, [0, 1])
-        with torch.no_grad():
+        with torch.no_grad(), adapters_disabled(model):  # the base weights (the LoRA check above added adapters)
             out["bf16_dlogp"] = float((window_log_probs(model, t16, markers) - t16.log_probs).abs().max())
     return out
 
@@ -155,6 +191,7 @@ def test_recompute_reproduces_rollout_log_probs(figures: dict) -> None:
 def test_weight_update_reaches_rollout_through_bridge(figures: dict) -> None:
     assert figures["sync_buckets"] >= 1 and figures["update_moved"] > 1e-3, figures
     assert figures["after_window"] < FP32_TOL, figures
+    assert figures["kl_self"] == 0 and figures["kl_trained"] > 0 and figures["kl_std_equal"], figures
 
 
 def test_bad_updates_refused_by_name(figures: dict) -> None:
@@ -165,6 +202,15 @@ def test_bad_updates_refused_by_name(figures: dict) -> None:
     assert e["bridge_unwritten"] is not None and "llm2vae.bias" in e["bridge_unwritten"], e
     assert e["rollout_tp2"] is not None, e
     assert figures["refusal_kept_weights"]
+
+
+def test_lora_on_generation_expert_merged_into_rollout(figures: dict) -> None:
+    gen = [f"decoder.layers.{i}.{m}" for i in range(2) for m in ("self_attention.linear_qkv_gen",
+                                                              "self_attention.linear_proj_gen",
+                                                              "mlp_gen.linear_fc1", "mlp_gen.linear_fc2")]
+    assert figures["lora_linears"] == sorted(gen) and figures["lora_trainable"] == sorted(gen), figures
+    assert figures["lora_moved"] > 1e-3, figures  # the merged adapters reached the rollout
+    assert figures["lora_window"] < FP32_TOL and figures["lora_merge_parity"] < FP32_TOL, figures
 
 
 def test_bf16_rollout_close_to_fp32_recompute(figures: dict) -> None:

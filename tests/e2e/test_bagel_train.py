@@ -13,6 +13,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from tests.e2e.test_flowgrpo_train import (
     _Background,
@@ -22,8 +23,9 @@ from tests.e2e.test_flowgrpo_train import (
 )
 
 # Checkpoints every 2 steps: the resumed run redoes only steps 7 and 8 (its start-up dominates).
+# With an EMA of the weights (it does not change what trains; the resume checks it restored bit for bit).
 BAGEL = ["--recipe", "examples.bagel.recipe:tiny", "--set", "seed=0", "--set", "checkpoint.every=2",
-         "--set", "checkpoint.keep=5"]
+         "--set", "checkpoint.keep=5", "--set", "optim.ema_decay=0.9"]
 # Measured rise (seed 0): +0.045 (rewards -1.492 -> -1.424 kB); the test asserts > 0.02.
 MARGIN = 0.02
 
@@ -55,6 +57,17 @@ def test_bagel_reward_rises_and_recompute_agrees(runs: dict[str, Path]) -> None:
     assert max(m["train_rollout_dlogp_max"] for m in metrics) < 1e-5, metrics
     config = json.loads((run / "config.json").read_text())
     assert config["model"]["family"] == "bagel" and config["rollout"]["guidance_scale"] == 4.0
+    # the checkpoint's EMA (`ema.` + name): the frozen understanding expert's tensors equal the model's, bit for bit;
+    # every trained tensor lags the trained weights
+    from megatron_omni.planner.mot import is_generation_tensor
+    from megatron_omni.trainer.checkpointing import read_checkpoint_tensors
+
+    state = read_checkpoint_tensors(run / "checkpoints" / "step_000008")["model"]
+    ema = {k.removeprefix("ema."): v for k, v in state.items() if k.startswith("ema.")}
+    assert ema and set(ema) == {k for k in state if not k.startswith("ema.")}, sorted(state)[:8]
+    trained = [k for k in ema if is_generation_tensor(k) and k != "latent_pos_embed"]
+    assert trained and all(not torch.equal(ema[k], state[k]) for k in trained), trained
+    assert all(torch.equal(ema[k], state[k]) for k in ema if k not in trained)
 
 
 @pytest.mark.slow

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from examples.bagel.recipe import tiny
+from examples.bagel.recipe import bagel_7b_h200, tiny
 from megatron_omni.trainer.config import ConfigError
 from model_providers import get_family
 
@@ -26,11 +26,12 @@ def test_tiny_recipe_validates() -> None:
 @pytest.mark.parametrize("field, value, named", [
     ("rollout.engine", "diffusers", "rollout.engine"),
     ("parallel.pp", 2, "parallel"),
-    ("model.lora.rank", 4, "model.lora.rank"),
-    ("algorithm.beta", 0.1, "algorithm.beta"),
+    ("model.lora.adaln", True, "model.lora.adaln"),
+    ("algorithm.name", "mixgrpo", "algorithm.name"),
     ("rollout.height", 40, "rollout.height"),
     ("model.preset", "huge", "model.preset"),
-    ("prompts", ["a red cat"], "token ids"),
+    ("prompts", ["a red caf\u00e9"], "does not encode it exactly"),  # outside the tiny tokenizer's ASCII
+    ("prompts", ["7 300"], r"token ids must be in \[0, 128\)"),
     ("rollout.window_size", 9, "window"),
 ])
 def test_unsupported_settings_refused_by_name(field: str, value, named: str) -> None:
@@ -42,3 +43,60 @@ def test_unsupported_settings_refused_by_name(field: str, value, named: str) -> 
     setattr(obj, last, value)
     with pytest.raises(ConfigError, match=named):
         cfg.validate(world_size=2 if field == "parallel.pp" else 1)
+
+
+def test_lora_kl_ema_settings() -> None:
+    """LoRA, the KL term and the EMA validate; LoRA adapts generation-expert linears only, takes merged weights
+    and no EMA."""
+    cfg = tiny()
+    cfg.model.lora.rank, cfg.algorithm.beta = 4, 0.01
+    cfg.validate(world_size=1)
+    cfg.model.lora.targets = ["decoder.layers.*.mlp.linear_fc1"]  # the understanding expert's
+    with pytest.raises(ConfigError, match="not generation-expert linears"):
+        cfg.validate(world_size=1)
+    cfg.model.lora.targets = ["*.linear_qkv_gn"]
+    with pytest.raises(ConfigError, match="match no parallel linear"):
+        cfg.validate(world_size=1)
+    cfg.model.lora.targets, cfg.rollout.lora_sync = None, "adapter"
+    with pytest.raises(ConfigError, match="rollout.lora_sync"):
+        cfg.validate(world_size=1)
+    cfg.rollout.lora_sync, cfg.optim.ema_decay = "auto", 0.9
+    with pytest.raises(ConfigError, match="optim.ema_decay"):
+        cfg.validate(world_size=1)
+    cfg.model.lora.rank = 0
+    cfg.validate(world_size=1)
+
+
+def test_text_prompts_through_the_folders_tokenizer(tmp_path) -> None:
+    """The tiny folder carries a Qwen2 tokenizer in the published layout; text prompts go through it as vLLM-Omni's
+    BAGEL pipeline loads it (its special ids = config.json's), token-id prompts stay as written, and the 7B
+    recipe's text prompts validate against a folder (its tokenizer) or, in a dry run, without one."""
+    from megatron_omni.trainer.bagel import prompt_tokenizer
+    from model_providers.bagel.provider import write_bagel_folder
+    from model_providers.bagel.tokenizer import encode_prompt
+
+    folder = write_bagel_folder(tmp_path / "bagel", "tiny")
+    assert (folder / "tokenizer.json").exists() and (folder / "tokenizer_config.json").exists()
+    cfg = tiny()
+    cfg.prompts = ["a red cat", "17 42"]
+    tok = prompt_tokenizer(cfg, folder, get_family("bagel").config("tiny")["tokens"])
+    ids = encode_prompt("a red cat", 128, tok)
+    assert len(ids) == 9 and tok.decode(ids) == "a red cat" and min(ids) >= 5  # one byte each, no specials
+    assert encode_prompt("17 42", 128, tok) == [17, 42]
+    assert tok.convert_tokens_to_ids(["<|im_start|>", "<|vision_end|>"]) == [1, 4]
+    cfg.validate(world_size=1)
+    big = bagel_7b_h200()
+    big.model.pipeline = str(folder)  # a folder at hand: its config and tokenizer check the recipe's OCR prompts
+    big.rollout.height = big.rollout.width = 32  # the tiny folder's latent table
+    big.validate(world_size=8)
+    big.prompts = ['A "caf\u00e9" sign']
+    with pytest.raises(ConfigError, match="caf"):
+        big.validate(world_size=8)
+    (folder / "tokenizer.json").unlink()
+    (folder / "tokenizer_config.json").unlink()
+    with pytest.raises(ConfigError, match="no tokenizer|tokenizer files"):
+        big.validate(world_size=8)
+    big.model.pipeline = str(tmp_path / "absent")
+    big.validate(world_size=8, planning=True)  # a dry run plans from the preset
+    with pytest.raises(ConfigError, match="model.pipeline"):
+        big.validate(world_size=8)

@@ -126,6 +126,14 @@ class BagelMoT(MegatronModule):
                 h, arch.vocab_size, config=config, init_method=config.init_method, bias=False, gather_output=False,
                 tp_group=tp)
 
+    def global_name(self, name: str) -> str:
+        """A local parameter or module name of this stage -> the whole model's (layers numbered from the stage's
+        offset)."""
+        if not name.startswith("decoder.layers."):
+            return name
+        idx, rest = name[len("decoder.layers."):].split(".", 1)
+        return f"decoder.layers.{int(idx) + self.layer_offset}.{rest}"
+
     # ------------------------------------------------------------------------------------------ pieces
     def rope(self, position_ids: torch.Tensor) -> torch.Tensor:
         """RoPE frequencies [n, 1, 1, d] of position ids [n] (Qwen2's, non-interleaved halves)."""
