@@ -28,7 +28,7 @@ FAMILY = ModelFamily(
     # tail (not wired for this engine); planned (planner.arch.flux_arch).
     traits=DiTTraits(pipeline_class="FluxPipeline",
                      token_channels=lambda c: int(c["in_channels"]) * int(c["patch_size"]) ** 2,
-                     text_dim_key="joint_attention_dim", rollout_engines=("diffusers",), true_cfg=False,
+                     text_dim_key="joint_attention_dim", rollout_engines=("diffusers", "vllm_omni"), true_cfg=False,
                      flash_tail=False, pooled_dim_key="pooled_projection_dim",
                      guidance_embeds_key="guidance_embeds"),
     diffusers_class="FluxTransformer2DModel",

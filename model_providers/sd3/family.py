@@ -28,7 +28,7 @@ FAMILY = ModelFamily(
     # the engine and recorded in the trajectory; no Flash tail (SD3.5 samples a static-shift grid).
     traits=DiTTraits(pipeline_class="StableDiffusion3Pipeline",
                      token_channels=lambda c: int(c["in_channels"]) * int(c["patch_size"]) ** 2,
-                     text_dim_key="joint_attention_dim", rollout_engines=("diffusers",), flash_tail=False,
+                     text_dim_key="joint_attention_dim", rollout_engines=("diffusers", "vllm_omni"), flash_tail=False,
                      pooled_dim_key="pooled_projection_dim"),
     diffusers_class="SD3Transformer2DModel",
     arch_config=provider.hf_config,
