@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 from dataclasses import replace
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -123,6 +124,11 @@ def _case(rank: int, world_size: int, family: str, folder: str) -> dict:
         outputs = pipe.forward(_request_batch(cfg, SEEDS))
         res["forward"] = _diff(record_to_trajectory([o.trajectory_latents for o in outputs], cfg), got)
         res["forward_output"] = (tuple(outputs[0].output.shape), float(outputs[0].output.min()) < 0)
+        # vLLM-Omni's start-up warm-up asks for its default size: SD3's position table takes at most 12 patches a
+        # side in the tiny model (192 px), so the warm-up clamps to it; FLUX has no such limit
+        asked = {"sd3": 1024, "flux": 256}[family]
+        res["warm_up"] = tuple(pipe.warm_up({"prompt": "a"}, SimpleNamespace(height=asked, width=asked,
+                                                                            num_inference_steps=1)).output.shape)
         # ... and behind the rollout.engine=vllm_omni client, in process (every rank runs its shard)
         group = dist.new_group(list(range(world_size)))
         engine = VllmOmniRolloutEngine(folder, world_size, torch.float32, omni=inline.InProcessOmni(pipe),
@@ -214,6 +220,8 @@ def test_trajectories_equal_the_diffusers_engine(results: list[dict], family: st
             _assert_same(r[case])
         _assert_same(r["forward"], tol=0.0)  # the request path returns the same records
         assert r["forward_output"] == ((1, 3, 64, 64), True)  # [1, 3, H, W] in [-1, 1]
+        side = {"sd3": 192, "flux": 256}[family]
+        assert r["warm_up"] == (1, 3, side, side)
         lengths, want = r["text_lengths"]
         assert lengths == want
         if family == "sd3":  # flow_grpo's plain true CFG, recorded; no distilled guidance

@@ -218,11 +218,21 @@ class _FlowGRPOImage:
 
         text = prompt.get("prompt", "") if isinstance(prompt, Mapping) else str(prompt)
         f = self.vae_scale_factor * 2
-        params = SamplingParams(height=max(f, int(sampling.height or 0) // f * f),
-                                width=max(f, int(sampling.width or 0) // f * f), noise_level=0.0,
+        # vLLM-Omni asks for its default size (e.g. 1024); SD3's position table crops at most
+        # `pos_embed_max_size` patches a side, which a small model's folder may not reach (the tiny one's: 12)
+        limit = self._largest_side() // f * f
+
+        def side(asked: Any) -> int:
+            return min(max(f, int(asked or 0) // f * f), limit)
+
+        params = SamplingParams(height=side(sampling.height), width=side(sampling.width), noise_level=0.0,
                                 num_steps=max(1, int(sampling.num_inference_steps or 1)), max_sequence_length=16)
         (s,) = self.stepper.run([self._sample(0, text or "a", 0, 0, params)])
         return DiffusionOutput(output=s.image[None] * 2 - 1)
+
+    def _largest_side(self) -> int:
+        """The largest image side in pixels the transformer takes (no limit by default)."""
+        return 1 << 30
 
 
 def _build_sd3_class() -> type:
@@ -235,6 +245,10 @@ def _build_sd3_class() -> type:
             check_folder(od_config.model)
             StableDiffusion3Pipeline.__init__(self, od_config=od_config, prefix=prefix)
             self._setup(SD3SdeStepper)
+
+        def _largest_side(self) -> int:
+            t = self.transformer  # PatchEmbed crops its sincos table to the latent grid
+            return int(t.pos_embed_max_size) * int(t.patch_size) * self.vae_scale_factor
 
     FlowGRPOSD3Pipeline.__module__ = __name__
     FlowGRPOSD3Pipeline.__qualname__ = "FlowGRPOSD3Pipeline"
