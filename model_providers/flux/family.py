@@ -1,6 +1,7 @@
 """The FLUX.1 family's bundle (see `model_providers.registry`): the Megatron model (tensor parallel), its presets,
 load/export of diffusers-named weights, the offline tiny pipeline, checkpoint conversion and the bridge part into the
-embedded diffusers engine (`rollout/diffusers_engines/flux.py`)."""
+embedded diffusers engine (`rollout/diffusers_engines/flux.py`) and into vLLM-Omni's FLUX module (`rollout_layouts.py`,
+sampled by `rollout/vllm_omni/image_pipelines.py`)."""
 
 from __future__ import annotations
 

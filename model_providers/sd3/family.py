@@ -1,6 +1,7 @@
 """The SD3.5 MMDiT family's bundle (see `model_providers.registry`): the Megatron model (tensor parallel), its
 presets, load/export of diffusers-named weights, the offline tiny pipeline, checkpoint conversion and the bridge
-part into the embedded diffusers engine (`rollout/diffusers_engines/sd3.py`)."""
+parts into the embedded diffusers engine (`rollout/diffusers_engines/sd3.py`) and into vLLM-Omni's SD3
+module (`rollout_layouts.py`, sampled by `rollout/vllm_omni/image_pipelines.py`)."""
 
 from __future__ import annotations
 
