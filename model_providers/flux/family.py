@@ -1,6 +1,7 @@
 """The FLUX.1 family's bundle (see `model_providers.registry`): the Megatron model (tensor parallel), its presets,
 load/export of diffusers-named weights, the offline tiny pipeline, checkpoint conversion and the bridge part into the
-embedded diffusers engine (`rollout/diffusers_engines/flux.py`)."""
+embedded diffusers engine (`rollout/diffusers_engines/flux.py`) and into vLLM-Omni's FLUX module (`rollout_layouts.py`,
+sampled by `rollout/vllm_omni/image_pipelines.py`)."""
 
 from __future__ import annotations
 
@@ -28,7 +29,7 @@ FAMILY = ModelFamily(
     # tail (not wired for this engine); planned (planner.arch.flux_arch).
     traits=DiTTraits(pipeline_class="FluxPipeline",
                      token_channels=lambda c: int(c["in_channels"]) * int(c["patch_size"]) ** 2,
-                     text_dim_key="joint_attention_dim", rollout_engines=("diffusers",), true_cfg=False,
+                     text_dim_key="joint_attention_dim", rollout_engines=("diffusers", "vllm_omni"), true_cfg=False,
                      flash_tail=False, pooled_dim_key="pooled_projection_dim",
                      guidance_embeds_key="guidance_embeds"),
     diffusers_class="FluxTransformer2DModel",

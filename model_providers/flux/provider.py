@@ -14,8 +14,9 @@ from megatron_omni.models.dit.flux_model import FluxModel
 from model_providers import shards
 from model_providers.flux.mapping import all_mappings
 from model_providers.flux.presets import preset
+from model_providers.flux.rollout_layouts import rollout_layout
 from model_providers.flux.specs import layer_spec
-from model_providers.registry import SameNameLayout, WeightPart
+from model_providers.registry import WeightPart
 
 _HF_KEYS = ("patch_size", "in_channels", "out_channels", "num_layers", "num_single_layers", "attention_head_dim",
             "num_attention_heads", "joint_attention_dim", "pooled_projection_dim", "guidance_embeds",
@@ -63,13 +64,6 @@ def config_mappings(config: FluxConfig | dict[str, Any] | str) -> list:
     c = hf_config(config)
     return all_mappings(c["num_layers"], c["num_single_layers"], c["guidance_embeds"])
 
-
-def rollout_layout(kind: str) -> SameNameLayout:
-    """The rollout layout of engine `kind`: the embedded diffusers engine holds diffusers' own module (every tensor
-    whole, under its own name). vLLM-Omni's FLUX module has no sync plan yet (KeyError)."""
-    if kind == "diffusers":
-        return SameNameLayout()
-    raise KeyError(f"the flux family has no rollout layout for engine {kind!r} (only 'diffusers' so far)")
 
 
 def weight_parts(name_or_config: str | dict[str, Any]) -> dict[str, WeightPart]:

@@ -1,6 +1,7 @@
 """The SD3.5 MMDiT family's bundle (see `model_providers.registry`): the Megatron model (tensor parallel), its
 presets, load/export of diffusers-named weights, the offline tiny pipeline, checkpoint conversion and the bridge
-part into the embedded diffusers engine (`rollout/diffusers_engines/sd3.py`)."""
+parts into the embedded diffusers engine (`rollout/diffusers_engines/sd3.py`) and into vLLM-Omni's SD3
+module (`rollout_layouts.py`, sampled by `rollout/vllm_omni/image_pipelines.py`)."""
 
 from __future__ import annotations
 
@@ -28,7 +29,7 @@ FAMILY = ModelFamily(
     # the engine and recorded in the trajectory; no Flash tail (SD3.5 samples a static-shift grid).
     traits=DiTTraits(pipeline_class="StableDiffusion3Pipeline",
                      token_channels=lambda c: int(c["in_channels"]) * int(c["patch_size"]) ** 2,
-                     text_dim_key="joint_attention_dim", rollout_engines=("diffusers",), flash_tail=False,
+                     text_dim_key="joint_attention_dim", rollout_engines=("diffusers", "vllm_omni"), flash_tail=False,
                      pooled_dim_key="pooled_projection_dim"),
     diffusers_class="SD3Transformer2DModel",
     arch_config=provider.hf_config,

@@ -13,9 +13,10 @@ from megatron_omni.models.dit.sd3_config import SD3Config
 from megatron_omni.models.dit.sd3_model import SD3Model
 from model_providers import shards
 from model_providers.qwen_image.specs import layer_spec
-from model_providers.registry import SameNameLayout, WeightPart
+from model_providers.registry import WeightPart
 from model_providers.sd3.mapping import all_mappings
 from model_providers.sd3.presets import preset
+from model_providers.sd3.rollout_layouts import rollout_layout
 
 _HF_KEYS = ("sample_size", "patch_size", "in_channels", "out_channels", "num_layers", "attention_head_dim",
             "num_attention_heads", "joint_attention_dim", "caption_projection_dim", "pooled_projection_dim",
@@ -67,13 +68,6 @@ def config_mappings(config: SD3Config | dict[str, Any]) -> list:
 
 _mappings = config_mappings
 
-
-def rollout_layout(kind: str) -> SameNameLayout:
-    """The rollout layout of engine `kind`: the embedded diffusers engine holds diffusers' own module (every
-    tensor whole, under its own name). vLLM-Omni's SD3 module has no sync plan yet (KeyError)."""
-    if kind == "diffusers":
-        return SameNameLayout()
-    raise KeyError(f"the sd3 family has no rollout layout for engine {kind!r} (only 'diffusers' so far)")
 
 
 def _synced(mappings: list) -> list:

@@ -1,7 +1,10 @@
 """FlowGRPO on FLUX.1 end to end, as users run it: the tiny recipe (`examples.flux.recipe:tiny`, the offline tiny
 guidance-distilled FLUX.1 pipeline built into the run folder, the distilled guidance 3.5 as a model input carried in
-the trajectory with the pooled CLIP embeddings, JPEG compressibility) through `python -m megatron_omni.train`. The
-reward rises over 6 steps, the trainer's recompute (Megatron FLUX) equals the rollout's log-probs, and a run SIGKILLed
+the trajectory with the pooled CLIP embeddings, JPEG compressibility) through `python -m megatron_omni.train`, sampled
+by the vLLM-Omni engine (`rollout.engine=vllm_omni`, in the trainer's rank: our `FlowGRPOFluxPipeline` over vLLM-Omni's
+FLUX pipeline, every step's weights through the bridge's vLLM-Omni plan, probed; the diffusers engine samples the same
+trajectories to ~2e-6, tests/distributed/test_image_vllm_omni.py, and ran these runs before). The reward rises over 6
+steps, the trainer's recompute (Megatron FLUX) equals the rollout's log-probs, and a run SIGKILLed
 after its step-3 checkpoint resumes bit-identically. The uninterrupted run goes on while the other is killed (one core
 each).
 
@@ -23,7 +26,7 @@ from tests.e2e.test_flowgrpo_train import (
 )
 
 FLUX = ["--recipe", "examples.flux.recipe:tiny", "--set", "seed=0", "--set", "steps=6", "--set", "checkpoint.every=3",
-        "--set", "checkpoint.keep=5"]
+        "--set", "checkpoint.keep=5", "--set", "rollout.engine=vllm_omni", "--set", "rollout.vllm_omni_process=inline"]
 MARGIN = 0.02
 
 
@@ -52,6 +55,7 @@ def test_flux_reward_rises_and_train_agrees_with_rollout(runs: tuple[Path, Path]
     assert max(m["train_rollout_dlogp_max"] for m in metrics) < 1e-5
     config = json.loads((ref / "config.json").read_text())
     assert config["model"]["family"] == "flux" and config["rollout"]["distilled_guidance"] == 3.5
+    assert config["rollout"]["engine"] == "vllm_omni"
 
 
 def test_flux_run_resumes_bit_identically(runs: tuple[Path, Path]) -> None:

@@ -1,8 +1,12 @@
 """FlowGRPO on SD3.5 end to end, as users run it: the tiny recipe (`examples.sd3.recipe:tiny`, the offline tiny
 SD3.5 pipeline built into the run folder, true CFG 4.5 with the pooled CLIP embeddings carried in the trajectory,
-JPEG compressibility) through `python -m megatron_omni.train`. The reward rises over 8 steps, the trainer's
-recompute agrees with the rollout, and a SIGKILLed run resumes bit-identically. One uninterrupted run serves the
-module; the killed run and its resume run beside it.
+JPEG compressibility) through `python -m megatron_omni.train`, sampled by the vLLM-Omni engine
+(`rollout.engine=vllm_omni`, in the trainer's rank: our `FlowGRPOSD3Pipeline` over vLLM-Omni's SD3 pipeline, every
+step's weights through the bridge's vLLM-Omni plan, probed). The reward rises over 8 steps, the trainer's recompute
+agrees with the rollout, and a SIGKILLed run resumes bit-identically. One uninterrupted run serves the module; the
+killed run and its resume run beside it. (The diffusers engine samples the same trajectories to ~5e-6:
+tests/distributed/test_image_vllm_omni.py; its own e2e runs were these, before the vLLM-Omni engine, with the same
+rises, the suite's budget keeping one engine per family here.)
 
 Margin: the mean reward of the last two of 8 steps minus that of the first two, measured at seeds 0 / 1 / 2:
 +0.049 / -0.154 / +0.056 (the recipe's docstring: the tiny random model learns at two of three seeds); the test
@@ -19,7 +23,7 @@ import pytest
 from tests.e2e.test_flowgrpo_train import _assert_resumed_bit_identically, _killed_and_resumed_beside, _rewards
 
 SD3 = ["--recipe", "examples.sd3.recipe:tiny", "--set", "seed=0", "--set", "checkpoint.every=4",
-       "--set", "checkpoint.keep=5"]
+       "--set", "checkpoint.keep=5", "--set", "rollout.engine=vllm_omni", "--set", "rollout.vllm_omni_process=inline"]
 MARGIN = 0.02
 
 
@@ -48,6 +52,7 @@ def test_sd3_reward_rises_and_train_agrees_with_rollout(run: Path) -> None:
     assert max(m["train_rollout_dlogp_max"] for m in metrics) < 1e-5
     config = json.loads((run / "config.json").read_text())
     assert config["model"]["family"] == "sd3" and config["rollout"]["guidance_scale"] == 4.5
+    assert config["rollout"]["engine"] == "vllm_omni"
 
 
 def test_sd3_run_resumes_bit_identically(runs: tuple) -> None:

@@ -82,3 +82,19 @@ def test_qwen_image_family_plans_its_transformer() -> None:
     plans = family_plans(get_family("qwen_image"), "20b", trainer_tp=2, rollout_kind="vllm_omni", rollout_tp=4)
     assert list(plans) == ["transformer"]
     check_plan(plans["transformer"])
+
+
+
+@pytest.mark.parametrize("family,preset,tp", [("sd3", "sd35-medium", 4), ("sd3", "sd35-large", 2),
+                                              ("flux", "flux1-dev", 4)])
+def test_sd3_and_flux_plan_into_vllm_omni_at_their_published_sizes(family: str, preset: str, tp: int) -> None:
+    """The families' vLLM-Omni layouts plan every tensor of the published models (shapes only; SD3.5-L's 38 heads
+    split over 2; the tiny models' plans fill vLLM-Omni's real modules in tests/distributed/test_image_vllm_omni.py):
+    the fused q/k/v of a block holds its rank's share of the three projections."""
+    fam = get_family(family)
+    plan = family_plans(fam, preset, trainer_tp=2, rollout_kind="vllm_omni", rollout_tp=tp, mode="full")["transformer"]
+    check_plan(plan)
+    inner = fam.config(preset)["num_attention_heads"] * fam.config(preset)["attention_head_dim"]
+    assert plan.rank_params(0)["transformer_blocks.0.attn.to_qkv.weight"].shape == (3 * inner // tp, inner)
+    with pytest.raises(PlanError, match="does not split evenly"):
+        family_plans(fam, preset, trainer_tp=1, rollout_kind="vllm_omni", rollout_tp=5)

@@ -68,6 +68,10 @@ DEFAULT_BUCKET_BYTES = 512 * 1024 * 1024
 PIPELINE_CLASSES = {
     "WanPipeline": ("megatron_omni.rollout.vllm_omni.wan_pipeline.FlowGRPOWanPipeline",
                     "megatron_omni.rollout.vllm_omni.wan_pipeline:text_lengths"),
+    "StableDiffusion3Pipeline": ("megatron_omni.rollout.vllm_omni.image_pipelines.FlowGRPOSD3Pipeline",
+                                 "megatron_omni.rollout.vllm_omni.image_pipelines:sd3_text_lengths"),
+    "FluxPipeline": ("megatron_omni.rollout.vllm_omni.image_pipelines.FlowGRPOFluxPipeline",
+                     "megatron_omni.rollout.vllm_omni.image_pipelines:flux_text_lengths"),
 }
 
 

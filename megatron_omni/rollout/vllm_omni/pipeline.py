@@ -234,6 +234,10 @@ def sample_record(s: _Sample, cfg_rescale: bool = True) -> dict[str, Any]:
         "final_latents": s.latents.detach().float().cpu(),
         "img_shape": tuple(s.img_shape),
         "cfg_rescale": bool(cfg_rescale),
+        # a family conditioned on pooled text embeddings (SD3.5, FLUX.1) or a distilled guidance input (FLUX.1-dev)
+        "pooled_embeds": None if s.pooled is None else s.pooled.detach().float().cpu(),
+        "negative_pooled_embeds": None if s.neg_pooled is None else s.neg_pooled.detach().float().cpu(),
+        "distilled_guidance": s.distilled_guidance,
     }
 
 
@@ -276,7 +280,21 @@ def record_to_trajectory(records: Sequence[Mapping[str, Any]], params: SamplingP
         sde_type=params.sde_type,
         final_latents=torch.stack([r["final_latents"] for r in recs]),
         cfg_rescale=bool(recs[0].get("cfg_rescale", True)),
+        **_conditioning(recs, params),
     )
+
+
+def _conditioning(recs: Sequence[Mapping[str, Any]], params: SamplingParams) -> dict[str, Any]:
+    """The records' pooled embeddings [N, P] (and the negative prompt's under CFG) and distilled guidance [N], as
+    the diffusers engines fill a `Trajectory` (None where the family takes none)."""
+    out: dict[str, Any] = {}
+    if recs[0].get("pooled_embeds") is not None:
+        out["pooled_embeds"] = torch.stack([r["pooled_embeds"] for r in recs])
+        if params.do_cfg:
+            out["negative_pooled_embeds"] = torch.stack([r["negative_pooled_embeds"] for r in recs])
+    if recs[0].get("distilled_guidance") is not None:
+        out["distilled_guidance"] = torch.tensor([r["distilled_guidance"] for r in recs], dtype=torch.float32)
+    return out
 
 
 # ---------------------------------------------------------------------------------------------- the class
