@@ -77,9 +77,10 @@ def _layout_parity(rank: int, world_size: int) -> dict:
                 # The trainer's form: packed tokens and sigma (t / 1000); SD3Model multiplies back by 1000 in fp32.
                 return DiTBatch(latents, b["prompt_embeds"], None, b["timestep"] / 1000, grid, pooled=b["pooled"])
 
-            r = sd3_reference.parity_layout(groups, provider, model, sd3_reference.reference_model(dtype, hf).state_dict(),
-                                            make_batch, pack_image_latents(b["weight"], p),
-                                            pack_image_latents(ref_out, p), ref_grads, sd3_reference.S_TXT, s_img)
+            state = sd3_reference.reference_model(dtype, hf).state_dict()
+            r = sd3_reference.parity_layout(groups, provider, model, state, make_batch,
+                                            pack_image_latents(b["weight"], p), pack_image_latents(ref_out, p),
+                                            ref_grads, sd3_reference.S_TXT, s_img)
             r["planned_params"] = rank_parameter_counts(dit_arch("sd3", hf), 1, layout.pp)[r["stage"]]
             out[(name, dtype)] = r
     return out
