@@ -82,6 +82,11 @@ def _layout_parity(rank: int, world_size: int) -> dict:
                                             flux_reference.S_TXT, s_img)
             r["planned_params"] = rank_parameter_counts(dit_arch("flux", hf), 1, layout.pp)[r["stage"]]
             r["blocks"] = (len(model.layers), len(model.single_layers))
+            if layout.pp > 1:  # the trainer counts the embedders every stage holds once in the grad norm
+                from megatron_omni.trainer.flowgrpo import _count_stage_replicas_once
+
+                _count_stage_replicas_once(model, groups)
+                r["shared"] = sorted(n for n, q in model.named_parameters() if getattr(q, "shared", False))
             out[(name, dtype)] = r
     return out
 
@@ -95,6 +100,11 @@ def test_cp2_and_pp2_parity_with_diffusers() -> None:
             assert r["params"] == r["planned_params"], (name, r["params"], r["planned_params"])
         if name == "pp2":  # the transition inside stage 0: a double and a single block there, two singles after
             assert [r["blocks"] for r in per_rank] == [(1, 1), (0, 2)], [r["blocks"] for r in per_rank]
+        if name.startswith("pp2"):  # stage 1's time, guidance and pooled embedders (2 linears each, w and b)
+            assert per_rank[0]["shared"] == [], per_rank[0]["shared"]
+            assert len(per_rank[1]["shared"]) == 12 and all(n.startswith(("time_embedder.", "guidance_embedder.",
+                                                                             "pooled_embedder."))
+                                                            for n in per_rank[1]["shared"]), per_rank[1]["shared"]
         if name == "pp2-boundary":
             assert [r["blocks"] for r in per_rank] == [(2, 0), (0, 2)], [r["blocks"] for r in per_rank]
         fp32 = dtype == torch.float32
