@@ -175,8 +175,9 @@ def qwen_image_arch(model: str | dict[str, Any], family: str = "qwen_image") -> 
 
 
 def sd3_arch(model: str | dict[str, Any]) -> DiTArch:
-    """SD3.5's transformer (a preset name or diffusers config): TP only (no CP, no PP in our model yet), full
-    recompute only (no selective checkpoint in `SD3Layer`), the sincos table a constant buffer on the first stage."""
+    """SD3.5's transformer (a preset name or diffusers config): TP, CP (Ulysses x ring over the image tokens, the
+    prompt whole on every CP rank) and PP over its blocks; full recompute only (no selective checkpoint in
+    `SD3Layer`); the sincos table a constant buffer on the first stage."""
     from model_providers.sd3.provider import hf_config, megatron_shapes
 
     cfg = hf_config(model)
@@ -193,12 +194,14 @@ def sd3_arch(model: str | dict[str, Any]) -> DiTArch:
                        TextEncoder("T5-XXL", SD3_T5_XXL_PARAMS)),
         vae_params=SD3_VAE_PARAMS, buffers=("patch_embed.pos_embed",),
         image_attention_layers=tuple(cfg["dual_attention_layers"]), last_text_queries=True,
-        fixed_text_tokens=SD3_CLIP_TOKENS, recompute_modes=("none", "full"), cp=False, pp=False,
+        fixed_text_tokens=SD3_CLIP_TOKENS, recompute_modes=("none", "full"),
         saved_per_token=SD3_SAVED_PER_TOKEN, image_attention_saved=SD3_IMAGE_ATTENTION_SAVED)
 
 
 def flux_arch(model: str | dict[str, Any]) -> DiTArch:
-    """FLUX.1's transformer (a preset name or diffusers config): TP only (our FLUX model refuses CP and PP), no
+    """FLUX.1's transformer (a preset name or diffusers config): TP, CP (Ulysses x ring over the image tokens; the
+    text part of every block's sequence whole on every CP rank) and PP over all its blocks in model order (double,
+    then single: `blocks` must divide by pp; FLUX.1-dev's 19 + 38 = 57 split over 3 or 19 stages); no
     selective recompute (full checkpoints every block, double then single), no constant buffers (RoPE is computed
     per forward). The guidance embedder, like the timestep and pooled ones, acts once per sample."""
     from model_providers.flux.provider import hf_config, megatron_shapes
@@ -215,7 +218,7 @@ def flux_arch(model: str | dict[str, Any]) -> DiTArch:
                              if f"{e}.linear_{i}.weight" in shapes) + ("norm_out.linear.weight",),
         text_encoders=(TextEncoder("CLIP-L", FLUX_CLIP_L_PARAMS, SD3_CLIP_TOKENS), TextEncoder("T5-XXL",
                                                                                               SD3_T5_XXL_PARAMS)),
-        vae_params=SD3_VAE_PARAMS, last_text_queries=True, recompute_modes=("none", "full"), cp=False, pp=False,
+        vae_params=SD3_VAE_PARAMS, last_text_queries=True, recompute_modes=("none", "full"),
         single_layers=int(cfg["num_single_layers"]), single_saved=FLUX_SINGLE_SAVED_PER_TOKEN,
         text_output_last=True, latent_pack=2)
 

@@ -56,12 +56,12 @@ def rank_parameter_counts(model: str | dict[str, Any] | DiTArch, tp: int, pp: in
     """Parameters held by one rank of each pipeline stage at tensor-parallel size `tp` (index = stage); constant
     buffers (`DiTArch.buffers`: SD3's sincos table) are not parameters (`rank_buffer_counts`)."""
     a = arch_of(model)
-    layers, heads = a.layers, a.heads
-    if layers % pp:
-        raise ValueError(f"{layers} blocks are not divisible by pp={pp}")
+    blocks, heads = a.blocks, a.heads
+    if blocks % pp:
+        raise ValueError(f"{blocks} blocks are not divisible by pp={pp}")
     if heads % tp:
         raise ValueError(f"{heads} heads are not divisible by tp={tp}")
-    per_stage = layers // pp
+    per_stage = blocks // pp  # stages split every block in model order (FLUX: the double ones, then the single)
     counts = [0] * pp
     for name, shape in a.shapes.items():
         n = math.prod(shape)
@@ -80,7 +80,7 @@ def rank_parameter_counts(model: str | dict[str, Any] | DiTArch, tp: int, pp: in
                 if shape[0] % tp:
                     raise ValueError(f"{name} {shape}: dim 0 is not divisible by tp={tp}")
                 n //= tp
-            counts[-1] += n  # the last stage's (the family has no pp)
+            counts[(a.layers + int(name.split(".")[1])) // per_stage] += n
         else:
             for s in _stage_of(a, name, pp):
                 counts[s] += n
@@ -245,19 +245,23 @@ def training_activation_bytes(
     """
     a = arch_of(model)
     hidden = a.hidden
-    blocks = a.layers // pp
     per_block = block_activation_bytes(hidden, tokens_per_rank, micro_batch_samples, tp, recompute, act_bytes,
                                        a.saved_per_token)
-    if a.single_layers:  # FLUX (no pp): the single-stream blocks over [text; image] beside the double ones
+    if a.single_layers:  # FLUX: the single-stream blocks over [text; image] after the double ones
+        # The first stage's blocks in model order: the double ones first, then single ones if it reaches them.
+        stage_blocks = a.blocks // pp
+        doubles = min(a.layers, stage_blocks)
+        singles = stage_blocks - doubles
         single_saved = {"none": a.single_saved}
         single = [block_activation_bytes(hidden, tokens_per_rank, micro_batch_samples, tp, mode, act_bytes,
                                          single_saved) for mode in ("none", recompute)]
         double_none = block_activation_bytes(hidden, tokens_per_rank, micro_batch_samples, tp, "none", act_bytes,
                                              a.saved_per_token)
-        held = in_flight * (blocks * per_block + a.single_layers * single[1])
+        held = in_flight * (doubles * per_block + singles * single[1])
         if recompute == "full":  # the block being recomputed holds its full set once
-            held += max(double_none, single[0])
+            held += max(double_none if doubles else 0, single[0] if singles else 0)
         return held
+    blocks = a.layers // pp
     dual = sum(1 for i in a.image_attention_layers if i < blocks)  # on the first stage
     extra = 0
     if dual and recompute != "full":

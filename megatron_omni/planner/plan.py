@@ -90,7 +90,7 @@ def validate(
         tokens = image_tokens(a, w.height, w.width) + w.condition_tokens
     except ValueError as e:
         raise LayoutError(str(e)) from e
-    resolved.validate_model(num_heads=cfg["num_attention_heads"], num_layers=cfg["num_layers"],
+    resolved.validate_model(num_heads=cfg["num_attention_heads"], num_layers=a.blocks,
                             image_tokens=tokens)
     dp = resolved.dp
     per_mini = w.images // w.mini_batches
@@ -188,7 +188,7 @@ def plan(
     flops = forward_flops(a, s_img, w.text_tokens)
     cfg_x = 2 if w.cfg else 1
     hidden = cfg["num_attention_heads"] * cfg["attention_head_dim"]
-    blocks_per_stage = cfg["num_layers"] // pp
+    blocks_per_stage = a.blocks // pp  # FLUX: its double and single blocks split together, in model order
 
     # --- memory
     stage_params = rank_parameter_counts(a, tp, pp)
@@ -255,11 +255,17 @@ def plan(
                + _alltoall_s(act_b * w.text_tokens * hidden / tp, lay.ulysses, uly_bw))
     # A second image attention (SD3.5-M's dual blocks) all-reduces its output projection once more.
     dual_blocks = sum(1 for i in a.image_attention_layers if i < blocks_per_stage)
-    comm_fwd = ((tp_fwd + uly_fwd) * blocks_per_stage
-                + dual_blocks * _allreduce_s(act_b * s_img // cp * hidden, tp, bw(tp, 1)))  # per sample, stage fwd
+    dual_comm = dual_blocks * _allreduce_s(act_b * s_img // cp * hidden, tp, bw(tp, 1))
     # FLUX's single block all-gathers [attention | MLP] (5 h / tp per token) before its output projection and that
-    # projection's h / tp output after it, over [text; image].
-    comm_fwd += a.single_layers * _alltoall_s(act_b * (s_img // cp + w.text_tokens) * 6 * hidden, tp, bw(tp, 1))
+    # projection's h / tp output after it, over [text; image]; under Ulysses its attention swaps as a double block's.
+    single_fwd = _alltoall_s(act_b * (s_img // cp + w.text_tokens) * 6 * hidden, tp, bw(tp, 1)) + uly_fwd
+
+    def stage_doubles(s: int) -> int:  # stages hold consecutive blocks in model order (FLUX: double, then single)
+        return max(0, min((s + 1) * blocks_per_stage, a.layers) - s * blocks_per_stage)
+
+    # Per sample, one stage's forward: the stage that communicates most.
+    comm_fwd = max((tp_fwd + uly_fwd) * stage_doubles(s) + single_fwd * (blocks_per_stage - stage_doubles(s))
+                   for s in range(pp)) + dual_comm
     fwd_passes_train = {"none": 1, "selective": 1, "full": 2}[recompute]  # forward comms in one training pass
     comm_train_sample = comm_fwd * (fwd_passes_train + 1)  # + the backward's mirror of the forward collectives
 

@@ -683,11 +683,14 @@ def _rollout_uses_trainer_model(cfg: JobConfig, model_dtype: torch.dtype, engine
 
 
 def _count_stage_replicas_once(model: MMDiTModel, groups: ParallelGroups) -> None:
-    """Every pipeline stage holds a replica of the timestep embedder (its grads are summed over stages):
-    mark the copies past the first stage `shared` so the grad norm (and clipping) counts it once, as at pp=1."""
+    """Every pipeline stage holds a replica of the conditioning embedders (the parameters marked
+    `pipeline_parallel`: the timestep embedder, and SD3.5's / FLUX's pooled and guidance embedders; their grads are
+    summed over stages): mark the copies past the first stage `shared` so the grad norm (and clipping) counts them
+    once, as at pp=1."""
     if groups.layout.pp > 1 and not groups.is_first_stage:
-        for p in model.time_embedder.parameters():
-            p.shared = True
+        for p in model.parameters():
+            if getattr(p, "pipeline_parallel", False):
+                p.shared = True
 
 
 def _frozen_copy(family: ModelFamily, mcfg: MMDiTConfig, groups: ParallelGroups, backend: str,

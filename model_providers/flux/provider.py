@@ -94,8 +94,10 @@ def make_tiny_pipeline(folder: Path, seed: int) -> Path:
 
 
 def build_model(config: FluxConfig, groups, backend: str = "local") -> FluxModel:
-    """This rank's tensor-parallel shard of the model (`groups`: `megatron_omni.parallel.ParallelGroups`)."""
-    groups.layout.validate_model(num_heads=config.num_attention_heads, num_layers=config.num_layers)
+    """This rank's stage of the model, its tensor-parallel shard (`groups`: `megatron_omni.parallel.ParallelGroups`);
+    pipeline stages split the double and single blocks together, in model order."""
+    groups.layout.validate_model(num_heads=config.num_attention_heads,
+                                 num_layers=config.num_layers + config.num_single_layers)
     return FluxModel(config, layer_spec(backend), groups)
 
 

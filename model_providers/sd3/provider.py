@@ -103,7 +103,7 @@ def make_tiny_pipeline(folder: Path, seed: int) -> Path:
 
 
 def build_model(config: SD3Config, groups, backend: str = "local") -> SD3Model:
-    """This rank's tensor-parallel shard of the model (`groups`: `megatron_omni.parallel.ParallelGroups`)."""
+    """This rank's stage of the model, its tensor-parallel shard (`groups`: `megatron_omni.parallel.ParallelGroups`)."""
     groups.layout.validate_model(num_heads=config.num_attention_heads, num_layers=config.num_layers)
     return SD3Model(config, layer_spec(backend), groups)
 

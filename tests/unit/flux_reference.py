@@ -16,11 +16,11 @@ S_TXT = 5
 BATCH = 2
 
 
-def reference_model(dtype: torch.dtype = torch.float32) -> FluxTransformer2DModel:
-    """The tiny diffusers transformer, seeded; every parameter N(0, 0.2) (adaLN and the output are zero-initialised
-    by default, which would hide the blocks)."""
+def reference_model(dtype: torch.dtype = torch.float32, config: dict | None = None) -> FluxTransformer2DModel:
+    """The tiny diffusers transformer (or `config`), seeded; every parameter N(0, 0.2) (adaLN and the output are
+    zero-initialised by default, which would hide the blocks)."""
     torch.manual_seed(0)
-    ref = FluxTransformer2DModel(**provider.hf_config("tiny"))
+    ref = FluxTransformer2DModel(**(config or provider.hf_config("tiny")))
     with torch.no_grad():
         for p in ref.parameters():
             p.normal_(0.0, 0.2)

@@ -15,11 +15,11 @@ S_TXT = 5
 BATCH = 2
 
 
-def reference_model(dtype: torch.dtype = torch.float32) -> SD3Transformer2DModel:
-    """The tiny diffusers transformer, seeded; every parameter N(0, 0.2) (adaLN is zero-initialised by default,
-    which would hide the blocks)."""
+def reference_model(dtype: torch.dtype = torch.float32, config: dict | None = None) -> SD3Transformer2DModel:
+    """The tiny diffusers transformer (or `config`), seeded; every parameter N(0, 0.2) (adaLN is zero-initialised by
+    default, which would hide the blocks)."""
     torch.manual_seed(0)
-    ref = SD3Transformer2DModel(**provider.hf_config("tiny"))
+    ref = SD3Transformer2DModel(**(config or provider.hf_config("tiny")))
     with torch.no_grad():
         for p in ref.parameters():
             p.normal_(0.0, 0.2)
@@ -108,3 +108,94 @@ def check(result: dict, fwd_rel: float = 1e-5, grad_rel: float = 1e-4) -> None:
     worst = max(result["grad"].items(), key=lambda kv: kv[1])
     assert worst[1] < grad_rel, worst
     assert not result["round_trip"], f"load -> export is not bit-exact for {result['round_trip']}"
+
+
+def parity_layout(groups, provider, model, ref_state: dict, make_batch, weight: torch.Tensor, ref_out: torch.Tensor,
+                  ref_grads: dict, s_txt: int, s_img: int, n_micro: int = 2) -> dict:
+    """The Megatron side of a parity check under context or pipeline parallelism, on packed tokens: load `ref_state`,
+    export it back (this stage's tensors), run `make_batch()` (a `DiTBatch`) forward and backward of the output
+    weighted by this CP rank's shard of `weight` [b, s_img, c] -- at pp > 1 through Megatron-Core's 1F1B schedule
+    (`get_forward_backward_func`, as `trainer.pipeline_step` runs it) over `n_micro` copies of the batch, whose
+    averaged loss has the single batch's gradient -- and reduce the gradients as finalize_model_grads does in
+    training (sum over cp, over tp for the replicated QK norms, over pp for the embedders every stage holds).
+    `ref_out` [b, s_img, c]: diffusers' packed output. The result dict `check_layout` reads (one per rank)."""
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+    from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
+
+    from megatron_omni.models.dit.model import pipeline_seq_length
+
+    provider.load_hf_state_dict(model, ref_state)
+    exported = provider.stage_hf_tensors(model)
+    mismatched = [n for n, t in exported.items() if not (n in ref_state and ref_state[n].dtype == t.dtype
+                                                        and torch.equal(ref_state[n], t))]
+    shard = model.image_shard(s_img)
+    pp = groups.layout.pp
+    outs: list[torch.Tensor] = []
+    if pp == 1:
+        out = model(make_batch())
+        (out.float() * weight[:, shard]).sum().backward()
+        outs.append(out.detach())
+    else:
+        def forward_step(data_iterator, module):
+            out = module(next(data_iterator))
+
+            def loss_func(output):
+                outs.append(output.detach().clone())
+                return (output.float() * weight[:, shard]).sum(), {}
+
+            return out, loss_func
+
+        get_forward_backward_func(pp_size=pp, vp_size=None)(
+            forward_step_func=forward_step, data_iterator=iter([make_batch() for _ in range(n_micro)]),
+            model=[model], num_microbatches=n_micro, seq_length=pipeline_seq_length(s_txt, s_img, groups.layout.cp),
+            micro_batch_size=weight.shape[0], p2p_communicator=P2PCommunicator(pp_group=groups.pp, config=model.config),
+            pg_collection=groups.mcore)
+    grads = {}
+    for name, p in model.named_parameters():
+        if p.grad is None:
+            continue
+        g = p.grad.clone()
+        if groups.layout.cp > 1:
+            dist.all_reduce(g, group=groups.cp)
+        if groups.layout.tp > 1 and ("q_layernorm" in name or "k_layernorm" in name):
+            dist.all_reduce(g, group=groups.tp)
+        if pp > 1 and getattr(p, "pipeline_parallel", False):
+            dist.all_reduce(g, group=groups.pp)
+        grads[name] = g
+    hf_grads = provider.stage_hf_tensors(model, grads)
+    ref = ref_out[:, shard].detach().float()
+    fwd = [o.float() for o in outs] if groups.is_last_stage else []
+    return {
+        "fwd_abs": max((float((o - ref).abs().max()) for o in fwd), default=None),
+        "fwd_rel": max((_rel(o, ref) for o in fwd), default=None),
+        "grad": {n: _rel(g, ref_grads[n]) for n, g in hf_grads.items() if n in ref_grads},
+        "ref_grads": sorted(ref_grads),
+        "stray": [n for n, g in hf_grads.items() if n not in ref_grads and g.any()],
+        "exported": sorted(exported),
+        "ref_state": sorted(ref_state),
+        "mismatched": mismatched,
+        "params": sum(p.numel() for p in model.parameters()),
+        "stage": groups.coords["pp"],
+    }
+
+
+def check_layout(results: list[dict], fwd_rel: float = 1e-5, grad_rel: float = 1e-4) -> dict:
+    """Assert the ranks' `parity_layout` results together: the last stage's forward within `fwd_rel` on every CP
+    rank, every diffusers gradient covered by some rank and within `grad_rel` wherever computed, no stray gradient,
+    every tensor exported by some stage bit-exact. Returns the worst figures (fwd_abs, fwd_rel, grad name and rel)."""
+    fwd = [r for r in results if r["fwd_rel"] is not None]
+    assert fwd, "no rank returned the model's output"
+    worst_fwd = max(r["fwd_rel"] for r in fwd)
+    assert worst_fwd < fwd_rel, worst_fwd
+    grads: dict[str, float] = {}
+    for r in results:
+        assert not r["stray"], f"nonzero gradients diffusers does not have: {r['stray']}"
+        assert not r["mismatched"], f"load -> export is not bit-exact for {r['mismatched']}"
+        for n, e in r["grad"].items():
+            grads[n] = max(e, grads.get(n, 0.0))
+    missing = set(results[0]["ref_grads"]) - set(grads)
+    assert not missing, f"diffusers parameters no rank got a gradient for: {sorted(missing)}"
+    assert set().union(*(r["exported"] for r in results)) == set(results[0]["ref_state"])
+    worst = max(grads.items(), key=lambda kv: kv[1])
+    assert worst[1] < grad_rel, worst
+    return {"fwd_abs": max(r["fwd_abs"] for r in fwd), "fwd_rel": worst_fwd, "grad": worst}

@@ -1,9 +1,11 @@
 """The planner's FLUX.1 cost model (`planner.arch.flux_arch`): per-rank parameters equal the provider's exact count
 (and, at tp 2, a hand count of what each rank holds: every single-block linear column-parallel), the FLOPs of one
 forward equal a hand count from the published shapes (19 double blocks whose last keeps its text stream, 38 single
-blocks over [text; image], the guidance embedder), and the layouts our FLUX model refuses are refused by name."""
+blocks over [text; image], the guidance embedder), and pipeline stages split all blocks in model order."""
 
 from __future__ import annotations
+
+import math
 
 import pytest
 
@@ -51,12 +53,26 @@ def test_flux1_dev_counts_and_flops_by_hand() -> None:
     assert f.per_sample == per_sample
 
 
-@pytest.mark.parametrize(("cp", "pp", "what"), [(2, 1, "context parallelism"), (1, 2, "pipeline parallelism")])
-def test_refuses_cp_and_pp_by_name(cp: int, pp: int, what: str) -> None:
-    with pytest.raises(LayoutError, match=f"flux model has no {what}"):
-        arch_of("flux1-dev").check_layout(1, cp, pp, "full")
+def test_cp_and_pp_plan_blocks_in_model_order() -> None:
+    """CP and PP are planned (the model has both); stages split all 57 blocks of FLUX.1-dev in model order: at pp 3
+    the first holds the 19 double blocks (and the input embedders), the others 19 single blocks each (and the last
+    the output layers), every stage the time, guidance and pooled embedders; pp 2 does not divide 57."""
+    a = arch_of("flux1-dev")
+    a.check_layout(2, 2, 3, "full")
     with pytest.raises(LayoutError, match="no 'selective' recompute"):
-        arch_of("flux1-dev").check_layout(1, 1, 1, "selective")
+        a.check_layout(1, 1, 1, "selective")
+    shapes = provider.megatron_shapes("flux1-dev")
+
+    def total(prefixes: tuple[str, ...]) -> int:
+        return sum(math.prod(v) for k, v in shapes.items() if k.startswith(prefixes))
+
+    embedders = total(("time_embedder.", "guidance_embedder.", "pooled_embedder."))
+    singles = [total(tuple(f"single_layers.{i}." for i in range(k, k + 19))) for k in (0, 19)]
+    assert rank_parameter_counts(a, 1, 3) == [
+        embedders + total(("x_embedder.", "context_embedder.", "layers.")), embedders + singles[0],
+        embedders + singles[1] + total(("norm_out.", "proj_out."))]
+    with pytest.raises(ValueError, match="57 blocks are not divisible by pp=2"):
+        rank_parameter_counts(a, 1, 2)
 
 
 def test_image_tokens_count_packed_latents() -> None:

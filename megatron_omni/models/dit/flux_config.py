@@ -31,7 +31,7 @@ class FluxConfig(TransformerConfig):
     rope_theta: float = 10000.0
     timestep_channels: int = 256
     norm_eps: float = 1e-6
-    # Context parallelism is not implemented for FLUX yet; kept for the shared DiT stage's checks.
+    # The context-parallel split of the image tokens (Ulysses x ring), as `MMDiTConfig` has it.
     ulysses_size: int = 1
     ring_size: int = 1
     has_cond_embedder: bool = True

@@ -7,8 +7,14 @@ FLUX.1-dev) or `CombinedTimestepTextProjEmbeddings`: an MLP of sinusoidal featur
 compute dtype first, as diffusers does), plus one of 1000 x the guidance scale, plus an MLP of the pooled CLIP
 embedding. Blocks, norm and head run sequence-first `[s, b, h]`.
 
-This slice holds the whole model on every rank (pp = 1, no context parallelism); `DiTStage` gives the process groups
-and the names.
+Parallelism as the Qwen-Image model has it (`DiTStage`): tensor parallelism in the blocks; context parallelism over
+the image tokens (each CP rank keeps its contiguous shard of the packed latent tokens and the matching rows of the
+image RoPE table; the prompt, its RoPE rows and the text part of every single block's [text; image] stay whole on
+every CP rank; both block kinds attend through `context_parallel.joint_attention`); pipeline parallelism over all
+`num_layers + num_single_layers` blocks in model order, so the double -> single transition falls inside a stage or
+at a stage boundary (the first stage owns `x_embedder` / `context_embedder`, the last `norm_out` / `proj_out`, every
+stage the timestep, guidance and pooled embedders). Between stages travels `[s_txt + s_img_local, b, h]`, the
+single blocks' [text; image] split as the double blocks' two streams are.
 """
 
 from __future__ import annotations
@@ -33,10 +39,13 @@ class FluxModel(DiTStage):
 
     def __init__(self, config: FluxConfig, layer_spec: tuple[MMDiTLayerSubmodules, FluxSingleSubmodules],
                  groups) -> None:
-        super().__init__(config, groups, True, True)
-        if groups.mcore.pp.size() > 1 or self.cp_group.size() > 1:
-            raise ValueError("the FLUX model supports tensor parallelism only so far (pp = cp = 1)")
+        super().__init__(config, groups, num_blocks=config.num_layers + config.num_single_layers)
         double_spec, single_spec = layer_spec
+        # This stage's blocks [layer_offset, layer_offset + num_stage_layers) in model order: doubles, then singles.
+        start, stop = self.layer_offset, self.layer_offset + self.num_stage_layers
+        doubles = range(start, min(stop, config.num_layers))
+        singles = range(max(start, config.num_layers) - config.num_layers, max(stop - config.num_layers, 0))
+        self.double_offset, self.single_offset = doubles.start, singles.start
         h, dtype = config.hidden_size, config.params_dtype
         pg = self.pg_collection
         # t = 1000 sigma enters as given (diffusers multiplies in the compute dtype; see `forward`).
@@ -46,25 +55,27 @@ class FluxModel(DiTStage):
             self.guidance_embedder = TimestepEmbedder(h, config.timestep_channels, dtype=dtype, scale=1.0,
                                                       round_timestep=False)
         self.pooled_embedder = PooledEmbedder(config.pooled_projection_dim, h, dtype)
-        self.x_embedder = nn.Linear(config.in_channels, h, dtype=dtype)
-        self.context_embedder = nn.Linear(config.joint_attention_dim, h, dtype=dtype)
+        if self.pre_process:
+            self.x_embedder = nn.Linear(config.in_channels, h, dtype=dtype)
+            self.context_embedder = nn.Linear(config.joint_attention_dim, h, dtype=dtype)
         self.layers = nn.ModuleList(MMDiTLayer(config, double_spec, i + 1, pg, self.ulysses_group, self.ring_group)
-                                    for i in range(config.num_layers))
+                                    for i in doubles)
         self.single_layers = nn.ModuleList(
             FluxSingleLayer(config, single_spec, config.num_layers + i + 1, pg.tp, self.ulysses_group,
                             self.ring_group)
-            for i in range(config.num_single_layers))
-        self.norm_out = _AdaNormOut(h, config.norm_eps, dtype=dtype)
-        self.proj_out = nn.Linear(h, config.patch_size**2 * config.out_channels, dtype=dtype)
+            for i in singles)
+        if self.post_process:
+            self.norm_out = _AdaNormOut(h, config.norm_eps, dtype=dtype)
+            self.proj_out = nn.Linear(h, config.patch_size**2 * config.out_channels, dtype=dtype)
 
-    def recompute_block(self, i: int) -> bool:
-        """Whether full recompute checkpoints block i (double-stream blocks first, then the single-stream ones):
-        the first `recompute_num_layers` of all of them (all when unset)."""
-        cfg = self.config
-        if cfg.recompute_granularity != "full" or not (self.training and torch.is_grad_enabled()):
-            return False
-        total = cfg.num_layers + cfg.num_single_layers
-        return i < (total if cfg.recompute_num_layers is None else cfg.recompute_num_layers)
+    def global_name(self, local: str) -> str:
+        """The model-wide name of one of this stage's tensors: its double block i is `layers.{double_offset + i}`,
+        its single block j `single_layers.{single_offset + j}`."""
+        for prefix, offset in (("layers.", self.double_offset), ("single_layers.", self.single_offset)):
+            if local.startswith(prefix):
+                idx, _, rest = local[len(prefix):].partition(".")
+                return f"{prefix}{int(idx) + offset}" + (f".{rest}" if rest else "")
+        return local
 
     def conditioning(self, sigma: torch.Tensor, pooled: torch.Tensor, guidance: torch.Tensor | None) -> torch.Tensor:
         """sigma [b], pooled [b, P], guidance [b] or None -> temb [b, h] (diffusers' rounding: t and the guidance
@@ -84,16 +95,20 @@ class FluxModel(DiTStage):
         f, hh, ww = batch.grid
         if f != 1 or batch.cond_grids:
             raise ValueError(f"FLUX generates one image: patch grid (1, h, w) and no conditions, got {batch.grids}")
-        if batch.latents.shape[1] != hh * ww:
-            raise ValueError(f"latents carry {batch.latents.shape[1]} tokens but grid {batch.grid} has {hh * ww}")
+        shard = self.image_shard(hh * ww)
         dtype = self.config.params_dtype
         temb = self.conditioning(batch.sigma, batch.pooled, batch.guidance)
-        # Contiguous sequence-first copies: a linear over a transposed view takes another CPU GEMM path (bf16).
-        img = self.x_embedder(batch.latents.to(dtype)).transpose(0, 1).contiguous()
-        txt = self.context_embedder(batch.prompt_embeds.to(dtype)).transpose(0, 1).contiguous()
+        if self.pre_process:
+            if batch.latents.shape[1] != hh * ww:
+                raise ValueError(f"latents carry {batch.latents.shape[1]} tokens but grid {batch.grid} has {hh * ww}")
+            # Contiguous sequence-first copies: a linear over a transposed view takes another CPU GEMM path (bf16).
+            img = self.x_embedder(batch.latents[:, shard].to(dtype)).transpose(0, 1).contiguous()
+            txt = self.context_embedder(batch.prompt_embeds.to(dtype)).transpose(0, 1).contiguous()
+        else:
+            txt, img = self.stage_input(shard.stop - shard.start)
         img_angles, txt_angles = flux_rope_angles(hh, ww, txt.shape[0], tuple(self.config.axes_dims_rope),
                                                   self.config.rope_theta)
-        img_rope = rope_rotations(img_angles).to(img.device)
+        img_rope = rope_rotations(img_angles[shard]).to(img.device)
         txt_rope = rope_rotations(txt_angles).to(img.device)
         blocks = [*self.layers, *self.single_layers]
         for i, layer in enumerate(blocks):
@@ -104,5 +119,7 @@ class FluxModel(DiTStage):
                 img, txt = tensor_parallel.checkpoint(layer, False, *args)
             else:
                 img, txt = layer(*args)
+        if not self.post_process:
+            return torch.cat([txt, img], dim=0)
         out = self.proj_out(self.norm_out(img, temb))
-        return out.transpose(0, 1)  # [b, s_img, p*p*out]
+        return out.transpose(0, 1)  # [b, s_img_local, p*p*out]

@@ -66,7 +66,10 @@ class DiTStage(MegatronModule):
     full recompute checkpoints. Between stages travels `[s_txt + s_img_local, b, h]`: the text stream, then
     this CP rank's image shard."""
 
-    def __init__(self, config, groups, pre_process: bool | None = None, post_process: bool | None = None):
+    def __init__(self, config, groups, pre_process: bool | None = None, post_process: bool | None = None,
+                 num_blocks: int | None = None):
+        """`num_blocks`: the blocks split over the pipeline stages (default `config.num_layers`; FLUX counts its
+        single-stream blocks too)."""
         super().__init__(config)
         self.model_type = ModelType.encoder_or_decoder
         pg = groups.mcore
@@ -77,9 +80,10 @@ class DiTStage(MegatronModule):
         pp_size, pp_rank = pg.pp.size(), pg.pp.rank()
         self.pre_process = pp_rank == 0 if pre_process is None else pre_process
         self.post_process = pp_rank == pp_size - 1 if post_process is None else post_process
-        if config.num_layers % pp_size:
-            raise ValueError(f"{config.num_layers} blocks are not divisible by {pp_size} pipeline stages")
-        self.num_stage_layers = config.num_layers // pp_size
+        blocks = config.num_layers if num_blocks is None else num_blocks
+        if blocks % pp_size:
+            raise ValueError(f"{blocks} blocks are not divisible by {pp_size} pipeline stages")
+        self.num_stage_layers = blocks // pp_size
         self.layer_offset = pp_rank * self.num_stage_layers
         self.input_tensor: torch.Tensor | None = None
 

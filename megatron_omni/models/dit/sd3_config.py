@@ -28,7 +28,7 @@ class SD3Config(TransformerConfig):
     dual_attention_layers: tuple[int, ...] = ()
     timestep_channels: int = 256
     norm_eps: float = 1e-6
-    # Context parallelism is not implemented for SD3 yet; kept for the shared DiT stage's checks.
+    # The context-parallel split of the image tokens (Ulysses x ring), as `MMDiTConfig` has it.
     ulysses_size: int = 1
     ring_size: int = 1
     has_cond_embedder: bool = True

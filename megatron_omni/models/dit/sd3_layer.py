@@ -9,6 +9,12 @@ SD3's differences:
   chunked shift, scale, gate, shift_mlp, scale_mlp, gate_mlp, shift2, scale2, gate2);
 - `context_pre_only` (the last block): the text stream's norm is `AdaLayerNormContinuous` (2 x hidden, chunked
   scale, shift) and the stream has no output projection or MLP; its attention output is dropped.
+
+Context parallelism (Ulysses x ring, `context_parallel`): the image stream holds this CP rank's contiguous shard of
+image tokens, the text stream the whole prompt on every CP rank, as in the Qwen-Image block. The joint attention then
+goes through `context_parallel.joint_attention` ([text; image] key order) and the dual blocks' image-only attention
+through `context_parallel.self_attention`; the pre-only block skips its text queries there (nothing reads them).
+Without CP the block keeps diffusers' [image; text] order (`_joint_attention`), which its bf16 parity relies on.
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import build_module
 from torch import nn
 
+from megatron_omni.models.dit.context_parallel import joint_attention, self_attention
 from megatron_omni.models.dit.layer import MMDiTLayerSubmodules, MMDiTStreamSubmodules, _modulate
 from megatron_omni.models.dit.sd3_config import SD3Config
 
@@ -99,9 +106,12 @@ class SD3Layer(MegatronModule):
     `config.dual_attention_layers` and context-pre-only (returns txt None) when it is the model's last."""
 
     def __init__(self, config: SD3Config, submodules: MMDiTLayerSubmodules, layer_number: int,
-                 pg_collection: ProcessGroupCollection):
+                 pg_collection: ProcessGroupCollection, ulysses_group: dist.ProcessGroup | None = None,
+                 ring_group: dist.ProcessGroup | None = None):
         super().__init__(config)
         self.layer_number = layer_number
+        self.ulysses_group, self.ring_group = ulysses_group, ring_group
+        self.context_parallel = ulysses_group is not None or ring_group is not None
         self.dual = (layer_number - 1) in tuple(config.dual_attention_layers)
         self.context_pre_only = layer_number == config.num_layers
         tp = pg_collection.tp
@@ -130,12 +140,23 @@ class SD3Layer(MegatronModule):
         # The pre-only block's text queries feed nothing, but diffusers computes them: the image output is then
         # the same strided slice whose projection rounds as diffusers' does in bf16 (`_joint_attention`).
         q_t, k_t, v_t = self.txt.qkv(txt_normed)
-        out_i, out_t = _joint_attention(q_i, k_i, v_i, q_t, k_t, v_t)
+        if self.context_parallel:
+            out_t, out_i = joint_attention(None if self.context_pre_only else q_t, k_t, v_t, q_i, k_i, v_i, None,
+                                           ulysses_group=self.ulysses_group, ring_group=self.ring_group)
+            out_i = out_i.flatten(-2).transpose(0, 1)  # batch-first, as `project` takes it
+            out_t = None if out_t is None else out_t.flatten(-2).transpose(0, 1)
+        else:
+            out_i, out_t = _joint_attention(q_i, k_i, v_i, q_t, k_t, v_t)
         img = img + i_gate1 * self.img.project(out_i)
         if self.dual:
             shift3, scale3, gate3 = i_mod[6:]
             q2, k2, v2 = self.img_attn2.qkv(img_ln * (1 + scale3) + shift3)
-            img = img + gate3 * self.img_attn2.project(_joint_attention(q2, k2, v2, None, None, None)[0])
+            if self.context_parallel:
+                out2 = self_attention(q2, k2, v2, ulysses_group=self.ulysses_group, ring_group=self.ring_group)
+                out2 = out2.flatten(-2).transpose(0, 1)
+            else:
+                out2 = _joint_attention(q2, k2, v2, None, None, None)[0]
+            img = img + gate3 * self.img_attn2.project(out2)
         img = img + i_gate2 * self.img.mlp(_modulate(img, i_shift2, i_scale2, eps))
         if self.context_pre_only:
             return img, None
