@@ -183,7 +183,8 @@ class WanLayer(MegatronModule):
 
     def forward(self, x: torch.Tensor, txt: torch.Tensor, temb_proj: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
         """x [s_local, b, h] (this CP rank's video shard), txt [s_txt, b, h], temb_proj [b, 6, h] (the model's
-        timestep projection; [s_local, b, 6, h] with per-token timesteps), rope [s_local, d/2] complex rotations -> x [s_local, b, h]."""
+        timestep projection; [s_local, b, 6, h] with per-token timesteps), rope [s_local, d/2] complex rotations
+        -> x [s_local, b, h]."""
         eps = self.config.norm_eps
         selective = self.config.recompute_granularity == "selective"
         # [b, 6, h] (or per token [s, b, 6, h]) -> six [1 | s, b, h] fp32 rows: shift, scale, gate (self-attention),
