@@ -4,7 +4,8 @@
 latents as the condition) for the same seeds; an image-to-video SDE trajectory keeps the condition tokens clean at
 every step, they carry no log-prob (changing their velocity changes nothing), our Megatron model (world size 1)
 recomputes the rollout's log-probs to |dlogp| <= 1e-6; the folder's transformer converts byte-exactly; an image
-prompt on a text-to-video folder and DiffusionNFT on an image-conditioned trajectory are refused by name."""
+prompt on a text-to-video folder, DiffusionNFT on an image-conditioned trajectory and the folder on the vLLM-Omni
+Wan pipeline are refused by name."""
 
 from __future__ import annotations
 
@@ -139,3 +140,10 @@ def test_image_prompt_on_a_text_to_video_folder_is_refused(engine: WanRolloutEng
         engine.expand_timesteps = True
     with pytest.raises(ValueError, match="mix image-conditioned and unconditioned"):
         engine.generate([images[0], TEXT[0]], replace(SDE.ode(), num_steps=1))
+
+
+def test_the_vllm_omni_wan_pipeline_refuses_the_ti2v_folder_by_name(folder: str) -> None:
+    from megatron_omni.rollout.vllm_omni.wan_pipeline import require_text_to_video
+
+    with pytest.raises(ValueError, match="Wan2.2-TI2V folder .* not sampled by the vLLM-Omni Wan pipeline"):
+        require_text_to_video(folder)

@@ -55,6 +55,7 @@ class WanRolloutEngine(DiffusersRolloutEngine):
     `DiffusersRolloutEngine`'s (`model_path`: a diffusers `WanPipeline` folder)."""
 
     cfg_rescale = False  # WanPipeline's guidance is plain
+    expand_timesteps = False  # a Wan2.2-TI2V folder's per-token timesteps (set from the folder by _load_pipeline)
 
     def _load_pipeline(self, model_path: str | os.PathLike, dtype: torch.dtype):
         from diffusers import WanPipeline
@@ -155,6 +156,7 @@ class WanRolloutEngine(DiffusersRolloutEngine):
             raise ValueError(f"image-to-video conditions the first latent frame; temporal patch {self.patch_size[0]}"
                              " mixes it with the next")
         key = (record.image, params.height, params.width)
+        self._conditions = getattr(self, "_conditions", {})
         if key not in self._conditions:
             self._conditions[key] = self.condition_latents(record.load_image(), params).to(self.device)
         cond = self._conditions[key]
@@ -165,7 +167,7 @@ class WanRolloutEngine(DiffusersRolloutEngine):
 
     def clear_prompt_cache(self) -> None:
         super().clear_prompt_cache()
-        self._conditions.clear()
+        getattr(self, "_conditions", {}).clear()
 
     # ------------------------------------------------------------------ prompts
     def token_ids(self, text: str, max_length: int | None = None) -> tuple[int, ...]:
