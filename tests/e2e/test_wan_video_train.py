@@ -11,8 +11,8 @@ seeds 0 / 1 / 2: +0.0160 / +0.0076 / +0.0150 (the step's reward std is ~0.001-0.
 test asserts > 0.005, below the smallest. With CFG 5.0 at TP=1, seeds 0 / 1 / 2: +0.0066 / +0.0070 / +0.0085: the
 test asserts > 0.004 (text-to-video on the tiny folder; image-to-video on the TI2V folder, the run the test makes,
 seeds 0 / 1: +0.0163 / +0.0087; train/rollout |dlogp| 0). With CFG 5.0 on the vLLM-Omni engine (in process, on
-the tiny folder with head dim 12: `wan_pipeline.check_rope_split`), seeds 0 / 1 / 2: +0.0065 / +0.0120 / +0.0121, train/rollout |dlogp| <= 3.6e-7:
-the test asserts > 0.004 and |dlogp| < 1e-5."""
+the tiny folder with head dim 12: `wan_pipeline.check_rope_split`), seeds 0 / 1 / 2: +0.0065 / +0.0120 / +0.0121,
+train/rollout |dlogp| <= 3.6e-7: the test asserts > 0.004 and |dlogp| < 1e-5."""
 
 from __future__ import annotations
 
