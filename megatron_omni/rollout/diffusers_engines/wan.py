@@ -169,6 +169,14 @@ class WanRolloutEngine(DiffusersRolloutEngine):
         super().clear_prompt_cache()
         getattr(self, "_conditions", {}).clear()
 
+    def generate(self, prompts, params: SamplingParams, group_size: int = 1, seeds=None, on_sample=None):
+        """See `RolloutEngine.generate`; a call whose prompts mix image records and text is refused before any work
+        (one trajectory holds one count of clean condition tokens)."""
+        if len({self.image_record(p) is None for p in prompts}) > 1:
+            raise ValueError("the prompts of one generate call mix image-conditioned and unconditioned samples: "
+                             "give every prompt of a call an image, or none")
+        return super().generate(prompts, params, group_size, seeds, on_sample)
+
     # ------------------------------------------------------------------ prompts
     def token_ids(self, text: str, max_length: int | None = None) -> tuple[int, ...]:
         """The token ids `WanPipeline` feeds its text encoder for `text` (`wan_token_ids`; an image record's
