@@ -33,7 +33,7 @@ def wan_video_demo() -> JobConfig:
     return cfg
 
 
-# The published text-to-video shapes the launch script trains (examples/wan/train_wan.sh SIZE=14b | 5b): the
+# The published shapes the launch script trains (examples/wan/train_wan.sh SIZE=14b | 5b): the
 # diffusers folder (WAN_PIPELINE, else the default below; a dry run without it plans with the preset), the
 # preset, the clip (Wan2.1: 81 frames at 480 x 832, 16 fps; Wan2.2-TI2V-5B: 121 frames at 704 x 1280, 24 fps).
 SIZES: dict[str, dict] = {
@@ -87,6 +87,18 @@ def wan_video(size: str) -> JobConfig:
     cfg.logging.video_format = "mp4"
     # Adam's state sharded over dp x cp (Megatron's distributed optimizer): 14B's would be 160 GiB per GPU unsharded
     o.distributed_optimizer = True
+    if size == "5b":
+        # Wan2.2-TI2V-5B as published: image-to-video from (image, instruction) records when I2V_RECORDS names a
+        # JSONL of them (model_providers/qwen_image_edit/data.py's format; each clip's first latent frame is its
+        # image), else text-to-video; true CFG at WanPipeline's default 5.0 (its default negative prompt "", the
+        # UMT5 tokenizer's end-of-sequence token), which the planner counts as a second row per clip
+        records = os.environ.get("I2V_RECORDS")
+        if records:
+            from model_providers.qwen_image_edit.data import read_edit_records
+
+            cfg.prompts = [rec.prompt for rec in read_edit_records(records)]
+        r.guidance_scale = 5.0
+        r.negative_prompt = ""
     chosen = planner_cp(cfg, int(os.environ.get("WORLD_SIZE", "1")), os.environ.get("GPU_KIND") or "H200")
     cfg.parallel.ulysses = chosen.layout.ulysses
     return cfg
@@ -98,5 +110,6 @@ def wan_14b() -> JobConfig:
 
 
 def wan_5b() -> JobConfig:
-    """Wan2.2-TI2V-5B's shape (text-to-video; its 48-channel VAE compresses 4 x 16 x 16): 121-frame 720p clips."""
+    """Wan2.2-TI2V-5B (expanded timesteps; its 48-channel VAE compresses 4 x 16 x 16): 121-frame 720p clips,
+    image-to-video from I2V_RECORDS (else text-to-video), true CFG 5.0."""
     return wan_video("5b")

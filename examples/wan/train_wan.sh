@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Wan text-to-video, FlowGRPO x video OCR + temporal consistency, on NNODES nodes x 8 GPUs:
-#   SIZE=14b (Wan2.1-T2V-14B, 81 x 480 x 832, default NNODES=2) | SIZE=5b (Wan2.2-TI2V-5B, 121 x 704 x 1280, NNODES=1).
+#   SIZE=14b (Wan2.1-T2V-14B, 81 x 480 x 832, default NNODES=2) | SIZE=5b (Wan2.2-TI2V-5B, 121 x 704 x 1280, NNODES=1;
+#   image-to-video from I2V_RECORDS=records.jsonl ({"image", "instruction"} per line), else text-to-video; CFG 5.0).
 # The Ulysses degree (context parallelism over the video tokens) is the planner's: the smallest that fits the
 # clip at this world size (examples/wan/recipe.py, planner/video.py). Plain torchrun form: run it on every node
 # with its NODE_RANK, as examples/qwen_image/train_20b.sh.

@@ -69,8 +69,11 @@ class TransitionInputs:
 def conditioning(traj: Trajectory, rows: torch.Tensor) -> dict:
     """`guided_batch`'s conditioning keywords for samples `rows` of `traj`: its source-image tokens and grids
     (an edit trajectory's `cond_latents`, `cond_shapes`) and the distilled guidance input of a guidance-distilled
-    model's trajectory (`distilled_guidance`); none for a trajectory without them."""
+    model's trajectory (`distilled_guidance`) and an image-to-video trajectory's clean condition tokens
+    (`clean_tokens`); none for a trajectory without them."""
     out = {}
+    if getattr(traj, "clean_tokens", 0):
+        out["clean_tokens"] = int(traj.clean_tokens)
     guidance = getattr(traj, "distilled_guidance", None)
     if guidance is not None:
         out["distilled_guidance"] = guidance[rows]
@@ -119,17 +122,24 @@ def transition_inputs(traj: Trajectory, rows: torch.Tensor, j: int | torch.Tenso
 
 def transition_output(traj: Trajectory, inputs: TransitionInputs, v_all: torch.Tensor) -> SdeStepOutput:
     """The transition from the forward's raw velocities `v_all` [B + K, S, C] (CFG combined here):
-    log_prob [B] of the recorded next latents, mean [B, S, C] and std [B]."""
-    return sde_step(
-        inputs.latents,
-        inputs.batch.combine(v_all),
+    log_prob [B] of the recorded next latents, mean [B, S, C] and std [B]. Clean condition tokens
+    (`batch.clean_tokens`, image-to-video) are no part of the transition: the log-prob is the generated tokens'
+    and their mean is the condition itself."""
+    k = inputs.batch.clean_tokens
+    out = sde_step(
+        inputs.latents[:, k:],
+        inputs.batch.combine(v_all)[:, k:],
         inputs.sigma,
         inputs.sigma_next,
         traj.noise_level,
         traj.sde_type,
         sigma_after_one=inputs.sigma_after_one,
-        next_latents=inputs.next_latents,
+        next_latents=inputs.next_latents[:, k:],
     )
+    if k:
+        out.next_latents = torch.cat([inputs.next_latents[:, :k].float(), out.next_latents], 1)
+        out.coeffs.mean = torch.cat([inputs.latents[:, :k].float(), out.coeffs.mean], 1)
+    return out
 
 
 def transition_step(

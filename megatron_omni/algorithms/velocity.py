@@ -58,7 +58,9 @@ class GuidedBatch:
     latents in the forward's image stream, on patch grids `cond_shapes`; the velocity is read from the first S.
     pooled [B + K, P] pooled text embeddings of a family conditioned on them (SD3.5), or None; cfg_rescale: true
     CFG rescales per token (Qwen-Image) or not (SD3.5, plain guidance). distilled_guidance [B + K]: the guidance
-    scale a guidance-distilled model takes as an input (FLUX.1-dev), or None.
+    scale a guidance-distilled model takes as an input (FLUX.1-dev), or None. clean_tokens: the leading latent tokens
+    that are a clean image condition (Wan2.2 TI2V's first frame): the forward's timestep is then per token
+    `[B + K, S]`, 0 on them.
     """
 
     latents: torch.Tensor
@@ -73,6 +75,7 @@ class GuidedBatch:
     pooled: torch.Tensor | None = None
     cfg_rescale: bool = True
     distilled_guidance: torch.Tensor | None = None
+    clean_tokens: int = 0
 
     @property
     def batch(self) -> int:
@@ -83,13 +86,17 @@ class GuidedBatch:
         """The forward's tensors in the model's compute dtype: hidden_states [B + K, S, C],
         encoder_hidden_states [B + K, L, D], encoder_hidden_states_mask [B + K, L], timestep [B + K] (and
         pooled_projections [B + K, P] when the batch has pooled embeddings); with conditioning tokens
-        hidden_states is [B + K, S + S_c, C]."""
+        hidden_states is [B + K, S + S_c, C]; with clean tokens timestep is [B + K, S], 0 on them."""
         latents = self.latents if self.cond_latents is None else torch.cat([self.latents, self.cond_latents], 1)
+        sigma = self.sigma
+        if self.clean_tokens:
+            sigma = sigma[:, None].expand(-1, self.latents.shape[1]).clone()
+            sigma[:, : self.clean_tokens] = 0
         out = dict(
             hidden_states=latents.to(dtype),
             encoder_hidden_states=self.text.to(dtype),
             encoder_hidden_states_mask=self.mask,
-            timestep=model_timesteps(self.sigma, dtype),
+            timestep=model_timesteps(sigma, dtype),
         )
         if self.pooled is not None:
             out["pooled_projections"] = self.pooled.to(dtype)
@@ -144,6 +151,7 @@ def guided_batch(
     negative_pooled: torch.Tensor | None = None,
     cfg_rescale: bool = True,
     distilled_guidance: torch.Tensor | None = None,
+    clean_tokens: int = 0,
 ) -> GuidedBatch:
     """Stack the conditional rows and the negative rows of the CFG samples into one forward's batch; its
     `velocity(model, dtype)` is each row's velocity with true CFG on the rows whose guidance scale is > 1.
@@ -163,6 +171,7 @@ def guided_batch(
             conditioned on them; None otherwise).
         cfg_rescale: true CFG's per-token rescale (False: plain guidance).
         distilled_guidance: [B] a guidance-distilled model's guidance input (FLUX.1-dev), or None.
+        clean_tokens: leading tokens of `latents` that are a clean image condition (timestep 0; Wan2.2 TI2V).
     """
     if (cond_latents is None) != (not cond_shapes):
         raise ValueError("cond_latents and cond_shapes go together (conditioning tokens and their grids)")
@@ -172,7 +181,7 @@ def guided_batch(
     )
     if cfg_rows.numel() == 0:
         return GuidedBatch(latents, prompt_embeds, prompt_mask, sigma, cfg_rows, guidance_scale, tuple(img_shape),
-                           cond_latents, cond_shapes, pooled, cfg_rescale, distilled_guidance)
+                           cond_latents, cond_shapes, pooled, cfg_rescale, distilled_guidance, clean_tokens)
     if negative_embeds is None or negative_mask is None:
         raise ValueError("guidance_scale > 1 needs negative prompt embeddings")
     if (pooled is None) != (negative_pooled is None):
@@ -204,6 +213,7 @@ def guided_batch(
         cfg_rescale=cfg_rescale,
         distilled_guidance=None if distilled_guidance is None else torch.cat([distilled_guidance,
                                                                               distilled_guidance[cfg_rows]]),
+        clean_tokens=clean_tokens,
     )
 
 

@@ -15,9 +15,22 @@ Parameter counts per rank are the provider's exact ones (`model_providers.wan.pr
 on every rank with the full transformer, rolling out its share of the clips, then the old log-probs and the
 update on the Megatron model): per-GPU memory with the image planner's memory terms (`memory.MemoryReport`,
 `memory.block_activation_bytes`, over the video tokens of this CP rank plus the text) and step time from the
-FLOPs above at an assumed MFU. Collectives, the text encoder and the VAE are not modelled (a long clip's
-attention dominates its forward). `choose_cp` picks the smallest Ulysses degree whose plan fits: what a long
-clip needs, since its activations grow with the tokens per rank.
+FLOPs above at an assumed MFU, with the image planner's other terms (`planner.plan`):
+- true CFG (`VideoWorkload.cfg`): every forward carries a negative row per clip (Wan guides plainly), in the
+  rollout and in the trainer's recompute, so forwards and the micro-batch's rows double;
+- the text encoder (umT5-XXL, `UMT5_XXL_PARAMS`): resident beside the engine's transformer and `2 params` FLOPs
+  per text token, once per prompt (and once for the negative prompt);
+- the VAE (Wan2.1's, or Wan2.2-TI2V's 48-channel one: `WAN_VAES`): resident, and its decode at the FLOPs per
+  output pixel and frame measured with torch's FLOP counter on diffusers' module (meta device, 9 frames at
+  64 x 64; it grows linearly with the frames and pixels), once per clip; an image-to-video clip also encodes its
+  first frame (one frame: counted as one decode frame);
+- collectives that do not overlap compute, at link bandwidth x efficiency as the image planner assumes them: per
+  block forward three tp all-reduces of the video shard (self-attention, cross-attention, MLP outputs) and the
+  Ulysses all-to-alls of q, k, v and the output; the backward mirrors the forward; the distributed optimizer's
+  gradient reduce-scatter and parameter all-gather over dp x cp once per mini-batch. The rollout runs at tp 1
+  (none).
+`choose_cp` picks the smallest Ulysses degree whose plan fits: what a long clip needs, since its activations grow
+with the tokens per rank.
 """
 
 from __future__ import annotations
@@ -34,6 +47,25 @@ from model_providers.wan.provider import hf_config, megatron_shapes, parameter_c
 
 # Wan2.1's VAE compresses 4x in time and 8x in space (Wan2.2-TI2V-5B's: 4 x 16 x 16).
 VAE_TEMPORAL, VAE_SPATIAL = 4, 8
+
+# umT5-XXL's encoder (Wan's text encoder: d_model 4096, 24 layers, 64 heads, ffn 10240 gated, vocab 256384):
+# transformers' UMT5EncoderModel on the meta device (tests/unit/test_wan_planner.py recounts it).
+UMT5_XXL_PARAMS = 5_680_910_336
+
+
+@dataclass(frozen=True)
+class WanVAE:
+    """A Wan VAE: its parameters (diffusers' AutoencoderKLWan on the meta device) and its decode's FLOPs per output
+    pixel and frame (torch's FLOP counter, 9 frames at 64 x 64)."""
+
+    name: str
+    params: int
+    decode_flops_per_pixel: float
+
+
+# by the transformer's latent channels: Wan2.1's VAE (16, 4 x 8 x 8) and Wan2.2-TI2V's (48, 4 x 16 x 16: base 160,
+# decoder 256, residual, 2 x 2 pixel patches)
+WAN_VAES = {16: WanVAE("Wan2.1 VAE", 126_892_531, 8.70e6), 48: WanVAE("Wan2.2 VAE", 704_688_668, 1.89e7)}
 
 _VIDEO = ("patch_embedding.", "proj_out.")
 _TEXT = ("text_embedder.",)
@@ -115,6 +147,7 @@ class VideoWorkload:
     mini_batches: int
     micro_batch_size: int
     recompute_old_logprob: bool = True
+    cfg: bool = False  # true CFG: a negative row beside every clip's in every forward
 
     @property
     def videos(self) -> int:
@@ -124,7 +157,8 @@ class VideoWorkload:
 @dataclass(frozen=True)
 class VideoPlan:
     """The plan of one layout: the resolved layout, the clip's patch grid and tokens, per-GPU memory, and the
-    step's seconds by phase (compute at the assumed MFU)."""
+    step's seconds by phase (compute at the assumed MFU; `communication_s` of them the collectives, `vae_s` and
+    `text_encoder_s` of the rollout the VAE and the text encoder)."""
 
     layout: ParallelLayout
     grid: tuple[int, int, int]
@@ -135,6 +169,9 @@ class VideoPlan:
     train_s: float
     gpu: GPUSpec
     mfu: float
+    communication_s: float = 0.0
+    vae_s: float = 0.0
+    text_encoder_s: float = 0.0
 
     @property
     def step_s(self) -> float:
@@ -146,7 +183,8 @@ class VideoPlan:
 
 def plan_video(model: str | dict[str, Any], layout: ParallelLayout, world_size: int, workload: VideoWorkload,
                gpu: str = "H200", precision: Precision | None = None, recompute: str = "none",
-               mfu: float = DEFAULT_MFU, reserve_bytes: int = 4 * 1024**3) -> VideoPlan:
+               mfu: float = DEFAULT_MFU, reserve_bytes: int = 4 * 1024**3, link_efficiency: float = 0.7,
+               gpus_per_node: int = 8) -> VideoPlan:
     """Per-GPU memory and step time of FlowGRPO on Wan at `layout` (see the module docstring). Raises
     LayoutError naming what does not divide (heads, blocks, video tokens over cp, clips over dp) or an unknown
     GPU or recompute mode."""
@@ -177,37 +215,70 @@ def plan_video(model: str | dict[str, Any], layout: ParallelLayout, world_size: 
     micro = transitions // w.micro_batch_size
     in_flight = min(pp, micro) if pp > 1 else 1
     tokens_rank = tokens // cp + w.text_tokens
+    cfg_x = 2 if w.cfg else 1
+    rows = w.micro_batch_size * cfg_x  # a forward's rows: the clips', then their negative rows under CFG
 
     def acts(mode: str) -> int:
-        per_block = block_activation_bytes(hidden, tokens_rank, w.micro_batch_size, tp, mode,
-                                           precision.activation_bytes)
+        per_block = block_activation_bytes(hidden, tokens_rank, rows, tp, mode, precision.activation_bytes)
         held = cfg["num_layers"] // pp * in_flight * per_block
         if mode == "full":
-            held += block_activation_bytes(hidden, tokens_rank, w.micro_batch_size, tp, "none",
-                                           precision.activation_bytes)
+            held += block_activation_bytes(hidden, tokens_rank, rows, tp, "none", precision.activation_bytes)
         return held
 
     shard = lay.dp * cp if precision.distributed_optimizer else 1
+    if cfg["in_channels"] not in WAN_VAES:
+        raise LayoutError(f"no Wan VAE of {cfg['in_channels']} latent channels (known: {sorted(WAN_VAES)})")
+    vae = WAN_VAES[cfg["in_channels"]]
     # The embedded engine: the whole transformer per rank, one clip per forward (its widest block point, as
     # `memory.rollout_activation_bytes`: 3 h + 8 h per token at rollout tp 1).
     memory = MemoryReport(
         parameters=precision.param_bytes * params, gradients=precision.grad_bytes * params,
         optimizer_states=-(-precision.optimizer_bytes * params // shard), activations=acts(recompute),
         activations_no_recompute=acts("none"), activations_full_recompute=acts("full"),
-        rollout_weights=precision.rollout_param_bytes * parameter_count(cfg),
-        rollout_activations=precision.activation_bytes * (tokens + w.text_tokens) * 11 * hidden,
+        rollout_weights=precision.rollout_param_bytes * (parameter_count(cfg) + UMT5_XXL_PARAMS + vae.params),
+        rollout_activations=precision.activation_bytes * cfg_x * (tokens + w.text_tokens) * 11 * hidden,
         reserve=reserve_bytes, capacity=GPUS[gpu].memory_bytes)
     flops = wan_forward_flops(cfg, tokens, w.text_tokens)
     rate = GPUS[gpu].peak_bf16_flops * mfu
     rank_fwd = flops.per_rank(tp, cp, pp)
     recompute_extra = {"none": 0.0, "selective": flops.selective_recompute, "full": flops.total}[recompute]
-    per_replica = w.videos * w.window / lay.dp  # (clip, window step) transitions each replica trains
+    per_replica = w.videos * w.window * cfg_x / lay.dp  # forward rows of (clip, window step) each replica trains
     bubble = 1 + (pp - 1) / micro
-    train_s = per_replica * (3 * rank_fwd + recompute_extra * rank_fwd / flops.total) / rate * bubble
-    old_s = per_replica * rank_fwd / rate * bubble if w.recompute_old_logprob else 0.0
-    rollout_s = w.videos / world_size * w.sampling_steps * flops.total / rate  # every rank its share, whole model
+
+    # collectives (the image planner's link model): per row and block forward on one rank
+    def bw(group: int, inner: int) -> float:
+        fast = group * inner <= gpus_per_node
+        return (GPUS[gpu].link_bytes_per_s if fast else GPUS[gpu].internode_bytes_per_s) * link_efficiency
+
+    act_b = precision.activation_bytes
+    shard_bytes = act_b * tokens // cp * hidden
+    comm_fwd = cfg["num_layers"] // pp * (3 * _allreduce_s(shard_bytes, tp, bw(tp, 1))
+                                          + 4 * _alltoall_s(shard_bytes / tp, lay.ulysses, bw(lay.ulysses, tp)))
+    trained = params
+    dp_comm = w.mini_batches * (_alltoall_s(precision.grad_bytes * trained, shard, bw(shard, tp))
+                                + _alltoall_s(precision.param_bytes * trained, shard, bw(shard, tp)))
+    fwd_passes = {"none": 1, "selective": 1, "full": 2}[recompute]
+    train_comm = per_replica * comm_fwd * (fwd_passes + 1)
+    old_comm = per_replica * comm_fwd if w.recompute_old_logprob else 0.0
+    train_s = (per_replica * (3 * rank_fwd + recompute_extra * rank_fwd / flops.total) / rate + train_comm) * bubble \
+        + dp_comm
+    old_s = (per_replica * rank_fwd / rate + old_comm) * bubble if w.recompute_old_logprob else 0.0
+    # the rollout: every rank its share of the clips on the whole model (tp 1), the prompts' text encoding and
+    # the VAE's decode (+ an image-to-video clip's one-frame encode, counted with it)
+    text_s = (w.prompts + int(w.cfg)) * 2.0 * UMT5_XXL_PARAMS * w.text_tokens / world_size / rate
+    vae_s = w.videos / world_size * vae.decode_flops_per_pixel * w.frames * w.height * w.width / rate
+    rollout_s = w.videos / world_size * w.sampling_steps * cfg_x * flops.total / rate + text_s + vae_s
     return VideoPlan(layout=lay, grid=grid, video_tokens=tokens, memory=memory, rollout_s=rollout_s,
-                     old_logprob_s=old_s, train_s=train_s, gpu=GPUS[gpu], mfu=mfu)
+                     old_logprob_s=old_s, train_s=train_s, gpu=GPUS[gpu], mfu=mfu,
+                     communication_s=(train_comm + old_comm) * bubble + dp_comm, vae_s=vae_s, text_encoder_s=text_s)
+
+
+def _allreduce_s(nbytes: float, n: int, bw: float) -> float:
+    return 0.0 if n == 1 else 2 * (n - 1) / n * nbytes / bw
+
+
+def _alltoall_s(nbytes: float, n: int, bw: float) -> float:
+    return 0.0 if n == 1 else (n - 1) / n * nbytes / bw
 
 
 def choose_cp(model: str | dict[str, Any], world_size: int, workload: VideoWorkload, *, tp: int = 1, pp: int = 1,

@@ -162,6 +162,11 @@ class Trajectory:
     each sample's source images exactly as the rollout fed them after its latents in the image stream (the
     recompute appends the same tensors), on patch grids cond_shapes ((1, h_1, w_1), ...), shared by the
     trajectory; None and () without sources.
+
+    Image-to-video (Wan2.2 TI2V, `expand_timesteps`): clean_tokens, the leading image tokens that are the clean
+    condition (the first latent frame's tokens: the VAE latents of the image, f = 1 of the grid); they sit at
+    timestep 0 in every forward, every step leaves them as they are (latents, next_latents and final_latents hold
+    the condition there) and they carry no log-prob; 0 without.
     """
 
     prompts: list[str]
@@ -189,6 +194,7 @@ class Trajectory:
     negative_pooled_embeds: torch.Tensor | None = None
     cfg_rescale: bool = True
     distilled_guidance: torch.Tensor | None = None
+    clean_tokens: int = 0
 
     def __len__(self) -> int:
         return len(self.prompts)
@@ -224,9 +230,10 @@ class Trajectory:
             raise ValueError("no trajectories to concatenate")
         first = parts[0]
         for p in parts[1:]:
-            if ((p.img_shape, p.noise_level, p.sde_type, p.cfg_rescale)
-                    != (first.img_shape, first.noise_level, first.sde_type, first.cfg_rescale)):
-                raise ValueError("trajectories of different image shapes, SDE or CFG settings cannot be concatenated")
+            if ((p.img_shape, p.noise_level, p.sde_type, p.cfg_rescale, p.clean_tokens)
+                    != (first.img_shape, first.noise_level, first.sde_type, first.cfg_rescale, first.clean_tokens)):
+                raise ValueError("trajectories of different image shapes, SDE, CFG settings or image conditions "
+                                 "(clean_tokens) cannot be concatenated")
             if tuple(p.cond_shapes) != tuple(first.cond_shapes):
                 raise ValueError("trajectories of different source-image grids cannot be concatenated")
         out: dict[str, Any] = {}

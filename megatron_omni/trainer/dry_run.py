@@ -168,7 +168,8 @@ def video_workload(cfg: JobConfig, world_size: int) -> VideoWorkload:
                          window=r.window_size, prompts=r.prompts_per_step, group_size=r.group_size,
                          mini_batches=cfg.optim.mini_batches,
                          micro_batch_size=cfg.optim.micro_batch_size or max(per_replica, 1),
-                         recompute_old_logprob=cfg.algorithm.old_logprob == "recompute")
+                         recompute_old_logprob=cfg.algorithm.old_logprob == "recompute",
+                         cfg=r.guidance_scale > 1)
 
 
 def planner_cp(cfg: JobConfig, world_size: int, gpu: str = "H200", max_cp: int = 8, mfu: float = DEFAULT_MFU,
@@ -217,7 +218,8 @@ def video_dry_run(cfg: JobConfig, world_size: int, gpu: str, gpus_per_node: int,
           f"{m.rollout_activations / gib:.1f}, reserve {m.reserve / gib:.1f})")
     print(f"step time: {got.step_s:.1f} s (rollout {got.rollout_s:.1f}, old log-probs {got.old_logprob_s:.1f}, train "
           f"{got.train_s:.1f}) at MFU {mfu:.2f}; {got.videos_per_s_per_gpu(work.videos):.4f} videos/s/GPU")
-    print("not modelled for video yet: collectives, the text encoder and the VAE decode")
+    print(f"of which: collectives {got.communication_s:.1f} s, text encoder (umT5-XXL) {got.text_encoder_s:.1f} s, "
+          f"VAE {got.vae_s:.1f} s; true CFG {'on: two rows per clip' if work.cfg else 'off'}")
     if m.fits:
         print("dry run OK: the layout is valid for this world size and fits")
         return 0

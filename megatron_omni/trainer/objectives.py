@@ -144,6 +144,9 @@ def nft_inputs(traj: Trajectory, points: NftPoints, mb: MicroBatch) -> NftInputs
     """The noised points of micro-batch `mb` (rows, js [B]): `x_t = (1 - t) x0 + t eps` at each row's noise level,
     conditioned as the rollout was (the trajectory's guidance scale and negative prompt: with true CFG the
     guided velocity is the policy, as the rollout sampled with it)."""
+    if getattr(traj, "clean_tokens", 0):
+        raise ValueError("DiffusionNFT would noise an image-to-video trajectory's clean condition tokens "
+                         f"(clean_tokens={traj.clean_tokens}): not supported; use a policy-gradient rule")
     rows, js = mb.rows, mb.js
     x0 = traj.final_latents[rows].float()
     sigma = points.sigmas[rows, js]

@@ -1,4 +1,5 @@
-"""Write a complete, tiny Wan text-to-video pipeline folder offline, deterministically from a seed.
+"""Write a complete, tiny Wan text-to-video pipeline folder offline, deterministically from a seed (or, with
+`TINY_TI2V`, a tiny folder in Wan2.2-TI2V-5B's layout).
 
 The folder is what `WanPipeline.from_pretrained(folder, local_files_only=True)` loads: the `tiny` preset's
 `WanTransformer3DModel`, a tiny `AutoencoderKLWan` (4 latent channels, Wan's 4 x 8 x 8 compression), a tiny
@@ -6,7 +7,13 @@ The folder is what `WanPipeline.from_pretrained(folder, local_files_only=True)` 
 plus special tokens; Wan's pipeline only needs a tokenizer that pads) and a `FlowMatchEulerDiscreteScheduler`
 with a static shift. Nothing is downloaded.
 
+The TI2V layout (`TINY_TI2V`, `--family wan-ti2v`) is what Wan-AI's Wan2.2-TI2V-5B diffusers folder holds, at
+tiny size: `WanPipeline` with `expand_timesteps=True` (per-token timesteps; `WanImageToVideoPipeline` loads the same
+folder and conditions on the first frame), a transformer of 48 latent channels and Wan2.2's residual VAE
+(`is_residual`, 12-channel 2 x 2 pixel patches, 48 latent channels: 4 x 16 x 16 compression).
+
 CLI: python tools/make_tiny_pipeline.py --family wan --out /tmp/tiny-wan --seed 0
+     python tools/make_tiny_pipeline.py --family wan-ti2v --out /tmp/tiny-wan-ti2v --seed 0
 """
 
 from __future__ import annotations
@@ -34,6 +41,10 @@ class TinyWanPipelineConfig:
     vae_dim_mult: tuple[int, ...] = (1, 1, 2, 2)
     vae_num_res_blocks: int = 1
     shift: float = 3.0  # Wan's flow shift at 480p
+    # Wan2.2-TI2V's layout: per-token timesteps in the pipeline, the residual VAE with 2 x 2 pixel patches
+    expand_timesteps: bool = False
+    vae_residual: bool = False
+    vae_patch_size: int | None = None
 
     def transformer_config(self) -> dict[str, Any]:
         """The transformer's diffusers config."""
@@ -52,6 +63,11 @@ def build_components(cfg: TinyWanPipelineConfig, seed: int) -> dict:
     if t["text_dim"] % cfg.text_heads:
         raise ValueError(f"text_dim {t['text_dim']} is not divisible by {cfg.text_heads} text heads")
     tokenizer = build_tokenizer()
+    # Wan2.2's VAE patchifies pixels 2 x 2 (3 -> 12 channels) before its encoder and its decoder's residual
+    # up-sampling undoes it
+    p = cfg.vae_patch_size
+    vae_layout = {} if p is None else dict(is_residual=cfg.vae_residual, in_channels=3 * p * p,
+                                           out_channels=3 * p * p, patch_size=p)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         transformer = WanTransformer3DModel(**t).eval()
@@ -67,7 +83,8 @@ def build_components(cfg: TinyWanPipelineConfig, seed: int) -> dict:
             latents_mean=[round(float(x), 4) for x in 0.1 * torch.randn(z_dim, generator=g)],
             latents_std=[round(float(x), 4) for x in 1.0 + 0.5 * torch.rand(z_dim, generator=g)],
             scale_factor_temporal=2 ** (len(cfg.vae_dim_mult) - 2),
-            scale_factor_spatial=2 ** (len(cfg.vae_dim_mult) - 1),
+            scale_factor_spatial=2 ** (len(cfg.vae_dim_mult) - 1) * (cfg.vae_patch_size or 1),
+            **vae_layout,
         ).eval()
         torch.manual_seed(seed + 3)
         text_encoder = UMT5EncoderModel(UMT5Config(
@@ -96,5 +113,19 @@ def make_tiny_pipeline(out_dir: str | os.PathLike, seed: int = 0, config: TinyWa
     from diffusers import WanPipeline
 
     cfg = config or TinyWanPipelineConfig()
-    return write_tiny_pipeline(out_dir, lambda: WanPipeline(**build_components(cfg, seed)), seed, asdict(cfg),
-                               overwrite)
+    return write_tiny_pipeline(
+        out_dir, lambda: WanPipeline(**build_components(cfg, seed), expand_timesteps=cfg.expand_timesteps), seed,
+        asdict(cfg), overwrite)
+
+
+# Wan2.2-TI2V-5B's layout at tiny size: 48 latent channels, the residual VAE's 16x spatial compression, expanded
+# timesteps; the `tiny` transformer otherwise.
+TINY_TI2V = TinyWanPipelineConfig(
+    transformer=dict(preset("tiny"), in_channels=48, out_channels=48),
+    expand_timesteps=True, vae_residual=True, vae_patch_size=2,
+)
+
+
+def make_tiny_ti2v_pipeline(out_dir: str | os.PathLike, seed: int = 0, overwrite: bool = False) -> Path:
+    """`make_tiny_pipeline` with `TINY_TI2V`: a tiny folder in Wan2.2-TI2V-5B's layout."""
+    return make_tiny_pipeline(out_dir, seed, TINY_TI2V, overwrite)

@@ -3,8 +3,10 @@
 Identical weights go into diffusers' module (tiny config) and into our model. Each layout runs three inputs of
 different frame counts on non-square frames (grids (1, 4, 6), (3, 2, 4), (5, 2, 2) patches), each a batch whose
 prompts have different lengths, zero-padded as Wan's pipeline pads them (to 5, 9 and 3 text tokens), forward
-and backward through both. The forward output must match to a relative error under 1e-5, and every diffusers
-parameter's gradient (accumulated over the three inputs), rebuilt from the Megatron shards, under 1e-4.
+and backward through both; the 3-frame input takes Wan2.2-TI2V's per-token timesteps (its first frame's 8 tokens
+at t = 0, which CP=4 splits over two shards). The forward output must match to a relative error under 1e-5, and
+every diffusers parameter's gradient (accumulated over the three inputs), rebuilt from the Megatron shards, under
+1e-4.
 
 Gradient reduction is what Megatron-Core's DDP + finalize_model_grads do in training: sum over the
 context-parallel group (each CP rank holds part of the video tokens and a replica of the text), sum of the
@@ -55,10 +57,15 @@ def _batches() -> list[list[dict[str, torch.Tensor]]]:
         for i in range(N_MICRO):
             text = torch.randn(BATCH, s_txt, cfg["text_dim"], generator=g)
             text[1, 1 + i % (s_txt - 1):] = 0  # sample 1 has a shorter prompt, padded with zeros
+            video = torch.randn(BATCH, cfg["in_channels"], f * PATCH[0], h * PATCH[1], w * PATCH[2], generator=g)
+            sigma = torch.rand(BATCH, generator=g)
+            if f == 3:  # Wan2.2-TI2V's per-token timesteps: the image-conditioned first frame at 0 (across CP shards)
+                sigma = sigma[:, None].repeat(1, f * h * w)
+                sigma[:, : h * w] = 0
             micro.append(dict(
-                video=torch.randn(BATCH, cfg["in_channels"], f * PATCH[0], h * PATCH[1], w * PATCH[2], generator=g),
+                video=video,
                 text=text,
-                sigma=torch.rand(BATCH, generator=g),
+                sigma=sigma,
                 weight=torch.randn(BATCH, f * h * w, cfg["out_channels"] * 4, generator=g),
             ))
         out.append(micro)

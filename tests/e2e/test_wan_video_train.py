@@ -1,16 +1,18 @@
 """FlowGRPO on video end to end, as users run it: the Wan demo recipe (`examples.wan.recipe:wan_video_demo`, the
 tiny offline Wan pipeline built into the run folder, temporal-consistency reward on frame strips) through
 `python -m megatron_omni.train`. The reward rises at TP=1 with true CFG (WanPipeline's guidance 5.0 and a negative
-prompt, in rollout, recompute and the held-out evaluation) and at CP=2 (Ulysses, torchrun, no CFG), the run folder
-holds the sample videos (GIF, MP4) beside the first-frame PNG grids, and a SIGKILLed CFG run resumes
-bit-identically.
+prompt, in rollout, recompute and the held-out evaluation) on image-to-video in Wan2.2-TI2V-5B's layout (the tiny
+folder of that layout, image-record prompts: each clip's first latent frame its image), at CP=2 (Ulysses,
+torchrun, no CFG, text-to-video) and on the vLLM-Omni engine (CFG, text-to-video); the run folder holds the sample
+videos (GIF, MP4) beside the first-frame PNG grids, and a SIGKILLed image-to-video CFG run resumes bit-identically.
 
 Margin: the mean reward of the last two of 8 steps minus that of the first two. Without CFG, measured at TP=1 over
 seeds 0 / 1 / 2: +0.0160 / +0.0076 / +0.0150 (the step's reward std is ~0.001-0.003); CP=2, seed 0: +0.0160: the
 test asserts > 0.005, below the smallest. With CFG 5.0 at TP=1, seeds 0 / 1 / 2: +0.0066 / +0.0070 / +0.0085: the
-test asserts > 0.004. With CFG 5.0 on the vLLM-Omni engine (in process, on the tiny folder with head dim 12:
-`wan_pipeline.check_rope_split`), seeds 0 / 1 / 2: +0.0065 / +0.0120 / +0.0121, train/rollout |dlogp| <= 3.6e-7:
-the test asserts > 0.004 and |dlogp| < 1e-5."""
+test asserts > 0.004 (text-to-video on the tiny folder; image-to-video on the TI2V folder, the run the test makes,
+seeds 0 / 1: +0.0163 / +0.0087; train/rollout |dlogp| 0). With CFG 5.0 on the vLLM-Omni engine (in process, on
+the tiny folder with head dim 12: `wan_pipeline.check_rope_split`), seeds 0 / 1 / 2: +0.0065 / +0.0120 / +0.0121,
+train/rollout |dlogp| <= 3.6e-7: the test asserts > 0.004 and |dlogp| < 1e-5."""
 
 from __future__ import annotations
 
@@ -38,13 +40,40 @@ def _rise(r: list[float]) -> float:
     return sum(r[-2:]) / 2 - sum(r[:2]) / 2
 
 
+def ti2v_job(root: Path) -> list[str]:
+    """The overrides of an image-to-video job on the tiny folder in Wan2.2-TI2V-5B's layout (built under `root`):
+    the demo's four prompts as image records (a gradient, a checkerboard, stripes, ...: each clip's first latent
+    frame is its image's latents), 64 x 64 clips (16x spatial compression: the demo's 3 x 2 x 2 patch grid)."""
+    import torch
+    from PIL import Image
+
+    from model_providers.qwen_image_edit.data import EditRecord
+    from model_providers.wan.tiny_pipeline import make_tiny_ti2v_pipeline
+
+    folder = make_tiny_ti2v_pipeline(root / "ti2v", seed=0)
+    y, x = torch.meshgrid(torch.arange(64), torch.arange(64), indexing="ij")
+    arrays = [torch.stack([x * 4, y * 4, (x + y) * 2], -1), ((x // 8 + y // 8) % 2 * 255)[..., None].repeat(1, 1, 3),
+              torch.stack([255 - x * 4, y * 2, x * 3], -1), ((x // 16) % 2 * 200)[..., None].repeat(1, 1, 3)]
+    records = []
+    for i, (a, text) in enumerate(zip(arrays, TI2V_TEXTS, strict=True)):
+        path = root / f"image{i}.png"
+        Image.fromarray(a.clamp(0, 255).to(torch.uint8).numpy()).save(path)
+        records.append(EditRecord(str(path), text).prompt)
+    return ["--set", f"model.pipeline={folder}", "--set", f"prompts={json.dumps(records)}",
+            "--set", "rollout.height=64", "--set", "rollout.width=64"]
+
+
+TI2V_TEXTS = ["a red cat", "waves on a beach", "a city street at night", "a spinning top"]
+
+
 @pytest.fixture(scope="module")
 def tp1_runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, subprocess.CompletedProcess]:
-    """An uninterrupted TP=1 run of 8 steps with true CFG, checkpoints after steps 4 and 8 (the resume test's
-    reference), with a held-out evaluation (guided too) before and after; beside it the same run SIGKILLed after its
-    step-4 checkpoint and resumed: (run, killed, the resume)."""
+    """An uninterrupted TP=1 image-to-video run (Wan2.2-TI2V-5B's layout, `ti2v_job`) of 8 steps with true CFG,
+    checkpoints after steps 4 and 8 (the resume test's reference), with a held-out text-to-video evaluation (guided
+    too) before and after; beside it the same run SIGKILLed after its step-4 checkpoint and resumed: (run, killed,
+    the resume)."""
     root = tmp_path_factory.mktemp("wan")
-    proc, resumed = _killed_and_resumed_beside(root / "tp1", root / "killed", 4, *WAN, *CFG, *EVAL)
+    proc, resumed = _killed_and_resumed_beside(root / "tp1", root / "killed", 4, *WAN, *CFG, *EVAL, *ti2v_job(root))
     assert proc.returncode == 0, proc.stderr[-3000:]
     return root / "tp1", root / "killed", resumed
 
@@ -55,12 +84,14 @@ def tp1_run(tp1_runs: tuple) -> Path:
 
 
 @pytest.mark.slow
-def test_video_reward_rises_tp1_with_cfg_and_the_run_folder_holds_videos(tp1_run: Path) -> None:
+def test_image_to_video_reward_rises_tp1_with_cfg_and_the_run_folder_holds_videos(tp1_run: Path) -> None:
     r = _rewards(tp1_run)
-    print("wan tp=1 cfg 5 reward per step:", [f"{x:.4f}" for x in r], f"rise {_rise(r):+.4f}")
+    print("wan ti2v image-to-video tp=1 cfg 5 reward per step:", [f"{x:.4f}" for x in r], f"rise {_rise(r):+.4f}")
     assert len(r) == 8 and _rise(r) > CFG_MARGIN, r
-    assert json.loads((tp1_run / "config.json").read_text())["rollout"]["guidance_scale"] == 5.0
-    # the trainer's recompute guides as the rollout did (plain guidance, the negative rows carried)
+    config = json.loads((tp1_run / "config.json").read_text())
+    assert config["rollout"]["guidance_scale"] == 5.0 and all(p.startswith('{"image"') for p in config["prompts"])
+    # the trainer's recompute guides as the rollout did (plain guidance, the negative rows carried) and sees the
+    # image condition as it did (the first frame's tokens clean, at t = 0, without a log-prob)
     lines = (tp1_run / "metrics.jsonl").read_text().splitlines()
     gaps = [json.loads(line)["train_rollout_dlogp_max"] for line in lines]
     assert max(gaps) < 1e-5, gaps

@@ -99,22 +99,21 @@ def one_rank():
     platform.destroy_distributed()
 
 
-def test_model_equals_diffusers_at_world_size_one(one_rank) -> None:
+def _parity(groups, cfg: dict, sigma: torch.Tensor, per_token: bool) -> None:
+    """Our model equals diffusers' module of `cfg` (forward and every gradient) on a 3 x 2 x 3 patch grid; with
+    `per_token` the timestep is diffusers' per-token one (Wan2.2 TI2V, `expand_timesteps`): sigma [2, 18]."""
     torch.manual_seed(0)
-    cfg = provider.hf_config("tiny")
     ref = WanTransformer3DModel(**cfg)
     with torch.no_grad():
         for p in ref.parameters():
             p.normal_(0.0, 0.2)
     seed_everything(0)
-    model = provider.build_model(provider.transformer_config("tiny"), one_rank)
+    model = provider.build_model(provider.transformer_config(cfg), groups)
     provider.load_hf_state_dict(model, ref.state_dict())
-    assert sum(p.numel() for p in model.parameters()) == provider.parameter_count("tiny")
     g = torch.Generator().manual_seed(1)
     video = torch.randn(2, cfg["in_channels"], 3, 4, 6, generator=g)
     text = torch.randn(2, 7, cfg["text_dim"], generator=g)
     text[1, 3:] = 0  # a shorter prompt, zero-padded
-    sigma = torch.tensor([0.9, 0.31])
     want = patchify_video(ref(hidden_states=video, timestep=sigma * 1000, encoder_hidden_states=text,
                               return_dict=False)[0], (1, 2, 2))
     got = model(DiTBatch(patchify_video(video, (1, 2, 2)), text, None, sigma, (3, 2, 3)))
@@ -127,5 +126,27 @@ def test_model_equals_diffusers_at_world_size_one(one_rank) -> None:
     assert ours.keys() == ref_grads.keys()
     for n, gr in ref_grads.items():
         assert float((ours[n] - gr).norm() / gr.norm()) < 1e-4, n
-    with pytest.raises(ValueError, match="do not match grid"):
+    with pytest.raises(ValueError, match="does not match 36 video tokens" if per_token else "do not match grid"):
         model(DiTBatch(patchify_video(video, (1, 2, 2)), text, None, sigma, (3, 4, 3)))
+    if per_token:
+        # a per-token sigma of another length is refused; the timesteps move the output (the test can fail)
+        with pytest.raises(ValueError, match="per-token sigma"):
+            model(DiTBatch(patchify_video(video, (1, 2, 2)), text, None, sigma[:, 1:], (3, 2, 3)))
+        flat = model(DiTBatch(patchify_video(video, (1, 2, 2)), text, None, sigma[:, -1], (3, 2, 3)))
+        assert float((flat - want)[:, :6].abs().max()) > 1e-3
+
+
+def test_model_equals_diffusers_at_world_size_one(one_rank) -> None:
+    cfg = provider.hf_config("tiny")
+    assert sum(p.numel() for p in provider.build_model(provider.transformer_config("tiny"), one_rank).parameters()) \
+        == provider.parameter_count("tiny")
+    _parity(one_rank, cfg, torch.tensor([0.9, 0.31]), per_token=False)
+
+
+def test_ti2v_layout_with_per_token_timesteps_equals_diffusers(one_rank) -> None:
+    """Wan2.2-TI2V's layout: 48 latent channels, and per-token timesteps with the image-conditioned first latent
+    frame (its 2 x 3 tokens) at t = 0, as `WanImageToVideoPipeline(expand_timesteps=True)` feeds them."""
+    cfg = dict(provider.hf_config("tiny"), in_channels=48, out_channels=48)
+    sigma = torch.tensor([0.9, 0.31])[:, None].repeat(1, 18)
+    sigma[:, :6] = 0.0
+    _parity(one_rank, cfg, sigma, per_token=True)

@@ -25,13 +25,16 @@ class PackedVideoTransformer(nn.Module):
     (sigma), img_shapes, return_dict=False) -> ([B, S, C],)` around a Wan transformer's
     `forward(hidden_states [B, c, F, H, W], timestep [B] (1000 sigma), encoder_hidden_states, return_dict=False)`.
 
-    `patch_size` is the transformer's (pt, ph, pw). The transformer stays reachable as `.transformer` (the
-    engine loads weights into it)."""
+    `patch_size` is the transformer's (pt, ph, pw). A per-token timestep [B, S] (image-to-video's clean first
+    frame at 0) goes to the transformer per token, as do all timesteps with `expand_timesteps` (Wan2.2 TI2V's
+    pipelines expand them). The transformer stays reachable as `.transformer` (the engine loads weights into it)."""
 
-    def __init__(self, transformer: nn.Module, patch_size: tuple[int, int, int]) -> None:
+    def __init__(self, transformer: nn.Module, patch_size: tuple[int, int, int],
+                 expand_timesteps: bool = False) -> None:
         super().__init__()
         self.transformer = transformer
         self.patch_size = tuple(patch_size)
+        self.expand_timesteps = expand_timesteps
 
     def forward(
         self,
@@ -46,6 +49,8 @@ class PackedVideoTransformer(nn.Module):
         grid = one_grid(img_shapes)
         video = unpatchify_video(hidden_states, grid, self.patch_size)
         t = timestep.float() * NUM_TRAIN_TIMESTEPS
+        if self.expand_timesteps and t.ndim == 1:
+            t = t[:, None].expand(-1, hidden_states.shape[1])  # Wan2.2 TI2V's pipelines pass one per token
         out = self.transformer(hidden_states=video, timestep=t, encoder_hidden_states=encoder_hidden_states,
                                return_dict=False)[0]
         return (patchify_video(out, self.patch_size),)

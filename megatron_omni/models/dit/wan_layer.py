@@ -159,7 +159,8 @@ def _modulate(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor, eps: fl
 
 
 class WanLayer(MegatronModule):
-    """One block: `(video [s_local, b, h], text [s_txt, b, h], timestep projection [b, 6, h], rope) -> video`."""
+    """One block: `(video [s_local, b, h], text [s_txt, b, h], timestep projection [b, 6, h] or per token
+    [s_local, b, 6, h], rope) -> video`."""
 
     def __init__(
         self,
@@ -182,11 +183,14 @@ class WanLayer(MegatronModule):
 
     def forward(self, x: torch.Tensor, txt: torch.Tensor, temb_proj: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
         """x [s_local, b, h] (this CP rank's video shard), txt [s_txt, b, h], temb_proj [b, 6, h] (the model's
-        timestep projection), rope [s_local, d/2] complex rotations -> x [s_local, b, h]."""
+        timestep projection; [s_local, b, 6, h] with per-token timesteps), rope [s_local, d/2] complex rotations
+        -> x [s_local, b, h]."""
         eps = self.config.norm_eps
         selective = self.config.recompute_granularity == "selective"
-        # [b, 6, h] -> six [1, b, h] fp32 rows: shift, scale, gate (self-attention), shift, scale, gate (MLP)
-        mod = (self.scale_shift_table.float() + temb_proj.float()).transpose(0, 1).unsqueeze(1)
+        # [b, 6, h] (or per token [s, b, 6, h]) -> six [1 | s, b, h] fp32 rows: shift, scale, gate (self-attention),
+        # shift, scale, gate (MLP)
+        temb_proj = temb_proj if temb_proj.ndim == 4 else temb_proj[None]
+        mod = (self.scale_shift_table.float() + temb_proj.float()).movedim(2, 0)
         shift1, scale1, gate1, shift2, scale2, gate2 = mod.unbind(0)
         attn = self.self_attention(_modulate(x, shift1, scale1, eps), rope, recompute_core=selective)
         x = (x.float() + attn.float() * gate1).to(x.dtype)

@@ -10,7 +10,8 @@ text (unchanged by the blocks, which only read it) followed by this CP rank's vi
 
 Inputs are the MMDiT's `DiTBatch`: latents `[b, s, c * pt * ph * pw]` as packed 3D patches
 (`embeddings.patchify_video`), the text states `[b, s_txt, text_dim]` (the mask is not read: Wan attends to the
-zero-padded text as its pipeline pads it), sigma `[b]` in [0, 1] and the patch grid (frames, height, width).
+zero-padded text as its pipeline pads it), sigma `[b]` in [0, 1] (or `[b, s]` per token: Wan2.2 TI2V's expanded
+timesteps, the image-conditioned first frame's tokens at 0) and the patch grid (frames, height, width).
 The timestep Wan's transformer reads is `t = 1000 sigma` in fp32. The output is the velocity packed the way
 the latents are, `[b, s_local, c * pt * ph * pw]` on the last stage.
 """
@@ -99,6 +100,24 @@ class WanModel(DiTStage):
             self.scale_shift_table = nn.Parameter(torch.randn(1, 2, h, dtype=dtype) / h**0.5)
             self.proj_out = nn.Linear(h, config.out_channels * math.prod(config.patch_size), dtype=dtype)
 
+    def timestep_embedding(self, sigma: torch.Tensor, s_vid: int, shard: slice) -> tuple[torch.Tensor, torch.Tensor]:
+        """The timestep embedding and its projection: sigma [b] -> ([b, h], [b, 6, h]); per-token sigma [b, s_vid]
+        (Wan2.2 TI2V's expanded timesteps: the conditioned first frame at 0) -> this CP rank's tokens'
+        ([s_local, b, h], [s_local, b, 6, h]). The per-token case embeds each distinct timestep once (a step has
+        one or two) and gathers per token, which equals diffusers' embedding of every token."""
+        t = sigma.float() * NUM_TRAIN_TIMESTEPS
+        dtype = self.config.params_dtype
+        if t.ndim == 1:
+            temb = self.time_embedder(t, dtype)  # [b, h]
+            return temb, self.time_proj(F.silu(temb))[0].unflatten(-1, (6, -1))
+        if t.ndim != 2 or t.shape[1] != s_vid:
+            raise ValueError(f"per-token sigma {tuple(sigma.shape)} does not match {s_vid} video tokens")
+        values, index = torch.unique(t, return_inverse=True)
+        temb = self.time_embedder(values, dtype)  # [u, h]
+        proj = self.time_proj(F.silu(temb))[0].unflatten(-1, (6, -1))  # [u, 6, h]
+        index = index[:, shard].transpose(0, 1)  # [s_local, b]
+        return temb[index], proj[index]
+
     def forward(self, batch: DiTBatch) -> torch.Tensor:
         cfg = self.config
         f, hh, ww = batch.grid
@@ -107,9 +126,7 @@ class WanModel(DiTStage):
         s_vid = f * hh * ww
         shard = self.image_shard(s_vid)
         dtype = cfg.params_dtype
-        t = batch.sigma.float() * NUM_TRAIN_TIMESTEPS
-        temb = self.time_embedder(t, dtype)  # [b, h]
-        temb_proj = self.time_proj(F.silu(temb))[0].unflatten(-1, (6, -1))  # [b, 6, h]
+        temb, temb_proj = self.timestep_embedding(batch.sigma, s_vid, shard)
 
         if self.pre_process:
             if batch.latents.shape[1] != s_vid or batch.latents.shape[2] != cfg.patch_channels:
@@ -130,8 +147,9 @@ class WanModel(DiTStage):
 
         if not self.post_process:
             return torch.cat([txt, vid], dim=0)
-        # [b, 2, h] -> shift, scale [1, b, h] (diffusers' order for the output modulation)
-        shift, scale = (self.scale_shift_table.float() + temb.float()[:, None]).transpose(0, 1).unsqueeze(1).unbind(0)
+        # [1 | s, b, 2, h] -> shift, scale [1 | s, b, h] (diffusers' order for the output modulation)
+        temb = temb if temb.ndim == 3 else temb[None]
+        shift, scale = (self.scale_shift_table.float() + temb.float()[:, :, None]).movedim(2, 0).unbind(0)
         normed = F.layer_norm(vid.float(), vid.shape[-1:], eps=cfg.norm_eps)
         out = self.proj_out((normed * (1 + scale) + shift).to(vid.dtype))  # [s, b, (pt ph pw) * c]
         # proj_out's channels run (pt, ph, pw, c); the latents' run (c, pt, ph, pw)

@@ -80,11 +80,12 @@ class _Sample:
     pooled: torch.Tensor | None = None  # [P] pooled text embedding (a family conditioned on one: SD3.5)
     neg_pooled: torch.Tensor | None = None
     distilled_guidance: float | None = None  # a guidance-distilled model's guidance input (FLUX.1-dev)
+    clean_tokens: int = 0  # leading latent tokens that are a clean image condition (Wan2.2 TI2V image-to-video)
 
     @property
     def batch_key(self) -> tuple:
-        """Samples that may share a forward: same patch grids (sources' included) and SDE type."""
-        return (self.img_shape, self.cond_shapes, self.params.sde_type)
+        """Samples that may share a forward: same patch grids (sources' included), SDE type and clean tokens."""
+        return (self.img_shape, self.cond_shapes, self.params.sde_type, self.clean_tokens)
 
     @property
     def num_steps(self) -> int:
@@ -346,13 +347,19 @@ class DiffusersRolloutEngine:
             neg_pooled = torch.stack([s.pooled if s.neg_pooled is None else s.neg_pooled for s in batch])
         if batch[0].distilled_guidance is not None:
             cond["distilled_guidance"] = torch.tensor([s.distilled_guidance for s in batch], device=dev)
+        k = batch[0].clean_tokens
+        if k:
+            cond["clean_tokens"] = k
         v = guided_batch(latents, sigma, text, mask, batch[0].img_shape, guidance_scale=guidance,
                          negative_embeds=neg_text, negative_mask=neg_mask, pooled=pooled, negative_pooled=neg_pooled,
                          cfg_rescale=self.cfg_rescale, **cond).velocity(self.velocity_model, self.dtype)
         self.stats["forwards"] += 1
         self.stats["forward_rows"] += len(batch) + int((guidance > 1).sum())
-        next_latents, rows, lp = windowed_sde_step(latents, v, sigma, sigma_next, sigma_one, levels,
+        # clean condition tokens stay as they are and carry no log-prob (their SDE noise is not drawn)
+        next_latents, rows, lp = windowed_sde_step(latents[:, k:], v[:, k:], sigma, sigma_next, sigma_one, levels,
                                                    batch[0].params.sde_type, [s.generator for s in batch])
+        if k:
+            next_latents = torch.cat([latents[:, :k].float(), next_latents], 1)
         next_latents = self._flash_tail(batch, latents, v, sigma, sigma_next, next_latents)
         if rows.numel():
             for j, r in enumerate(rows.tolist()):
@@ -522,7 +529,17 @@ class DiffusersRolloutEngine:
             cfg_rescale=self.cfg_rescale,
             distilled_guidance=(None if s0.distilled_guidance is None else
                                 torch.tensor([s.distilled_guidance for s in samples], dtype=torch.float32)),
+            clean_tokens=self._clean_tokens(samples),
         )
+
+    @staticmethod
+    def _clean_tokens(samples: list[_Sample]) -> int:
+        """The samples' one count of clean condition tokens (image-to-video); a call mixing them is refused."""
+        counts = {s.clean_tokens for s in samples}
+        if len(counts) != 1:
+            raise ValueError(f"the samples of one generate call mix image-conditioned and unconditioned samples "
+                             f"(clean tokens {sorted(counts)}): give every prompt of a call an image, or none")
+        return counts.pop()
 
     @staticmethod
     def _trajectory_conditioning(samples: list[_Sample]) -> dict[str, Any]:

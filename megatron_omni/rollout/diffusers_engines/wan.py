@@ -14,6 +14,13 @@ family hooks this overrides), producing the same `Trajectory` record (video shap
   no per-token rescale (`cfg_rescale = False`, recorded in the trajectory so the recompute guides the same way);
   the negative prompt is encoded and zero-padded like the prompt (the pipeline's default negative prompt is "").
   The pipeline runs the two rows in two forwards, the engine in one (equal up to float rounding).
+- Wan2.2-TI2V (a folder with `expand_timesteps`, e.g. Wan2.2-TI2V-5B): every forward takes per-token timesteps,
+  as `WanPipeline` and `WanImageToVideoPipeline` pass them. A prompt that is an image record
+  (`model_providers.qwen_image_edit.data.EditRecord.prompt`: the image's path and the instruction) samples
+  image-to-video as `WanImageToVideoPipeline` does: the image, resized to the clip, VAE-encoded (`argmax`) and
+  normalised, is the first latent frame; its tokens sit at timestep 0 in every forward, no step changes them and
+  they carry no log-prob (`Trajectory.clean_tokens`); the text is the instruction. A plain prompt samples
+  text-to-video. A folder without `expand_timesteps` refuses image records by name.
 """
 
 from __future__ import annotations
@@ -48,14 +55,17 @@ class WanRolloutEngine(DiffusersRolloutEngine):
     `DiffusersRolloutEngine`'s (`model_path`: a diffusers `WanPipeline` folder)."""
 
     cfg_rescale = False  # WanPipeline's guidance is plain
+    expand_timesteps = False  # a Wan2.2-TI2V folder's per-token timesteps (set from the folder by _load_pipeline)
 
     def _load_pipeline(self, model_path: str | os.PathLike, dtype: torch.dtype):
         from diffusers import WanPipeline
 
         pipe = WanPipeline.from_pretrained(model_path, local_files_only=True, dtype=dtype)
-        if getattr(pipe, "transformer_2", None) is not None or pipe.config.get("expand_timesteps", False):
-            raise ValueError(f"{model_path}: two-expert (Wan2.2 A14B) and expanded-timestep (TI2V image-conditioned) "
-                             "Wan pipelines are not supported by the rollout engine yet")
+        if getattr(pipe, "transformer_2", None) is not None:
+            raise ValueError(f"{model_path}: two-expert (Wan2.2 A14B) Wan pipelines are not supported by the rollout "
+                             "engine yet")
+        self.expand_timesteps = bool(pipe.config.get("expand_timesteps", False))
+        self._conditions: dict[tuple, torch.Tensor] = {}
         return pipe
 
     def _grid_shift(self) -> float:
@@ -66,7 +76,7 @@ class WanRolloutEngine(DiffusersRolloutEngine):
         return tuple(self.transformer.config.patch_size)
 
     def _transformer_velocity(self) -> VelocityModel:
-        return PackedVideoTransformer(self.transformer, self.patch_size)
+        return PackedVideoTransformer(self.transformer, self.patch_size, expand_timesteps=self.expand_timesteps)
 
     def _sigmas(self, num_steps: int, img_shape: tuple[int, int, int]) -> torch.Tensor:
         return static_shift_sigmas(num_steps, self.shift)
@@ -109,10 +119,70 @@ class WanRolloutEngine(DiffusersRolloutEngine):
                              f"{params.text_length}")
         return params.text_length or params.max_sequence_length
 
+    # ------------------------------------------------------------------ image-to-video (Wan2.2 TI2V)
+    def image_record(self, prompt: str):
+        """The image record a prompt string is (`EditRecord`), or None for a plain text prompt; a record on a
+        folder without expanded timesteps is refused by name."""
+        if not prompt.startswith("{"):
+            return None
+        from model_providers.qwen_image_edit.data import EditRecord
+
+        record = EditRecord.parse(prompt)
+        if not self.expand_timesteps:
+            raise ValueError("an image prompt (image-to-video) needs a Wan2.2-TI2V folder (expand_timesteps: the "
+                             "first frame's latents as the condition); this folder samples text-to-video only")
+        return record
+
+    @torch.no_grad()
+    def condition_latents(self, image, params: SamplingParams) -> torch.Tensor:
+        """The first latent frame of an image-to-video sample, packed [h * w, C] fp32: `WanImageToVideoPipeline`'s
+        `prepare_latents` with `expand_timesteps` (the image resized to the clip, VAE-encoded with `argmax`,
+        normalised by the VAE's `latents_mean/std`)."""
+        pipe, vae = self.pipe, self.pipe.vae
+        pixels = pipe.video_processor.preprocess(image, height=params.height, width=params.width)
+        lat = vae.encode(pixels.to(self.device, torch.float32).unsqueeze(2).to(vae.dtype)).latent_dist.mode()
+        z = vae.config.z_dim
+        mean = torch.tensor(vae.config.latents_mean).view(1, z, 1, 1, 1).to(lat.device, torch.float32)
+        inv_std = 1.0 / torch.tensor(vae.config.latents_std).view(1, z, 1, 1, 1).to(lat.device, torch.float32)
+        return patchify_video((lat.float() - mean) * inv_std, self.patch_size)[0]
+
+    def _new_sample(self, index: int, prompt: str, group_id: int, seed: int, params: SamplingParams, text, neg_text,
+                    text_length: int | None = None) -> _Sample:
+        sample = super()._new_sample(index, prompt, group_id, seed, params, text, neg_text, text_length)
+        record = self.image_record(prompt)
+        if record is None:
+            return sample
+        if self.patch_size[0] != 1:
+            raise ValueError(f"image-to-video conditions the first latent frame; temporal patch {self.patch_size[0]}"
+                             " mixes it with the next")
+        key = (record.image, params.height, params.width)
+        self._conditions = getattr(self, "_conditions", {})
+        if key not in self._conditions:
+            self._conditions[key] = self.condition_latents(record.load_image(), params).to(self.device)
+        cond = self._conditions[key]
+        # the pipeline draws the whole latent video and feeds the condition in place of its first frame
+        sample.latents = torch.cat([cond, sample.latents[cond.shape[0]:]])
+        sample.clean_tokens = cond.shape[0]
+        return sample
+
+    def clear_prompt_cache(self) -> None:
+        super().clear_prompt_cache()
+        getattr(self, "_conditions", {}).clear()
+
+    def generate(self, prompts, params: SamplingParams, group_size: int = 1, seeds=None, on_sample=None):
+        """See `RolloutEngine.generate`; a call whose prompts mix image records and text is refused before any work
+        (one trajectory holds one count of clean condition tokens)."""
+        if len({self.image_record(p) is None for p in prompts}) > 1:
+            raise ValueError("the prompts of one generate call mix image-conditioned and unconditioned samples: "
+                             "give every prompt of a call an image, or none")
+        return super().generate(prompts, params, group_size, seeds, on_sample)
+
     # ------------------------------------------------------------------ prompts
     def token_ids(self, text: str, max_length: int | None = None) -> tuple[int, ...]:
-        """The token ids `WanPipeline` feeds its text encoder for `text` (`wan_token_ids`)."""
-        return wan_token_ids(self.pipe.tokenizer, text, max_length)
+        """The token ids `WanPipeline` feeds its text encoder for `text` (`wan_token_ids`; an image record's
+        instruction)."""
+        record = self.image_record(text)
+        return wan_token_ids(self.pipe.tokenizer, text if record is None else record.instruction, max_length)
 
     def text_lengths(self, prompts) -> list[int]:
         """Text tokens each prompt gives the transformer before the zero padding."""

@@ -79,9 +79,14 @@ def require_text_to_video(model: str) -> None:
     folder = Path(model)
     index = folder / "model_index.json"
     expand = index.is_file() and json.loads(index.read_text()).get("expand_timesteps", False)
-    if (folder / "transformer_2").exists() or expand:
-        raise ValueError(f"{model}: two-expert (Wan2.2 A14B) and expanded-timestep (TI2V image-conditioned) Wan "
-                         "pipelines are not supported by the vLLM-Omni Wan pipeline yet")
+    if (folder / "transformer_2").exists():
+        raise ValueError(f"{model}: two-expert (Wan2.2 A14B) Wan pipelines are not supported by the vLLM-Omni Wan "
+                         "pipeline yet")
+    if expand:
+        raise ValueError(f"{model}: a Wan2.2-TI2V folder (expand_timesteps) is not sampled by the vLLM-Omni Wan "
+                         "pipeline yet: our SDE stepper carries neither the per-token timesteps nor the image "
+                         "condition (the first latent frame, Trajectory.clean_tokens) through vLLM-Omni's requests; "
+                         "use rollout.engine=diffusers, which samples it")
 
 
 @functools.lru_cache(maxsize=4)
