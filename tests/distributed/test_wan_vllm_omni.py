@@ -103,8 +103,11 @@ def _case(rank: int, world_size: int, folder: str) -> dict:
         # 1. parity with the embedded Wan engine, no CFG and CFG, and through the request path
         for name, params in (("no_cfg", SDE), ("cfg", CFG)):
             got = pipe.rollout(PROMPTS, params, group_size=2, seeds=SEEDS)
-            res[name] = _diff(got, ref.generate(PROMPTS, params, group_size=2, seeds=SEEDS))
+            want = ref.generate(PROMPTS, params, group_size=2, seeds=SEEDS)
+            res[name] = _diff(got, want)
             res[name + "_rescale"] = got.cfg_rescale
+        if rank == 0:  # the diffusers engine's CFG trajectory: the `Omni` engine's reference (below), not made twice
+            res["reference_cfg"] = want
         outputs = pipe.forward(_request_batch(CFG, SEEDS))
         # against the CFG rollout just made (the same prompts, params and seeds): no second identical rollout
         res["forward"] = _diff(record_to_trajectory([o.trajectory_latents for o in outputs], CFG), got)
@@ -158,9 +161,13 @@ def _case(rank: int, world_size: int, folder: str) -> dict:
 
 
 @pytest.fixture(scope="module")
-def results(tmp_path_factory) -> list[dict]:
-    root = tmp_path_factory.mktemp("wan_vllm")
-    return run_ranks(_case, 2, str(make_folder(root)), timeout_s=600)
+def folder(tmp_path_factory) -> Path:
+    return make_folder(tmp_path_factory.mktemp("wan_vllm"))
+
+
+@pytest.fixture(scope="module")
+def results(folder: Path) -> list[dict]:
+    return run_ranks(_case, 2, str(folder), timeout_s=600)
 
 
 def _assert_same(diff: dict, tol: float = TOL) -> None:
@@ -218,3 +225,31 @@ def test_synced_weights_reach_the_next_rollout(results: list[dict], how: str) ->
     assert results[0]["bucket_count"] == results[0]["n_tensors"]
     for r in results:
         assert "partial weight update" in r["partial"] and f"of {r['n_tensors']}" in r["partial"], r["partial"]
+
+
+def test_the_omni_engine_samples_the_diffusers_wan_engines_trajectories(folder: Path, results: list[dict]) -> None:
+    """vLLM-Omni's own `Omni` engine (`rollout.vllm_omni_process=engine`: its diffusion engine, stage client and
+    worker; the `uni` executor, rollout tp 1, the worker in this process on our CPU platform) serves
+    `FlowGRPOWanPipeline` from the same folder: it starts (answering vLLM-Omni's warm-up request), and its CFG 5.0
+    trajectories equal the diffusers engine's (made in the ranks above, same seeds) within TOL."""
+    import os
+    import time
+
+    from megatron_omni.rollout.vllm_omni.engine import VllmOmniRolloutEngine
+    from megatron_omni.rollout.vllm_omni.plugin import install_import_shims
+
+    install_import_shims()
+    started = time.monotonic()
+    engine = VllmOmniRolloutEngine(folder, tensor_parallel_size=1, dtype="float32", distributed_executor_backend="uni")
+    try:
+        start_s = time.monotonic() - started
+        reports = engine._rpc("platform_report")[0]
+        traj = engine.generate(PROMPTS, CFG, group_size=2, seeds=SEEDS)
+    finally:
+        engine.close()
+    assert [r["pid"] for r in reports] == [os.getpid()] and reports[0]["platform"] == "CpuOmniPlatform", reports
+    diff = _diff(traj, results[0]["reference_cfg"])
+    print(f"wan Omni engine (uni, tp 1) started in {start_s:.0f} s; CFG vs diffusers engine max |diff|:",
+          {k: f"{v:.1e}" for k, v in diff.items()})
+    _assert_same(diff)
+    assert traj.cfg_rescale is False and traj.images.shape == (4, 3, 5, 32, 32)

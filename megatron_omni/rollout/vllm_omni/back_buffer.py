@@ -167,16 +167,17 @@ class BackBufferWorkerExtension:
 
 
 class RpcBackBuffer:
-    """The rollout rank's view of its engine workers' back buffers: a bridge target (kind vllm_omni, full mode,
-    rollout tp 1) whose loads are `back_buffer_load` RPCs, and the `begin` / `finish` / `swap` around them. `rpc`:
-    the engine's `method(*args) -> [worker replies]` (`VllmOmniRolloutEngine._rpc`)."""
+    """The rollout rank's view of its engine workers' back buffers: a bridge target (kind vllm_omni, full mode)
+    whose loads are `back_buffer_load` RPCs, and the `begin` / `finish` / `swap` around them. `rpc`: the engine's
+    `method(*args) -> [worker replies]` (`VllmOmniRolloutEngine._rpc`); `tp_size`: its workers (each slices the
+    full tensors it is sent; worker 0's shard shapes are the plan's coverage check, as for a live update)."""
 
     kind = "vllm_omni"
     tp_rank = 0
-    tp_size = 1
 
-    def __init__(self, rpc: Callable[..., list[Any]]) -> None:
+    def __init__(self, rpc: Callable[..., list[Any]], tp_size: int = 1) -> None:
         self.rpc = rpc
+        self.tp_size = tp_size
         self._params = {n: torch.empty(s, device="meta") for n, s in rpc("parameter_shapes")[0].items()}
         self._error: BaseException | None = None
 
