@@ -10,8 +10,9 @@ exchanged with its back copy, no copy). A worker runs one message at a time, so 
 forward: the load points the parameters at the back copies, loads, and points them back; a request sees the old
 weights until the swap, which the rollout service sends between two requests.
 
-`RpcBackBuffer` is the rollout rank's side: the bridge's target over those RPCs (full mode, rollout tp 1: the
-workers' shapes for the coverage check) with the `begin` / `finish` / `swap` the async `WeightReceiver` calls.
+`RpcBackBuffer` is the rollout owner's side: the bridge's target over those RPCs (full mode at the engine's tp: every
+worker slices the full tensors, worker 0's shard shapes are the coverage check) with the `begin` / `finish` / `swap`
+the async `WeightReceiver` calls.
 
 An FP8 engine (vLLM's FP8 linears, loaded through a layer-wise reloader that quantizes in place) keeps its back copy
 before quantization (`QuantizedBackBuffer`): the update's full tensors, checked by name and full shape as they
