@@ -9,6 +9,8 @@ model at trainer tp 2 syncs perturbed weights into it through the Wan bridge pla
 coverage check inside the sync) and through the worker extension's buckets (the loader's renamed
 `scale_shift_table` accepted): each next rollout changes and equals the diffusers engine holding the same weights.
 A partial update is refused by name, and so is a head dim whose RoPE vLLM-Omni's Wan transformer slices wrongly.
+Last, vLLM-Omni's own `Omni` engine (the `uni` executor, rollout tp 1, in the test's process) serves the class from the
+same folder and samples the diffusers engine's CFG trajectories (the ranks' reference, not made again).
 
 The folder is the tiny Wan pipeline with head dim 12 instead of the `tiny` preset's 16 (see
 `wan_pipeline.check_rope_split`). Measured max |diff| against the diffusers engine: see TOL.
@@ -252,4 +254,6 @@ def test_the_omni_engine_samples_the_diffusers_wan_engines_trajectories(folder: 
     print(f"wan Omni engine (uni, tp 1) started in {start_s:.0f} s; CFG vs diffusers engine max |diff|:",
           {k: f"{v:.1e}" for k, v in diff.items()})
     _assert_same(diff)
-    assert traj.cfg_rescale is False and traj.images.shape == (4, 3, 5, 32, 32)
+    want = results[0]["reference_cfg"]
+    assert traj.cfg_rescale is False and traj.prompts == want.prompts
+    assert traj.images.shape == want.images.shape == (4, 5, 3, 32, 32)  # [N, F, C, H, W]
