@@ -92,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         return _config_error(exc)
 
-    from megatron_omni.parallel import platform
+    from megatron_omni.parallel import failure_notice, platform
     from megatron_omni.reward.errors import RewardServiceError, RewardWeightsError
     from megatron_omni.rollout.async_service import RolloutRankFailed, RolloutRankLost, StalenessError
     from megatron_omni.rollout.vllm_omni.faults import EngineStartError, EngineWorkerDied
@@ -101,6 +101,9 @@ def main(argv: list[str] | None = None) -> int:
     from megatron_omni.trainer.run import run
 
     platform.init_distributed()
+    # colocated: a rank that fails with a named cause tells the others (disaggregated: the rollout service relays
+    # a rollout rank's failure to the trainer, whose stop reaches the rollout ranks)
+    notice = cfg.placement.mode == "colocated" and failure_notice.watch()
     try:
         summary = run(cfg, overwrite=args.overwrite)
     except TrainingStopped as exc:  # every rank stops after the same step (the stop flag is all-reduced)
@@ -127,6 +130,8 @@ def main(argv: list[str] | None = None) -> int:
         os._exit(1)
     except (EngineStartError, EngineWorkerDied) as exc:  # one line naming the cause, or the worker and the step
         print(f"rollout engine error: {exc}", file=sys.stderr, flush=True)
+        if notice:  # the other ranks print the same cause and leave now, not when their collective fails
+            failure_notice.publish(f"rollout engine error: {exc}", 1)
         return 1
     finally:
         platform.destroy_distributed()

@@ -8,9 +8,10 @@
 #                      --nproc-per-node is the same on every node; world size = NNODES * that. Only node 0
 #                      runs the reward server on its carved GPUs (the others leave theirs idle).
 #   ROLLOUT_GPUS       n > 0: the last n ranks of the world roll out on GPUs of their own while the others train
-#                      (placement.mode=disaggregated, placement.rollout_ranks=n, docs/async.md), each owning one
-#                      rollout engine at rollout tp 1 (the recipes' vLLM-Omni Omni engine, its worker holding the
-#                      back buffer the trainer pushes into); the dry run then prints the disaggregated plan next to
+#                      (placement.mode=disaggregated, placement.rollout_ranks=n, docs/async.md), in groups of
+#                      rollout.tp ranks (n a multiple of it), each group's first rank owning one rollout engine (the
+#                      recipes' vLLM-Omni Omni engine, its tp workers on the group's GPUs holding the back buffer
+#                      the trainer pushes into); the dry run then prints the disaggregated plan next to
 #                      the colocated one. "" or 0: colocated (default).
 #   MAX_STALENESS      async.max_staleness with ROLLOUT_GPUS (default 1: the rollout one step ahead; an explicit
 #                      --set async.max_staleness=... among the script's arguments wins, it comes later)

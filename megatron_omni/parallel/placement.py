@@ -10,13 +10,22 @@ rollout service and the bridge as one object, never read from globals:
 - `trainer`: the trainer ranks (the Megatron grid is built over `Placement.trainer_range` by
   `build_parallel_groups(layout, ranks=...)`);
 - `rollout`: the rollout ranks;
-- `requests[r]` / `results[r]`: two gloo pairs {trainer root, rollout rank r} for the control messages (small
+- `requests[r]` / `results[r]`: two gloo pairs {trainer root, rollout owner r} for the control messages (small
   pickled objects on CPU tensors, so gloo even on GPU), one per direction so that each is used by one thread on
   each side (a gloo pair is not shared between threads);
 - `weights`: the bridge's broadcast groups, one per weight source (the trainer root; with pipeline parallelism each
-  stage's first rank, `ParallelLayout.stage_roots`): {source} + rollout ranks on the job's collective backend (NCCL
-  on GPU: the weights are device tensors), given to `bridge.DistributedTransport(groups=...)` with
-  `weight_sources` (stage order).
+  stage's first rank, `ParallelLayout.stage_roots`): {source} + rollout owners on the job's collective backend
+  (NCCL on GPU: the weights are device tensors), given to `bridge.DistributedTransport(groups=...)` with
+  `weight_sources` (stage order);
+- `engine_group`: on a rollout rank, its rollout group (below), for the owner's control messages to the others.
+
+Rollout groups (`rollout_tp` > 1, vLLM-Omni's multi-process `Omni` engine): torchrun starts one rank per GPU, but an
+engine at tensor parallelism t needs t GPUs for its t worker processes. So the rollout ranks form groups of t
+consecutive ranks (`Placement.rollout_groups`); the first rank of each, its owner (`rollout_owners`), runs the
+rollout service and owns one engine whose workers run on the group's t GPUs; the others hold their GPU for those
+workers and start nothing: they join the job's collectives (the optimizer build's, the resume's, every checkpoint's
+save, the end), told by their owner over `engine_group`. The trainer talks to, and pushes weights to, the owners
+only. At `rollout_tp` 1 every rollout rank is an owner.
 """
 
 from __future__ import annotations
@@ -46,6 +55,7 @@ class Placement:
     world_size: int
     trainer_ranks: tuple[int, ...]
     rollout_ranks: tuple[int, ...]
+    rollout_tp: int = 1  # ranks (GPUs) per rollout group: one engine, its workers on the group's GPUs
 
     @property
     def disaggregated(self) -> bool:
@@ -60,6 +70,23 @@ class Placement:
         """The trainer ranks as the contiguous range the Megatron grid spans."""
         return range(self.trainer_ranks[0], self.trainer_ranks[-1] + 1)
 
+    @property
+    def rollout_groups(self) -> tuple[tuple[int, ...], ...]:
+        """The rollout ranks in groups of `rollout_tp` consecutive ranks (one engine each; colocated: none)."""
+        if not self.disaggregated:
+            return ()
+        t = self.rollout_tp
+        return tuple(self.rollout_ranks[i: i + t] for i in range(0, len(self.rollout_ranks), t))
+
+    @property
+    def rollout_owners(self) -> tuple[int, ...]:
+        """The first rank of each rollout group: the ranks that run the rollout service and own an engine."""
+        return tuple(g[0] for g in self.rollout_groups)
+
+    def rollout_group_of(self, rank: int) -> tuple[int, ...]:
+        """The rollout group `rank` belongs to (its owner first); () for a trainer rank."""
+        return next((g for g in self.rollout_groups if rank in g), ())
+
     def role(self, rank: int) -> str:
         """'trainer', 'rollout' or, colocated, 'both'."""
         if not self.disaggregated:
@@ -67,13 +94,16 @@ class Placement:
         return "rollout" if rank in self.rollout_ranks else "trainer"
 
 
-def split_world(mode: str, world_size: int, rollout_ranks: int | Sequence[int] | None = None) -> Placement:
+def split_world(mode: str, world_size: int, rollout_ranks: int | Sequence[int] | None = None,
+                rollout_tp: int = 1) -> Placement:
     """The placement of a job of `world_size` ranks.
 
     colocated: `rollout_ranks` must be None, 0 or empty; every rank trains and rolls out.
     disaggregated: `rollout_ranks` is a count n (the last n ranks roll out: the trainer keeps rank 0, where the run
     folder, the logs and the checkpoints' metadata are written) or a list of global ranks; at least one rank on
     each side, and the trainer ranks contiguous (Megatron's grid enumerates a contiguous block).
+    `rollout_tp` (disaggregated): the rollout ranks per engine (`rollout.tp`); their number must be a multiple of
+    it, each group of `rollout_tp` consecutive rollout ranks owning one engine (see the module docstring).
     Raises `PlacementError` naming the key and the value.
     """
     if mode not in PLACEMENT_MODES:
@@ -111,7 +141,13 @@ def split_world(mode: str, world_size: int, rollout_ranks: int | Sequence[int] |
     if trainer[-1] - trainer[0] + 1 != len(trainer):
         raise PlacementError(f"placement.rollout_ranks={list(rollout)!r} leaves the trainer ranks {list(trainer)}, "
                              "which are not contiguous (Megatron's grid spans a contiguous block of ranks)")
-    return Placement(mode, world_size, trainer, rollout)
+    if isinstance(rollout_tp, bool) or not isinstance(rollout_tp, int) or rollout_tp < 1:
+        raise PlacementError(f"rollout.tp={rollout_tp!r}: expected a positive integer")
+    if len(rollout) % rollout_tp:
+        raise PlacementError(f"placement.rollout_ranks={len(rollout)} rollout ranks with rollout.tp={rollout_tp}: each "
+                             f"engine takes {rollout_tp} rollout ranks (its workers on their GPUs), so the rollout "
+                             f"ranks must be a multiple of {rollout_tp}")
+    return Placement(mode, world_size, trainer, rollout, rollout_tp)
 
 
 @dataclass
@@ -127,6 +163,7 @@ class PlacementGroups:
     results: dict[int, dist.ProcessGroup | None] = field(default_factory=dict)
     weights: dict[int, dist.ProcessGroup | None] = field(default_factory=dict)
     weight_sources: tuple[int, ...] = ()  # the trainer ranks that send the weights, stage by stage
+    engine_group: dist.ProcessGroup | None = None  # this rollout rank's rollout group (gloo), its owner first
 
 
 def build_placement_groups(placement: Placement, weight_sources: Sequence[int] | None = None) -> PlacementGroups:
@@ -149,11 +186,16 @@ def build_placement_groups(placement: Placement, weight_sources: Sequence[int] |
     trainer = member(placement.trainer_ranks)
     rollout = member(placement.rollout_ranks)
     root = placement.trainer_root
-    requests = {r: member((root, r), CONTROL_BACKEND) for r in placement.rollout_ranks}
-    results = {r: member((root, r), CONTROL_BACKEND) for r in placement.rollout_ranks}
+    owners = placement.rollout_owners
+    requests = {r: member((root, r), CONTROL_BACKEND) for r in owners}
+    results = {r: member((root, r), CONTROL_BACKEND) for r in owners}
     sources = tuple(weight_sources) if weight_sources else (root,)
     outside = [r for r in sources if r not in placement.trainer_ranks]
     if outside:
         raise PlacementError(f"weight sources {outside} are not trainer ranks of {placement}")
-    weights = {src: member((src, *placement.rollout_ranks), platform.backend()) for src in dict.fromkeys(sources)}
-    return PlacementGroups(placement, rank, trainer, rollout, requests, results, weights, sources)
+    weights = {src: member((src, *owners), platform.backend()) for src in dict.fromkeys(sources)}
+    engine_group = None
+    if placement.rollout_tp > 1:
+        for g in placement.rollout_groups:
+            engine_group = member(g, CONTROL_BACKEND) or engine_group
+    return PlacementGroups(placement, rank, trainer, rollout, requests, results, weights, sources, engine_group)

@@ -36,7 +36,9 @@ rank broadcasts its stage's blocks to the rollout ranks over its own weights gro
 
 from __future__ import annotations
 
+import os
 import time
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -47,10 +49,12 @@ import torch.distributed as dist
 from megatron_omni.bridge import DistributedTransport, WeightSync
 from megatron_omni.bridge.family_sync import family_plans
 from megatron_omni.bridge.lora_sync import MergedSources, merged_linears
+from megatron_omni.parallel import platform
 from megatron_omni.parallel.placement import PlacementGroups
 from megatron_omni.rollout.async_service import (
     AsyncSettings,
     RolloutClient,
+    RolloutRankFailed,
     RolloutService,
     WeightReceiver,
     behaviour_version,
@@ -79,13 +83,19 @@ def async_settings(cfg: JobConfig) -> AsyncSettings:
     return AsyncSettings(a.max_staleness, a.liveness_timeout_s, a.heartbeat_s, a.stall_timeout_s)
 
 
+def engine_tp(cfg: JobConfig) -> int:
+    """The tensor parallelism of a rollout rank's engine: `rollout.tp` for vLLM-Omni's `Omni` engine (its workers
+    on the rollout group's GPUs), 1 for the embedded diffusers engine."""
+    return cfg.rollout.tp if cfg.rollout.engine == "vllm_omni" else 1
+
+
 def rollout_plan(cfg: JobConfig, hf_config: dict[str, Any]) -> Any:
-    """The bridge's plan from the trainer's layout into a rollout rank's transformer (full tensors, rollout tp 1:
-    the embedded diffusers engine's, or the `Omni` engine workers' with `rollout.engine=vllm_omni`), the same on
-    both sides."""
+    """The bridge's plan from the trainer's layout into a rollout rank's transformer (full tensors: the embedded
+    diffusers engine's at tp 1, or the `Omni` engine workers' with `rollout.engine=vllm_omni`, each worker slicing
+    what it is sent), the same on both sides."""
     p = cfg.parallel
     plans = family_plans(get_family(cfg.model.family), hf_config, trainer_tp=p.tp, trainer_pp=p.pp,
-                         rollout_kind=cfg.rollout.engine, rollout_tp=1, mode="full")
+                         rollout_kind=cfg.rollout.engine, rollout_tp=engine_tp(cfg), mode="full")
     if len(plans) != 1:
         raise ValueError(f"model family {cfg.model.family!r} has weight parts {sorted(plans)}; the rollout service "
                          "serves one (a DiT's transformer)")
@@ -103,10 +113,12 @@ def trainer_side(cfg: JobConfig) -> JobConfig:
 
 
 def build_rollout_engine(cfg: JobConfig, pipeline_dir: Path) -> Any:
-    """A rollout rank's engine at rollout tp 1 (this rank alone, not collective): the embedded diffusers engine,
-    or with `rollout.engine=vllm_omni` vLLM-Omni's `Omni` engine with its worker process on this rank's GPU (on the
-    host through our CPU platform plugin), which takes the pushes into its workers' back buffers."""
+    """A rollout owner's engine (this rank alone, not collective): the embedded diffusers engine (tp 1), or with
+    `rollout.engine=vllm_omni` vLLM-Omni's `Omni` engine with `rollout.tp` worker processes on its rollout group's
+    GPUs (this rank's and the next tp - 1 local ones; on the host through our CPU platform plugin), which takes the
+    pushes into its workers' back buffers."""
     r = cfg.rollout
+    tp = engine_tp(cfg)
     # rollout.quantization: the engine samples quantized on the family's linears, as the colocated engine does
     quantization = QuantizationSpec(r.quantization, tuple(get_family(cfg.model.family).quantized_linears))
     settings = EngineSettings(tp=1, dtype=torch_dtype(r.dtype), max_batch_size=r.max_batch_size,
@@ -118,12 +130,17 @@ def build_rollout_engine(cfg: JobConfig, pipeline_dir: Path) -> Any:
 
     # torchrun's TORCHELASTIC_USE_AGENT_STORE makes every env:// or tcp:// rendezvous a client of torchrun's own
     # store: the engine's worker processes would wait forever for the rendezvous server vLLM starts itself.
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    node = int(os.environ.get("LOCAL_WORLD_SIZE", str(local + tp)))
+    if local + tp > node:
+        raise EngineStartError(f"rollout.tp={tp}: the rollout group of local rank {local} would span {tp} GPUs past "
+                               f"its node's {node}; place the rollout ranks so that each group lies on one node")
     try:
-        with _without_env("TORCHELASTIC_USE_AGENT_STORE"):
-            omni = start_omni(pipeline_dir, 1, settings)
+        with _without_env("TORCHELASTIC_USE_AGENT_STORE"), platform.devices_for_workers(range(local, local + tp)):
+            omni = start_omni(pipeline_dir, tp, settings)
     except Exception as exc:  # one line naming the cause (vLLM-Omni wraps it in messageless exceptions)
         raise EngineStartError(f"vLLM-Omni engine for {pipeline_dir} failed to start: {root_cause(exc)}") from exc
-    engine = VllmOmniRolloutEngine(pipeline_dir, 1, settings.dtype, omni=omni, quantization=quantization)
+    engine = VllmOmniRolloutEngine(pipeline_dir, tp, settings.dtype, omni=omni, quantization=quantization)
     engine.load_initial_weights()  # FP8: the folder's weights quantized as every swap quantizes them
     return engine
 
@@ -131,7 +148,7 @@ def build_rollout_engine(cfg: JobConfig, pipeline_dir: Path) -> Any:
 def transport(cfg: JobConfig, groups: PlacementGroups) -> DistributedTransport:
     """The weights' broadcast to the rollout ranks from each pipeline stage's first trainer rank (the root alone
     without pipeline parallelism) over the placement's weights groups."""
-    return DistributedTransport(sources=list(groups.weight_sources), rollout_ranks=groups.placement.rollout_ranks,
+    return DistributedTransport(sources=list(groups.weight_sources), rollout_ranks=groups.placement.rollout_owners,
                                 dtype=torch_dtype(cfg.model.params_dtype), groups=groups.weights)
 
 
@@ -144,10 +161,13 @@ def serve_rollout(cfg: JobConfig, groups: PlacementGroups, pipeline_dir: Path) -
     # first request, after the set-up collectives below, so a slow start (vLLM-Omni's engine: its worker process,
     # minutes for 20B weights) is never taken for a silent rank. One that fails is told to the trainer.
     settings = async_settings(cfg)
-    try:
-        engine, failure = build_rollout_engine(cfg, pipeline_dir), None
-    except Exception as exc:  # noqa: BLE001 - reported to the trainer below, then raised here
-        engine, failure = None, exc
+    owner = groups.placement.rollout_group_of(groups.rank)[0]
+    engine, failure = None, None
+    if owner == groups.rank:
+        try:
+            engine = build_rollout_engine(cfg, pipeline_dir)
+        except Exception as exc:  # noqa: BLE001 - reported to the trainer below, then raised here
+            failure = exc
     # Megatron-Core's get_megatron_optimizer gathers the parameter-group keys over the default (whole-job) group,
     # once for the dense and once for the expert parameters; the rollout ranks hold none and join both gathers.
     for _ in range(MEGATRON_OPTIMIZER_WORLD_GATHERS):
@@ -156,21 +176,36 @@ def serve_rollout(cfg: JobConfig, groups: PlacementGroups, pipeline_dir: Path) -
     folder = resume_folder(cfg.checkpoint.resume, run_dir)  # collective: the ranks verify it together
     if folder is not None:
         load_checkpoint(folder, None, None, None)  # this rank's RNG states (the trainer loads the rest)
-    if failure is not None:
-        report_start_failure(groups, settings, f"rollout.engine={cfg.rollout.engine!r} failed to start on rollout "
-                                               f"rank {groups.rank}: {type(failure).__name__}: {failure}")
-        raise failure
-    _, plan = rollout_plan(cfg, engine.transformer_config())
-    receiver = WeightReceiver(engine, plan, transport(cfg, groups), torch_dtype(cfg.model.params_dtype),
-                              groups.rank, wait_timeout_s=settings.liveness_timeout_s)
 
     def join_checkpoint(step: int) -> Path:
         return save_checkpoint(run_dir, step, None, None, None, {}, cfg.checkpoint.keep)
 
-    try:
-        stats = RolloutService(engine, groups, receiver, settings, on_checkpoint=join_checkpoint).serve()
-    finally:
-        engine.close()
+    if owner != groups.rank:
+        follow_owner(groups, owner, join_checkpoint)
+        stats: dict[str, Any] = {}
+    else:
+        try:
+            if failure is not None:
+                report_start_failure(groups, settings, f"rollout.engine={cfg.rollout.engine!r} failed to start on "
+                                                       f"rollout rank {groups.rank}: {type(failure).__name__}: "
+                                                       f"{failure}")
+                raise failure
+            _, plan = rollout_plan(cfg, engine.transformer_config())
+            receiver = WeightReceiver(engine, plan, transport(cfg, groups), torch_dtype(cfg.model.params_dtype),
+                                      groups.rank, wait_timeout_s=settings.liveness_timeout_s)
+
+            def checkpoint(step: int) -> Path:
+                _tell_group(groups, ("checkpoint", step))
+                return join_checkpoint(step)
+
+            try:
+                stats = RolloutService(engine, groups, receiver, settings, on_checkpoint=checkpoint).serve()
+            finally:
+                engine.close()
+        except BaseException as exc:
+            _tell_group(groups, ("failed", f"{type(exc).__name__}: {exc}"))
+            raise
+        _tell_group(groups, ("end", None))
     closing: list[Any] = [None]
     dist.broadcast_object_list(closing, src=groups.placement.trainer_root)  # `AsyncLoop.finish`'s
     stopped = closing[0]
@@ -178,6 +213,29 @@ def serve_rollout(cfg: JobConfig, groups: PlacementGroups, pipeline_dir: Path) -
         dist.barrier()  # the run's final barrier
         return stats
     raise TrainingStopped(*stopped)
+
+
+def _tell_group(groups: PlacementGroups, message: tuple[str, Any]) -> None:
+    """On a rollout owner at rollout tp > 1: tell the other ranks of its rollout group ("checkpoint", step: join
+    the save; "end"; "failed", text); nothing to tell at tp 1."""
+    if groups.engine_group is not None:
+        dist.broadcast_object_list([message], src=groups.rank, group=groups.engine_group)
+
+
+def follow_owner(groups: PlacementGroups, owner: int, join_checkpoint: Callable[[int], Path]) -> None:
+    """A rollout rank that is not its group's owner (rollout tp > 1: its GPU runs one of the owner's engine
+    workers): join each checkpoint's save the owner announces until it says the service ended. Raises
+    `RolloutRankFailed` naming the owner when the owner failed (its engine did not start, its service raised)."""
+    while True:
+        box: list[Any] = [None]
+        dist.broadcast_object_list(box, src=owner, group=groups.engine_group)
+        kind, value = box[0]
+        if kind == "checkpoint":
+            join_checkpoint(value)
+        elif kind == "failed":
+            raise RolloutRankFailed(owner, None, f"(the engine owner of rollout rank {groups.rank}'s group) {value}")
+        else:
+            return
 
 
 def report_start_failure(groups: PlacementGroups, settings: AsyncSettings, error: str) -> None:
@@ -212,7 +270,7 @@ class AsyncLoop:
         self.trainer_ranks = list(groups.placement.trainer_ranks)
         self.settings = async_settings(cfg)
         self.client = RolloutClient(groups, self.settings) if self.is_root else None
-        self.split_rollout = len(groups.placement.rollout_ranks) > 1
+        self.split_rollout = len(groups.placement.rollout_owners) > 1
         part, plan = rollout_plan(cfg, trainer.hf_config)
         tg = trainer.groups
         sources = trainer.family.megatron_sources(trainer.model)[part]

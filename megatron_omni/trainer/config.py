@@ -460,7 +460,8 @@ def _validate_layout(cfg: JobConfig, world_size: int) -> None:
         ParallelLayout(tp=p.tp, ulysses=p.ulysses, ring=p.ring, pp=p.pp).resolve(world_size)
     except LayoutError as exc:
         raise ConfigError(f"parallel: {exc}") from exc
-    if world_size % cfg.rollout.tp:
+    # disaggregated: the rollout ranks form the engines' groups (`check_placement`, `split_world`'s rollout_tp)
+    if cfg.placement.mode != "disaggregated" and world_size % cfg.rollout.tp:
         raise ConfigError(f"rollout.tp={cfg.rollout.tp} does not divide the world size {world_size}")
 
 

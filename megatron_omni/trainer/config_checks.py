@@ -515,7 +515,7 @@ def check_placement(cfg: Any, world_size: int, planning: bool = False) -> None:
                               "rollout waits for the update (on-policy); set placement.mode=disaggregated")
         return
     try:
-        split_world(pl.mode, world_size, pl.rollout_ranks or None)
+        split_world(pl.mode, world_size, pl.rollout_ranks or None, rollout_tp=cfg.rollout.tp)
     except PlacementError as exc:
         raise ConfigError(str(exc)) from None
     family = get_family(cfg.model.family)
@@ -537,8 +537,6 @@ def placement_limits(cfg: Any) -> list[str]:
     unsupported = [
         (cfg.algorithm.name == "diffusionnft", "algorithm.name", cfg.algorithm.name,
          "its ODE rollout samples with a lagging old policy the rollout ranks do not hold"),
-        (cfg.rollout.tp != 1, "rollout.tp", cfg.rollout.tp, "each rollout rank owns one engine on its own GPU (rollout "
-         "tp 1; more rollout ranks split the images)"),
         (cfg.rollout.engine == "vllm_omni" and cfg.rollout.vllm_omni_process != "engine", "rollout.vllm_omni_process",
          cfg.rollout.vllm_omni_process, "the rollout ranks own vLLM-Omni Omni engines (their workers hold the back "
          "buffer); use engine"),

@@ -158,7 +158,8 @@ def _run(cfg: JobConfig, overwrite: bool, stops: StopRequests) -> dict:
     dist.barrier()
     p = cfg.parallel
     layout = ParallelLayout(tp=p.tp, ulysses=p.ulysses, ring=p.ring, pp=p.pp)
-    placement = split_world(cfg.placement.mode, dist.get_world_size(), cfg.placement.rollout_ranks or None)
+    placement = split_world(cfg.placement.mode, dist.get_world_size(), cfg.placement.rollout_ranks or None,
+                            rollout_tp=cfg.rollout.tp if cfg.placement.mode == "disaggregated" else 1)
     loop = None
     if placement.disaggregated:
         # Every rank creates every group (collective), then each side goes its way: the rollout ranks serve until

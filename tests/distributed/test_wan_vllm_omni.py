@@ -9,6 +9,8 @@ model at trainer tp 2 syncs perturbed weights into it through the Wan bridge pla
 coverage check inside the sync) and through the worker extension's buckets (the loader's renamed
 `scale_shift_table` accepted): each next rollout changes and equals the diffusers engine holding the same weights.
 A partial update is refused by name, and so is a head dim whose RoPE vLLM-Omni's Wan transformer slices wrongly.
+Last, vLLM-Omni's own `Omni` engine (the `uni` executor, rollout tp 1, in the test's process) serves the class from the
+same folder and samples the diffusers engine's CFG trajectories (the ranks' reference, not made again).
 
 The folder is the tiny Wan pipeline with head dim 12 instead of the `tiny` preset's 16 (see
 `wan_pipeline.check_rope_split`). Measured max |diff| against the diffusers engine: see TOL.
@@ -103,8 +105,11 @@ def _case(rank: int, world_size: int, folder: str) -> dict:
         # 1. parity with the embedded Wan engine, no CFG and CFG, and through the request path
         for name, params in (("no_cfg", SDE), ("cfg", CFG)):
             got = pipe.rollout(PROMPTS, params, group_size=2, seeds=SEEDS)
-            res[name] = _diff(got, ref.generate(PROMPTS, params, group_size=2, seeds=SEEDS))
+            want = ref.generate(PROMPTS, params, group_size=2, seeds=SEEDS)
+            res[name] = _diff(got, want)
             res[name + "_rescale"] = got.cfg_rescale
+        if rank == 0:  # the diffusers engine's CFG trajectory: the `Omni` engine's reference (below), not made twice
+            res["reference_cfg"] = want
         outputs = pipe.forward(_request_batch(CFG, SEEDS))
         # against the CFG rollout just made (the same prompts, params and seeds): no second identical rollout
         res["forward"] = _diff(record_to_trajectory([o.trajectory_latents for o in outputs], CFG), got)
@@ -158,9 +163,13 @@ def _case(rank: int, world_size: int, folder: str) -> dict:
 
 
 @pytest.fixture(scope="module")
-def results(tmp_path_factory) -> list[dict]:
-    root = tmp_path_factory.mktemp("wan_vllm")
-    return run_ranks(_case, 2, str(make_folder(root)), timeout_s=600)
+def folder(tmp_path_factory) -> Path:
+    return make_folder(tmp_path_factory.mktemp("wan_vllm"))
+
+
+@pytest.fixture(scope="module")
+def results(folder: Path) -> list[dict]:
+    return run_ranks(_case, 2, str(folder), timeout_s=600)
 
 
 def _assert_same(diff: dict, tol: float = TOL) -> None:
@@ -218,3 +227,33 @@ def test_synced_weights_reach_the_next_rollout(results: list[dict], how: str) ->
     assert results[0]["bucket_count"] == results[0]["n_tensors"]
     for r in results:
         assert "partial weight update" in r["partial"] and f"of {r['n_tensors']}" in r["partial"], r["partial"]
+
+
+def test_the_omni_engine_samples_the_diffusers_wan_engines_trajectories(folder: Path, results: list[dict]) -> None:
+    """vLLM-Omni's own `Omni` engine (`rollout.vllm_omni_process=engine`: its diffusion engine, stage client and
+    worker; the `uni` executor, rollout tp 1, the worker in this process on our CPU platform) serves
+    `FlowGRPOWanPipeline` from the same folder: it starts (answering vLLM-Omni's warm-up request), and its CFG 5.0
+    trajectories equal the diffusers engine's (made in the ranks above, same seeds) within TOL."""
+    import os
+    import time
+
+    from megatron_omni.rollout.vllm_omni.engine import VllmOmniRolloutEngine
+    from megatron_omni.rollout.vllm_omni.plugin import install_import_shims
+
+    install_import_shims()
+    started = time.monotonic()
+    engine = VllmOmniRolloutEngine(folder, tensor_parallel_size=1, dtype="float32", distributed_executor_backend="uni")
+    try:
+        start_s = time.monotonic() - started
+        reports = engine._rpc("platform_report")[0]
+        traj = engine.generate(PROMPTS, CFG, group_size=2, seeds=SEEDS)
+    finally:
+        engine.close()
+    assert [r["pid"] for r in reports] == [os.getpid()] and reports[0]["platform"] == "CpuOmniPlatform", reports
+    diff = _diff(traj, results[0]["reference_cfg"])
+    print(f"wan Omni engine (uni, tp 1) started in {start_s:.0f} s; CFG vs diffusers engine max |diff|:",
+          {k: f"{v:.1e}" for k, v in diff.items()})
+    _assert_same(diff)
+    want = results[0]["reference_cfg"]
+    assert traj.cfg_rescale is False and traj.prompts == want.prompts
+    assert traj.images.shape == want.images.shape == (4, 5, 3, 32, 32)  # [N, F, C, H, W]

@@ -283,6 +283,9 @@ def test_fp8_rollout_ranks_sample_quantized_and_pass_every_swap_probe(uninterrup
 # checkpoint after steps 2 and 4.
 VLLM_ASYNC = ["--set", "steps=4", *ASYNC, "--set", "rollout.engine=vllm_omni", "--set", "async.max_staleness=1",
               "--set", "checkpoint.every=2", "--set", "checkpoint.keep=5"]
+# The same at rollout tp 2: 1 trainer + 2 rollout ranks, one rollout group: rank 1 owns the engine (two worker
+# processes, on the group's two GPUs on a GPU machine), rank 2 starts nothing and joins the job's collectives.
+VLLM_ASYNC_TP2 = [*VLLM_ASYNC, "--set", "placement.rollout_ranks=2", "--set", "rollout.tp=2"]
 
 
 # The reward gain (mean of the last two steps minus the first two) the vLLM-Omni run must beat.
@@ -298,25 +301,28 @@ def _engine_processes(rank_pid: int) -> list:
 
 @pytest.mark.slow
 def test_vllm_omni_rollout_ranks_learn_report_engine_failure_and_resume_equal(tmp_path: Path) -> None:
-    """`rollout.engine=vllm_omni` disaggregated (1 trainer + 1 rollout rank owning an `Omni` engine): every push goes
-    over `collective_rpc` into the back buffer in the engine's worker, swapped in between two requests with the probe
+    """`rollout.engine=vllm_omni` disaggregated at rollout tp 2 (1 trainer + 2 rollout ranks: one rollout group,
+    rank 1 owning an `Omni` engine with two worker processes, rank 2 holding its GPU for them): every push goes
+    over `collective_rpc` into the back buffer in both workers, swapped in between two requests with the probe
     (one line at the end counts the swaps, each probe passed or the run fails); the reward rises over the 4 steps
-    and every step's versions are max(0, k - 1). Beside it, 3 steps with `rollout.quantization=fp8` (vLLM's FP8
-    linears in the worker; its back copy quantized at each swap, `QuantizedBackBuffer`): every swap passes the
-    quantized probe, step 0 samples quantized (its reward near the unquantized run's, not equal; the behaviour /
-    trainer gap > 0 on every step). A second run (overlapping the first): once its step-2 checkpoint
-    is complete the engine's processes on the rollout rank are SIGKILLed: the trainer exits 1 with a message naming
-    rollout rank 1 and the engine's failure. Every rank killed, a `--resume auto` whose rollout rank's engine cannot
-    start (vLLM's logging config missing on that rank only) ends with the trainer's exit 1 naming that cause
-    (`EngineStartError`), not the transport error of its first push, nothing written; then `--resume auto` ends
-    equal to the uninterrupted run bit for bit."""
+    and every step's versions are max(0, k - 1). Beside it, 3 steps at rollout tp 1 (1 + 1 ranks) with
+    `rollout.quantization=fp8` (vLLM's FP8 linears in the worker; its back copy quantized at each swap,
+    `QuantizedBackBuffer`): every swap passes the quantized probe, step 0 samples quantized (its reward near the
+    unquantized run's, not equal; the behaviour / trainer gap > 0 on every step). A second tp-2 run (overlapping the
+    first): once its step-2 checkpoint is complete the engine's processes on the owner are SIGKILLed: the trainer
+    exits 1 with a message naming rollout rank 1 and the engine's failure. Every rank killed, a `--resume auto`
+    whose owner's engine cannot start (vLLM's logging config missing on that rank only) ends with the trainer's
+    exit 1 naming that cause (`EngineStartError`), not the transport error of its first push, the group's other
+    rank naming its owner's failure, nothing written; then `--resume auto` ends equal to the uninterrupted run bit
+    for bit."""
     ref, fp8 = tmp_path / "uninterrupted", tmp_path / "fp8"
     fp8_args = ["--set", "steps=3", *ASYNC, "--set", "rollout.engine=vllm_omni", "--set", "async.max_staleness=1",
                 "--set", "rollout.quantization=fp8", "--set", "algorithm.is_cap=2"]
-    with _Background(ref, *VLLM_ASYNC, nproc=2) as uninterrupted, _Background(fp8, *fp8_args, nproc=2) as quantized:
+    with (_Background(ref, *VLLM_ASYNC_TP2, nproc=3) as uninterrupted,
+          _Background(fp8, *fp8_args, nproc=2) as quantized):
         run = tmp_path / "killed"
-        procs = _start_ranks(run, *VLLM_ASYNC)
-        trainer, rollout = procs
+        procs = _start_ranks(run, *VLLM_ASYNC_TP2, world=3)
+        trainer, rollout, _ = procs
         marker = run / "checkpoints" / "step_000002" / "COMPLETE"
         try:
             deadline = time.monotonic() + 600
@@ -339,7 +345,7 @@ def test_vllm_omni_rollout_ranks_learn_report_engine_failure_and_resume_equal(tm
         assert not (run / "checkpoints" / "step_000004").exists()
 
         _resume_with_an_engine_that_cannot_start(run, tmp_path / "missing-logging.json")
-        resumed = _train(run, *VLLM_ASYNC, "--resume", "auto", nproc=2)
+        resumed = _train(run, *VLLM_ASYNC_TP2, "--resume", "auto", nproc=3)
         assert resumed.returncode == 0, resumed.stderr[-3000:]
         assert "resumed from" in resumed.stdout + resumed.stderr
         p, q = uninterrupted.result(), quantized.result()
@@ -348,9 +354,11 @@ def test_vllm_omni_rollout_ranks_learn_report_engine_failure_and_resume_equal(tm
     swaps = _swaps(p.stdout + p.stderr)
     assert swaps and swaps.group(1) == "4" and swaps.group(2) == "2", (p.stdout + p.stderr)[-3000:]
     assert float(swaps.group(3)) < 1e-4  # fp32 on both sides (probe.TOLERANCES)
+    assert "rollout rank 2:" not in p.stdout + p.stderr  # the group's other rank serves nothing
     m = _metrics(ref)
     r = [x["reward_mean"] for x in m]
-    print("vllm_omni disaggregated, staleness 1: reward per step", [f"{x:.3f}" for x in r], "swap probe", swaps[3])
+    print("vllm_omni disaggregated rollout tp 2, staleness 1: reward per step", [f"{x:.3f}" for x in r],
+          "swap probe", swaps[3])
     assert sum(r[-2:]) / 2 > sum(r[:2]) / 2 + REWARD_GAIN, r
     assert [x["policy_version_min"] for x in m] == [x["policy_version_max"] for x in m] == [0, 0, 1, 2]
     for k, (x, y) in enumerate(zip(m, _metrics(run), strict=True)):
@@ -383,14 +391,17 @@ def _resume_with_an_engine_that_cannot_start(run: Path, missing: Path) -> None:
     the rollout rank cannot join; the trainer exits 1 naming the rank and the engine's cause, the rollout rank too,
     and the run folder keeps its checkpoints and metrics."""
     before = sorted(p.name for p in (run / "checkpoints").iterdir())
-    procs = _start_ranks(run, *VLLM_ASYNC, "--resume", "auto", rank_env={1: {"VLLM_LOGGING_CONFIG_PATH": str(missing)}})
+    procs = _start_ranks(run, *VLLM_ASYNC_TP2, "--resume", "auto", world=3,
+                         rank_env={1: {"VLLM_LOGGING_CONFIG_PATH": str(missing)}})
     try:
         outs = [q.communicate(timeout=300)[1] for q in procs]
     finally:
         _kill_all(procs)
-    trainer, rollout = outs
+    trainer, rollout, member = outs
     print("resumed with an engine that cannot start:", [x for x in trainer.splitlines() if "rollout" in x][-2:])
-    assert procs[0].returncode == 1 and procs[1].returncode == 1, (trainer[-2000:], rollout[-2000:])
+    assert [q.returncode for q in procs] == [1, 1, 1], (trainer[-2000:], rollout[-2000:], member[-2000:])
+    assert ("rollout error: rollout rank 1 failed before serving any step:\n(the engine owner of rollout rank 2's "
+            "group) EngineStartError: vLLM-Omni engine for") in member, member[-3000:]
     cause = "EngineStartError: vLLM-Omni engine for"
     assert ("rollout error: rollout rank 1 failed before serving any step:\nrollout.engine='vllm_omni' failed to "
             f"start on rollout rank 1: {cause}") in trainer, trainer[-3000:]

@@ -332,6 +332,8 @@ def test_bypass_and_recompute_give_the_same_first_update(tmp_path: Path) -> None
         (["--set", "async.max_staleness=1"], "async.max_staleness=1 with placement.mode='colocated'"),
         (["--set", "placement.rollout_ranks=1"], "placement.rollout_ranks=1 with placement.mode='colocated'"),
         ([*ASYNC, "--set", "placement.rollout_ranks=0"], "placement.rollout_ranks is required"),
+        ([*ASYNC, "--set", "rollout.engine=vllm_omni", "--set", "rollout.tp=2"],
+         "placement.rollout_ranks=1 rollout ranks with rollout.tp=2: each engine takes 2 rollout ranks"),
         (["--set", "placement.mode=disaggregated", "--set", "placement.rollout_ranks=1"],
          "placement.rollout_ranks=1: a count must be in [1, 0] for 1 ranks"),
         (["--set", "async.heartbeat_s=30"], "async.heartbeat_s=30.0 must be <= async.liveness_timeout_s / 3"),

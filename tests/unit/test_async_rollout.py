@@ -45,6 +45,19 @@ def test_disaggregated_placement_by_count_or_list(rollout, trainer, expected) ->
     assert p.trainer_ranks == trainer and p.rollout_ranks == expected
     assert p.trainer_root == trainer[0] and list(p.trainer_range) == list(trainer)
     assert p.role(expected[0]) == "rollout" and p.role(trainer[0]) == "trainer"
+    assert p.rollout_owners == expected and p.rollout_groups == tuple((r,) for r in expected)  # rollout tp 1
+
+
+def test_rollout_groups_at_rollout_tp_2_one_owner_each() -> None:
+    """rollout.tp 2 (vLLM-Omni's `Omni` engine with two workers): groups of 2 consecutive rollout ranks, the first
+    of each its owner (the rank that serves and is pushed the weights); a count that is not a multiple is refused."""
+    p = split_world("disaggregated", 5, 4, rollout_tp=2)
+    assert p.rollout_groups == ((1, 2), (3, 4)) and p.rollout_owners == (1, 3)
+    assert p.rollout_group_of(4) == (3, 4) and p.rollout_group_of(0) == ()
+    assert split_world("colocated", 4).rollout_groups == ()
+    with pytest.raises(PlacementError, match=r"placement.rollout_ranks=3 rollout ranks with rollout.tp=2: .* "
+                                             r"a multiple of 2"):
+        split_world("disaggregated", 4, 3, rollout_tp=2)
 
 
 @pytest.mark.parametrize("mode,rollout,message", [

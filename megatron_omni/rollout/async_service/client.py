@@ -77,7 +77,7 @@ class RolloutClient:
                              f"disaggregated placement, not on rank {groups.rank} ({placement.mode})")
         self.groups = groups
         self.settings = settings
-        self.ranks = list(placement.rollout_ranks)
+        self.ranks = list(placement.rollout_owners)  # the ranks that serve (rollout tp > 1: each group's owner)
         self._events: queue.Queue = queue.Queue()
         self._in_flight: dict[int, _InFlight] = {}
         self._attempts: dict[int, int] = {}

@@ -57,7 +57,7 @@ def build_pair(pipeline: str, world_size: int, rollout_ranks: int = 1) -> Pair:
     hf_config = json.loads((Path(pipeline) / "transformer" / "config.json").read_text())
     hf_config = {k: v for k, v in hf_config.items() if not k.startswith("_")}
     plan = qwen_image_plan(hf_config, trainer_tp=1, rollout_kind="diffusers", rollout_tp=1, mode="full")
-    transport = DistributedTransport(sources=[placement.trainer_root], rollout_ranks=placement.rollout_ranks,
+    transport = DistributedTransport(sources=[placement.trainer_root], rollout_ranks=placement.rollout_owners,
                                      dtype=torch.float32, groups=groups.weights)
     return Pair(placement, groups, trainer_groups, hf_config, plan, transport)
 

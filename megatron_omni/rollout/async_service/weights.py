@@ -66,12 +66,12 @@ def async_buffer(engine: Any) -> Any:
     sink = engine.weight_sink()
     if sink.kind == "diffusers" and sink.target is not None and hasattr(sink.target, "module"):
         return DoubleBuffer(sink.target.module)
-    if sink.kind == "vllm_omni" and sink.target is not None and not engine.in_process and engine.tp == 1:
+    if sink.kind == "vllm_omni" and sink.target is not None and not engine.in_process:
         from megatron_omni.rollout.vllm_omni.back_buffer import RpcBackBuffer
 
-        return RpcBackBuffer(engine._rpc)
+        return RpcBackBuffer(engine._rpc, engine.tp)
     raise ValueError(f"the asynchronous rollout double-buffers an embedded diffusers engine's transformer or a "
-                     f"vLLM-Omni Omni engine's workers at rollout tp 1; this engine's weight sink is {sink.kind!r}")
+                     f"vLLM-Omni Omni engine's workers; this engine's weight sink is {sink.kind!r}")
 
 
 def check_async_engine(engine: Any) -> None:

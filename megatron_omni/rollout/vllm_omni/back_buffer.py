@@ -10,8 +10,9 @@ exchanged with its back copy, no copy). A worker runs one message at a time, so 
 forward: the load points the parameters at the back copies, loads, and points them back; a request sees the old
 weights until the swap, which the rollout service sends between two requests.
 
-`RpcBackBuffer` is the rollout rank's side: the bridge's target over those RPCs (full mode, rollout tp 1: the
-workers' shapes for the coverage check) with the `begin` / `finish` / `swap` the async `WeightReceiver` calls.
+`RpcBackBuffer` is the rollout owner's side: the bridge's target over those RPCs (full mode at the engine's tp: every
+worker slices the full tensors, worker 0's shard shapes are the coverage check) with the `begin` / `finish` / `swap`
+the async `WeightReceiver` calls.
 
 An FP8 engine (vLLM's FP8 linears, loaded through a layer-wise reloader that quantizes in place) keeps its back copy
 before quantization (`QuantizedBackBuffer`): the update's full tensors, checked by name and full shape as they
@@ -167,16 +168,17 @@ class BackBufferWorkerExtension:
 
 
 class RpcBackBuffer:
-    """The rollout rank's view of its engine workers' back buffers: a bridge target (kind vllm_omni, full mode,
-    rollout tp 1) whose loads are `back_buffer_load` RPCs, and the `begin` / `finish` / `swap` around them. `rpc`:
-    the engine's `method(*args) -> [worker replies]` (`VllmOmniRolloutEngine._rpc`)."""
+    """The rollout rank's view of its engine workers' back buffers: a bridge target (kind vllm_omni, full mode)
+    whose loads are `back_buffer_load` RPCs, and the `begin` / `finish` / `swap` around them. `rpc`: the engine's
+    `method(*args) -> [worker replies]` (`VllmOmniRolloutEngine._rpc`); `tp_size`: its workers (each slices the
+    full tensors it is sent; worker 0's shard shapes are the plan's coverage check, as for a live update)."""
 
     kind = "vllm_omni"
     tp_rank = 0
-    tp_size = 1
 
-    def __init__(self, rpc: Callable[..., list[Any]]) -> None:
+    def __init__(self, rpc: Callable[..., list[Any]], tp_size: int = 1) -> None:
         self.rpc = rpc
+        self.tp_size = tp_size
         self._params = {n: torch.empty(s, device="meta") for n, s in rpc("parameter_shapes")[0].items()}
         self._error: BaseException | None = None
 
