@@ -5,11 +5,12 @@ The script list is discovered (*.sh, *.sbatch), so a new script is covered witho
 script runs in bash as a user runs it (its env knobs, its checks, its exit status), with `PYTHON` a stand-in
 interpreter: the `-m megatron_omni.train` call the script execs is recorded (argv and the environment the
 interpreter would see, WORLD_SIZE included) instead of started, and the entry point's `main` then runs on exactly
-that argv and environment in this process. So the suite pays one megatron-core import, not one per script (a
-python start with torch and megatron-core is ~7 s on the CI's cores, ~30 dry runs). Every other call of `PYTHON`
-(the TransformerEngine probe, the token generator, the BAGEL planner of train_bagel.sh, which stays the one script
-started end to end through a real interpreter) goes to the real one. The scripts run two at a time, once per module,
-and the parametrized tests read their results.
+that argv and environment in this process. So the suite pays one megatron-core import, not one per script
+(measured back to back for the 26 jobs: 19.5 s CPU against 141 s with an interpreter per script; stdout and exit
+status equal, stderr lacking only megatron-core's import warnings, printed once per process). Every other call
+of `PYTHON` (the TransformerEngine probe, the token generator, the BAGEL planner of train_bagel.sh, which stays
+the one script started end to end through a real interpreter) goes to the real one. The scripts run two at a
+time, once per module, and the parametrized tests read their results.
 """
 
 from __future__ import annotations
