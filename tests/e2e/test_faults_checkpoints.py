@@ -2,11 +2,14 @@
 interrupted conversion"), with real subprocesses: a truncated latest checkpoint is named by `--resume auto`,
 `convert.py inspect` and `mcore-to-hf` and the run resumes from the newest intact one; ENOSPC during a save
 (injected at `open`, tests/e2e/fault_injection) is one line and the previous checkpoint survives; SIGTERM
-during a conversion leaves no `.partial` folder."""
+during a conversion leaves no `.partial` folder. The damaged checkpoint's `convert.py` calls run the tool's `main`
+in this process (its exit status and output, no interpreter start with megatron-core, diffusers and transformers
+per call: the suite's budget); its command line's own exit statuses: tests/e2e/test_convert_pipeline.py."""
 
 from __future__ import annotations
 
 import contextlib
+import io
 import os
 import shutil
 import signal
@@ -31,11 +34,18 @@ def _fault_env(kind: str, match: str, slow_s: float = 2.0) -> dict[str, str]:
             "FAULT_SLOW_S": str(slow_s)}
 
 
-def _convert(*args: str, env: dict[str, str] | None = None) -> tuple[subprocess.CompletedProcess, float]:
+def _convert(*args: str) -> tuple[subprocess.CompletedProcess, float]:
+    """`convert.py ARGS` as its `main` in this process: (exit status and output, seconds)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("convert_cli", CONVERT[1])
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    out, err = io.StringIO(), io.StringIO()
     start = time.monotonic()
-    proc = subprocess.run([*CONVERT, *args], cwd=ROOT, env=env or _env(), capture_output=True, text=True,
-                          timeout=300)
-    return proc, time.monotonic() - start
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        rc = tool.main(list(args))
+    return subprocess.CompletedProcess([*CONVERT, *args], rc, out.getvalue(), err.getvalue()), time.monotonic() - start
 
 
 @pytest.mark.slow

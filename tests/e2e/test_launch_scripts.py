@@ -1,17 +1,28 @@
 """Every launch script under examples/ runs in dry-run mode on CPU with its own world size, validates its
 layout and prints the plan; impossible layouts fail non-zero with a message naming the problem.
 
-The script list is discovered (*.sh, *.sbatch), so a new script is covered without editing this file. The dry
-runs are independent processes (each imports torch and megatron-core): they run two at a time, once per
-module, and the parametrized tests read their results.
+The script list is discovered (*.sh, *.sbatch), so a new script is covered without editing this file. Each
+script runs in bash as a user runs it (its env knobs, its checks, its exit status), with `PYTHON` a stand-in
+interpreter: the `-m megatron_omni.train` call the script execs is recorded (argv and the environment the
+interpreter would see, WORLD_SIZE included) instead of started, and the entry point's `main` then runs on exactly
+that argv and environment in this process. So the suite pays one megatron-core import, not one per script
+(measured back to back for the 26 jobs: 19.5 s CPU against 141 s with an interpreter per script; stdout and exit
+status equal, stderr lacking only megatron-core's import warnings, printed once per process). Every other call
+of `PYTHON` (the TransformerEngine probe, the token generator, the BAGEL planner of train_bagel.sh, which stays
+the one script started end to end through a real interpreter) goes to the real one. The scripts run two at a
+time, once per module, and the parametrized tests read their results.
 """
 
 from __future__ import annotations
 
+import contextlib
+import io
 import os
 import re
+import shlex
 import subprocess
 import sys
+import traceback
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -91,7 +102,7 @@ LORA_H800 = "examples/qwen_image/train_20b_lora_h800.sh"
 
 
 @pytest.fixture(scope="module")
-def results() -> dict[str, subprocess.CompletedProcess]:
+def results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, subprocess.CompletedProcess]:
     """Every dry run of this module (scripts as they are, then the bad layouts), two at a time."""
     jobs = ({s: (s, [], {}) for s in SCRIPTS} | {k: v[:3] for k, v in BAD.items()}
             | {f"train_20b_nnodes_{n}": ("examples/qwen_image/train_20b.sh", [], {"NNODES": str(n)}) for n in (2, 4)}
@@ -104,9 +115,73 @@ def results() -> dict[str, subprocess.CompletedProcess]:
             | {"rollout_gpus": ("examples/qwen_image/train_20b_1node.sh", [], {"REWARD_GPUS": "", "ROLLOUT_GPUS": "2"}),
                "rollout_gpus_all": ("examples/qwen_image/train_20b_1node.sh", [],
                                     {"REWARD_GPUS": "", "ROLLOUT_GPUS": "8"})})
+    folder = tmp_path_factory.mktemp("dry_runs")
+    python = _stand_in(folder)
     with ThreadPoolExecutor(max_workers=2) as pool:
-        futures = {k: pool.submit(_run, s, *args, extra=env) for k, (s, args, env) in jobs.items()}
-        return {k: f.result() for k, f in futures.items()}
+        futures = {k: pool.submit(_run, s, *args, extra={**env, "PYTHON": str(python), CAPTURE: str(folder / str(i))})
+                   for i, (k, (s, args, env)) in enumerate(jobs.items())}
+        scripts = {k: f.result() for k, f in futures.items()}
+    # The entry point one at a time (it prints to this process's stdout): what the interpreter would have printed
+    # follows what the script printed, and its exit status is the script's (the script execs it).
+    return {k: _finish(proc, folder / str(i)) for i, (k, proc) in enumerate(scripts.items())}
+
+
+CAPTURE = "DRY_RUN_CAPTURE"  # where the stand-in interpreter records the entry point's call (a path prefix)
+
+
+def _stand_in(folder: Path) -> Path:
+    """A `PYTHON` for the scripts: `-m megatron_omni.train ARGS` is recorded (ARGS and the environment,
+    NUL-separated, in $DRY_RUN_CAPTURE.argv / .env) and exits 0; any other call runs this interpreter."""
+    path = folder / "python"
+    path.write_text(f"""#!/usr/bin/env bash
+if [[ "${{1:-}}" == -m && "${{2:-}}" == megatron_omni.train ]]; then
+    shift 2
+    printf '%s\\0' "$@" > "${{{CAPTURE}}}.argv"
+    env -0 > "${{{CAPTURE}}}.env"
+    exit 0
+fi
+exec {shlex.quote(sys.executable)} "$@"
+""")
+    path.chmod(0o755)
+    return path
+
+
+def _finish(script: subprocess.CompletedProcess, capture: Path) -> subprocess.CompletedProcess:
+    """The script's result when it stopped before the entry point (a bad knob); else the entry point's `main` on
+    the recorded argv in the recorded environment, its output after the script's."""
+    argv_file, env_file = capture.with_suffix(".argv"), capture.with_suffix(".env")
+    if not env_file.exists():
+        return script
+    assert script.returncode == 0, script.stderr  # nothing after the exec
+    argv = argv_file.read_text().split("\0")[:-1]
+    env = dict(item.split("=", 1) for item in env_file.read_text().split("\0")[:-1])
+    env.pop(CAPTURE)
+    rc, out, err = _entry_point(argv, env)
+    return subprocess.CompletedProcess(script.args, rc, script.stdout + out, script.stderr + err)
+
+
+def _entry_point(argv: list[str], env: dict[str, str]) -> tuple[int, str, str]:
+    """`python -m megatron_omni.train ARGV` in this process: its environment is `env` meanwhile, its output is
+    returned, an exception is a traceback on its stderr and exit status 1 (as the interpreter's)."""
+    from megatron_omni.train import main
+
+    saved = dict(os.environ)
+    out, err = io.StringIO(), io.StringIO()
+    try:
+        os.environ.clear()
+        os.environ.update(env)
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            try:
+                rc = main(argv)
+            except SystemExit as exc:  # argparse
+                rc = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+            except Exception:  # noqa: BLE001 - what the interpreter would print
+                traceback.print_exc()
+                rc = 1
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+    return rc, out.getvalue(), err.getvalue()
 
 
 def test_scripts_discovered() -> None:
