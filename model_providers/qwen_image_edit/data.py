@@ -57,8 +57,14 @@ class EditRecord:
 
     @classmethod
     def parse(cls, prompt: str) -> EditRecord:
-        """The record of a prompt string made by `prompt`; EditDataError when it is not one."""
-        return _record(prompt, "edit prompt", base=None)
+        """The record of a prompt string made by `prompt`; EditDataError when it is not one. Its instruction may
+        be blank (a `negative_record`'s: the negative prompt " " or ""); a data file's may not."""
+        return _record(prompt, "edit prompt", base=None, blank_instruction=True)
+
+    def with_instruction(self, instruction: str) -> EditRecord:
+        """This record's sources and metadata with another instruction (a negative prompt is encoded with the
+        record's sources as its instruction would be: `negative_record`)."""
+        return EditRecord(self.images, instruction, self.metadata)
 
     def load_image(self):
         """The first source image as an RGB PIL image (EditDataError naming the file when it no longer decodes)."""
@@ -67,6 +73,12 @@ class EditRecord:
     def load_images(self) -> list:
         """Every source image as an RGB PIL image, in the record's order."""
         return [_decode(Path(p), "edit prompt") for p in self.images]
+
+
+def negative_record(prompt: str, negative_prompt: str) -> str:
+    """The prompt string whose text embedding is the edit record `prompt`'s negative: the same sources read with
+    `negative_prompt` as the instruction (what the trainer counts a CFG call's negative text length with)."""
+    return EditRecord.parse(prompt).with_instruction(negative_prompt).prompt
 
 
 def _decode(path: Path, where: str):
@@ -82,7 +94,7 @@ def _decode(path: Path, where: str):
         raise EditDataError(f"{where}: image {str(path)!r} does not decode ({exc})") from None
 
 
-def _record(line: str, where: str, base: Path | None) -> EditRecord:
+def _record(line: str, where: str, base: Path | None, blank_instruction: bool = False) -> EditRecord:
     try:
         data = json.loads(line)
     except json.JSONDecodeError as exc:
@@ -101,7 +113,7 @@ def _record(line: str, where: str, base: Path | None) -> EditRecord:
             raise EditDataError(f"{where}: 'images' must be a non-empty list of paths, got {paths!r}")
     else:
         paths = [data["image"]]
-    if not isinstance(data.get("instruction"), str) or not data["instruction"].strip():
+    if not isinstance(data.get("instruction"), str) or not (blank_instruction or data["instruction"].strip()):
         raise EditDataError(f"{where}: 'instruction' must be a non-empty string, got {data.get('instruction')!r}")
     metadata = data.get("metadata", {})
     if not isinstance(metadata, dict):

@@ -66,3 +66,14 @@ def test_bad_records_are_refused_with_their_line(tmp_path, line: str, message: s
 def test_a_prompt_string_needs_an_absolute_image(tmp_path) -> None:
     with pytest.raises(EditDataError, match="must be absolute"):
         EditRecord.parse(json.dumps({"image": "a.png", "instruction": "x"}))
+
+
+def test_a_negative_record_is_the_record_read_with_the_negative_prompt(tmp_path) -> None:
+    """What a CFG call's negative text is counted as: the record's sources with the negative prompt (blank allowed in
+    a prompt string, not in a data file)."""
+    from model_providers.qwen_image_edit.data import negative_record
+
+    path = _write(tmp_path, [GOOD])
+    (record,) = read_edit_records(path)
+    neg = EditRecord.parse(negative_record(record.prompt, " "))
+    assert neg.images == record.images and neg.instruction == " " and neg.metadata == record.metadata

@@ -58,11 +58,15 @@ class EditRolloutEngine(DiffusersRolloutEngine):
     def _load_pipeline(self, model_path: str | os.PathLike, dtype: torch.dtype):
         from diffusers import QwenImageEditPlusPipeline
 
+        self._edit_state(model_path)
+        return QwenImageEditPlusPipeline.from_pretrained(model_path, processor=load_processor(model_path),
+                                                         local_files_only=True, dtype=dtype)
+
+    def _edit_state(self, model_path: str | os.PathLike) -> None:
+        """The folder's resize areas and the empty per-record caches (the vLLM-Omni stepper calls it too)."""
         self.areas = EditAreas.of_folder(model_path)
         self._sources: OrderedDict[str, _Source] = OrderedDict()
         self._negatives: OrderedDict[tuple[str, str], torch.Tensor] = OrderedDict()
-        return QwenImageEditPlusPipeline.from_pretrained(model_path, processor=load_processor(model_path),
-                                                         local_files_only=True, dtype=dtype)
 
     # ------------------------------------------------------------------ records
     @torch.no_grad()
@@ -86,9 +90,8 @@ class EditRolloutEngine(DiffusersRolloutEngine):
             lat = pipe._encode_vae_image(pixels, generator=None)  # [1, z, 1, h, w], normalised
             packed.append(pipe._pack_latents(lat, 1, lat.shape[1], lat.shape[3], lat.shape[4])[0])
             grids.append(condition_grid(vw, vh, pipe.vae_scale_factor))
-        text, _ = pipe._get_qwen_prompt_embeds(prompt=[record.instruction], image=conditions, device=self.device,
-                                               dtype=self.dtype)
-        entry = _Source(text=text[0].float().clone(), latents=torch.cat(packed).float().clone(), grids=tuple(grids),
+        text = self._text_embeds(record.instruction, conditions)
+        entry = _Source(text=text, latents=torch.cat(packed).float().clone(), grids=tuple(grids),
                         conditions=tuple(conditions))
         self._sources[prompt] = entry
         while len(self._sources) > self.embed_cache_size:
@@ -103,13 +106,17 @@ class EditRolloutEngine(DiffusersRolloutEngine):
         if key in self._negatives:
             self._negatives.move_to_end(key)
             return self._negatives[key]
-        src = self.source(prompt)
-        text, _ = self.pipe._get_qwen_prompt_embeds(prompt=[negative_prompt], image=list(src.conditions),
-                                                    device=self.device, dtype=self.dtype)
-        entry = self._negatives[key] = text[0].float().clone()
+        entry = self._negatives[key] = self._text_embeds(negative_prompt, list(self.source(prompt).conditions))
         while len(self._negatives) > self.embed_cache_size:
             self._negatives.popitem(last=False)
         return entry
+
+    def _text_embeds(self, text: str, conditions: list) -> torch.Tensor:
+        """[L, D] fp32: the text encoder's embedding of `text` with the sources resized for it (PIL images), in the
+        edit template ("Picture 1: ... <text>"), as the pipeline's `_get_qwen_prompt_embeds` makes it."""
+        out, _ = self.pipe._get_qwen_prompt_embeds(prompt=[text], image=conditions, device=self.device,
+                                                   dtype=self.dtype)
+        return out[0].float().clone()
 
     def _negative_texts(self, prompts: list[str], params: SamplingParams) -> list[torch.Tensor]:
         return [self.negative(p, params.negative_prompt) for p in prompts]

@@ -68,6 +68,8 @@ DEFAULT_BUCKET_BYTES = 512 * 1024 * 1024
 PIPELINE_CLASSES = {
     "WanPipeline": ("megatron_omni.rollout.vllm_omni.wan_pipeline.FlowGRPOWanPipeline",
                     "megatron_omni.rollout.vllm_omni.wan_pipeline:text_lengths"),
+    "QwenImageEditPlusPipeline": ("megatron_omni.rollout.vllm_omni.edit_pipeline.FlowGRPOQwenImageEditPipeline",
+                                  "megatron_omni.rollout.vllm_omni.edit_pipeline:text_lengths"),
 }
 
 

@@ -276,7 +276,19 @@ def record_to_trajectory(records: Sequence[Mapping[str, Any]], params: SamplingP
         sde_type=params.sde_type,
         final_latents=torch.stack([r["final_latents"] for r in recs]),
         cfg_rescale=bool(recs[0].get("cfg_rescale", True)),
+        **_record_conditioning(recs),
     )
+
+
+def _record_conditioning(recs: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """An edit pipeline's records' source tokens for the Trajectory (`cond_latents [N, S_c, C]`, `cond_shapes`);
+    none for records without."""
+    if recs[0].get("cond_latents") is None:
+        return {}
+    shapes = {tuple(tuple(g) for g in r["cond_shapes"]) for r in recs}
+    if len(shapes) != 1:
+        raise ValueError(f"the records of one call must share their source images' grids, got {sorted(shapes)}")
+    return {"cond_latents": torch.stack([r["cond_latents"] for r in recs]), "cond_shapes": shapes.pop()}
 
 
 # ---------------------------------------------------------------------------------------------- the class
