@@ -48,10 +48,14 @@ DEFAULT_EDIT_PIPELINE = "/models/Qwen-Image-Edit-2511"
 # the planner fits on H200 with 10% of it free, the source image's tokens counted (`edit_20b`). Dry-run figures
 # (MFU 0.35): 1 node 121.0 GiB of 140.4, 575 s/step (no recompute: 136.1 GiB, selective: 133.6: over the 10%);
 # 2 nodes 106.0 GiB, 200 s/step. On H800 (79.6 GiB) neither fits: the embedded engine's bf16 copy of the transformer,
-# text encoder and VAE alone is 53.7 GiB per GPU.
+# text encoder and VAE alone is 53.7 GiB per GPU. `2nodes_h800` samples with the vLLM-Omni engine instead, its
+# transformer sharded at rollout tp=8 and asleep (released) while the trainer updates: 31.6 GiB of rollout weights,
+# 66.6 GiB of 79.6 in all, 375 s/step, 0.085 images/s/GPU (GPU_KIND=H800 NNODES=2 DRY_RUN=1). On 1 node of H800 it
+# does not fit with full fine-tuning (96.5 GiB at tp=6, rollout tp=6); LoRA does (47.6 GiB, not a recipe here).
 EDIT_LAYOUTS: dict[str, dict] = {
     "1node": dict(world=6, tp=6, recompute="full", distributed_optimizer=False),  # dp=1: nothing to shard
     "2nodes": dict(world=16, tp=8, recompute=None, distributed_optimizer=True),
+    "2nodes_h800": dict(world=16, tp=8, recompute=None, distributed_optimizer=True, engine="vllm_omni", rollout_tp=8),
 }
 
 
@@ -67,7 +71,9 @@ def edit_20b(cluster: str) -> JobConfig:
     about 384^2 pixels (196 vision tokens in the text stream); the planner counts both (`planner.arch.edit_tokens`):
     5120 image tokens per forward instead of Qwen-Image's 1024, so the 1-node layout recomputes every block and the
     2-node one shards the optimizer (the Qwen-Image layouts do neither).
-    The embedded diffusers engine is the edit family's only rollout engine; true CFG is refused for the edit family.
+    The embedded diffusers engine samples on H200; `2nodes_h800` samples with the vLLM-Omni edit pipeline at rollout
+    tp=8 (see EDIT_LAYOUTS). No CFG (guidance 1), as Qwen-Image's reference recipe; `rollout.guidance_scale=4
+    rollout.negative_prompt=" "` runs the edit pipeline's true CFG (twice the transformer rows).
 
     Inputs from the environment: `QWEN_IMAGE_EDIT_PIPELINE` (the folder; default /models/Qwen-Image-Edit-2511; a dry
     run without it plans the `20b` preset at diffusers' resize areas) and `EDIT_DATA` (image + instruction JSONL
@@ -94,7 +100,8 @@ def edit_20b(cluster: str) -> JobConfig:
     r.prompts_per_step = 32
     r.group_size = 16
     r.max_batch_size = 16
-    r.engine = "diffusers"
+    r.engine = lay.get("engine", "diffusers")
+    r.tp = lay.get("rollout_tp", 1)
     r.dtype = "bf16"
     cfg.parallel.tp = lay["tp"]
     cfg.reward.scorer = "edit_text"
@@ -125,3 +132,9 @@ def edit_20b_1node() -> JobConfig:
 def edit_20b_2nodes() -> JobConfig:
     """Qwen-Image-Edit 20B on 2 nodes x 8 GPUs: 16 trainer ranks at tp=8 x dp=2."""
     return edit_20b("2nodes")
+
+
+def edit_20b_2nodes_h800() -> JobConfig:
+    """Qwen-Image-Edit 20B on 2 nodes x 8 H800: 16 trainer ranks at tp=8 x dp=2, the vLLM-Omni engine at rollout
+    tp=8 (the embedded engine's resident bf16 copy does not fit an H800)."""
+    return edit_20b("2nodes_h800")

@@ -86,6 +86,7 @@ from megatron_omni.trainer.skeleton import (
 )
 from megatron_omni.trainer.training_state import OptimizerSettings, build_ddp_and_optimizer, build_scheduler
 from model_providers import ModelFamily, get_family
+from model_providers.qwen_image_edit.data import negative_record
 
 
 class FlowGRPOTrainer:
@@ -611,7 +612,11 @@ class FlowGRPOTrainer:
         """The text length every share of this replica's rollout pads to: the longest of its prompts (and the
         negative prompt under CFG), as one engine call over all of them would pad. The recompute runs the
         gathered trajectory at one length, and a share padded shorter would round bf16 attention differently."""
-        texts = list(prompts) + ([params.negative_prompt] if params.do_cfg else [])
+        texts = list(prompts)
+        if params.do_cfg:
+            # an editing family encodes the negative prompt with each record's sources, as that record's instruction
+            texts += ([negative_record(p, params.negative_prompt) for p in prompts] if self.family.traits.conditioned
+                      else [params.negative_prompt])
         return min(params.max_sequence_length, max(self.engine.text_lengths(texts)))
 
     def _update(self, traj: Trajectory, old: torch.Tensor, advantages: torch.Tensor, step: int,

@@ -22,11 +22,13 @@ FAMILY = replace(
     name="qwen_image_edit",
     tiny_pipeline=TinyPipeline(make=lambda folder, seed: tiny_pipeline.make_tiny_edit_pipeline(folder, seed=seed),
                                transformer_config=provider.tiny_transformer_config),
-    # The embedded engine only: vLLM-Omni's edit pipeline has no SDE pipeline class of ours yet. True CFG is refused
-    # (the edit pipeline encodes the negative prompt with each source); the Flash tail is the Qwen-Image engine's.
+    # Both engines: the embedded one and vLLM-Omni's edit plus pipeline under our SDE class
+    # (`rollout/vllm_omni/edit_pipeline.py`, fed by Qwen-Image's bridge plan). True CFG as the edit pipeline applies
+    # it (the negative prompt encoded with each record's sources, per-token rescale); the Flash tail is the Qwen-Image
+    # engine's.
     traits=DiTTraits(pipeline_class="QwenImageEditPlusPipeline", token_channels=lambda c: int(c["in_channels"]),
-                     text_dim_key="joint_attention_dim", rollout_engines=("diffusers",), conditioned=True,
-                     true_cfg=False, sample_panels=source_output_panels),
+                     text_dim_key="joint_attention_dim", rollout_engines=("diffusers", "vllm_omni"), conditioned=True,
+                     true_cfg=True, sample_panels=source_output_panels),
     diffusers_class=None,
     arch_config=None,
     mappings=None,

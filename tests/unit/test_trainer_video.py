@@ -35,15 +35,15 @@ def _wan(*overrides: str) -> JobConfig:
     return apply_overrides(JobConfig(), ["model.family=wan", "rollout.num_frames=9", *overrides])
 
 
-def _edit(*overrides: str) -> JobConfig:  # a family without true CFG (traits.true_cfg False)
-    return apply_overrides(JobConfig(), ["model.family=qwen_image_edit", *overrides])
+def _flux(*overrides: str) -> JobConfig:  # a family without true CFG (traits.true_cfg False)
+    return apply_overrides(JobConfig(), ["model.family=flux", *overrides])
 
 
 @pytest.mark.parametrize("cfg,message", [
-    (lambda: _edit("rollout.guidance_scale=2", "rollout.negative_prompt= "),
-     "rollout.guidance_scale=2.0 is not supported with model.family=qwen_image_edit"),
-    (lambda: _edit("eval.prompts=[\"a cat\"]", "eval.guidance_scale=2"),
-     "eval.guidance_scale=2.0 is not supported with model.family=qwen_image_edit"),
+    (lambda: _flux("rollout.guidance_scale=2", "rollout.negative_prompt= "),
+     "rollout.guidance_scale=2.0 is not supported with model.family=flux"),
+    (lambda: _flux("eval.prompts=[\"a cat\"]", "eval.guidance_scale=2"),
+     "eval.guidance_scale=2.0 is not supported with model.family=flux"),
     (lambda: _wan("rollout.num_frames=10"), "rollout.num_frames=10 with model.family=wan: num_frames - 1"),
     (lambda: apply_overrides(JobConfig(), ["model.family=sd3", "rollout.engine=vllm_omni"]),
      "rollout.engine='vllm_omni' is not supported with model.family=sd3"),
@@ -64,6 +64,9 @@ def test_wan_config_with_video_keys_validates() -> None:
          "logging.video_format=mp4", "rollout.height=32", "rollout.width=32").validate(1)
     _wan("rollout.guidance_scale=5", "rollout.negative_prompt=", "eval.prompts=[\"a cat\"]",
          "eval.guidance_scale=5").validate(1)  # true CFG (WanPipeline's default 5.0)
+    apply_overrides(JobConfig(), ["model.family=qwen_image_edit", "rollout.guidance_scale=4",
+                                  "rollout.negative_prompt= ", "eval.prompts=[\"a cat\"]",
+                                  "eval.guidance_scale=4"]).validate(1)  # QwenImageEditPlusPipeline's true_cfg_scale
 
 
 def test_pipeline_folder_of_another_family_is_refused(tmp_path: Path) -> None:

@@ -206,6 +206,12 @@ class DiffusersRolloutEngine:
             length = params.text_length
         return length
 
+    def _negative_texts(self, prompts: list[str], params: SamplingParams) -> list[torch.Tensor]:
+        """The negative prompt's text embedding [L, D] for each prompt of a CFG call: one encoding shared by all
+        (an edit engine encodes it with each record's source images)."""
+        neg = self.encode_prompts([params.negative_prompt], params.max_sequence_length)[0]
+        return [neg] * len(prompts)
+
     # ------------------------------------------------------------------ prompts
     def token_ids(self, text: str, max_length: int | None = None) -> tuple[int, ...]:
         """The templated prompt's token ids (the text encoder's input, the embedding cache's key). `max_length`
@@ -462,15 +468,13 @@ class DiffusersRolloutEngine:
         seeds = sample_seeds(len(prompts), group_size, seeds)
         n = len(seeds)
         texts = self.encode_prompts(list(prompts), params.max_sequence_length)
-        neg_text = (self.encode_prompts([params.negative_prompt], params.max_sequence_length)[0] if params.do_cfg
-                    else None)
+        negs = self._negative_texts(list(prompts), params) if params.do_cfg else [None] * len(prompts)
         # One text length for every forward of the call (params.text_length, else the longest prompt, negative
         # included): the trainer recomputes from the trajectory's text, padded to this length, and another
         # padding changes the bf16 attention's rounding (masked keys still move the kernel's blocking).
-        length = self._call_text_length(max(t.shape[0] for t in texts + ([neg_text] if neg_text is not None else [])),
-                                        params)
+        length = self._call_text_length(max(t.shape[0] for t in texts + [n for n in negs if n is not None]), params)
         samples = [
-            self._new_sample(p * group_size + k, prompts[p], p, seeds[p * group_size + k], params, texts[p], neg_text,
+            self._new_sample(p * group_size + k, prompts[p], p, seeds[p * group_size + k], params, texts[p], negs[p],
                              length)
             for p in range(len(prompts))
             for k in range(group_size)

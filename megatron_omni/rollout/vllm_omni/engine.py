@@ -72,6 +72,8 @@ PIPELINE_CLASSES = {
                                  "megatron_omni.rollout.vllm_omni.image_pipelines:sd3_text_lengths"),
     "FluxPipeline": ("megatron_omni.rollout.vllm_omni.image_pipelines.FlowGRPOFluxPipeline",
                      "megatron_omni.rollout.vllm_omni.image_pipelines:flux_text_lengths"),
+    "QwenImageEditPlusPipeline": ("megatron_omni.rollout.vllm_omni.edit_pipeline.FlowGRPOQwenImageEditPipeline",
+                                  "megatron_omni.rollout.vllm_omni.edit_pipeline:text_lengths"),
 }
 
 

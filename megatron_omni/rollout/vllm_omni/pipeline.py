@@ -285,8 +285,9 @@ def record_to_trajectory(records: Sequence[Mapping[str, Any]], params: SamplingP
 
 
 def _conditioning(recs: Sequence[Mapping[str, Any]], params: SamplingParams) -> dict[str, Any]:
-    """The records' pooled embeddings [N, P] (and the negative prompt's under CFG) and distilled guidance [N], as
-    the diffusers engines fill a `Trajectory` (None where the family takes none)."""
+    """The records' conditioning as the diffusers engines fill a `Trajectory`: pooled embeddings [N, P] (and the
+    negative prompt's under CFG), distilled guidance [N], an edit pipeline's source tokens (`cond_latents
+    [N, S_c, C]`, `cond_shapes`); nothing for what the family takes none of."""
     out: dict[str, Any] = {}
     if recs[0].get("pooled_embeds") is not None:
         out["pooled_embeds"] = torch.stack([r["pooled_embeds"] for r in recs])
@@ -294,6 +295,11 @@ def _conditioning(recs: Sequence[Mapping[str, Any]], params: SamplingParams) -> 
             out["negative_pooled_embeds"] = torch.stack([r["negative_pooled_embeds"] for r in recs])
     if recs[0].get("distilled_guidance") is not None:
         out["distilled_guidance"] = torch.tensor([r["distilled_guidance"] for r in recs], dtype=torch.float32)
+    if recs[0].get("cond_latents") is not None:
+        shapes = {tuple(tuple(g) for g in r["cond_shapes"]) for r in recs}
+        if len(shapes) != 1:
+            raise ValueError(f"the records of one call must share their source images' grids, got {sorted(shapes)}")
+        out.update(cond_latents=torch.stack([r["cond_latents"] for r in recs]), cond_shapes=shapes.pop())
     return out
 
 
