@@ -5,10 +5,8 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 # Re-install whenever the project's requirements change.
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | md5sum | cut -c1-12)
-# Two pytest-xdist workers, one per core of the CI machine; a test module runs whole in one worker (its module-scoped
-# runs and rank pools are built once). The slowest cases are printed so that the suite's time can be kept under
-# its budget.
-PYTEST_ARGS ?= --durations=40 -n 2 --dist loadfile
+# The slowest cases are printed so that the suite's time can be kept under its budget (45 minutes in CI).
+PYTEST_ARGS ?= --durations=40
 
 .PHONY: install demo test lint env-check clean-venv
 

@@ -90,6 +90,12 @@ def _release_task_groups() -> None:
     from torch.distributed import distributed_c10d as c10d
 
     keep = {c10d.GroupMember.WORLD}
+    # A task that built vLLM-Omni's model-parallel groups and did not tear them down (an engine built in the rank,
+    # not under `vllm_omni_parallel`) would leave its globals naming groups destroyed below, and the next task's
+    # `initialize_model_parallel` in this pooled rank refuses to start ("must be empty").
+    ps = sys.modules.get("vllm_omni.diffusion.distributed.parallel_state")
+    if ps is not None and ps.model_parallel_is_initialized():
+        ps.destroy_model_parallel()
     # vLLM / vLLM-Omni create their world group once per process and reuse it in later tasks.
     for name in ("vllm.distributed.parallel_state", "vllm_omni.diffusion.distributed.parallel_state"):
         world = getattr(sys.modules.get(name), "_WORLD", None)

@@ -45,8 +45,6 @@ def _flux(*overrides: str) -> JobConfig:  # a family without true CFG (traits.tr
     (lambda: _flux("eval.prompts=[\"a cat\"]", "eval.guidance_scale=2"),
      "eval.guidance_scale=2.0 is not supported with model.family=flux"),
     (lambda: _wan("rollout.num_frames=10"), "rollout.num_frames=10 with model.family=wan: num_frames - 1"),
-    (lambda: apply_overrides(JobConfig(), ["model.family=sd3", "rollout.engine=vllm_omni"]),
-     "rollout.engine='vllm_omni' is not supported with model.family=sd3"),
     (lambda: apply_overrides(JobConfig(), ["rollout.num_frames=5"]), "rollout.num_frames=5 with model.family="
                                                                       "qwen_image"),
     (lambda: apply_overrides(JobConfig(), ["reward.scorer=jpeg_compressibility+temporal_consistency"]),
@@ -118,3 +116,18 @@ def test_run_folder_gets_a_first_frame_grid_and_the_video(tmp_path: Path) -> Non
     assert save_samples(videos, caps, tmp_path / "step_0002.png", "mp4")[1].read_bytes()[4:8] == b"ftyp"
     assert save_samples(videos[:, 0], caps, tmp_path / "step_0003.png") == [tmp_path / "step_0003.png"]  # images
     assert not (tmp_path / "step_0003.gif").exists()
+
+
+def test_an_engine_the_family_does_not_list_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every DiT family lists both engines now (SD3.5 and FLUX.1 gained vLLM-Omni): the refusal is checked on SD3.5
+    with its traits narrowed to the embedded engine, and SD3.5 with vLLM-Omni is accepted as it is."""
+    import dataclasses
+
+    import model_providers.sd3.family as sd3
+
+    cfg = apply_overrides(JobConfig(), ["model.family=sd3", "rollout.engine=vllm_omni"])
+    cfg.validate(1)
+    narrowed = dataclasses.replace(sd3.FAMILY.traits, rollout_engines=("diffusers",))
+    monkeypatch.setattr(sd3, "FAMILY", dataclasses.replace(sd3.FAMILY, traits=narrowed))
+    with pytest.raises(ConfigError, match="rollout.engine='vllm_omni' is not supported with model.family=sd3"):
+        cfg.validate(1)
