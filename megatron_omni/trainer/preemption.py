@@ -3,6 +3,9 @@
 SIGINT. A second signal aborts at once (SystemExit 130 for SIGINT, 143 for SIGTERM; cleanups still run, so a
 checkpoint being written is removed rather than left half-written). A repeat within `REPEAT_WINDOW_S` of the
 first is the same request (Ctrl-C under torchrun arrives both from the terminal and forwarded by torchrun).
+Python reports an exception raised inside a finalizer or an at-fork callback as "Exception ignored" and goes on;
+when the abort lands there (a checkpoint writer's fork runs logging's at-fork callbacks), it is delivered again
+once that callback has returned, so the abort cannot be lost.
 
 Every rank must stop after the same step (a checkpoint is collective): the ranks all-reduce their flag at the
 step boundary through the process group they are given, so a signal seen by one rank stops them all.
@@ -45,26 +48,41 @@ class StopRequests:
         self.signum: int | None = None
         self._first_at = 0.0
         self._previous: dict[int, object] = {}
+        self._aborting: int | None = None  # the second signal, once seen
+        self._previous_unraisable = sys.unraisablehook
 
     def __enter__(self) -> StopRequests:
         if threading.current_thread() is threading.main_thread():
             for sig in (signal.SIGTERM, signal.SIGINT):
                 self._previous[sig] = signal.signal(sig, self._handle)
+            self._previous_unraisable, sys.unraisablehook = sys.unraisablehook, self._unraisable
         return self
 
     def __exit__(self, *exc: object) -> None:
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
+        if self._previous:
+            sys.unraisablehook = self._previous_unraisable
         self._previous.clear()
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
         if self.signum is not None:
-            if time.monotonic() - self._first_at < REPEAT_WINDOW_S:
+            if self._aborting is None and time.monotonic() - self._first_at < REPEAT_WINDOW_S:
                 return
+            self._aborting = signum
             raise SystemExit(128 + signum)
         self.signum, self._first_at = signum, time.monotonic()
         print(f"\n{signal.Signals(signum).name}: finishing this step and writing a checkpoint "
               f"(a second signal aborts at once)", file=sys.stderr, flush=True)
+
+    def _unraisable(self, info: object) -> None:
+        self._previous_unraisable(info)
+        swallowed = getattr(info, "exc_value", None)
+        if self._aborting is not None and isinstance(swallowed, SystemExit) and self._previous:
+            # Re-sent from another thread: a signal sent from inside this callback would be handled inside it
+            # (and swallowed again) before the callback returns.
+            signum, main = self._aborting, threading.main_thread().ident
+            threading.Timer(0.05, signal.pthread_kill, (main, signum)).start()
 
     def requested(self, group: dist.ProcessGroup | None = None) -> bool:
         """Collective: whether any rank of `group` has seen a signal (the same answer on every rank)."""

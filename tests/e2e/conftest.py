@@ -16,8 +16,8 @@ INSTALL_PLAN_TEST = "tests/e2e/test_container_install_plan.py::test_gpu_install_
 def pytest_collection_finish(session: pytest.Session) -> None:
     """Start the GPU install plan's pip resolve (niced, one process that depends on nothing else) now when its
     test was collected: it soaks up the idle core time of the tests that run before it. Not in a pytest-xdist
-    worker (`pytest -n 2`; `make test` runs in one process): every worker collects every test but only one runs
-    it; there the test starts the resolve itself."""
+    worker (`make test` runs two): every worker collects every test but only one runs it; there the test starts
+    the resolve itself."""
     if os.environ.get("PYTEST_XDIST_WORKER"):
         return
     if any(item.nodeid == INSTALL_PLAN_TEST for item in session.items):
