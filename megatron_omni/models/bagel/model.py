@@ -204,11 +204,16 @@ class BagelMoT(MegatronModule):
         self.input_tensor = input_tensor[0] if isinstance(input_tensor, list) else input_tensor
 
 
-def text_cfg(v_cond: torch.Tensor, v_uncond: torch.Tensor, scale: float, renorm_min: float = 0.0) -> torch.Tensor:
-    """BAGEL's text classifier-free guidance with its `global` renorm (vLLM-Omni's `Bagel._combine_cfg` with the
-    image scale 1): `v' = v_u + scale (v_c - v_u)`, scaled by `clamp(|v_c| / (|v'| + 1e-8), renorm_min, 1)`
-    (norms over the whole [n, p] velocity: one image). Returns [n, p]."""
+def text_cfg(v_cond: torch.Tensor, v_uncond: torch.Tensor, scale: float, renorm_min: float = 0.0,
+             img_scale: float = 1.0, v_no_image: torch.Tensor | None = None) -> torch.Tensor:
+    """BAGEL's classifier-free guidance with its `global` renorm (vLLM-Omni's `Bagel._combine_cfg`): text
+    `v' = v_u + scale (v_c - v_u)`; with `img_scale` > 1 and the image-free branch `v_no_image` (text-to-image:
+    the text-conditioned branch itself, as vLLM-Omni's pipeline builds its `cfg_img` context) then
+    `v' = v_i + img_scale (v' - v_i)`; scaled by `clamp(|v_c| / (|v'| + 1e-8), renorm_min, 1)` (norms over the
+    whole [n, p] velocity: one image). Returns [n, p]."""
     guided = v_uncond + scale * (v_cond - v_uncond)
+    if img_scale > 1.0 and v_no_image is not None:
+        guided = v_no_image + img_scale * (guided - v_no_image)
     factor = (torch.norm(v_cond) / (torch.norm(guided) + 1e-8)).clamp(min=renorm_min, max=1.0)
     return guided * factor
 
