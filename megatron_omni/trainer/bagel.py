@@ -42,7 +42,7 @@ from megatron_omni.bridge.family_sync import family_plans
 from megatron_omni.checkpoint.bagel import bagel_sharded_state_dict
 from megatron_omni.models.bagel.model import latent_position_ids, text_cfg
 from megatron_omni.parallel.platform import seed_everything
-from megatron_omni.planner.mot import is_generation_tensor
+from megatron_omni.planner.mot import GEN_LORA_TARGETS, is_generation_tensor
 from megatron_omni.rollout.base import FinishedSample, SamplingParams
 from megatron_omni.rollout.quantization import QuantizationSpec
 from megatron_omni.rollout.vllm_omni.bagel import BagelSampling, BagelTrajectory, open_bagel_pipeline
@@ -54,10 +54,9 @@ from megatron_omni.trainer.training_state import OptimizerSettings, build_ddp_an
 from model_providers import get_family
 
 CONTENT_KEY = "bagel_rl"
-# LoRA's default targets: every parallel linear of the generation expert (q/k/v, o, the SwiGLU's fc1 and fc2).
-BAGEL_LORA_TARGETS = ("decoder.layers.*.self_attention.linear_qkv_gen",
-                      "decoder.layers.*.self_attention.linear_proj_gen",
-                      "decoder.layers.*.mlp_gen.linear_fc1", "decoder.layers.*.mlp_gen.linear_fc2")
+# LoRA's default targets: every parallel linear of the generation expert (q/k/v, o, the SwiGLU's fc1 and fc2; the
+# planner's, which counts their adapters).
+BAGEL_LORA_TARGETS = GEN_LORA_TARGETS
 _LINEARS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2", "output_layer")
 
 
