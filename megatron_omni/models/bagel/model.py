@@ -27,6 +27,7 @@ import torch
 from diffusers.models.embeddings import get_timestep_embedding
 from megatron.core import tensor_parallel
 from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+from megatron.core.transformer.enums import ModelType
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 
@@ -102,6 +103,7 @@ class BagelMoT(MegatronModule):
         self.arch = arch
         self.pg_collection = pg
         self.pre_process, self.post_process = pp.rank() == 0, pp.rank() == pp.size() - 1
+        self.model_type = ModelType.encoder_or_decoder  # what Megatron-Core's pipeline schedules read
         n_local = config.num_layers // pp.size()
         self.layer_offset = pp.rank() * n_local
         h, dtype = config.hidden_size, config.params_dtype
