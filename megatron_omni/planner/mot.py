@@ -25,6 +25,37 @@ def is_generation_tensor(name: str) -> bool:
     return name.startswith(_GEN_MODULES) or (name.startswith("decoder.layers.") and "_gen." in name)
 
 
+# LoRA's default targets on BAGEL (fnmatch over Megatron module names): every parallel linear of the generation
+# expert. Column-parallel (q/k/v, the fused SwiGLU fc1): A [r, in] replicated, B [out / tp, r]; row-parallel (o,
+# fc2): A [r, in / tp], B [out, r] replicated (`models.lora`'s tensor-parallel rules).
+GEN_LORA_TARGETS = ("decoder.layers.*.self_attention.linear_qkv_gen",
+                    "decoder.layers.*.self_attention.linear_proj_gen",
+                    "decoder.layers.*.mlp_gen.linear_fc1", "decoder.layers.*.mlp_gen.linear_fc2")
+_ROW_PARALLEL = ("linear_proj", "linear_fc2")
+
+
+def lora_parameter_counts(model: str | dict[str, Any], tp: int, pp: int = 1, rank: int = 64,
+                          targets: tuple[str, ...] = GEN_LORA_TARGETS) -> list[int]:
+    """Adapter parameters ([pp] counts) one tensor-parallel rank of each pipeline stage holds for LoRA of `rank`
+    on the parallel linears matching `targets` (layers only: BAGEL's adapters sit on the MoT layers)."""
+    from fnmatch import fnmatch
+
+    cfg = bagel_config(model)
+    n_layers = cfg["llm_config"]["num_hidden_layers"]
+    if n_layers % pp:
+        raise ValueError(f"{n_layers} BAGEL layers are not divisible by pp={pp}")
+    out = [0] * pp
+    for name, shape in megatron_shapes(cfg).items():
+        module = name.removesuffix(".weight")
+        if not name.endswith(".weight") or not any(fnmatch(module, t) for t in targets):
+            continue
+        out_f, in_f = shape
+        row = module.rsplit(".", 1)[-1].removesuffix("_gen") in _ROW_PARALLEL
+        numel = rank * (in_f // tp + out_f) if row else rank * (in_f + out_f // tp)
+        out[int(module.split(".")[2]) // (n_layers // pp)] += numel
+    return out
+
+
 def rank_parameter_counts(model: str | dict[str, Any], tp: int, pp: int = 1, trainable: str | None = None
                           ) -> list[int]:
     """Parameters one tensor-parallel rank of each pipeline stage holds ([pp] counts).
@@ -72,13 +103,20 @@ class MoTMemory:
 
 
 def mot_memory(model: str | dict[str, Any], tp: int, pp: int = 1, train: str = "gen", bf16: bool = True,
-               dp: int = 1, distributed_optimizer: bool = False) -> MoTMemory:
-    """Weights of both experts, gradients and optimizer state of the trained share (`train`: "gen" | "both"), on
-    the most loaded stage; a distributed optimizer divides the optimizer state over `dp`."""
-    if train not in ("gen", "both"):
-        raise ValueError(f"train must be 'gen' or 'both', not {train!r}")
+               dp: int = 1, distributed_optimizer: bool = False, lora_rank: int = 64) -> MoTMemory:
+    """Weights of both experts, gradients and optimizer state of the trained share (`train`: "gen" | "both" |
+    "lora": adapters of `lora_rank` on the generation expert's linears, `GEN_LORA_TARGETS`), on the most loaded
+    stage; a distributed optimizer divides the optimizer state over `dp`. With LoRA the frozen base is counted
+    once (its weights; no gradients, no optimizer state) and the adapters add their weights, fp32 gradients and
+    Adam state."""
+    if train not in ("gen", "both", "lora"):
+        raise ValueError(f"train must be 'gen', 'both' or 'lora', not {train!r}")
     params = rank_parameter_counts(model, tp, pp)
-    trained = rank_parameter_counts(model, tp, pp, trainable=train)
+    if train == "lora":
+        trained = lora_parameter_counts(model, tp, pp, lora_rank)
+        params = [p + a for p, a in zip(params, trained, strict=True)]
+    else:
+        trained = rank_parameter_counts(model, tp, pp, trainable=train)
     i = max(range(pp), key=lambda s: params[s] * (2 if bf16 else 4) + trained[s] * 16)
     width = 2 if bf16 else 4
     opt = trained[i] * (12 if bf16 else 8)
@@ -152,11 +190,13 @@ class MoTPlan:
 def plan_mot(model: str | dict[str, Any], gpu: str, gpus: int = 8, height: int = 1024, width: int = 1024,
              prompt_tokens: int = 64, samples: int = 64, num_steps: int = 10, window: int = 2, cfg: bool = True,
              train: str = "gen", mfu: float = 0.3, bf16: bool = True, distributed_optimizer: bool = True,
-             rollout_bytes: int = 2) -> list[MoTPlan]:
+             rollout_bytes: int = 2, lora_rank: int = 64) -> list[MoTPlan]:
     """Every tensor-parallel size BAGEL's query groups and the GPU count admit, planned for FlowGRPO on
     text-to-image: `samples` images per step of `num_steps` denoising steps (the rollout: every step, one forward
     per CFG branch), `window` of them trained (recompute + forward + backward: 4 forwards' worth) per sample.
-    `bf16`: the trainer's weights (else fp32); `rollout_bytes`: per parameter of the rollout's copy."""
+    `bf16`: the trainer's weights (else fp32); `rollout_bytes`: per parameter of the rollout's copy; `train`
+    "lora": adapters of `lora_rank` (`mot_memory`; the backward still runs through the generation expert, so the
+    activations are those of full training, and the rollout receives merged weights: the same copy)."""
     from megatron_omni.planner.specs import GPUS
 
     if gpu not in GPUS:
@@ -177,13 +217,15 @@ def plan_mot(model: str | dict[str, Any], gpu: str, gpus: int = 8, height: int =
         if gpus % tp or llm["num_key_value_heads"] % tp:
             continue
         dp = gpus // tp
-        mem = mot_memory(c, tp, 1, train, bf16=bf16, dp=dp, distributed_optimizer=distributed_optimizer)
+        mem = mot_memory(c, tp, 1, train, bf16=bf16, dp=dp, distributed_optimizer=distributed_optimizer,
+                         lora_rank=lora_rank)
+        trained = (lora_parameter_counts(c, tp, 1, lora_rank) if train == "lora"
+                   else rank_parameter_counts(c, tp, 1, trainable=train))
         act = ACTIVATION_BYTES_PER_TOKEN_HIDDEN * n_layers * (image_tokens + 2) * h * branches // tp
         flops = samples * branches * step * (num_steps + 4 * window) / gpus
         plans.append(MoTPlan(gpu, tp, dp, mem, act, total_params * rollout_bytes, RESERVED_BYTES, spec.memory_bytes,
                              flops, flops / (spec.peak_bf16_flops * mfu),
-                             max(rank_parameter_counts(c, tp, 1, trainable=train)),
-                             max(rank_parameter_counts(c, tp, 1))))
+                             max(trained), max(rank_parameter_counts(c, tp, 1))))
     return plans
 
 
@@ -202,7 +244,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--num-steps", type=int, default=10)
     ap.add_argument("--window", type=int, default=2)
     ap.add_argument("--no-cfg", action="store_true")
-    ap.add_argument("--train", default="gen", choices=("gen", "both"))
+    ap.add_argument("--train", default="gen", choices=("gen", "both", "lora"))
+    ap.add_argument("--lora-rank", type=int, default=64, help="adapter rank with --train lora")
     args = ap.parse_args(argv)
     status = 0
     print(f"dry run: world size {args.gpus} trainer ranks (one node of {args.gpus} GPUs; the rollout runs in the "
@@ -210,7 +253,8 @@ def main(argv: list[str] | None = None) -> int:
     for gpu in args.gpu:
         try:
             plans = plan_mot(args.preset, gpu, args.gpus, args.height, args.width, samples=args.samples,
-                             num_steps=args.num_steps, window=args.window, cfg=not args.no_cfg, train=args.train)
+                             num_steps=args.num_steps, window=args.window, cfg=not args.no_cfg, train=args.train,
+                             lora_rank=args.lora_rank)
         except (KeyError, ValueError) as exc:
             print(f"plan: {exc}")
             return 2

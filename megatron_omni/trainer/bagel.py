@@ -42,8 +42,9 @@ from megatron_omni.bridge.family_sync import family_plans
 from megatron_omni.checkpoint.bagel import bagel_sharded_state_dict
 from megatron_omni.models.bagel.model import latent_position_ids, text_cfg
 from megatron_omni.parallel.platform import seed_everything
-from megatron_omni.planner.mot import is_generation_tensor
-from megatron_omni.rollout.base import FinishedSample
+from megatron_omni.planner.mot import GEN_LORA_TARGETS, is_generation_tensor
+from megatron_omni.rollout.base import FinishedSample, SamplingParams
+from megatron_omni.rollout.quantization import QuantizationSpec
 from megatron_omni.rollout.vllm_omni.bagel import BagelSampling, BagelTrajectory, open_bagel_pipeline
 from megatron_omni.trainer.config import JobConfig, torch_dtype
 from megatron_omni.trainer.grad_guard import GradGuard
@@ -53,10 +54,9 @@ from megatron_omni.trainer.training_state import OptimizerSettings, build_ddp_an
 from model_providers import get_family
 
 CONTENT_KEY = "bagel_rl"
-# LoRA's default targets: every parallel linear of the generation expert (q/k/v, o, the SwiGLU's fc1 and fc2).
-BAGEL_LORA_TARGETS = ("decoder.layers.*.self_attention.linear_qkv_gen",
-                      "decoder.layers.*.self_attention.linear_proj_gen",
-                      "decoder.layers.*.mlp_gen.linear_fc1", "decoder.layers.*.mlp_gen.linear_fc2")
+# LoRA's default targets: every parallel linear of the generation expert (q/k/v, o, the SwiGLU's fc1 and fc2; the
+# planner's, which counts their adapters).
+BAGEL_LORA_TARGETS = GEN_LORA_TARGETS
 _LINEARS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2", "output_layer")
 
 
@@ -88,7 +88,7 @@ def prompt_tokenizer(cfg: JobConfig, folder: Path | None, tokens: dict[str, int]
     loaded) or, in a dry run, when the folder is not at hand. Raises ValueError naming a folder without one."""
     from model_providers.bagel.tokenizer import build_tiny_tokenizer, has_tokenizer, is_token_ids, load_tokenizer
 
-    if all(is_token_ids(p) for p in cfg.prompts):
+    if all(is_token_ids(p) for p in [*cfg.prompts, *cfg.eval.prompts, *cfg.eval.transfer_prompts]):
         return None
     if folder is None:
         return build_tiny_tokenizer()
@@ -134,7 +134,6 @@ def check_config(cfg: JobConfig, planning: bool = False) -> None:
         (cfg.model.lora.adaln, "model.lora.adaln", "must be false (BAGEL has no modulation linears)"),
         (cfg.model.lora.enabled and r.lora_sync not in ("auto", "merge"), "rollout.lora_sync",
          "must be auto or merge (vLLM-Omni's BAGEL modules take merged weights)"),
-        (bool(cfg.eval.prompts), "eval.prompts", "must be empty (no held-out evaluation for BAGEL yet)"),
         (r.height % stride or r.width % stride or max(r.height, r.width) > side, "rollout.height/width",
          f"must be multiples of {stride} up to {side}"),
         (r.num_steps < 2, "rollout.num_steps", "must be >= 2"),
@@ -151,7 +150,7 @@ def check_config(cfg: JobConfig, planning: bool = False) -> None:
 
     vocab = int(bcfg["llm_config"]["vocab_size"])
     tokenizer = prompt_tokenizer(cfg, folder, bcfg["tokens"])
-    for prompt in cfg.prompts:
+    for prompt in [*cfg.prompts, *cfg.eval.prompts, *cfg.eval.transfer_prompts]:
         if tokenizer is not None or is_token_ids(prompt):
             encode_prompt(prompt, vocab, tokenizer)
     sampling(cfg, bcfg)  # the window against the steps
@@ -183,23 +182,28 @@ def plan_inputs(cfg: JobConfig) -> tuple[dict[str, Any] | str, str, int]:
 
 def sampling(cfg: JobConfig, bcfg: dict[str, Any]) -> BagelSampling:
     """The rollout's sampler settings from `rollout.*` (BAGEL's schedule has num_steps + 1 points; its shift is
-    the folder's `timestep_shift`; `guidance_scale` is BAGEL's text CFG scale)."""
+    the folder's `timestep_shift`; `guidance_scale` is BAGEL's text CFG scale, `image_guidance_scale` its image CFG
+    scale)."""
     from megatron_omni.algorithms.window import check_window
 
     r = cfg.rollout
     s = BagelSampling(num_timesteps=r.num_steps + 1, timestep_shift=float(bcfg["bagel"]["timestep_shift"]),
                       noise_level=r.noise_level, window_size=r.window_size,
                       window_range=tuple(r.window_range) if r.window_range is not None else None,
-                      sde_type=r.sde_type, cfg_text_scale=max(1.0, r.guidance_scale), height=r.height, width=r.width)
+                      sde_type=r.sde_type, cfg_text_scale=max(1.0, r.guidance_scale),
+                      cfg_img_scale=max(1.0, r.image_guidance_scale), height=r.height, width=r.width)
     check_window(s.num_steps, s.window_size, s.window_bounds())
     return s
 
 
 def velocity(model: Any, text_kv: Any, prompt_len: int, markers: torch.Tensor, latents: torch.Tensor,
-             grid: tuple[int, int], t: float, cfg_scale: float, renorm_min: float) -> torch.Tensor:
+             grid: tuple[int, int], t: float, cfg_scale: float, renorm_min: float,
+             img_scale: float = 1.0) -> torch.Tensor:
     """The guided velocity [n, p] (fp32) of our `BagelMoT` (pp 1) for latents [n, p] at BAGEL's t on an h x w
     latent-token `grid`, conditioned on a prompt's text KV (`prompt_len` tokens; `markers` the start / end of
-    image ids); text CFG when `cfg_scale` > 1 (the unconditional branch: no text KV, RoPE position 0)."""
+    image ids); text CFG when `cfg_scale` > 1 (the unconditional branch: no text KV, RoPE position 0), and there
+    image CFG at `img_scale` (text-to-image: the image-free branch is the text-conditioned one, as vLLM-Omni's
+    pipeline builds it, so no third forward)."""
     h, w = grid
     n = latents.shape[0]
     dtype = model.config.params_dtype
@@ -208,7 +212,8 @@ def velocity(model: Any, text_kv: Any, prompt_len: int, markers: torch.Tensor, l
     x = latents.to(dtype)
     v = model.stage_velocity(text_kv, prompt_len, markers, x, ts, pos).float()
     if cfg_scale > 1:
-        v = text_cfg(v, model.stage_velocity(None, 0, markers, x, ts, pos).float(), cfg_scale, renorm_min)
+        v = text_cfg(v, model.stage_velocity(None, 0, markers, x, ts, pos).float(), cfg_scale, renorm_min,
+                     img_scale, v)
     return v
 
 
@@ -227,7 +232,7 @@ def window_transitions(model: Any, traj: BagelTrajectory, markers: torch.Tensor
         for j in range(traj.window_size):
             x, s = traj.latents[i, j], float(traj.sigmas[i, j])
             v = velocity(model, kv, ids.shape[0], markers, x, traj.grid, s, float(traj.cfg_scales[i, j]),
-                         traj.cfg_renorm_min)
+                         traj.cfg_renorm_min, traj.cfg_img_scale)
             out = sde_step(x[None], v[None], s, float(traj.sigmas_next[i, j]), traj.noise_level, traj.sde_type,
                            sigma_after_one=float(traj.sigma_after_one[i]), next_latents=traj.next_latents[i, j][None])
             steps.append(out.log_prob[0])
@@ -294,8 +299,9 @@ class BagelTrainer:
         # Text prompts through the folder's tokenizer (the tiny folder carries a tiny one), BAGEL's
         # `[bos] + encode(text) + [eos]`; each kept with its text (what a text reward such as OCR compares with).
         self.tokenizer = prompt_tokenizer(cfg, folder, tok)
-        self.prompts = [(p, [tok["bos_token_id"], *encode_prompt(p, vocab, self.tokenizer), tok["eos_token_id"]])
-                        for p in cfg.prompts]
+        self.prompt_ids = lambda p: [tok["bos_token_id"], *encode_prompt(p, vocab, self.tokenizer),
+                                     tok["eos_token_id"]]
+        self.prompts = [(p, self.prompt_ids(p)) for p in cfg.prompts]
         self.model = self.family.build_model(bcfg, groups, params_dtype=torch_dtype(cfg.model.params_dtype))
         self.family.load_state(self.model, state)
         for name, p in self.model.named_parameters():
@@ -321,7 +327,10 @@ class BagelTrainer:
         self.ema = self._frozen_copy(bcfg, state, torch.float32) if cfg.optim.ema_decay > 0 else None
         self.markers = torch.tensor([tok["start_of_image"], tok["end_of_image"]])
         self._stack = contextlib.ExitStack()
-        self.engine = self._stack.enter_context(open_bagel_pipeline(bcfg, folder, torch_dtype(cfg.rollout.dtype)))
+        self.pipeline = self._stack.enter_context(open_bagel_pipeline(bcfg, folder, torch_dtype(cfg.rollout.dtype)))
+        # The held-out evaluation's view of the pipeline (`trainer.run.run_evaluation`, the DiT families' path)
+        self.engine = BagelEvalEngine(self)
+        self.quantization = QuantizationSpec()
         # The bridge into the rollout pipeline: the family's plan at rollout tp 1 (full tensors gathered over the
         # trainer's tp, bucketed), every BAGEL tensor checked written once by the coverage ledger.
         (part, plan), = family_plans(self.family, bcfg, trainer_tp=groups.tp.size(), rollout_kind="vllm_omni",
@@ -333,7 +342,7 @@ class BagelTrainer:
             sources = MergedSources(sources, merged_linears(self.model, self.model.global_name))
         self.sources = sources
         self.weight_sync = WeightSync(plan, sources=sources,
-                                      target=self.engine.weight_target(), tp_group=groups.tp,
+                                      target=self.pipeline.weight_target(), tp_group=groups.tp,
                                       tp_rank=groups.tp.rank())
         o = cfg.optim
         self.ddp, self.optimizer = build_ddp_and_optimizer(
@@ -360,6 +369,19 @@ class BagelTrainer:
         if self.lora.enabled:
             self.sources.forget()  # the next sync merges the updated adapters
         return seconds
+
+    def sampling_params(self) -> SamplingParams:
+        """The rollout's sampler as the evaluation path reads it (`rollout.*`; `BagelEvalEngine` maps it back). Its
+        negative prompt is " " (the shared record asks for one under CFG; BAGEL's engine does not read it)."""
+        return SamplingParams.from_config(self.cfg.rollout, negative_prompt=" ")
+
+    def evaluation_weights(self) -> contextlib.AbstractContextManager:
+        """Collective over tp: inside, the model and the rollout pipeline hold the EMA weights; on exit the
+        trained weights again, bit for bit (the DiT trainer's `_holding`, on this trainer's model, EMA and sync).
+        Without an EMA nothing changes."""
+        from megatron_omni.trainer.flowgrpo import FlowGRPOTrainer
+
+        return FlowGRPOTrainer._holding(self, self.ema, sync_in=True, sync_out=True)
 
     def _frozen_copy(self, bcfg: dict[str, Any], state: dict[str, torch.Tensor], dtype: torch.dtype) -> Any:
         """A frozen `BagelMoT` of this rank's layout holding `state` in `dtype`; building it leaves the torch and
@@ -409,7 +431,7 @@ class BagelTrainer:
         texts = [prompts[k // r.group_size][0] for k in range(len(seeds))]
         group_ids = [gids[k // r.group_size] for k in range(len(seeds))]
         t0 = time.perf_counter()
-        traj = self.engine.generate(ids, self.sampling, seeds, group_ids)
+        traj = self.pipeline.generate(ids, self.sampling, seeds, group_ids)
         t["rollout"] = time.perf_counter() - t0
         t0 = time.perf_counter()
         self.reward_fn.begin(len(traj))
@@ -462,3 +484,41 @@ class BagelTrainer:
             for k, v in metrics.items():
                 sums[k] = sums.get(k, 0.0) + float(v) / len(chunks)
         return {**sums, **tally.metrics(self.optimizer)}
+
+
+class BagelEvalEngine:
+    """The rollout pipeline as the held-out evaluation calls an engine (`trainer.evaluation.evaluate`: text
+    prompts, `SamplingParams`, seeds, a per-sample callback), on this rank alone (`collective` False: every rank
+    holds a whole pipeline, rank 0 samples). The params become BAGEL's sampler: `num_steps + 1` schedule points
+    with the folder's shift, `guidance_scale` as the text CFG scale, the run's image CFG scale and CFG interval,
+    noise 0 for the ODE (Euler over the whole schedule, nothing recorded). `negative_prompt` is not read: BAGEL's
+    text-unconditional branch is the empty text cache (what vLLM-Omni's pipeline keeps for an empty negative
+    prompt), so the " " the evaluation passes under CFG changes nothing."""
+
+    collective = False
+
+    def __init__(self, trainer: BagelTrainer) -> None:
+        self.trainer = trainer
+
+    def generate(self, prompts: list[str], params: SamplingParams, group_size: int = 1,
+                 seeds: list[int] | None = None, on_sample: Any = None) -> BagelTrajectory:
+        """One image per (prompt, seed) (`group_size` 1); images [N, 3, H, W] in the returned trajectory, each
+        also passed to `on_sample` as a `FinishedSample`."""
+        import dataclasses
+
+        if group_size != 1 or seeds is None or len(seeds) != len(prompts):
+            raise ValueError(f"BAGEL evaluation samples one image per (prompt, seed): group_size {group_size}, "
+                             f"{len(prompts)} prompts, seeds {seeds}")
+        t = self.trainer
+        ode = params.noise_level == 0  # then no window: any placement is all Euler steps
+        s = dataclasses.replace(t.sampling, num_timesteps=params.num_steps + 1, noise_level=params.noise_level,
+                                window_size=1 if ode else params.window_size,
+                                window_range=None if ode else params.window_range,
+                                sde_type=params.sde_type, cfg_text_scale=max(1.0, params.guidance_scale),
+                                height=params.height, width=params.width)
+        ids = [torch.tensor(t.prompt_ids(p)) for p in prompts]
+        traj = t.pipeline.generate(ids, s, seeds, list(range(len(prompts))))
+        for k in range(len(traj)):
+            if on_sample is not None:
+                on_sample(FinishedSample(k, prompts[k], k, int(seeds[k]), traj.images[k]))
+        return traj

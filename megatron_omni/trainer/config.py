@@ -115,6 +115,8 @@ class RolloutConfig:
     # [lo, hi) of the window's first step; None: [0, max(window_size, num_steps // 2))
     window_range: list[int] | None = SamplingParams.window_range
     guidance_scale: float = SamplingParams.guidance_scale
+    # BAGEL's image CFG scale (its `cfg_img_scale`, applied where text CFG is; 1: none); other families refuse > 1
+    image_guidance_scale: float = 1.0
     negative_prompt: str | None = SamplingParams.negative_prompt
     # Text tokens a prompt is cut to; Wan pads every prompt's text to it (text_length when set), so a small
     # value keeps a tiny video model's cross-attention small.

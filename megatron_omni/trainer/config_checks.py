@@ -39,6 +39,7 @@ BOUNDS: list[tuple[str, float | None, bool, float | None, bool]] = [
     ("rollout.noise_level", 0, True, None, False),
     ("rollout.window_size", 0, True, None, False),
     ("rollout.guidance_scale", 1, True, None, False),
+    ("rollout.image_guidance_scale", 1, True, None, False),
     ("rollout.distilled_guidance", 0, False, None, False),
     ("rollout.prompts_per_step", 1, True, None, False),
     ("rollout.group_size", 2, True, None, False),  # group-relative advantages need two samples per prompt
@@ -134,6 +135,7 @@ AR_DIT_UNSUPPORTED: list[tuple[str, Any, str]] = [
     ("rollout.max_sequence_length", 512, "the hybrid pads plans itself"),
     ("rollout.guidance_scale", 1.0, "the hybrid samples without classifier-free guidance"),
     ("rollout.negative_prompt", None, "the hybrid samples without classifier-free guidance"),
+    ("rollout.image_guidance_scale", 1.0, "the hybrid samples without classifier-free guidance"),
     ("reward.url", None, "the hybrid's reward scores trajectories in process (ar_dit.reward)"),
     ("reward.scorer", "jpeg_compressibility", "the hybrid's reward is ar_dit.reward (it reads plan tokens too)"),
     ("rollout.height", 64, "the hybrid's image size is ar_dit.grid"),
@@ -480,6 +482,9 @@ def check_dit_traits(cfg: Any) -> None:
     if r.guidance_scale > 1 and not traits.true_cfg:
         raise ConfigError(f"rollout.guidance_scale={r.guidance_scale!r} is not supported with model.family={name} "
                           "yet: its rollout samples without true CFG (guidance 1)")
+    if r.image_guidance_scale != 1.0:
+        raise ConfigError(f"rollout.image_guidance_scale={r.image_guidance_scale!r} is not supported with model.family="
+                          f"{name}: image CFG is BAGEL's (model.family=bagel)")
     if r.distilled_guidance is not None and traits.guidance_embeds_key is None:
         raise ConfigError(f"rollout.distilled_guidance={r.distilled_guidance!r} is not supported with model.family="
                           f"{name}: its models take no distilled guidance input")

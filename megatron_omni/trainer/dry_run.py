@@ -238,25 +238,31 @@ def mot_dry_run(cfg: JobConfig, world_size: int, gpu: str) -> int:
     from megatron_omni.trainer.bagel import plan_inputs
 
     model, source, prompt_tokens = plan_inputs(cfg)
-    r, p, o = cfg.rollout, cfg.parallel, cfg.optim
+    r, p, o, lora = cfg.rollout, cfg.parallel, cfg.optim, cfg.model.lora
     bf16 = cfg.model.params_dtype == "bf16"
+    if lora.enabled and lora.targets is not None:
+        raise ConfigError("model.lora.targets: the MoT planner counts the default targets (every generation-expert "
+                          "linear); unset it for a dry run")
     try:
         plans = plan_mot(model, gpu, world_size, r.height, r.width, prompt_tokens=prompt_tokens,
                          samples=r.prompts_per_step * r.group_size, num_steps=r.num_steps, window=r.window_size,
                          cfg=r.guidance_scale > 1, bf16=bf16, distributed_optimizer=o.distributed_optimizer,
-                         rollout_bytes=2 if r.dtype == "bf16" else 4)
+                         rollout_bytes=2 if r.dtype == "bf16" else 4, train="lora" if lora.enabled else "gen",
+                         lora_rank=lora.rank)
     except (KeyError, ValueError) as exc:
         raise ConfigError(f"plan: {exc}") from None
     print(f"dry run: world size {world_size} trainer ranks (the rollout runs in the trainer's processes), model "
           f"from {source} (model.family={cfg.model.family}), {gpu}")
     print(f"workload: {r.prompts_per_step * r.group_size} images per step of {r.height}x{r.width}, {r.num_steps} "
           f"steps, window {r.window_size}, {'text CFG' if r.guidance_scale > 1 else 'no CFG'}, prompts up to "
-          f"{prompt_tokens} tokens; model {cfg.model.params_dtype}, rollout {r.dtype}; the generation expert trains")
+          f"{prompt_tokens} tokens; model {cfg.model.params_dtype}, rollout {r.dtype}; "
+          + (f"LoRA rank {lora.rank} on the generation expert's linears trains (the base frozen, counted once)"
+             if lora.enabled else "the generation expert trains"))
     print("memory per GPU: for each tp, weights (both experts) + grads and optimizer states (the trained share"
           + (", distributed optimizer over dp" if o.distributed_optimizer else "") + ") + activations + the rollout's "
           "copy")
     copies = []
-    if cfg.algorithm.beta > 0:
+    if cfg.algorithm.beta > 0 and not lora.enabled:  # with LoRA the reference is the base: the adapters off
         copies.append((f"KL reference (algorithm.beta={cfg.algorithm.beta:g}, the initial model)", 2 if bf16 else 4))
     if o.ema_decay > 0:
         copies.append((f"EMA of the weights (optim.ema_decay={o.ema_decay:g}, fp32)", 4))

@@ -74,6 +74,7 @@ def transformer_config(name_or_config: str | dict[str, Any], *, tp: int = 1, pp:
         # q/k_layernorm grads over tp (each tp rank's covers its own heads only, the weights are replicated).
         qk_layernorm=bool(llm.get("qk_norm", True)),
         params_dtype=params_dtype, pipeline_dtype=params_dtype, bf16=params_dtype == torch.bfloat16,
+        batch_p2p_comm=False,  # the pipeline schedule's p2p one op at a time (batched p2p on gloo gave wrong results)
     )
     kwargs.update(megatron_config_defaults())
     kwargs.update(overrides)

@@ -166,11 +166,58 @@ def _ours(cfg: dict, state: dict, layout: ParallelLayout, dtype: torch.dtype, la
                                         torch.full((n,), T, dtype=dtype), pos, hidden)
 
         v = pipeline_run(velocity_stage, groups.pp, (n + 2, 1, h), dtype)
-    from megatron_omni.planner.mot import is_generation_tensor
+    from megatron_omni.models.lora import adapters, add_lora
+    from megatron_omni.planner.mot import GEN_LORA_TARGETS, is_generation_tensor
 
     counts = (sum(p.numel() for p in model.parameters()),
               sum(p.numel() for n, p in model.named_parameters() if is_generation_tensor(n)))
+    add_lora(model, GEN_LORA_TARGETS, 4, 8.0, seed=0, global_name=model.global_name)
+    counts += (sum(p.numel() for a in adapters(model).values() for p in a.parameters()),)
     return (v.float() if groups.is_last_stage else None), exact, len(back), counts
+
+
+def _pp_backward(cfg: dict, state: dict, latents: torch.Tensor) -> dict:
+    """Gradients of the generation expert through Megatron-Core's 1F1B schedule at pp 2 (`models.bagel.schedule`,
+    2 micro-batches: two timesteps of one image) against plain autograd of the same model at pp 1: the largest
+    relative difference over this stage's trained tensors, and how many there are."""
+    from megatron_omni.models.bagel.model import latent_position_ids, pipeline_run
+    from megatron_omni.models.bagel.schedule import velocity_forward_backward
+    from megatron_omni.planner.mot import is_generation_tensor
+    from model_providers.bagel import provider
+
+    ids = torch.tensor(PROMPT)
+    pos = latent_position_ids(IMAGE[0] // 16, IMAGE[1] // 16, cfg["bagel"]["max_latent_size"])
+    markers = torch.tensor([cfg["tokens"]["start_of_image"], cfg["tokens"]["end_of_image"]])
+    n = latents.shape[0]
+    steps = [(latents, torch.full((n,), t), pos) for t in (T, 0.3)]
+    weight = torch.randn(latents.shape, generator=torch.Generator().manual_seed(5))
+
+    def loss_fn(i: int, v: torch.Tensor) -> torch.Tensor:  # a fixed projection of the velocity, per micro-batch
+        return (v.float() * weight * (i + 1)).sum()
+
+    grads = {}
+    for pp in (1, 2):
+        groups = build_parallel_groups(ParallelLayout(pp=pp))
+        seed_everything(0, tp_rank=0)
+        model = provider.build_model(cfg, groups)
+        provider.load_bagel_state(model, state)
+        for name, p in model.named_parameters():
+            p.requires_grad_(is_generation_tensor(model.global_name(name)))
+        kv = {}
+        with torch.no_grad():
+            def text_stage(hidden, model=model, kv=kv):
+                out, kv["kv"], _ = model.stage_text(ids, hidden)
+                return out
+
+            pipeline_run(text_stage, groups.pp, (len(PROMPT), 1, cfg["llm_config"]["hidden_size"]), torch.float32)
+        if pp == 1:  # plain autograd: the mean of the micro-batches' losses
+            sum(loss_fn(i, model.stage_velocity(kv["kv"], len(PROMPT), markers, *s))
+                for i, s in enumerate(steps)).div(len(steps)).backward()
+        else:
+            velocity_forward_backward(model, groups, kv["kv"], len(PROMPT), markers, steps, loss_fn)
+        grads[pp] = {model.global_name(k): p.grad for k, p in model.named_parameters() if p.requires_grad}
+    diffs = [_rel(g, grads[1][k]) for k, g in grads[2].items()]
+    return {"n": len(diffs), "max_rel": max(diffs), "none": sum(g is None for g in grads[2].values())}
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -218,6 +265,7 @@ def _parity(rank: int, world_size: int, folder: str, ckpt: str) -> dict:
     out["n_state"] = len(state) - len(provider.frozen_names(state))
     out["ckpt_tp2"] = _load_checkpoint(cfg, state, ParallelLayout(tp=2), ckpt)
     out["ckpt_pp2"] = _load_checkpoint(cfg, state, ParallelLayout(pp=2), ckpt)
+    out["pp2_backward"] = _pp_backward(cfg, state, latents)
     return out
 
 
@@ -294,14 +342,23 @@ def test_bad_folder_fails_naming_the_tensor(tiny_folder, tmp_path) -> None:
     assert not (tmp_path / "out").exists()
 
 
+def test_pp2_backward_under_1f1b_equals_pp1(figures) -> None:
+    """Megatron-Core's 1F1B schedule over BAGEL's MoT layers at pp 2 (2 micro-batches): every trained tensor's
+    gradient on each stage equals pp 1's (fp32)."""
+    for r in figures:
+        g = r["pp2_backward"]
+        assert g["n"] > 0 and g["none"] == 0 and g["max_rel"] < 1e-5, g
+
+
 @pytest.mark.parametrize("layout,tp,pp", [("tp1", 1, 1), ("tp2", 2, 1), ("pp2", 1, 2)])
 def test_planner_counts_equal_the_built_model(figures, layout: str, tp: int, pp: int) -> None:
-    """The planner's MoT cost model counts what each rank of the built model holds: all parameters, and the
-    generation expert's share (what trains when the understanding expert is frozen)."""
-    from megatron_omni.planner.mot import rank_parameter_counts
+    """The planner's MoT cost model counts what each rank of the built model holds: all parameters, the
+    generation expert's share (what trains when the understanding expert is frozen), and LoRA's adapters."""
+    from megatron_omni.planner.mot import lora_parameter_counts, rank_parameter_counts
 
     total = rank_parameter_counts("tiny", tp, pp)
     gen = rank_parameter_counts("tiny", tp, pp, trainable="gen")
+    lora = lora_parameter_counts("tiny", tp, pp, rank=4)  # rank-4 adapters on the default generation linears
     for rank, r in enumerate(figures):
         stage = rank if pp > 1 else 0
-        assert r[f"{layout}_numel"] == (total[stage], gen[stage]), (layout, rank, r[f"{layout}_numel"])
+        assert r[f"{layout}_numel"] == (total[stage], gen[stage], lora[stage]), (layout, rank, r[f"{layout}_numel"])

@@ -148,7 +148,8 @@ def _checks(rank: int, world_size: int, folder: str) -> dict:
         out["lora_moved"] = float((lora_traj.next_latents - after.next_latents).abs().max())
         out["lora_linears"] = sorted(adapted)
         out["lora_trainable"] = sorted({n.split(".lora.")[0] for n, p in model.named_parameters() if p.requires_grad})
-        # vLLM-Omni's CFG combination equals ours
+        # vLLM-Omni's CFG combination equals ours: text CFG, and text + image CFG with the image-free branch of a
+        # text-to-image request (the text-conditioned velocity, as vLLM-Omni's pipeline builds its cfg_img context)
         from vllm_omni.diffusion.models.bagel.bagel_transformer import Bagel
 
         from megatron_omni.models.bagel.model import text_cfg
@@ -157,6 +158,16 @@ def _checks(rank: int, world_size: int, folder: str) -> dict:
         vc, vu = torch.randn(4, 16, generator=g), torch.randn(4, 16, generator=g)
         ref = Bagel._combine_cfg(vc, vu, None, 4.0, 1.0, "global", 0.0)
         out["cfg_equal"] = float((text_cfg(vc, vu, 4.0, 0.0) - ref).abs().max())
+        ref_img = Bagel._combine_cfg(vc, vu, vc, 4.0, 1.5, "global", 0.0)
+        out["img_cfg_equal"] = float((text_cfg(vc, vu, 4.0, 0.0, 1.5, vc) - ref_img).abs().max())
+        # image CFG 1.5 (vLLM-Omni's default cfg_img_scale) through its generate_image (the image branch's KV: the
+        # prompt's): the rollout moves, and the recompute (no third forward) reproduces its log-probs
+        import dataclasses
+
+        img = pipe.generate(ids[:1], dataclasses.replace(params, cfg_img_scale=1.5), SEEDS[:1], [0])
+        with torch.no_grad():
+            out["img_cfg_window"] = float((window_log_probs(model, img, markers) - img.log_probs).abs().max())
+        out["img_cfg_moved"] = float((img.next_latents - lora_traj.next_latents[:1]).abs().max())
     with open_bagel_pipeline(cfg, folder, torch.bfloat16) as pipe16:
         pipe16.load_weights(provider.export_bagel_state(model))
         t16 = pipe16.generate(ids, params, SEEDS, [0, 1])
@@ -166,10 +177,12 @@ def _checks(rank: int, world_size: int, folder: str) -> dict:
 
 
 @pytest.fixture(scope="module")
-def tp2_job() -> Iterator[Future]:
-    """The two-rank job (`_tp2_update`), started now in a thread; its test reads the result."""
+def tp2_job(tmp_path_factory) -> Iterator[Future]:
+    """The two-rank job (`_tp2_job`: `_tp2_update`, then `_lora_runs`), started now in a thread; its tests read
+    the result."""
+    root = tmp_path_factory.mktemp("bagel-tp2")
     with ThreadPoolExecutor(max_workers=1) as pool:
-        yield pool.submit(run_ranks, _tp2_update, 2, timeout_s=600)
+        yield pool.submit(run_ranks, _tp2_job, 2, str(root), timeout_s=900), root
 
 
 @pytest.fixture(scope="module")
@@ -185,7 +198,12 @@ def test_recompute_reproduces_rollout_log_probs(figures: dict) -> None:
     assert figures["cfg_scales"] == [[4.0, 4.0], [4.0, 4.0]]  # the window lies in BAGEL's CFG interval
     assert figures["first_step"] < FP32_TOL and figures["window"] < FP32_TOL, figures
     assert figures["repeat_equal"]
-    assert figures["cfg_equal"] < 1e-6, figures
+    assert figures["cfg_equal"] < 1e-6 and figures["img_cfg_equal"] < 1e-6, figures
+
+
+def test_image_cfg_as_vllm_omni_applies_it(figures: dict) -> None:
+    # not a no-op in text-to-image (the text guidance is amplified before the renorm), and recomputed exactly
+    assert figures["img_cfg_moved"] > 1e-3 and figures["img_cfg_window"] < FP32_TOL, figures
 
 
 def test_weight_update_reaches_rollout_through_bridge(figures: dict) -> None:
@@ -258,6 +276,89 @@ def _tp2_update(rank: int, world_size: int) -> dict:
             "qk_norms": sum("q_layernorm" in n or "k_layernorm" in n for n in replicated)}
 
 
-def test_tp2_update_keeps_replicated_tensors_equal(tp2_job: Future) -> None:
-    out = tp2_job.result()
+def _tp2_job(rank: int, world_size: int, root: str) -> dict:
+    return {**_tp2_update(rank, world_size), **_lora_runs(rank, world_size, root)}
+
+
+LORA_STEPS = 2
+
+
+def _lora_config(run_dir: str):
+    """The tiny recipe at trainer tp 2 with LoRA (rank 4, lr 2e-2) on the generation expert, 2 samples a step,
+    checkpoints every step, and held-out evaluation (2 token-id prompts, one seed each, 3 ODE steps, before and
+    after)."""
+    from examples.bagel.recipe import tiny
+
+    cfg = tiny()
+    cfg.run_dir, cfg.steps, cfg.parallel.tp = run_dir, LORA_STEPS, 2
+    cfg.rollout.prompts_per_step, cfg.rollout.group_size, cfg.optim.mini_batches = 1, 2, 1
+    cfg.model.lora.rank, cfg.model.lora.alpha, cfg.optim.lr = 4, 8.0, 2e-2
+    cfg.checkpoint.every, cfg.checkpoint.keep = 1, 5
+    cfg.eval.prompts, cfg.eval.seeds_per_prompt, cfg.eval.num_steps = ["17 42 99 7", "8 9 10"], 1, 3
+    cfg.logging.tensorboard = False
+    return cfg
+
+
+def _lora_runs(rank: int, world_size: int, root: str) -> dict:
+    """`trainer.run.run` (as `python -m megatron_omni.train` runs it) of `_lora_config` for 2 steps, then the same
+    run resumed (`checkpoint.resume=auto`) from a copy of the first run's step-1 checkpoint (what a run killed
+    after it holds). Rank 0 returns the folders."""
+    import shutil
+    from pathlib import Path
+
+    import torch.distributed as dist
+
+    from megatron_omni.trainer.run import run
+
+    full, resumed = Path(root) / "full", Path(root) / "resumed"
+    run(_lora_config(str(full)))
+    if rank == 0:
+        (resumed / "checkpoints").mkdir(parents=True)
+        shutil.copytree(full / "bagel", resumed / "bagel")  # the tiny folder, as the first run wrote it
+        shutil.copytree(full / "checkpoints" / "step_000001", resumed / "checkpoints" / "step_000001")
+        shutil.copytree(full / "eval", resumed / "eval")  # the before-training evaluation (its step-0 record)
+        shutil.copy(full / "eval.jsonl", resumed / "eval.jsonl")
+    dist.barrier()
+    cfg = _lora_config(str(resumed))
+    cfg.checkpoint.resume = "auto"
+    run(cfg)
+    return {"full": str(full), "resumed": str(resumed)}
+
+
+def test_tp2_update_keeps_replicated_tensors_equal(tp2_job: tuple[Future, object]) -> None:
+    out = tp2_job[0].result()
     assert out[0]["qk_norms"] > 0 and out[0]["differ"] == [], out
+
+
+def test_lora_at_tp2_resumes_bit_identically_and_evaluates(tp2_job: tuple[Future, object]) -> None:
+    """LoRA at trainer tp 2: the merged adapters reach the rollout after every update (recompute = rollout);
+    the resumed run's step-2 checkpoint (adapters only, and their Adam moments) is bit-identical to the
+    uninterrupted run's, with the same rewards; the held-out evaluation ran before and after through the
+    trainer's evaluation path, the resumed run's last one equal to the uninterrupted run's."""
+    import json
+    from pathlib import Path
+
+    from megatron_omni.trainer.checkpointing import complete_checkpoints, read_checkpoint_tensors
+    from megatron_omni.trainer.evaluation import EvalResult
+
+    out = tp2_job[0].result()[0]
+    full, resumed = Path(out["full"]), Path(out["resumed"])
+    last = f"step_{LORA_STEPS:06d}"
+    a = read_checkpoint_tensors(full / "checkpoints" / last)
+    b = read_checkpoint_tensors(complete_checkpoints(resumed)[-1])
+    assert complete_checkpoints(resumed)[-1].name == last
+    assert a["model"] and all(k.startswith("lora.") and "_gen" in k for k in a["model"]), sorted(a["model"])[:4]
+    assert len(a["model"]) == 16 and any(k.startswith("exp_avg_sq.") for k in a["optimizer"]), sorted(a["optimizer"])
+    for part in ("model", "optimizer"):
+        assert a[part].keys() == b[part].keys(), part
+        assert [k for k in a[part] if not torch.equal(a[part][k], b[part][k])] == [], part
+    hist = {r: [json.loads(x) for x in (r / "metrics.jsonl").read_text().splitlines()] for r in (full, resumed)}
+    assert [m["reward_mean"] for m in hist[full]] == [m["reward_mean"] for m in hist[resumed]]
+    assert max(m["train_rollout_dlogp_max"] for m in hist[full] + hist[resumed]) < FP32_TOL, hist
+    evals = {r: [json.loads(x) for x in (r / "eval.jsonl").read_text().splitlines()] for r in (full, resumed)}
+    assert [e["step"] for e in evals[full]] == [0, LORA_STEPS] == [e["step"] for e in evals[resumed]], evals
+    assert evals[full][-1] == evals[resumed][-1], evals
+    before, after = (EvalResult.load(full / "eval" / f"step_{s:04d}.npz") for s in (0, LORA_STEPS))
+    assert before.images.shape == (2, 3, 32, 32) and before.prompts == ["17 42 99 7", "8 9 10"]
+    assert not torch.equal(before.images, after.images)  # the trained adapters reached the evaluation's sampler
+    assert (full / "eval_before_after.png").is_file() and (resumed / "eval_before_after.png").is_file()

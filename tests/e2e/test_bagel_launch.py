@@ -56,6 +56,12 @@ def test_dry_run_plans_7b_mot_on_h200_and_h800(monkeypatch: pytest.MonkeyPatch, 
     # tp 1 on H800: exit 3, naming the tp that fits
     rc, out = _dry("H800", "parallel.tp=1", monkeypatch=monkeypatch, capsys=capsys)
     assert rc == 3 and "the smallest tp that fits: --set parallel.tp=4" in out, out
+    # LoRA rank 64 on the generation expert (the base frozen and counted once, the KL reference the base: no copy):
+    # tp 2 fits an H800 where full training of the generation expert needs tp 4
+    rc, out = _dry("H800", "parallel.tp=2", "model.lora.rank=64", "model.lora.alpha=64", "algorithm.beta=0.01",
+                   monkeypatch=monkeypatch, capsys=capsys)
+    assert rc == 0 and "LoRA rank 64" in out and "layout: tp=2 dp=4 (parallel.tp)" in out, out
+    assert "59.3 GiB of 79.6 GiB: fits" in out and "KL reference" not in out, out  # docs/families-bagel.md's figure
 
 
 def test_no_layout_fits_exits_3(capsys: pytest.CaptureFixture) -> None:

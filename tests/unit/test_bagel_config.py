@@ -33,6 +33,8 @@ def test_tiny_recipe_validates() -> None:
     ("prompts", ["a red caf\u00e9"], "does not encode it exactly"),  # outside the tiny tokenizer's ASCII
     ("prompts", ["7 300"], r"token ids must be in \[0, 128\)"),
     ("rollout.window_size", 9, "window"),
+    ("eval.prompts", ["7 300"], r"token ids must be in \[0, 128\)"),  # held-out prompts encode like RL prompts
+    ("rollout.image_guidance_scale", 0.5, "rollout.image_guidance_scale"),
 ])
 def test_unsupported_settings_refused_by_name(field: str, value, named: str) -> None:
     cfg = tiny()

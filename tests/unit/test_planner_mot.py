@@ -30,6 +30,23 @@ def test_frozen_understanding_expert_saves_optimizer_state() -> None:
         mot.mot_memory("7b-mot", tp=1, train="und")
 
 
+def test_lora_plans_adapter_state_only() -> None:
+    """LoRA on the generation expert: the frozen base's weights counted once, the adapters' weights, gradients and
+    Adam state added; the adapter count follows `models.lora`'s tensor-parallel split (checked against the built
+    tiny model per rank in tests/distributed/test_bagel_parity.py)."""
+    base = mot.rank_parameter_counts("7b-mot", tp=1)[0]
+    adapters = mot.lora_parameter_counts("7b-mot", tp=1, rank=64)[0]
+    # 28 layers x rank 64 x (qkv 3584 + 4608, o 3584 + 3584, fc1 3584 + 37888, fc2 18944 + 3584)
+    assert adapters == 28 * 64 * (3584 + 4608 + 3584 + 3584 + 3584 + 37888 + 18944 + 3584)
+    lora = mot.mot_memory("7b-mot", tp=1, train="lora", lora_rank=64)
+    gen = mot.mot_memory("7b-mot", tp=1, train="gen")
+    assert lora.weights == (base + adapters) * 2 and lora.grads == adapters * 4 and lora.optimizer == adapters * 12
+    assert lora.total < 0.3 * gen.total
+    # tp 2: the replicated factors (A of q/k/v and fc1, B of o and fc2) stay whole
+    assert adapters / 2 < mot.lora_parameter_counts("7b-mot", tp=2, rank=64)[0] < adapters
+    assert sum(mot.lora_parameter_counts("7b-mot", tp=1, pp=4, rank=64)) == adapters
+
+
 def test_generation_step_flops_scale_with_image_tokens() -> None:
     small = mot.generation_step_flops("7b-mot", 1024, 64)
     big = mot.generation_step_flops("7b-mot", 4096, 64)

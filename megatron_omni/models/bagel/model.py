@@ -27,6 +27,7 @@ import torch
 from diffusers.models.embeddings import get_timestep_embedding
 from megatron.core import tensor_parallel
 from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+from megatron.core.transformer.enums import ModelType
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 
@@ -102,6 +103,7 @@ class BagelMoT(MegatronModule):
         self.arch = arch
         self.pg_collection = pg
         self.pre_process, self.post_process = pp.rank() == 0, pp.rank() == pp.size() - 1
+        self.model_type = ModelType.encoder_or_decoder  # what Megatron-Core's pipeline schedules read
         n_local = config.num_layers // pp.size()
         self.layer_offset = pp.rank() * n_local
         h, dtype = config.hidden_size, config.params_dtype
@@ -204,11 +206,16 @@ class BagelMoT(MegatronModule):
         self.input_tensor = input_tensor[0] if isinstance(input_tensor, list) else input_tensor
 
 
-def text_cfg(v_cond: torch.Tensor, v_uncond: torch.Tensor, scale: float, renorm_min: float = 0.0) -> torch.Tensor:
-    """BAGEL's text classifier-free guidance with its `global` renorm (vLLM-Omni's `Bagel._combine_cfg` with the
-    image scale 1): `v' = v_u + scale (v_c - v_u)`, scaled by `clamp(|v_c| / (|v'| + 1e-8), renorm_min, 1)`
-    (norms over the whole [n, p] velocity: one image). Returns [n, p]."""
+def text_cfg(v_cond: torch.Tensor, v_uncond: torch.Tensor, scale: float, renorm_min: float = 0.0,
+             img_scale: float = 1.0, v_no_image: torch.Tensor | None = None) -> torch.Tensor:
+    """BAGEL's classifier-free guidance with its `global` renorm (vLLM-Omni's `Bagel._combine_cfg`): text
+    `v' = v_u + scale (v_c - v_u)`; with `img_scale` > 1 and the image-free branch `v_no_image` (text-to-image:
+    the text-conditioned branch itself, as vLLM-Omni's pipeline builds its `cfg_img` context) then
+    `v' = v_i + img_scale (v' - v_i)`; scaled by `clamp(|v_c| / (|v'| + 1e-8), renorm_min, 1)` (norms over the
+    whole [n, p] velocity: one image). Returns [n, p]."""
     guided = v_uncond + scale * (v_cond - v_uncond)
+    if img_scale > 1.0 and v_no_image is not None:
+        guided = v_no_image + img_scale * (guided - v_no_image)
     factor = (torch.norm(v_cond) / (torch.norm(guided) + 1e-8)).clamp(min=renorm_min, max=1.0)
     return guided * factor
 

@@ -17,9 +17,9 @@ Differences from the stock pipeline, each deliberate:
   use it);
 - prompts are token ids `[bos, text..., eos]` (BAGEL's `prepare_prompts` wraps the tokenizer's ids so);
 - initial noise from the sample's seed (the stock path draws from the global RNG);
-- text CFG as BAGEL's pipeline applies it (the unconditional branch an empty KV cache at RoPE position 0, the
-  `global` renorm, `cfg_interval`); image CFG is off (`cfg_img_scale` 1: a text-to-image request's image branch
-  is the text-conditioned one, see docs/families-bagel.md);
+- text and image CFG as BAGEL's pipeline applies them (the text-unconditional branch an empty KV cache at RoPE
+  position 0, the `global` renorm, `cfg_interval`; a text-to-image request's image-free branch is the
+  text-conditioned context, as vLLM-Omni's pipeline builds its `cfg_img` context, see docs/families-bagel.md);
 - dtype: vLLM-Omni's BAGEL hard-casts attention inputs and MLP outputs to bfloat16 (it runs under bf16 autocast
   on GPUs). `dtype=float32` runs the same code with those casts read as float32 (`fp32_bagel`), so an fp32
   rollout is an fp32 computation the trainer's fp32 recompute reproduces; bf16 runs it as shipped under a CPU
@@ -59,6 +59,8 @@ class BagelSampling:
     timestep_shift: BAGEL's shift of the linear schedule (3.0 for t2i); noise_level, window_size, window_range
     ([lo, hi) of the window's first step; None: [0, max(window, steps // 2))), sde_type: the FlowGRPO window;
     cfg_text_scale, cfg_interval (t in (lo, hi] gets CFG), cfg_renorm_min: BAGEL's text CFG (scale 1: none);
+    cfg_img_scale: BAGEL's image CFG (applied only where text CFG is: `Bagel.generate_image`; the image-free
+    branch of a text-to-image request is the text-conditioned context, as vLLM-Omni's pipeline builds it);
     height, width: pixels (multiples of the latent stride, 16)."""
 
     num_timesteps: int = 6
@@ -68,6 +70,7 @@ class BagelSampling:
     window_range: tuple[int, int] | None = None
     sde_type: str = "sde"
     cfg_text_scale: float = 1.0
+    cfg_img_scale: float = 1.0
     cfg_interval: tuple[float, float] = (0.4, 1.0)
     cfg_renorm_min: float = 0.0
     height: int = 64
@@ -98,7 +101,8 @@ class BagelTrajectory:
     prompt_ids: N token-id tensors [L_i] (`[bos, text..., eos]`: the text conditioning, the recompute rebuilds
     its KV cache); latents / next_latents [N, W, n, p] fp32 (x before and after each window step);
     sigmas / sigmas_next [N, W] (BAGEL's t before and after); cfg_scales [N, W] (the text CFG scale each step
-    used, 1: none); log_probs [N, W] fp32; noise_level, sde_type, cfg_renorm_min: the call's; sigma_after_one
+    used, 1: none); log_probs [N, W] fp32; noise_level, sde_type, cfg_renorm_min, cfg_img_scale (applied where the
+    text scale is > 1): the call's; sigma_after_one
     [N] (the schedule's second entry: the `sde` step at t = 1 needs it); grid (h, w) latent tokens; images
     [N, 3, H, W] in [0, 1]; group_ids [N]; seeds [N]."""
 
@@ -113,6 +117,7 @@ class BagelTrajectory:
     noise_level: float
     sde_type: str
     cfg_renorm_min: float
+    cfg_img_scale: float
     grid: tuple[int, int]
     images: torch.Tensor
     group_ids: torch.Tensor
@@ -328,8 +333,9 @@ def _pipeline_class() -> type:
                     gen = torch.Generator().manual_seed(int(seed))
                     start = sample_window_start(sampling.num_steps, sampling.window_size, sampling.window_bounds(),
                                                 gen)
-                    levels = window_noise_levels(sampling.num_steps, start, sampling.window_size,
-                                                 sampling.noise_level)
+                    levels = (window_noise_levels(sampling.num_steps, start, sampling.window_size,
+                                                  sampling.noise_level) if sampling.noise_level > 0
+                              else torch.zeros(sampling.num_steps))  # the ODE: Euler everywhere, nothing recorded
                     cache, n = self._text_cache(ids.long())
                     inp = self.bagel.prepare_vae_latent([n], [n], [shape], self.new_token_ids)
                     inp["packed_init_noises"] = torch.randn(inp["packed_init_noises"].shape, generator=gen)
@@ -343,15 +349,22 @@ def _pipeline_class() -> type:
                     latents, *_ = self.bagel.generate_image(
                         past_key_values=cache, cfg_text_past_key_values=empty, cfg_img_past_key_values=cache,
                         num_timesteps=sampling.num_timesteps, timestep_shift=sampling.timestep_shift,
-                        cfg_text_scale=sampling.cfg_text_scale, cfg_img_scale=1.0,
+                        cfg_text_scale=sampling.cfg_text_scale, cfg_img_scale=sampling.cfg_img_scale,
                         cfg_interval=sampling.cfg_interval, cfg_renorm_min=sampling.cfg_renorm_min,
                         cfg_renorm_type="global", **inp, cfg_text_packed_position_ids=cfg_pids,
                         cfg_img_packed_position_ids=inp["packed_position_ids"], scheduler=window)
                     image = self._decode_image_from_latent(self.bagel, self.vae, latents[0], shape)
                     per.append((window.record, image))
             rec = [[r for r in record] for record, _ in per]
-            stack = lambda k: torch.stack([torch.stack([r[k] for r in rs]) for rs in rec])  # noqa: E731
-            scalars = lambda k: torch.tensor([[r[k] for r in rs] for rs in rec], dtype=torch.float32)  # noqa: E731
+            n_tok, width = latents[0].shape  # the last sample's final latents [n, p]: every sample's shape
+
+            def stack(k: int) -> torch.Tensor:  # [N, W, n, p]; W = 0 for the ODE (noise 0: nothing recorded)
+                if not rec[0]:
+                    return torch.zeros(len(rec), 0, *((n_tok, width) if k < 2 else ()))
+                return torch.stack([torch.stack([r[k] for r in rs]) for rs in rec])
+
+            scalars = lambda k: torch.tensor([[r[k] for r in rs] for rs in rec],  # noqa: E731
+                                             dtype=torch.float32).reshape(len(rec), -1)
             images = torch.stack([torch.from_numpy(np.array(im)).permute(2, 0, 1).float() / 255 for _, im in per])
             d = self.bagel.latent_downsample
             return BagelTrajectory(
@@ -359,6 +372,7 @@ def _pipeline_class() -> type:
                 sigmas=scalars(2), sigmas_next=scalars(3), cfg_scales=scalars(4), log_probs=stack(5).float(),
                 sigma_after_one=torch.full((len(per),), s1), noise_level=sampling.noise_level,
                 sde_type=sampling.sde_type, cfg_renorm_min=sampling.cfg_renorm_min,
+                cfg_img_scale=sampling.cfg_img_scale,
                 grid=(sampling.height // d, sampling.width // d), images=images,
                 group_ids=torch.tensor(list(group_ids) if group_ids is not None else [0] * len(per)),
                 seeds=[int(s) for s in seeds])
