@@ -249,3 +249,14 @@ def test_synced_weights_reach_the_next_rollout(results: list[dict], how: str) ->
     assert results[0]["bucket_count"] == results[0]["n_tensors"]
     for r in results:
         assert "partial weight update" in r["partial"] and f"of {r['n_tensors']}" in r["partial"], r["partial"]
+
+
+def test_each_rule_trains_lora_at_cp_or_pp(folders: dict[str, str], family: str) -> None:
+    """FlowGRPO, MixGRPO, GRPO-Guard and DiffusionNFT with LoRA on the family's tiny folder, one step each through the
+    one trainer at SD3.5's CP 2 / FLUX.1's PP 2 (`tests/distributed/image_family_rl.py`), on this module's pool."""
+    from tests.distributed import image_family_rl
+
+    outs = run_ranks(image_family_rl.rules, 2, family, folders[family], image_family_rl.LAYOUTS[family],
+                     timeout_s=600)
+    for out in outs:
+        image_family_rl.check_rules(out, family)
