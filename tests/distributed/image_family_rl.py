@@ -28,6 +28,8 @@ RULES = ("flowgrpo", "mixgrpo", "grpo_guard", "diffusionnft")
 # 4.5); merged engine vs adapted trainer probe means <= 1e-6. Bounds leave an order of magnitude.
 DLOGP_TOL = 1e-5
 PROBE_TOL = 1e-5
+FP8_KEYS = ("loss", "grad_norm", "train_rollout_dlogp", "train_rollout_dlogp_max", "is_weight_mean", "is_weight_max",
+            "train_rollout_dlogp_after_is", "sync_probe_max_diff", "sync_probe_quant_diff", "sync_probe_quant_bound")
 
 
 def _config(family: str, rule: str, layout: dict):
@@ -91,6 +93,15 @@ def rules(rank: int, world_size: int, family: str, pipeline_dir: str, layout: di
             "lora_only": all(".lora_" in k for k in trainable),
             "window": result.trajectory.window_start.tolist() if result.trajectory.log_probs.numel() else None,
         }
+    if trainer.family.quantized_linears:  # FP8 rollout (FLUX.1): the engine's own copy fake-quantized, LoRA merged
+        trainer.close()
+        cfg = _config(family, "flowgrpo", layout)
+        cfg.rollout.quantization, cfg.algorithm.is_cap = "fp8", 2.0
+        cfg.validate(world_size)
+        fp8 = FlowGRPOTrainer(cfg, build_parallel_groups(ParallelLayout(**layout)), pipeline_dir,
+                              RewardFunction("jpeg_compressibility"))
+        out["fp8"] = {k: v for k, v in fp8.train_step(0).metrics.items() if k in FP8_KEYS}
+        out["fp8"]["quantized"] = fp8.engine.quantizer is not None
     return out
 
 
@@ -113,3 +124,12 @@ def check_rules(out: dict, family: str) -> None:
             assert r["dlogp_max"] <= DLOGP_TOL, (rule, r)
     # MixGRPO: every sample of step 1 starts its window where the schedule has moved it (one step per move)
     assert out["mixgrpo"]["window"] == [1] * 4, out["mixgrpo"]["window"]
+    if family == "flux":  # FP8 rollout: a gap the trainer measures and corrects with truncated importance weights
+        m = out["fp8"]
+        print(f"{family} fp8: {m}")
+        assert m["quantized"] and 0 < m["sync_probe_quant_diff"] <= m["sync_probe_quant_bound"], m
+        assert m["sync_probe_max_diff"] <= PROBE_TOL, m  # the unquantized view holds the merged weights
+        assert 0 < m["train_rollout_dlogp"] < 1e-2 and m["train_rollout_dlogp_max"] >= m["train_rollout_dlogp"], m
+        assert 0 < m["is_weight_mean"] <= m["is_weight_max"] <= 2.0, m
+        assert m["train_rollout_dlogp_after_is"] <= m["train_rollout_dlogp"], m
+        assert math.isfinite(m["loss"]) and m["grad_norm"] > 0, m
