@@ -89,7 +89,8 @@ class DiTArch:
     `single_layers.{i}.*`), single_saved their saved activations per token without recompute; text_output_last: the
     last double block's text stream runs whole (FLUX: the single blocks read it); latent_pack: latent pixels per token
     side before the transformer's own patch (FLUX packs 2 x 2 latents into one token, patch_size 1). text_encoders,
-    fixed_text_tokens, vae_params: the pipeline's other weights."""
+    fixed_text_tokens, vae_params: the pipeline's other weights; t5_padded: the text stream is the fixed-length
+    encoders' tokens then T5 padded to `rollout.max_sequence_length` (SD3.5, FLUX.1), not a prompt budget."""
 
     family: str
     name: str
@@ -107,6 +108,7 @@ class DiTArch:
     image_attention_layers: tuple[int, ...] = ()
     last_text_queries: bool = False
     fixed_text_tokens: int = 0
+    t5_padded: bool = False
     recompute_modes: tuple[str, ...] = ("none", "selective", "full")
     saved_per_token: dict[str, tuple[int, int]] | None = None
     image_attention_saved: tuple[int, int] = (0, 0)
@@ -196,7 +198,7 @@ def sd3_arch(model: str | dict[str, Any]) -> DiTArch:
                        TextEncoder("T5-XXL", SD3_T5_XXL_PARAMS)),
         vae_params=SD3_VAE_PARAMS, buffers=("patch_embed.pos_embed",),
         image_attention_layers=tuple(cfg["dual_attention_layers"]), last_text_queries=True,
-        fixed_text_tokens=SD3_CLIP_TOKENS, recompute_modes=("none", "full"),
+        fixed_text_tokens=SD3_CLIP_TOKENS, t5_padded=True, recompute_modes=("none", "full"),
         saved_per_token=SD3_SAVED_PER_TOKEN, image_attention_saved=SD3_IMAGE_ATTENTION_SAVED)
 
 
@@ -222,7 +224,7 @@ def flux_arch(model: str | dict[str, Any]) -> DiTArch:
                                                                                               SD3_T5_XXL_PARAMS)),
         vae_params=SD3_VAE_PARAMS, last_text_queries=True, recompute_modes=("none", "full"),
         single_layers=int(cfg["num_single_layers"]), single_saved=FLUX_SINGLE_SAVED_PER_TOKEN,
-        text_output_last=True, latent_pack=2)
+        text_output_last=True, latent_pack=2, t5_padded=True)
 
 
 @dataclass(frozen=True)
