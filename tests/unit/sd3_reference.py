@@ -103,6 +103,29 @@ def check(result: dict, fwd_rel: float = 1e-5, grad_rel: float = 1e-4) -> None:
     assert not result["round_trip"], f"load -> export is not bit-exact for {result['round_trip']}"
 
 
+def tp2_parity(rank: int, world_size: int, reference: str) -> dict:
+    """A rank task: the tp 2 parity of the reference module `tests.unit.<reference>` (`parity`), fp32 and bf16."""
+    import importlib
+
+    from megatron_omni.parallel import ParallelLayout, build_parallel_groups
+
+    groups = build_parallel_groups(ParallelLayout(tp=2))
+    mod = importlib.import_module(f"tests.unit.{reference}")
+    return {dtype: mod.parity(groups, dtype) for dtype in (torch.float32, torch.bfloat16)}
+
+
+def check_tp2(results: list[dict], family: str, bf16_fwd_rel: float, bf16_grad_rel: float) -> None:
+    """Print and assert the ranks' `tp2_parity` results: fp32 within `check`'s defaults, bf16 within the family's
+    measured bounds."""
+    for r in results:
+        fp32, bf16 = r[torch.float32], r[torch.bfloat16]
+        print(f"{family} tp2: fp32 max abs {fp32['fwd_abs']:.3g}, rel {fp32['fwd_rel']:.3g}, worst grad rel "
+              f"{max(fp32['grad'].values()):.3g}; bf16 max abs "
+              f"{bf16['fwd_abs']:.3g}, rel {bf16['fwd_rel']:.3g}, worst grad rel {max(bf16['grad'].values()):.3g}")
+        check(fp32)
+        check(bf16, fwd_rel=bf16_fwd_rel, grad_rel=bf16_grad_rel)
+
+
 def parity_layout(groups, provider, model, ref_state: dict, make_batch, weight: torch.Tensor, ref_out: torch.Tensor,
                   ref_grads: dict, s_txt: int, s_img: int, n_micro: int = 2) -> dict:
     """The Megatron side of a parity check under context or pipeline parallelism, on packed tokens: load `ref_state`,
