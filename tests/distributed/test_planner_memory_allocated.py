@@ -29,6 +29,7 @@ from megatron_omni.planner.memory import block_activation_bytes
 from model_providers.flux import provider as flux_provider
 from model_providers.qwen_image import provider
 from model_providers.sd3 import provider as sd3_provider
+from tests.unit.saved_tensors import block_saved_bytes
 
 CASES = list(itertools.product(("tiny", "small", "sd3-tiny", "flux-tiny"), (1, 2), ("fp32", "bf16"), (False, True)))
 # preset name -> (provider, its preset, diffusers' transformer class name)
@@ -48,82 +49,38 @@ def _nbytes(tensors) -> int:
 
 def _sd3_saved(tp: int) -> dict:
     """Bytes one SD3 block (0: dual attention, 1: plain) saves for its backward, without and with full recompute."""
-    from megatron.core import tensor_parallel
-
     from megatron_omni.parallel import build_parallel_groups
 
     groups = build_parallel_groups(ParallelLayout(tp=tp))
     model = sd3_provider.build_model(sd3_provider.transformer_config(SD3_WIDE, tp=tp), groups).train()
     h = model.config.hidden_size
-    params = {t.untyped_storage().data_ptr() for t in model.parameters()}
     out = {}
     for block in (0, 1):
         for mode in ("none", "full"):
-            seen: dict[int, int] = {}
-
-            def pack(t: torch.Tensor, seen: dict[int, int] = seen) -> torch.Tensor:
-                st = t.untyped_storage()
-                if st.data_ptr() not in params:
-                    seen[st.data_ptr()] = st.nbytes()
-                return t
-
-            img = torch.randn(S_IMG, BATCH, h, requires_grad=True)
-            txt = torch.randn(S_TXT, BATCH, h, requires_grad=True)
-            temb = torch.randn(BATCH, h)
-            layer = model.layers[block]
-            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-                if mode == "full":
-                    img2, txt2 = tensor_parallel.checkpoint(layer, False, img, txt, temb)
-                else:
-                    img2, txt2 = layer(img, txt, temb)
-            (img2.sum() + txt2.sum()).backward()  # the saved set is usable: backward runs
-            out[(block, mode)] = sum(seen.values())
+            args = (torch.randn(S_IMG, BATCH, h, requires_grad=True), torch.randn(S_TXT, BATCH, h, requires_grad=True),
+                    torch.randn(BATCH, h))
+            out[(block, mode)] = block_saved_bytes(model.layers[block], args, mode, model.parameters())
     return out
-
-
-def _saved_bytes(run, params: set[int]) -> int:
-    """Bytes of the tensors autograd saves while `run()` builds its graph (parameters' storages excluded); the
-    backward of what it returns then runs (the saved set is usable)."""
-    seen: dict[int, int] = {}
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        st = t.untyped_storage()
-        if st.data_ptr() not in params:
-            seen[st.data_ptr()] = st.nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        outs = run()
-    sum(o.sum() for o in outs).backward()
-    return sum(seen.values())
 
 
 def _flux_single_saved(tp: int) -> dict:
     """Bytes one FLUX single-stream block saves for its backward ([text; image] of S_TXT + S_IMG tokens), without
     and with full recompute."""
-    from megatron.core import tensor_parallel
-
     from megatron_omni.models.dit.embeddings import flux_rope_angles, rope_rotations
     from megatron_omni.parallel import build_parallel_groups
 
     groups = build_parallel_groups(ParallelLayout(tp=tp))
     model = flux_provider.build_model(flux_provider.transformer_config(FLUX_WIDE, tp=tp), groups).train()
     h = model.config.hidden_size
-    params = {t.untyped_storage().data_ptr() for t in model.parameters()}
     img_angles, txt_angles = flux_rope_angles(16, S_IMG // 16, S_TXT, tuple(model.config.axes_dims_rope),
                                               model.config.rope_theta)
     img_rope, txt_rope = rope_rotations(img_angles), rope_rotations(txt_angles)
-    # the rotations are computed once per forward and shared by every block: not one block's activations
-    params |= {t.untyped_storage().data_ptr() for t in (img_rope, txt_rope)}
-    layer = model.single_layers[0]
     out = {}
     for mode in ("none", "full"):
-        img = torch.randn(S_IMG, BATCH, h, requires_grad=True)
-        txt = torch.randn(S_TXT, BATCH, h, requires_grad=True)
-        args = (img, txt, torch.randn(BATCH, h), img_rope, txt_rope)
-        run = ((lambda a=args: tensor_parallel.checkpoint(layer, False, *a)) if mode == "full"
-               else (lambda a=args: layer(*a)))
-        out[mode] = _saved_bytes(run, params)
+        args = (torch.randn(S_IMG, BATCH, h, requires_grad=True), torch.randn(S_TXT, BATCH, h, requires_grad=True),
+                torch.randn(BATCH, h), img_rope, txt_rope)
+        # the rotations are computed once per forward and shared by every block: not one block's activations
+        out[mode] = block_saved_bytes(model.single_layers[0], args, mode, [*model.parameters(), img_rope, txt_rope])
     return out
 
 
