@@ -68,10 +68,18 @@ class TransitionInputs:
 
 def conditioning(traj: Trajectory, rows: torch.Tensor) -> dict:
     """`guided_batch`'s conditioning keywords for samples `rows` of `traj`: its source-image tokens and grids
-    (an edit trajectory's `cond_latents`, `cond_shapes`) and the distilled guidance input of a guidance-distilled
-    model's trajectory (`distilled_guidance`) and an image-to-video trajectory's clean condition tokens
-    (`clean_tokens`); none for a trajectory without them."""
+    (an edit trajectory's `cond_latents`, `cond_shapes`), the distilled guidance input of a guidance-distilled
+    model's trajectory (`distilled_guidance`), an image-to-video trajectory's clean condition tokens
+    (`clean_tokens`), and the pooled text embeddings and CFG kind of a family conditioned on them (SD3.5's and
+    FLUX.1's `pooled_embeds` / `negative_pooled_embeds`, `cfg_rescale`); none for a trajectory without them.
+    Every forward built from a trajectory (the SDE transitions, DiffusionNFT's noised points) takes these."""
     out = {}
+    pooled = getattr(traj, "pooled_embeds", None)
+    if pooled is not None:
+        out["pooled"] = pooled[rows]
+        out["negative_pooled"] = _rows(getattr(traj, "negative_pooled_embeds", None), rows)
+    if hasattr(traj, "cfg_rescale"):
+        out["cfg_rescale"] = traj.cfg_rescale
     if getattr(traj, "clean_tokens", 0):
         out["clean_tokens"] = int(traj.clean_tokens)
     guidance = getattr(traj, "distilled_guidance", None)
@@ -106,9 +114,6 @@ def transition_inputs(traj: Trajectory, rows: torch.Tensor, j: int | torch.Tenso
         negative_embeds=None if neg is None else neg[rows],
         negative_mask=None if neg is None else traj.negative_prompt_embeds_mask[rows],
         **conditioning(traj, rows),
-        pooled=_rows(getattr(traj, "pooled_embeds", None), rows),
-        negative_pooled=_rows(getattr(traj, "negative_pooled_embeds", None), rows),
-        cfg_rescale=getattr(traj, "cfg_rescale", True),
     )
     return TransitionInputs(
         batch=batch,

@@ -44,12 +44,14 @@ SD3_CLIP_TOKENS = 77
 # FLUX.1's CLIP-L is transformers' CLIPTextModel (no text projection: SD3's CLIP-L less its 768 x 768 projection);
 # its T5-XXL and its 16-channel VAE (no quant convs) are SD3's classes and configs.
 FLUX_CLIP_L_PARAMS = SD3_CLIP_L_PARAMS - 768 * 768
-# Saved activations of a FLUX single-stream block per token of [text; image], `(full, tp_split)` multiples of h:
-# an estimate from the block's code, not measured yet (its double blocks are Qwen-Image's, measured): full: adaLN
-# input, norm output, modulated input, the all-gathered [attention | MLP] (5), the output projection's output for
-# the gate (9); split: as Qwen-Image's block without its per-stream copies (QKV 3, Q/K/V/out 4, QK-norm and RoPE
-# intermediates 2, fc1 and GELU outputs 8: 17).
-FLUX_SINGLE_SAVED_PER_TOKEN = (9, 17)
+# Saved activations of a FLUX single-stream block per token of [text; image], `(full, tp_split)` multiples of h,
+# measured with saved-tensor hooks on `FluxSingleLayer` (fp32, h 128, 256 image + 64 text tokens, batch 2; the RoPE
+# rotations, shared by every block, not counted; tests/distributed/test_planner_memory_allocated.py measures them
+# again): 22.25 h per token at tp 1 and 15.70 at tp 2, so split = 2 (22.25 - 15.70) = 13.1 and full = 9.2; the
+# planner takes (9, 13) (measured / predicted 1.011 at tp 1, 1.013 at tp 2; the rest is per-token norm statistics
+# and the [b, h] modulation vectors). The estimate from the block's code was (9, 17) = 26: the split part has no
+# per-stream copies of Q/K/V and its GELU input is fc1's output, saved once.
+FLUX_SINGLE_SAVED_PER_TOKEN = (9, 13)
 
 _SD3_PRESETS = ("sd35-medium", "sd35-large")
 # Saved activations of an SD3 block per token, `(full, tp_split)` multiples of h, measured with saved-tensor hooks
@@ -87,7 +89,8 @@ class DiTArch:
     `single_layers.{i}.*`), single_saved their saved activations per token without recompute; text_output_last: the
     last double block's text stream runs whole (FLUX: the single blocks read it); latent_pack: latent pixels per token
     side before the transformer's own patch (FLUX packs 2 x 2 latents into one token, patch_size 1). text_encoders,
-    fixed_text_tokens, vae_params: the pipeline's other weights."""
+    fixed_text_tokens, vae_params: the pipeline's other weights; t5_padded: the text stream is the fixed-length
+    encoders' tokens then T5 padded to `rollout.max_sequence_length` (SD3.5, FLUX.1), not a prompt budget."""
 
     family: str
     name: str
@@ -105,6 +108,7 @@ class DiTArch:
     image_attention_layers: tuple[int, ...] = ()
     last_text_queries: bool = False
     fixed_text_tokens: int = 0
+    t5_padded: bool = False
     recompute_modes: tuple[str, ...] = ("none", "selective", "full")
     saved_per_token: dict[str, tuple[int, int]] | None = None
     image_attention_saved: tuple[int, int] = (0, 0)
@@ -194,7 +198,7 @@ def sd3_arch(model: str | dict[str, Any]) -> DiTArch:
                        TextEncoder("T5-XXL", SD3_T5_XXL_PARAMS)),
         vae_params=SD3_VAE_PARAMS, buffers=("patch_embed.pos_embed",),
         image_attention_layers=tuple(cfg["dual_attention_layers"]), last_text_queries=True,
-        fixed_text_tokens=SD3_CLIP_TOKENS, recompute_modes=("none", "full"),
+        fixed_text_tokens=SD3_CLIP_TOKENS, t5_padded=True, recompute_modes=("none", "full"),
         saved_per_token=SD3_SAVED_PER_TOKEN, image_attention_saved=SD3_IMAGE_ATTENTION_SAVED)
 
 
@@ -220,7 +224,7 @@ def flux_arch(model: str | dict[str, Any]) -> DiTArch:
                                                                                               SD3_T5_XXL_PARAMS)),
         vae_params=SD3_VAE_PARAMS, last_text_queries=True, recompute_modes=("none", "full"),
         single_layers=int(cfg["num_single_layers"]), single_saved=FLUX_SINGLE_SAVED_PER_TOKEN,
-        text_output_last=True, latent_pack=2)
+        text_output_last=True, latent_pack=2, t5_padded=True)
 
 
 @dataclass(frozen=True)

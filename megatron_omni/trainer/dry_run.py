@@ -77,7 +77,7 @@ def job_plan(cfg: JobConfig, world_size: int, gpu: str, gpus_per_node: int = 8, 
         text_tokens, condition_tokens = text_tokens + src.vision, src.condition
     else:
         arch = dit_arch(family, model)
-    if family in ("sd3", "flux"):  # CLIP's 77 tokens before T5's (SD3.5); T5's alone (FLUX, CLIP pooled only)
+    if arch.t5_padded:  # CLIP's 77 tokens before T5's (SD3.5); T5's alone (FLUX.1, CLIP pooled only)
         text_tokens = arch.fixed_text_tokens + cfg.rollout.max_sequence_length
     r, p = cfg.rollout, cfg.parallel
     # Disaggregated: the planner's world is the trainer ranks; the last placement.rollout_ranks roll out.

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from megatron_omni.models.dit.flux_model import FluxModel
 from model_providers.flux import presets, provider
+from model_providers.flux.rollout_layouts import QUANTIZED_LINEARS
 from model_providers.qwen_image.mapping import hf_to_megatron, megatron_to_hf
 from model_providers.registry import DiTTraits, ModelFamily, TinyPipeline
 
@@ -24,6 +25,8 @@ FAMILY = ModelFamily(
     megatron_sources=provider.megatron_sources,
     megatron_module=FluxModel,
     tiny_pipeline=TinyPipeline(make=provider.make_tiny_pipeline, transformer_config=provider.tiny_transformer_config),
+    # FP8 rollout on the embedded diffusers engine (vLLM-Omni's FLUX pipeline class refuses it: not wired there)
+    quantized_linears=QUANTIZED_LINEARS,
     # Images as FLUX's packed 2 x 2 latent patches (one token = in_channels values); the pooled CLIP embedding and
     # the distilled guidance scale ride in the trajectory; no true CFG (FLUX.1-dev is guidance-distilled); no Flash
     # tail (not wired for this engine); planned (planner.arch.flux_arch).

@@ -31,6 +31,18 @@ _NON_BLOCK = tuple(f"{m}.{k}" for m in (
     "x_embedder", "norm_out.linear", "proj_out") for k in ("weight", "bias"))
 _QK_NORMS = ("attn.norm_q.weight", "attn.norm_k.weight")
 
+# The linears vLLM-Omni 0.30.0's FLUX module builds with the engine's quantization config, as diffusers module names
+# (`rollout.quantization`, the embedded engine's fake FP8 quantizes the same ones): in the double-stream blocks the
+# attention projections (fused there as `to_qkv` / `add_kv_proj`), both MLPs and both adaLN linears (`norm1`,
+# `norm1_context`: its `AdaLayerNormZero` takes the config); in the single-stream blocks `attn.to_q/k/v`,
+# `proj_mlp` and `proj_out`. The single blocks' adaLN (`norm.linear`) and every non-block layer get
+# `safe_quant_config` there (full precision), so they stay in full precision here too.
+QUANTIZED_LINEARS = tuple(f"transformer_blocks.*.{m}" for m in (
+    "attn.to_q", "attn.to_k", "attn.to_v", "attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj", "attn.to_out.0",
+    "attn.to_add_out", "ff.net.0.proj", "ff.net.2", "ff_context.net.0.proj", "ff_context.net.2", "norm1.linear",
+    "norm1_context.linear")) + tuple(f"single_transformer_blocks.*.{m}" for m in (
+        "attn.to_q", "attn.to_k", "attn.to_v", "proj_mlp", "proj_out"))
+
 
 def _double_rules() -> tuple[RolloutRule, ...]:
     rules = qkv_rules("attn.to_qkv", ("attn.to_q", "attn.to_k", "attn.to_v"))

@@ -24,21 +24,10 @@ LAYOUTS = {"cp2-ulysses": (ParallelLayout(ulysses=2), None), "cp2-ring": (Parall
 BF16_LAYOUT = {"cp2-ulysses": (1e-30, 3e-2), "cp2-ring": (2e-2, 1e-1), "pp2": (1e-30, 3e-2)}
 
 
-def _parity(rank: int, world_size: int) -> dict:
-    groups = build_parallel_groups(ParallelLayout(tp=2))
-    return {dtype: flux_reference.parity(groups, dtype) for dtype in (torch.float32, torch.bfloat16)}
-
-
 def test_tp2_parity_with_diffusers() -> None:
-    results = run_ranks(_parity, 2, timeout_s=300)
-    for r in results:
-        fp32, bf16 = r[torch.float32], r[torch.bfloat16]
-        print(f"flux tp2: fp32 max abs {fp32['fwd_abs']:.3g}, rel {fp32['fwd_rel']:.3g}, worst grad rel "
-              f"{max(fp32['grad'].values()):.3g}; bf16 max abs "
-              f"{bf16['fwd_abs']:.3g}, rel {bf16['fwd_rel']:.3g}, worst grad rel {max(bf16['grad'].values()):.3g}")
-        sd3_reference.check(fp32)
-        assert bf16["fwd_abs"] == 0.0, bf16["fwd_abs"]
-        sd3_reference.check(bf16, fwd_rel=1e-30, grad_rel=BF16_GRAD_REL)
+    results = run_ranks(sd3_reference.tp2_parity, 2, "flux_reference", timeout_s=300)
+    sd3_reference.check_tp2(results, "flux", 1e-30, BF16_GRAD_REL)
+    assert all(r[torch.bfloat16]["fwd_abs"] == 0.0 for r in results)  # bf16 bit for bit
 
 
 def _layout_parity(rank: int, world_size: int) -> dict:

@@ -15,6 +15,7 @@ diffusers engine holding the same weights. A partial update is refused by name.
 from __future__ import annotations
 
 import json
+import time
 from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
@@ -98,6 +99,38 @@ def _parity(pipe, ref, family: str) -> dict:
     return res, got
 
 
+def _lora_merged(pipe, ref, trainer, fam, family: str, hf_cfg: dict, receiver, groups, world_size: int) -> dict:
+    """LoRA into vLLM-Omni as the trainer delivers it to a quantized or merging engine (`rollout.lora_sync=merge`):
+    adapters on the tp 2 Megatron model (B drawn nonzero: a trained adapter), the merged weights `W + scale B A`
+    through the family's vLLM-Omni plan; the next rollout equals the diffusers engine loaded with the same merged
+    weights (gathered from the merged shards)."""
+    from megatron_omni.bridge import WeightSync
+    from megatron_omni.bridge.family_sync import family_plans
+    from megatron_omni.bridge.lora_sync import MergedSources, merged_linears
+    from megatron_omni.models.lora import adapters, add_lora
+    from megatron_omni.trainer.config import LoRAConfig
+
+    provider = __import__(f"model_providers.{family}.provider", fromlist=["provider"])
+    provider.load_hf_state_dict(trainer, ref.transformer.state_dict())
+    lora = LoRAConfig(rank=4, alpha=8.0)
+    add_lora(trainer, lora.target_patterns(), lora.rank, lora.alpha, seed=0, global_name=trainer.global_name)
+    g = torch.Generator().manual_seed(7)
+    for a in adapters(trainer).values():
+        a.lora_b.data.copy_(0.05 * torch.randn(a.lora_b.shape, generator=g))
+    before = pipe.rollout(PROMPTS, CASES[family]["cfg"], seeds=[7, 8]).images
+    merged = MergedSources(fam.megatron_sources(trainer)["transformer"], merged_linears(trainer, trainer.global_name))
+    plan = family_plans(fam, hf_cfg, trainer_tp=world_size, rollout_kind="vllm_omni", rollout_tp=world_size,
+                        mode="full")["transformer"]
+    WeightSync(plan, sources=merged, target=receiver.target(), tp_group=groups.tp, tp_rank=groups.tp.rank(),
+               bucket_bytes=16 * 1024).sync()
+    local = dict(trainer.named_parameters()) | dict(trainer.named_buffers())
+    want = provider.stage_hf_tensors(trainer, local | {n: merged[n] for n in merged.linears})  # pp 1: global names
+    ref.load_weights([(k, v) for k, v in want.items() if k in pipe.full_shapes])
+    after = pipe.rollout(PROMPTS, CASES[family]["cfg"], seeds=[7, 8])
+    return {"lora": _diff(after, ref.generate(PROMPTS, CASES[family]["cfg"], seeds=[7, 8])),
+            "lora_changed": float((after.images - before).abs().max()), "lora_adapted": len(merged.linears)}
+
+
 def _case(rank: int, world_size: int, family: str, folder: str) -> dict:
     import torch.distributed as dist
 
@@ -177,6 +210,9 @@ def _case(rank: int, world_size: int, family: str, folder: str) -> dict:
         except WeightUpdateError as e:
             res["partial"] = str(e)
         res["n_tensors"] = len(base)
+        t0 = time.perf_counter()
+        res.update(_lora_merged(pipe, ref, trainer, fam, family, hf_cfg, receiver, groups, world_size))
+        res["lora_s"] = time.perf_counter() - t0  # what the LoRA case adds to the module (printed)
     # 3. rollout tp 1 in the same ranks (vLLM-Omni data parallel 2): the CFG / guided case against the engine
     ref, _ = _engines(family, folder)
     with inline.vllm_omni_model(folder, 1, pipeline_class) as pipe:
@@ -249,3 +285,23 @@ def test_synced_weights_reach_the_next_rollout(results: list[dict], how: str) ->
     assert results[0]["bucket_count"] == results[0]["n_tensors"]
     for r in results:
         assert "partial weight update" in r["partial"] and f"of {r['n_tensors']}" in r["partial"], r["partial"]
+
+
+def test_each_rule_trains_lora_at_cp_or_pp(folders: dict[str, str], family: str) -> None:
+    """FlowGRPO, MixGRPO, GRPO-Guard and DiffusionNFT with LoRA on the family's tiny folder, one step each through the
+    one trainer at SD3.5's CP 2 / FLUX.1's PP 2 (`tests/distributed/image_family_rl.py`), on this module's pool."""
+    from tests.distributed import image_family_rl
+
+    outs = run_ranks(image_family_rl.rules, 2, family, folders[family], image_family_rl.LAYOUTS[family],
+                     timeout_s=600)
+    for out in outs:
+        image_family_rl.check_rules(out, family)
+
+
+def test_lora_merged_into_vllm_omni_equals_the_diffusers_engine(results: list[dict], family: str) -> None:
+    for r in results:
+        print(f"{family} vllm-omni tp=2 after a merged LoRA sync ({r['lora_adapted']} adapted linears) vs diffusers "
+              f"engine max |diff|:", {k: f"{v:.1e}" for k, v in r["lora"].items()},
+              f"moved {r['lora_changed']:.3g}, took {r['lora_s']:.1f} s")
+        assert r["lora_adapted"] > 0 and r["lora_changed"] > 1e-3, r["lora_changed"]
+        _assert_same(r["lora"])

@@ -24,15 +24,22 @@ import torch
 from megatron_omni.parallel.layout import ParallelLayout
 from megatron_omni.parallel.rank_pool import run_ranks
 from megatron_omni.planner import Precision, RolloutSpec, Workload, plan
-from megatron_omni.planner.arch import sd3_arch
+from megatron_omni.planner.arch import flux_arch, sd3_arch
 from megatron_omni.planner.memory import block_activation_bytes
+from model_providers.flux import provider as flux_provider
 from model_providers.qwen_image import provider
 from model_providers.sd3 import provider as sd3_provider
+from tests.unit.saved_tensors import block_saved_bytes
 
-CASES = list(itertools.product(("tiny", "small", "sd3-tiny"), (1, 2), ("fp32", "bf16"), (False, True)))
+CASES = list(itertools.product(("tiny", "small", "sd3-tiny", "flux-tiny"), (1, 2), ("fp32", "bf16"), (False, True)))
+# preset name -> (provider, its preset, diffusers' transformer class name)
+FAMILIES = {"sd3-tiny": (sd3_provider, "tiny", "SD3Transformer2DModel"),
+            "flux-tiny": (flux_provider, "tiny", "FluxTransformer2DModel")}
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 # An SD3 model wide enough that per-token activations dominate the [b, h] modulation vectors: block 0 dual.
 SD3_WIDE = dict(sd3_provider.preset("tiny"), attention_head_dim=32, num_attention_heads=4, caption_projection_dim=128)
+# A FLUX model of the same width (h 128; RoPE axes summing to the head dim 32): its single-stream block's saved tensors.
+FLUX_WIDE = dict(flux_provider.preset("tiny"), attention_head_dim=32, num_attention_heads=4, axes_dims_rope=(8, 12, 12))
 S_IMG, S_TXT, BATCH = 256, 64, 2
 
 
@@ -42,41 +49,43 @@ def _nbytes(tensors) -> int:
 
 def _sd3_saved(tp: int) -> dict:
     """Bytes one SD3 block (0: dual attention, 1: plain) saves for its backward, without and with full recompute."""
-    from megatron.core import tensor_parallel
-
     from megatron_omni.parallel import build_parallel_groups
 
     groups = build_parallel_groups(ParallelLayout(tp=tp))
     model = sd3_provider.build_model(sd3_provider.transformer_config(SD3_WIDE, tp=tp), groups).train()
     h = model.config.hidden_size
-    params = {t.untyped_storage().data_ptr() for t in model.parameters()}
     out = {}
     for block in (0, 1):
         for mode in ("none", "full"):
-            seen: dict[int, int] = {}
+            args = (torch.randn(S_IMG, BATCH, h, requires_grad=True), torch.randn(S_TXT, BATCH, h, requires_grad=True),
+                    torch.randn(BATCH, h))
+            out[(block, mode)] = block_saved_bytes(model.layers[block], args, mode, model.parameters())
+    return out
 
-            def pack(t: torch.Tensor, seen: dict[int, int] = seen) -> torch.Tensor:
-                st = t.untyped_storage()
-                if st.data_ptr() not in params:
-                    seen[st.data_ptr()] = st.nbytes()
-                return t
 
-            img = torch.randn(S_IMG, BATCH, h, requires_grad=True)
-            txt = torch.randn(S_TXT, BATCH, h, requires_grad=True)
-            temb = torch.randn(BATCH, h)
-            layer = model.layers[block]
-            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-                if mode == "full":
-                    img2, txt2 = tensor_parallel.checkpoint(layer, False, img, txt, temb)
-                else:
-                    img2, txt2 = layer(img, txt, temb)
-            (img2.sum() + txt2.sum()).backward()  # the saved set is usable: backward runs
-            out[(block, mode)] = sum(seen.values())
+def _flux_single_saved(tp: int) -> dict:
+    """Bytes one FLUX single-stream block saves for its backward ([text; image] of S_TXT + S_IMG tokens), without
+    and with full recompute."""
+    from megatron_omni.models.dit.embeddings import flux_rope_angles, rope_rotations
+    from megatron_omni.parallel import build_parallel_groups
+
+    groups = build_parallel_groups(ParallelLayout(tp=tp))
+    model = flux_provider.build_model(flux_provider.transformer_config(FLUX_WIDE, tp=tp), groups).train()
+    h = model.config.hidden_size
+    img_angles, txt_angles = flux_rope_angles(16, S_IMG // 16, S_TXT, tuple(model.config.axes_dims_rope),
+                                              model.config.rope_theta)
+    img_rope, txt_rope = rope_rotations(img_angles), rope_rotations(txt_angles)
+    out = {}
+    for mode in ("none", "full"):
+        args = (torch.randn(S_IMG, BATCH, h, requires_grad=True), torch.randn(S_TXT, BATCH, h, requires_grad=True),
+                torch.randn(BATCH, h), img_rope, txt_rope)
+        # the rotations are computed once per forward and shared by every block: not one block's activations
+        out[mode] = block_saved_bytes(model.single_layers[0], args, mode, [*model.parameters(), img_rope, txt_rope])
     return out
 
 
 def _measure(rank: int, world_size: int) -> dict:
-    from diffusers import QwenImageTransformer2DModel, SD3Transformer2DModel
+    import diffusers
 
     from megatron_omni.parallel import build_parallel_groups
     from megatron_omni.parallel.platform import seed_everything
@@ -84,8 +93,7 @@ def _measure(rank: int, world_size: int) -> dict:
 
     out = {}
     for preset, tp, dtype, distributed in CASES:
-        sd3 = preset == "sd3-tiny"
-        prov, name = (sd3_provider, "tiny") if sd3 else (provider, preset)
+        prov, name, engine_class = FAMILIES.get(preset, (provider, preset, "QwenImageTransformer2DModel"))
         groups = build_parallel_groups(ParallelLayout(tp=tp))
         seed_everything(0, tp_rank=groups.tp.rank())
         cfg = prov.transformer_config(name, tp=tp, params_dtype=DTYPES[dtype])
@@ -98,12 +106,12 @@ def _measure(rank: int, world_size: int) -> dict:
         assert ok
         counted = allocated_bytes(ddp, optimizer)
         counted["parameters"] += _nbytes(model.buffers())  # SD3's sincos table (Qwen-Image has no buffers)
-        engine_cls = SD3Transformer2DModel if sd3 else QwenImageTransformer2DModel
-        engine = engine_cls(**prov.hf_config(name)).to(DTYPES[dtype])
+        engine = getattr(diffusers, engine_class)(**prov.hf_config(name)).to(DTYPES[dtype])
         counted["rollout_weights"] = _nbytes(engine.parameters()) + _nbytes(engine.buffers())
         out[(preset, tp, dtype, distributed)] = counted
     for tp in (1, 2):
         out[("sd3-saved", tp)] = _sd3_saved(tp)
+        out[("flux-single-saved", tp)] = _flux_single_saved(tp)
     return out
 
 
@@ -115,7 +123,7 @@ def measured() -> dict:
 @pytest.mark.parametrize("preset,tp,dtype,distributed", CASES)
 def test_planner_memory_equals_allocated_bytes(measured, preset: str, tp: int, dtype: str,
                                                distributed: bool) -> None:
-    model = sd3_provider.hf_config("tiny") if preset == "sd3-tiny" else preset
+    model = FAMILIES[preset][0].hf_config("tiny") if preset in FAMILIES else preset
     report = plan(model, ParallelLayout(tp=tp), 2, "H200", Workload(height=64, width=64, prompts=2, group_size=2),
                   rollout=RolloutSpec(extra_params=0), precision=Precision.of(dtype, dtype, distributed),
                   recompute="none")
@@ -148,5 +156,23 @@ def test_sd3_activation_model_matches_saved_tensors(measured, tp: int) -> None:
     for key, want in predicted.items():
         print(f"sd3 tp={tp} block {key[0]} ({'dual' if key[0] == 0 else 'plain'}) recompute {key[1]}: measured "
               f"{got[key]:,} B, predicted {want:,} B ({got[key] / want:.4f})")
+    bad = {k: (got[k], want) for k, want in predicted.items() if not want <= got[k] < 1.05 * want}
+    assert not bad, bad
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_flux_single_block_activation_model_matches_saved_tensors(measured, tp: int) -> None:
+    """The planner's FLUX single-stream block (`planner.arch.FLUX_SINGLE_SAVED_PER_TOKEN`, full + split / tp
+    multiples of h per token of [text; image]; full recompute its inputs) against what the block saves: up to 5%
+    more (norm statistics, the [b, h] modulation vectors), never less."""
+    a = flux_arch(FLUX_WIDE)
+    tokens = S_IMG + S_TXT
+    predicted = {mode: block_activation_bytes(a.hidden, tokens, BATCH, tp, mode, 4, {"none": a.single_saved})
+                 for mode in ("none", "full")}
+    got = measured[("flux-single-saved", tp)]
+    for mode, want in predicted.items():
+        print(f"flux single block tp={tp} recompute {mode}: measured {got[mode]:,} B "
+              f"({got[mode] / (4 * a.hidden * tokens * BATCH):.3f} h per token), predicted {want:,} B "
+              f"({got[mode] / want:.4f})")
     bad = {k: (got[k], want) for k, want in predicted.items() if not want <= got[k] < 1.05 * want}
     assert not bad, bad

@@ -15,16 +15,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.distributed as dist
 from diffusers import QwenImageTransformer2DModel
-from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
-from megatron.core.pipeline_parallel.schedules import forward_backward_pipelining_without_interleaving
 
 from megatron_omni.models.dit.model import DiTBatch, pipeline_seq_length
 from megatron_omni.parallel import ParallelLayout, build_parallel_groups
 from megatron_omni.parallel.platform import seed_everything
 from megatron_omni.parallel.rank_pool import run_ranks
 from model_providers.qwen_image import provider
+from tests.unit.parity_schedule import reduced_grads, weighted_backward
 
 GRID = (1, 4, 6)  # frames, height, width in patches: non-square, 24 image tokens
 S_TXT = 5
@@ -73,22 +71,6 @@ def _reference(batches) -> tuple[list[torch.Tensor], dict[str, torch.Tensor]]:
     return outs, {n: p.grad for n, p in ref.named_parameters() if p.grad is not None and p.grad.any()}
 
 
-def _reduce_grads(model, groups) -> dict[str, torch.Tensor]:
-    grads = {}
-    for name, p in model.named_parameters():
-        if p.grad is None:
-            continue
-        g = p.grad.clone()
-        if groups.layout.cp > 1:
-            dist.all_reduce(g, group=groups.cp)
-        if groups.layout.tp > 1 and ("q_layernorm" in name or "k_layernorm" in name):
-            dist.all_reduce(g, group=groups.tp)
-        if groups.layout.pp > 1 and getattr(p, "pipeline_parallel", False):
-            dist.all_reduce(g, group=groups.pp)
-        grads[name] = g
-    return provider.stage_hf_tensors(model, grads)
-
-
 def _parity(rank: int, world_size: int, layout: ParallelLayout, recompute: str | None) -> dict:
     n_micro = N_MICRO if layout.pp > 1 else 1
     batches = _batches(n_micro)
@@ -120,35 +102,13 @@ def _parity(rank: int, world_size: int, layout: ParallelLayout, recompute: str |
     def to_batch(b) -> DiTBatch:
         return DiTBatch(b["latents"], b["prompt_embeds"], b["prompt_mask"], b["sigma"], GRID)
 
-    outs: list[torch.Tensor] = []
-    if layout.pp == 1:
-        b = batches[0]
-        out = model(to_batch(b))
-        (out * b["weight"][:, shard]).sum().backward()
-        outs.append(out.detach())
-    else:
-        it = iter(batches)
-
-        def forward_step(data_iterator, module):
-            b = next(data_iterator)
-            out = module(to_batch(b))
-
-            def loss_func(output):
-                outs.append(output.detach().clone())
-                return (output * b["weight"][:, shard]).sum(), {}
-
-            return out, loss_func
-
-        forward_backward_pipelining_without_interleaving(
-            forward_step_func=forward_step, data_iterator=it, model=[model], num_microbatches=n_micro,
-            seq_length=pipeline_seq_length(S_TXT, GRID[0] * GRID[1] * GRID[2], layout.cp),
-            micro_batch_size=BATCH, p2p_communicator=P2PCommunicator(pp_group=groups.pp, config=cfg),
-            pg_collection=groups.mcore,
-        )
+    outs = weighted_backward(model, groups, batches, lambda module, b: module(to_batch(b)),
+                             lambda out, b: (out * b["weight"][:, shard]).sum(),
+                             pipeline_seq_length(S_TXT, GRID[0] * GRID[1] * GRID[2], layout.cp), BATCH)
     fwd_err = None
     if groups.is_last_stage:
         fwd_err = max(float((o - r[:, shard]).norm() / r[:, shard].norm()) for o, r in zip(outs, ref_outs))
-    grads = _reduce_grads(model, groups)
+    grads = provider.stage_hf_tensors(model, reduced_grads(model, groups))
     grad_err = {n: float((g - ref_grads[n]).norm() / ref_grads[n].norm().clamp_min(1e-30))
                 for n, g in grads.items() if n in ref_grads}
     stray = [n for n, g in grads.items() if n not in ref_grads and g.any()]

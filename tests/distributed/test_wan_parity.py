@@ -20,10 +20,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.distributed as dist
 from diffusers import WanTransformer3DModel
-from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
-from megatron.core.pipeline_parallel.schedules import forward_backward_pipelining_without_interleaving
 
 from megatron_omni.models.dit.embeddings import patchify_video
 from megatron_omni.models.dit.model import DiTBatch, pipeline_seq_length
@@ -31,6 +28,7 @@ from megatron_omni.parallel import ParallelLayout, build_parallel_groups
 from megatron_omni.parallel.platform import seed_everything
 from megatron_omni.parallel.rank_pool import run_ranks
 from model_providers.wan import provider
+from tests.unit.parity_schedule import reduced_grads, weighted_backward
 
 PATCH = (1, 2, 2)
 INPUTS = [((1, 4, 6), 5), ((3, 2, 4), 9), ((5, 2, 2), 3)]  # (patch grid (frames, height, width), text tokens)
@@ -87,20 +85,6 @@ def _reference(batches, n_micro: int) -> tuple[list[list[torch.Tensor]], dict[st
     return outs, {n: p.grad for n, p in ref.named_parameters() if p.grad is not None}
 
 
-def _reduce_grads(model, groups) -> dict[str, torch.Tensor]:
-    grads = {}
-    for name, p in model.named_parameters():
-        if p.grad is None:
-            continue
-        g = p.grad.clone()
-        if groups.layout.cp > 1:
-            dist.all_reduce(g, group=groups.cp)
-        if groups.layout.pp > 1 and getattr(p, "pipeline_parallel", False):
-            dist.all_reduce(g, group=groups.pp)
-        grads[name] = g
-    return provider.stage_hf_tensors(model, grads)
-
-
 def _layout_case(layout: ParallelLayout, recompute: str | None, batches, references: dict) -> dict:
     n_micro = N_MICRO if layout.pp > 1 else 1
     if n_micro not in references:  # the same for every layout with this many micro-batches
@@ -125,32 +109,12 @@ def _layout_case(layout: ParallelLayout, recompute: str | None, batches, referen
         def to_batch(b, grid=grid) -> DiTBatch:
             return DiTBatch(patchify_video(b["video"], PATCH), b["text"], None, b["sigma"], grid)
 
-        outs: list[torch.Tensor] = []
-        if layout.pp == 1:
-            b = micro[0]
-            out = model(to_batch(b))
-            (out * b["weight"][:, shard]).sum().backward()
-            outs.append(out.detach())
-        else:
-            def forward_step(data_iterator, module, shard=shard, to_batch=to_batch, outs=outs):
-                b = next(data_iterator)
-                out = module(to_batch(b))
-
-                def loss_func(output):
-                    outs.append(output.detach().clone())
-                    return (output * b["weight"][:, shard]).sum(), {}
-
-                return out, loss_func
-
-            forward_backward_pipelining_without_interleaving(
-                forward_step_func=forward_step, data_iterator=iter(micro), model=[model], num_microbatches=n_micro,
-                seq_length=pipeline_seq_length(s_txt, grid[0] * grid[1] * grid[2], layout.cp),
-                micro_batch_size=BATCH, p2p_communicator=P2PCommunicator(pp_group=groups.pp, config=cfg),
-                pg_collection=groups.mcore,
-            )
+        outs = weighted_backward(model, groups, micro[:n_micro], lambda module, b, f=to_batch: module(f(b)),
+                                 lambda out, b, shard=shard: (out * b["weight"][:, shard]).sum(),
+                                 pipeline_seq_length(s_txt, grid[0] * grid[1] * grid[2], layout.cp), BATCH)
         if groups.is_last_stage:
             fwd_err += [float((o - r[:, shard]).norm() / r[:, shard].norm()) for o, r in zip(outs, refs, strict=True)]
-    grads = _reduce_grads(model, groups)
+    grads = provider.stage_hf_tensors(model, reduced_grads(model, groups, tp_replicated=()))
     grad_err = {n: float((g - ref_grads[n]).norm() / ref_grads[n].norm().clamp_min(1e-30))
                 for n, g in grads.items() if n in ref_grads}
     stray = [n for n in grads if n not in ref_grads]

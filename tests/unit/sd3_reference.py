@@ -5,10 +5,10 @@ on any tensor-parallel layout. Used in one process (tests/unit) and on spawned g
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 from diffusers import SD3Transformer2DModel
 
 from model_providers.sd3 import provider
+from tests.unit.parity_schedule import reduced_grads, weighted_backward
 
 LATENT_HW = (8, 12)  # a non-square 4 x 6 patch grid, centre-cropped from the 12 x 12 sincos table
 S_TXT = 5
@@ -78,14 +78,7 @@ def compare(groups, provider, model, ref_state: dict, run, weight: torch.Tensor,
 
     out = run()
     (out.float() * weight).sum().backward()
-    grads = {}
-    for name, p in model.named_parameters():
-        if p.grad is None:
-            continue
-        g = p.grad.clone()
-        if groups.layout.tp > 1 and ("q_layernorm" in name or "k_layernorm" in name):
-            dist.all_reduce(g, group=groups.tp)  # finalize_model_grads' sum over tp of the replicated QK norms
-        grads[name] = g
+    grads = reduced_grads(model, groups)
     hf_grads = provider.stage_hf_tensors(model, grads)
     return {
         "shape": (tuple(out.shape), tuple(ref_out.shape)),
@@ -110,6 +103,29 @@ def check(result: dict, fwd_rel: float = 1e-5, grad_rel: float = 1e-4) -> None:
     assert not result["round_trip"], f"load -> export is not bit-exact for {result['round_trip']}"
 
 
+def tp2_parity(rank: int, world_size: int, reference: str) -> dict:
+    """A rank task: the tp 2 parity of the reference module `tests.unit.<reference>` (`parity`), fp32 and bf16."""
+    import importlib
+
+    from megatron_omni.parallel import ParallelLayout, build_parallel_groups
+
+    groups = build_parallel_groups(ParallelLayout(tp=2))
+    mod = importlib.import_module(f"tests.unit.{reference}")
+    return {dtype: mod.parity(groups, dtype) for dtype in (torch.float32, torch.bfloat16)}
+
+
+def check_tp2(results: list[dict], family: str, bf16_fwd_rel: float, bf16_grad_rel: float) -> None:
+    """Print and assert the ranks' `tp2_parity` results: fp32 within `check`'s defaults, bf16 within the family's
+    measured bounds."""
+    for r in results:
+        fp32, bf16 = r[torch.float32], r[torch.bfloat16]
+        print(f"{family} tp2: fp32 max abs {fp32['fwd_abs']:.3g}, rel {fp32['fwd_rel']:.3g}, worst grad rel "
+              f"{max(fp32['grad'].values()):.3g}; bf16 max abs "
+              f"{bf16['fwd_abs']:.3g}, rel {bf16['fwd_rel']:.3g}, worst grad rel {max(bf16['grad'].values()):.3g}")
+        check(fp32)
+        check(bf16, fwd_rel=bf16_fwd_rel, grad_rel=bf16_grad_rel)
+
+
 def parity_layout(groups, provider, model, ref_state: dict, make_batch, weight: torch.Tensor, ref_out: torch.Tensor,
                   ref_grads: dict, s_txt: int, s_img: int, n_micro: int = 2) -> dict:
     """The Megatron side of a parity check under context or pipeline parallelism, on packed tokens: load `ref_state`,
@@ -119,9 +135,6 @@ def parity_layout(groups, provider, model, ref_state: dict, make_batch, weight: 
     averaged loss has the single batch's gradient -- and reduce the gradients as finalize_model_grads does in
     training (sum over cp, over tp for the replicated QK norms, over pp for the embedders every stage holds).
     `ref_out` [b, s_img, c]: diffusers' packed output. The result dict `check_layout` reads (one per rank)."""
-    from megatron.core.pipeline_parallel import get_forward_backward_func
-    from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
-
     from megatron_omni.models.dit.model import pipeline_seq_length
 
     provider.load_hf_state_dict(model, ref_state)
@@ -129,39 +142,10 @@ def parity_layout(groups, provider, model, ref_state: dict, make_batch, weight: 
     mismatched = [n for n, t in exported.items() if not (n in ref_state and ref_state[n].dtype == t.dtype
                                                         and torch.equal(ref_state[n], t))]
     shard = model.image_shard(s_img)
-    pp = groups.layout.pp
-    outs: list[torch.Tensor] = []
-    if pp == 1:
-        out = model(make_batch())
-        (out.float() * weight[:, shard]).sum().backward()
-        outs.append(out.detach())
-    else:
-        def forward_step(data_iterator, module):
-            out = module(next(data_iterator))
-
-            def loss_func(output):
-                outs.append(output.detach().clone())
-                return (output.float() * weight[:, shard]).sum(), {}
-
-            return out, loss_func
-
-        get_forward_backward_func(pp_size=pp, vp_size=None)(
-            forward_step_func=forward_step, data_iterator=iter([make_batch() for _ in range(n_micro)]),
-            model=[model], num_microbatches=n_micro, seq_length=pipeline_seq_length(s_txt, s_img, groups.layout.cp),
-            micro_batch_size=weight.shape[0], p2p_communicator=P2PCommunicator(pp_group=groups.pp, config=model.config),
-            pg_collection=groups.mcore)
-    grads = {}
-    for name, p in model.named_parameters():
-        if p.grad is None:
-            continue
-        g = p.grad.clone()
-        if groups.layout.cp > 1:
-            dist.all_reduce(g, group=groups.cp)
-        if groups.layout.tp > 1 and ("q_layernorm" in name or "k_layernorm" in name):
-            dist.all_reduce(g, group=groups.tp)
-        if pp > 1 and getattr(p, "pipeline_parallel", False):
-            dist.all_reduce(g, group=groups.pp)
-        grads[name] = g
+    outs = weighted_backward(model, groups, [make_batch() for _ in range(n_micro if groups.layout.pp > 1 else 1)],
+                             lambda module, b: module(b), lambda out, b: (out.float() * weight[:, shard]).sum(),
+                             pipeline_seq_length(s_txt, s_img, groups.layout.cp), weight.shape[0])
+    grads = reduced_grads(model, groups)
     hf_grads = provider.stage_hf_tensors(model, grads)
     ref = ref_out[:, shard].detach().float()
     fwd = [o.float() for o in outs] if groups.is_last_stage else []

@@ -29,6 +29,7 @@ from megatron_omni.planner.memory import (
 )
 from model_providers.qwen_image import provider
 from model_providers.qwen_image.presets import PARAMS_20B
+from tests.unit.saved_tensors import block_saved_bytes
 
 
 def _divisors(n: int) -> list[int]:
@@ -252,8 +253,6 @@ def _saved_bytes(rank: int, world_size: int) -> dict[str, tuple[int, int]]:
 
 
 def _saved_bytes_one(world_size: int, recompute: str) -> tuple[int, int]:
-    from megatron.core import tensor_parallel
-
     from megatron_omni.models.dit.embeddings import qwen_rope_angles, rope_rotations
     from megatron_omni.parallel import build_parallel_groups
 
@@ -268,23 +267,8 @@ def _saved_bytes_one(world_size: int, recompute: str) -> tuple[int, int]:
     ia, ta = (rope_rotations(a) for a in qwen_rope_angles(1, 16, S_IMG // 16, S_TXT, tuple(tc.axes_dims_rope),
                                                           tc.rope_theta))
     # RoPE rotations are computed once per forward and shared by every block: not a per-block activation.
-    params = {t.untyped_storage().data_ptr() for t in (*model.parameters(), ia, ta)}
-    seen: dict[int, int] = {}
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        st = t.untyped_storage()
-        if st.data_ptr() not in params:
-            seen[st.data_ptr()] = st.nbytes()
-        return t
-
-    layer = model.layers[0]
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        if recompute == "full":  # what the model does per block under full recompute
-            img2, txt2 = tensor_parallel.checkpoint(layer, False, img, txt, temb, ia, ta, None)
-        else:
-            img2, txt2 = layer(img, txt, temb, ia, ta, None)
-    (img2.sum() + txt2.sum()).backward()  # the saved set is usable: backward runs
-    return sum(seen.values()), h
+    return block_saved_bytes(model.layers[0], (img, txt, temb, ia, ta, None), recompute,
+                             [*model.parameters(), ia, ta]), h
 
 
 @pytest.mark.parametrize("tp", [1, 2])

@@ -15,7 +15,8 @@ seeds and weights each gives its diffusers engine's trajectory.
 
 Where this differs from vLLM-Omni's own sampling, on purpose: each request is one sample (seed, SDE window and record
 per request, as for Qwen-Image); the text encoders are called one prompt at a time (the engines' embedding cache);
-FP8 is refused (neither family names quantized linears).
+FP8 is refused: SD3.5 names no quantized linears; FLUX.1 names vLLM-Omni's (its FP8 rollout runs on the embedded
+diffusers engine), but feeding this class's FP8 linears from the bridge (`vllm_omni/fp8.py`) is not wired.
 
 The request's `DiffusionOutput.output` is the image `[1, 3, H, W]` in [-1, 1]; the trajectory record (with the pooled
 embeddings and the distilled guidance) is in `trajectory_latents` (`pipeline.sample_record`).
@@ -176,8 +177,8 @@ class _FlowGRPOImage:
         from megatron_omni.rollout.vllm_omni.fp8 import is_modelopt_fp8
 
         if is_modelopt_fp8(self.od_config.quantization_config):
-            raise ValueError(f"the vLLM-Omni {type(self).__name__} runs unquantized (the family names no FP8 "
-                             "linears)")
+            raise ValueError(f"the vLLM-Omni {type(self).__name__} runs unquantized (its FP8 weight feed is not "
+                             "wired; FLUX.1's FP8 rollout runs on rollout.engine=diffusers)")
         self.transformer.load_weights = fused_loader(self.transformer.load_weights)
         self.stepper = stepper_class(self, max_batch_size=int(getattr(self.od_config, "max_batch_size", 0) or 8))
         self.full_shapes = self.stepper.full_shapes  # what the worker extension checks updates against
