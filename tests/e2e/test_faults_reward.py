@@ -5,7 +5,6 @@ error) within seconds, with a message naming the URL and what failed (docs/fault
 
 from __future__ import annotations
 
-import contextlib
 import io
 import os
 import re
@@ -23,6 +22,7 @@ from tqdm import tqdm
 from megatron_omni.reward.launcher import RewardServerProcess
 from megatron_omni.rollout.base import FinishedSample
 from megatron_omni.trainer.rewards import RewardFunction, RewardPreflightError, preflight
+from tests.e2e.in_process import call_main
 
 ROOT = Path(__file__).resolve().parents[2]
 SLOW = "tests.e2e.test_reward_server:slow_brightness"
@@ -60,11 +60,9 @@ def test_refused_port_and_bad_url_exit_2_within_seconds(tmp_path: Path) -> None:
 
     for i, argv in enumerate((["--set", "reward.url=notaurl"], ["--dry-run", "--set", "reward.url=notaurl"],
                               ["--dry-run", "--set", "reward.scorer=nosuch"])):
-        err = io.StringIO()
-        with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
-            rc = main([*argv, "--set", f"run_dir={tmp_path}/r{i}"])
-        assert rc == 2 and _last_line(err.getvalue()).startswith(f"config error: {argv[-1].split('=')[0]}="), \
-            err.getvalue()[-2000:]
+        r = call_main(main, [*argv, "--set", f"run_dir={tmp_path}/r{i}"])
+        assert r.returncode == 2 and _last_line(r.stderr).startswith(f"config error: {argv[-1].split('=')[0]}="), \
+            r.stderr[-2000:]
         assert not (tmp_path / f"r{i}").exists()
 
 

@@ -29,6 +29,7 @@ from tests.e2e.test_flowgrpo_train import (
     _kill_after_checkpoint,
     _rewards,
     _train,
+    reward_gain,
 )
 
 LORA = ["--set", "model.lora.rank=8", "--set", "model.lora.alpha=16", "--set", "optim.lr=5e-2"]
@@ -39,7 +40,7 @@ def _metric(run_dir: Path, key: str) -> list[float]:
 
 
 def _rises(r: list[float]) -> bool:
-    return sum(r[-2:]) / 2 > sum(r[:2]) / 2 + 0.05
+    return reward_gain(r) > 0.05
 
 
 @pytest.fixture(scope="module")

