@@ -49,6 +49,7 @@ from megatron_omni.rollout.vllm_omni.pipeline import (
     lazy_classes,
     parse_request,
     sample_record,
+    warm_up_side,
 )
 
 SD3_PIPELINE_CLASS = "megatron_omni.rollout.vllm_omni.image_pipelines.FlowGRPOSD3Pipeline"
@@ -197,7 +198,8 @@ class _FlowGRPOImage:
     @torch.no_grad()
     def forward(self, req: Any) -> list[Any]:
         """One sample per request; one DiffusionOutput per request (image in [-1, 1], the record). vLLM-Omni's
-        start-up warm-up request (no FlowGRPO extras) is answered with one ODE sample at its size and steps."""
+        start-up warm-up request (no FlowGRPO extras) is answered with one ODE sample at its steps and its size
+        (`warm_up_side`: at most 64 pixels a side where no GPU is)."""
         from vllm_omni.diffusion.data import DiffusionOutput
 
         if req.is_dummy_run():
@@ -224,7 +226,7 @@ class _FlowGRPOImage:
         limit = self._largest_side() // f * f
 
         def side(asked: Any) -> int:
-            return min(max(f, int(asked or 0) // f * f), limit)
+            return min(warm_up_side(asked, f), limit)
 
         params = SamplingParams(height=side(sampling.height), width=side(sampling.width), noise_level=0.0,
                                 num_steps=max(1, int(sampling.num_inference_steps or 1)), max_sequence_length=16)
