@@ -1,6 +1,6 @@
 """Quantized rollout on the OCR miniature's pipeline: a bf16 rollout against an FP8 one, same prompts and seeds.
 
-    HF_HUB_OFFLINE=1 .venv/bin/python benchmarks/quantized_rollout.py [--seeds 4] [--runs 3] [--cap 2.0]
+    HF_HUB_OFFLINE=1 .venv/bin/python benchmarks/quantized_rollout.py [--seeds 4] [--runs 5] [--cap 2.0]
         [--out-dir DIR]
 
 The shipped tiny text pipeline (examples/tiny/text_pipeline) samples the OCR miniature recipe's held-out
