@@ -1,10 +1,10 @@
 """Quantized rollout on the OCR miniature's pipeline: a bf16 rollout against an FP8 one, same prompts and seeds.
 
-    HF_HUB_OFFLINE=1 .venv/bin/python benchmarks/quantized_rollout.py [--seeds 4] [--runs 3] [--cap 2.0]
+    HF_HUB_OFFLINE=1 .venv/bin/python benchmarks/quantized_rollout.py [--seeds 4] [--runs 5] [--cap 2.0]
         [--out-dir DIR]
 
 The shipped tiny text pipeline (examples/tiny/text_pipeline) samples the OCR miniature recipe's held-out
-prompts (8 words RL trains on, 8 it never sees; `--seeds` seeds each) with the recipe's rollout sampler (64 px,
+prompts (the 24 words RL trains on, the 8 it never sees; `--seeds` seeds each) with the recipe's rollout sampler (64 px,
 10 steps, SDE window 2, noise 1.0, CFG 3): once with the embedded engine in bf16, once with the same engine
 quantized to FP8 (`rollout.quantization=fp8`: ModelOpt's FP8 per-channel weights and per-token activations,
 fake-quantized, computing in bf16). The trainer's side is the Megatron model in bf16 at tp 1 (what
@@ -106,6 +106,20 @@ def paired_ratio_ci(a: list[float], b: list[float], resamples: int = 4000, seed:
     return float(x.mean() / max(y.mean(), 1e-12)), float(lo), float(hi)
 
 
+def delta_ratio_ci(a: list[float], b: list[float]) -> tuple[float, float, float]:
+    """mean(a) / mean(b) of paired samples and its 95% normal interval by the delta method over the paired
+    ratio: the standard error of the mean of z_i = (a_i - R b_i) / mean(b), so only what the pairing leaves
+    (the per-sample differences) widens it."""
+    import numpy as np
+
+    x, y = np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)
+    if x.shape != y.shape or x.size < 2:
+        raise ValueError(f"paired samples of equal length >= 2 needed, got {x.shape} and {y.shape}")
+    r = x.mean() / max(y.mean(), 1e-12)
+    se = float(((x - r * y) / max(y.mean(), 1e-12)).std(ddof=1) / np.sqrt(x.size))
+    return float(r), float(r - 1.96 * se), float(r + 1.96 * se)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--seeds", type=int, default=4, help="seeds per prompt")
@@ -169,7 +183,14 @@ def main() -> None:
     print(f"fp8 / bf16 rollout time on this CPU (FP8 emulated): {rows['fp8']['seconds'] / rows['bf16']['seconds']:.2f}")
     print("re-quantization after a sync (median of 5): " + ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in costs.items()))
     print(f"images: {out / 'bf16_vs_fp8.png'}")
-    ratio, lo, hi = paired_ratio_ci(rows["fp8"]["rewards"], rows["bf16"]["rewards"])
+    fp8, bf16 = rows["fp8"]["rewards"], rows["bf16"]["rewards"]
+    same = sum(abs(x - y) < 1e-9 for x, y in zip(fp8, bf16))
+    diffs = [x - y for x, y in zip(fp8, bf16)]
+    _, dlo, dhi = delta_ratio_ci(fp8, bf16)
+    print(f"pairing (same prompt, seed, initial and SDE noise on both sides): {same}/{n} samples score the same; "
+          f"per-sample fp8 - bf16: sd {statistics.stdev(diffs):.3f} against sd {statistics.stdev(bf16):.3f} of "
+          f"bf16's rewards; delta-method 95% CI [{dlo:.3f}, {dhi:.3f}]")
+    ratio, lo, hi = paired_ratio_ci(fp8, bf16)
     half = (hi - lo) / 2
     need = n if half <= CI_HALF_WIDTH else int(n * (half / CI_HALF_WIDTH) ** 2) + 1
     print(f"confidence: 95% paired bootstrap over the {n} (prompt, seed) samples: half-width {half:.3f} "

@@ -90,11 +90,14 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     args = parser.parse_args()
+    window = (1, 3)  # the recipes' window of 2, at a fixed start so that every side noises the same steps
+    if args.steps < window[1]:
+        parser.error(f"--steps {args.steps} must be at least {window[1]}: the SDE window covers steps "
+                     f"[{window[0]}, {window[1]})")
     if args.threads:
         torch.set_num_threads(args.threads)
     from diffusers import QwenImagePipeline
 
-    window = (1, 3)  # the recipes' window of 2, at a fixed start so that every side noises the same steps
     params = SamplingParams(height=args.size, width=args.size, num_steps=args.steps, noise_level=1.2,
                             window_size=window[1] - window[0], window_start=window[0], window_range=(0, window[1]))
     rows = [p for p in PROMPTS for _ in range(args.group)]

@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import statistics
 import sys
 import tempfile
@@ -82,6 +83,9 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--only", nargs="*", default=None, help="run only these variants (labels)")
     a = ap.parse_args()
+    # A SIGTERM (a `timeout`, a scheduler) exits through the with-blocks, so the judge server being measured stops
+    # with this script instead of living on as an orphan.
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     with tempfile.TemporaryDirectory() as tmp:
         folder = str(make_tiny_vlm(Path(tmp) / "tiny-vl", seed=0))
         results = {}
@@ -93,8 +97,12 @@ def main() -> None:
         for label, cls, env in variants:
             if a.only and label not in a.only:
                 continue
-            with cls(folder, served_name="judge", port=free_port(), env=env) as server:
+            server = cls(folder, served_name="judge", port=free_port(), env=env)
+            try:  # not a with-block: its exit would not run for a signal that comes during start()
+                server.start()
                 results[label] = (server.startup_s, measure(server, a.images, a.reps))
+            finally:
+                server.stop()
             start, per = results[label]
             print(f"{label}: healthy after {start:.1f} s; " +
                   ", ".join(f"{k} {1000 * v:.0f} ms/image" for k, v in per.items()), flush=True)

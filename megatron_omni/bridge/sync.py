@@ -68,17 +68,28 @@ def copy_piece(dst_param: torch.Tensor, piece: Piece, shard: torch.Tensor, group
 
 
 def to_hf(src: SourceTensor, full: torch.Tensor, num_heads: int, num_groups: int | None = None,
-          trainer_tp: int = 1) -> Items:
+          trainer_tp: int = 1, out: torch.Tensor | None = None) -> Items:
     """A Megatron tensor (its tp shards concatenated in rank order) -> its Hugging Face-named tensors: q, k, v
-    split out of the per-group interleave, gate and up out of the per-rank `[gate_r; up_r]` blocks."""
+    split out of the per-group interleave, gate and up out of the per-rank `[gate_r; up_r]` blocks. The split
+    tensors are copies: into `out` (a flat buffer of `full.numel()` elements, the parts one after another) when
+    given, else into fresh tensors."""
     if src.kind == "fuse_qkv":
         groups = num_heads if num_groups is None else num_groups
-        return [(name, qkv_part(full, groups, num_heads // groups, i).flatten(0, 1))
-                for i, name in enumerate(src.hf)]
-    if src.kind == "fuse_gate_up":
+        parts = [qkv_part(full, groups, num_heads // groups, i) for i in range(len(src.hf))]
+    elif src.kind == "fuse_gate_up":
         blocks = full.unflatten(0, (trainer_tp if src.tp_dim is not None else 1, 2, -1))
-        return [(name, blocks[:, i].flatten(0, 1)) for i, name in enumerate(src.hf)]
-    return [(src.hf[0], full)]
+        parts = [blocks[:, i] for i in range(len(src.hf))]
+    else:
+        return [(src.hf[0], full)]
+    if out is None:
+        return [(name, part.flatten(0, 1)) for name, part in zip(src.hf, parts)]
+    items, off = [], 0
+    for name, part in zip(src.hf, parts):
+        dst = out[off:off + part.numel()].view(part.shape)
+        dst.copy_(part)
+        items.append((name, dst.flatten(0, 1)))
+        off += part.numel()
+    return items
 
 
 class WeightSync:
@@ -116,6 +127,11 @@ class WeightSync:
             self._check_sources()
         # Computed once: the schedule and the per-name rollout slices are the same every sync.
         self._buckets = plan.full_buckets(self.bucket_numel) if plan.mode == "full" else []
+        # q/k/v (gate/up) split out of their interleave go into one buffer kept between buckets and syncs: a
+        # fresh tensor per split costs first-touch page faults every sync (on CPU 3-4x the copy itself); a GPU's
+        # caching allocator keeps the same memory anyway. Its size is the largest bucket's split tensors.
+        self._split_numel = max((sum(s.full_numel for s in b if s.kind != "copy") for b in self._buckets), default=0)
+        self._split: torch.Tensor | None = None
         self._expected: dict[str, tuple[int, ...]] = {}
         self._loads: dict[str, list[tuple[str, Region, int]]] = {}
         if target is not None:
@@ -205,15 +221,18 @@ class WeightSync:
                 shards, received, extra = self._gather(bucket)
                 stats.bytes_gathered += received
                 items = []
+                split_off = 0
                 for s in bucket:
                     parts = shards[s.megatron]
                     full = parts[0] if len(parts) == 1 or s.tp_dim is None else torch.cat(parts, dim=s.tp_dim)
                     if full is not parts[0]:
                         extra += full.numel() * full.element_size()
-                    hf_items = to_hf(s, full, plan.num_heads, plan.groups, plan.trainer_tp)
+                    out = None
                     if s.kind != "copy":  # q/k/v (gate/up) split out of their interleave are copies
-                        extra += sum(t.numel() * t.element_size() for _, t in hf_items)
-                    items.extend(hf_items)
+                        out = self._split_buffer(full)[split_off:split_off + full.numel()]
+                        split_off += full.numel()
+                    items.extend(to_hf(s, full, plan.num_heads, plan.groups, plan.trainer_tp, out=out))
+                extra += split_off * (self._split.element_size() if self._split is not None else 0)
             items, moved = self.transport.exchange(bucket, items)
             stats.bytes_transported += moved
             stats.peak_extra_bytes = max(stats.peak_extra_bytes, extra + moved)
@@ -230,6 +249,12 @@ class WeightSync:
                     ledger.record(pname, region)
                     stats.bytes_loaded += numel * t.element_size()
         return stats
+
+    def _split_buffer(self, like: torch.Tensor) -> torch.Tensor:
+        """The kept split buffer, (re)made when the trainer tensors' dtype or device differs from it."""
+        if self._split is None or self._split.dtype != like.dtype or self._split.device != like.device:
+            self._split = torch.empty(self._split_numel, dtype=like.dtype, device=like.device)
+        return self._split
 
     def _direct(self, ledger: CoverageLedger) -> SyncStats:
         stats = SyncStats("direct", 0, 0, 0, 0, 0, 0.0)

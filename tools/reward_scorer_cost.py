@@ -1,12 +1,13 @@
 """CPU cost per image of each model scorer at its PUBLISHED size (random weights: the cost depends on the
 architecture, not the values), through our scorer code: preprocessing, image and text towers, head.
 
-    PYTHONPATH=. python benchmarks/reward_scorer_cost.py [--threads 1] [--batch 4] [--size 512] [--reps 3]
+    PYTHONPATH=. python tools/reward_scorer_cost.py [--threads 1] [--batch 4] [--size 512] [--reps 3]
 
 Each scorer scores `batch` images of size x size with prompts; the median of `reps` timed calls (after one
 warm-up call) divided by `batch` is printed per scorer. What a user would run instead (open_clip for HPSv2,
 the image-reward package) does not install beside the pinned CPU torch (docs/rewards.md), so there is no side to
-compare against: the figures are absolute, on this machine's cores, and move with other load on them.
+compare against: the figures are absolute, on this machine's cores, and move with other load on them. That is
+why this is a tool and not a benchmark (benchmarks/ holds side-by-side comparisons, ratio last).
 """
 
 from __future__ import annotations
