@@ -237,6 +237,18 @@ def test_the_engine_refuses_such_a_folder_before_it_starts(tmp_path: Path) -> No
         start_omni(folder, 1, EngineSettings(), WAN_PIPELINE_CLASS)
 
 
+def test_the_wan_stage_takes_the_rollout_tp_devices() -> None:
+    """vLLM-Omni's bundled Wan2.2 deploy config pins its stage to device "0": our `Omni` keywords give it devices
+    0..tp-1 (the mp executor at rollout tp 2 then starts: checked by hand, docs/video.md); Qwen-Image's stay as they
+    were."""
+    from megatron_omni.rollout.vllm_omni.engine import omni_kwargs
+    from megatron_omni.rollout.vllm_omni.wan_pipeline import WAN_PIPELINE_CLASS
+
+    assert omni_kwargs("wan", 2, pipeline_class=WAN_PIPELINE_CLASS)["stage_overrides"] == {"0": {"devices": "0,1"}}
+    assert omni_kwargs("wan", 1, pipeline_class=WAN_PIPELINE_CLASS)["stage_overrides"] == {"0": {"devices": "0"}}
+    assert "stage_overrides" not in omni_kwargs("qwen", 2)
+
+
 def test_trajectories_equal_the_diffusers_wan_engine(results: list[dict]) -> None:
     for r in results:
         for case in ("no_cfg", "cfg", "engine"):

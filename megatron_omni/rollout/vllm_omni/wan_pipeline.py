@@ -115,6 +115,13 @@ def check_rope_split(config: dict[str, Any]) -> None:
                          "the diffusers engine")
 
 
+def stage_overrides(tp: int) -> dict[str, dict[str, str]]:
+    """vLLM-Omni 0.30 deploys a Wan2.2 folder with its bundled `deploy/wan2_2_ti2v.yaml`, which pins stage 0 to
+    `devices: "0"`: at rollout tp > 1 its stage set-up then refuses ("requires 2 device(s) ... 1 device(s) are
+    available"). The stage takes devices 0..tp-1 (of the GPUs the engine's owner was given, numbered from 0)."""
+    return {"0": {"devices": ",".join(str(i) for i in range(tp))}}
+
+
 def check_folder(folder: str | os.PathLike) -> None:
     """Everything `FlowGRPOWanPipeline` refuses about a folder (`require_one_expert`, `check_rope_split`), checked
     before an engine starts (`engine.start_omni`: a worker's start-up error reaches the caller without its cause)."""
