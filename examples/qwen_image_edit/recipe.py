@@ -51,11 +51,15 @@ DEFAULT_EDIT_PIPELINE = "/models/Qwen-Image-Edit-2511"
 # text encoder and VAE alone is 53.7 GiB per GPU. `2nodes_h800` samples with the vLLM-Omni engine instead, its
 # transformer sharded at rollout tp=8 and asleep (released) while the trainer updates: 31.6 GiB of rollout weights,
 # 66.6 GiB of 79.6 in all, 375 s/step, 0.085 images/s/GPU (GPU_KIND=H800 NNODES=2 DRY_RUN=1). On 1 node of H800 it
-# does not fit with full fine-tuning (96.5 GiB at tp=6, rollout tp=6); LoRA does (47.6 GiB, not a recipe here).
+# does not fit with full fine-tuning (96.5 GiB at tp=6, rollout tp=6); `1node_h800` trains LoRA adapters (rank 32,
+# alpha 64) on the frozen bf16 base with the vLLM-Omni engine at rollout tp=6: 46.4 GiB of 79.6, 905 s/step, 0.071
+# images/s/GPU (GPU_KIND=H800 NNODES=1 DRY_RUN=1; the diffusers engine would plan 72.1 GiB, over the 10% kept free).
 EDIT_LAYOUTS: dict[str, dict] = {
     "1node": dict(world=6, tp=6, recompute="full", distributed_optimizer=False),  # dp=1: nothing to shard
     "2nodes": dict(world=16, tp=8, recompute=None, distributed_optimizer=True),
     "2nodes_h800": dict(world=16, tp=8, recompute=None, distributed_optimizer=True, engine="vllm_omni", rollout_tp=8),
+    "1node_h800": dict(world=6, tp=6, recompute="full", distributed_optimizer=False, engine="vllm_omni", rollout_tp=6,
+                       lora=(32, 64.0)),
 }
 
 
@@ -72,7 +76,8 @@ def edit_20b(cluster: str) -> JobConfig:
     5120 image tokens per forward instead of Qwen-Image's 1024, so the 1-node layout recomputes every block and the
     2-node one shards the optimizer (the Qwen-Image layouts do neither).
     The embedded diffusers engine samples on H200; `2nodes_h800` samples with the vLLM-Omni edit pipeline at rollout
-    tp=8 (see EDIT_LAYOUTS). No CFG (guidance 1), as Qwen-Image's reference recipe; `rollout.guidance_scale=4
+    tp=8, `1node_h800` (6 trainer ranks at tp=6) trains LoRA adapters and samples with it at rollout tp=6 (see
+    EDIT_LAYOUTS). No CFG (guidance 1), as Qwen-Image's reference recipe; `rollout.guidance_scale=4
     rollout.negative_prompt=" "` runs the edit pipeline's true CFG (twice the transformer rows).
 
     Inputs from the environment: `QWEN_IMAGE_EDIT_PIPELINE` (the folder; default /models/Qwen-Image-Edit-2511; a dry
@@ -121,6 +126,12 @@ def edit_20b(cluster: str) -> JobConfig:
     cfg.checkpoint.every = 20
     cfg.checkpoint.keep = 2
     cfg.logging.image_every = 10
+    if "lora" in lay:
+        # LoRA adapts Megatron-Core's local linears (not the TE spec's); flow_grpo's LoRA settings (the SD3.5 recipe's:
+        # rank 32, alpha 64, lr 3e-4), as no published edit RL recipe gives others
+        cfg.model.lora.rank, cfg.model.lora.alpha = lay["lora"]
+        cfg.model.backend = "local"
+        o.lr = 3e-4
     return cfg
 
 
@@ -138,3 +149,9 @@ def edit_20b_2nodes_h800() -> JobConfig:
     """Qwen-Image-Edit 20B on 2 nodes x 8 H800: 16 trainer ranks at tp=8 x dp=2, the vLLM-Omni engine at rollout
     tp=8 (the embedded engine's resident bf16 copy does not fit an H800)."""
     return edit_20b("2nodes_h800")
+
+
+def edit_20b_1node_h800() -> JobConfig:
+    """Qwen-Image-Edit 20B on 1 node x 8 H800, 2 GPUs for the reward: 6 trainer ranks at tp=6 training LoRA adapters
+    (rank 32, alpha 64; full fine-tuning does not fit), the vLLM-Omni engine at rollout tp=6."""
+    return edit_20b("1node_h800")

@@ -4,7 +4,9 @@
 #   NNODES=1: 6 trainer ranks at tp=6 with full recompute, the reward on GPUs 6,7
 #   NNODES=2: 16 trainer ranks at tp=8 x dp=2, the distributed optimizer, the reward server on node 0's CPUs
 #   NNODES=2 GPU_KIND=H800: the same on H800, sampled by the vLLM-Omni engine at rollout tp=8 (edit_20b_2nodes_h800;
-#     the embedded engine's resident bf16 copy does not fit 80 GB); NNODES=1 does not fit an H800
+#     the embedded engine's resident bf16 copy does not fit 80 GB)
+#   NNODES=1 GPU_KIND=H800: 6 trainer ranks at tp=6 training LoRA adapters (rank 32; full fine-tuning does not fit),
+#     the vLLM-Omni engine at rollout tp=6 (edit_20b_1node_h800)
 # The planner counts the source image: its VAE latents (about 1024^2 px: 4096 tokens) follow the 1024 generated
 # tokens in the image stream, and Qwen2.5-VL reads it (about 384^2 px: 196 vision tokens) with the instruction.
 # Plain torchrun form: run it on every node with its NODE_RANK (or through the Slurm script:
@@ -39,7 +41,7 @@ REWARD_PORT="${REWARD_PORT:-8000}"
 PIPELINE_DIR="${PIPELINE_DIR:-/models/Qwen-Image-Edit-2511}"  # the diffusers QwenImageEditPlusPipeline folder
 EDIT_DATA="${EDIT_DATA:-}"
 GPU_KIND="${GPU_KIND:-H200}"  # H200 | H800: the dry run's figures, and NNODES=2 on H800 takes the H800 recipe
-if [[ "$GPU_KIND" == "H800" && "$SIZE" == "2nodes" ]]; then SIZE=2nodes_h800; fi
+if [[ "$GPU_KIND" == "H800" && ( "$SIZE" == "2nodes" || "$SIZE" == "1node" ) ]]; then SIZE="${SIZE}_h800"; fi
 RUN_DIR="${RUN_DIR:-runs/qwen-image-edit-20b-${SIZE}}"
 RECIPE="${RECIPE:-examples.qwen_image_edit.recipe:edit_20b_${SIZE}}"
 DRY_RUN="${DRY_RUN:-0}"

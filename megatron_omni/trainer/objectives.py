@@ -143,14 +143,15 @@ class NftInputs:
 def nft_inputs(traj: Trajectory, points: NftPoints, mb: MicroBatch) -> NftInputs:
     """The noised points of micro-batch `mb` (rows, js [B]): `x_t = (1 - t) x0 + t eps` at each row's noise level,
     conditioned as the rollout was (the trajectory's guidance scale and negative prompt: with true CFG the
-    guided velocity is the policy, as the rollout sampled with it)."""
-    if getattr(traj, "clean_tokens", 0):
-        raise ValueError("DiffusionNFT would noise an image-to-video trajectory's clean condition tokens "
-                         f"(clean_tokens={traj.clean_tokens}): not supported; use a policy-gradient rule")
+    guided velocity is the policy, as the rollout sampled with it). An image-to-video trajectory's clean condition
+    tokens (`clean_tokens`) are not noised: they enter at timestep 0, as the rollout fed them."""
     rows, js = mb.rows, mb.js
     x0 = traj.final_latents[rows].float()
     sigma = points.sigmas[rows, js]
     xt = noised_latents(x0, sigma, points.noise[rows, js])
+    k = int(getattr(traj, "clean_tokens", 0))
+    if k:  # image-to-video: the condition stays clean (timestep 0 in the forward, as the rollout fed it)
+        xt[:, :k] = x0[:, :k]
     neg = traj.negative_prompt_embeds
     batch = guided_batch(xt, sigma, traj.prompt_embeds[rows], traj.prompt_embeds_mask[rows], traj.img_shape,
                          guidance_scale=traj.guidance_scale[rows],
@@ -185,10 +186,12 @@ class NftObjective:
         return nft_inputs(self.traj, self.draws, mb)
 
     def loss(self, mb: MicroBatch, inputs: NftInputs, v_all: torch.Tensor) -> tuple[torch.Tensor, dict]:
-        ref = self.ref_velocity[mb.rows, mb.js] if self.kl_beta > 0 else None
-        out = nft_loss(inputs.batch.combine(v_all), self.old_velocity[mb.rows, mb.js], inputs.x0, inputs.xt,
-                       inputs.sigma, self.reward_weight[mb.rows], self.mix_beta, self.adv_clip, self.weight_min,
-                       kl_beta=self.kl_beta, ref_velocity=ref)
+        # an image-to-video trajectory's clean condition tokens are no part of the loss (nothing generates them)
+        k = int(getattr(self.traj, "clean_tokens", 0))
+        ref = self.ref_velocity[mb.rows, mb.js, k:] if self.kl_beta > 0 else None
+        out = nft_loss(inputs.batch.combine(v_all)[:, k:], self.old_velocity[mb.rows, mb.js, k:], inputs.x0[:, k:],
+                       inputs.xt[:, k:], inputs.sigma, self.reward_weight[mb.rows], self.mix_beta, self.adv_clip,
+                       self.weight_min, kl_beta=self.kl_beta, ref_velocity=ref)
         metrics = {k: float(v) for k, v in out.metrics.items()}
         metrics["loss"] = float(out.loss.detach())
         return out.loss, metrics

@@ -25,6 +25,7 @@ import torch
 
 from megatron_omni.parallel.rank_pool import run_ranks
 from megatron_omni.rollout.base import SamplingParams
+from tests.distributed.vllm_omni_helpers import perturbed, request_batch
 
 pytestmark = [pytest.mark.timeout(900), pytest.mark.slow]
 
@@ -59,25 +60,6 @@ def _diff(a, b) -> dict:
         out[f] = 0.0 if x is None else float((x.float() - y.float()).abs().max())
     out["meta"] = float(a.prompts != b.prompts or a.img_shape != b.img_shape or a.cfg_rescale != b.cfg_rescale)
     return out
-
-
-def _perturbed(state: dict[str, torch.Tensor], seed: int) -> dict[str, torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    return {k: v + 0.05 * torch.randn(v.shape, generator=g) for k, v in state.items()}
-
-
-def _request_batch(params: SamplingParams, seeds: list[int]):
-    from vllm_omni.diffusion.request import OmniDiffusionRequest
-    from vllm_omni.diffusion.worker.request_batch import DiffusionRequestBatch
-    from vllm_omni.inputs.data import OmniDiffusionSamplingParams
-
-    from megatron_omni.rollout.vllm_omni.pipeline import EXTRA_KEY, sample_prompt, sampling_extra
-
-    sp = OmniDiffusionSamplingParams(height=params.height, width=params.width, num_inference_steps=params.num_steps,
-                                     extra_args={EXTRA_KEY: sampling_extra(params)})
-    reqs = [OmniDiffusionRequest(prompt=sample_prompt(PROMPTS[i // 2], s, i, i // 2), sampling_params=sp,
-                                 request_id=f"r{i}") for i, s in enumerate(seeds)]
-    return DiffusionRequestBatch(requests=reqs)
 
 
 def _engines(family: str, folder: str):
@@ -156,7 +138,7 @@ def _case(rank: int, world_size: int, family: str, folder: str) -> dict:
         # 1. parity with the embedded engine, and through the request path
         parity, got = _parity(pipe, ref, family)
         res.update(parity)
-        outputs = pipe.forward(_request_batch(cfg, SEEDS))
+        outputs = pipe.forward(request_batch(PROMPTS, cfg, SEEDS))
         res["forward"] = _diff(record_to_trajectory([o.trajectory_latents for o in outputs], cfg), got)
         res["forward_output"] = (tuple(outputs[0].output.shape), float(outputs[0].output.min()) < 0)
         # vLLM-Omni's start-up warm-up asks for its default size: on CPU it is answered at 64 px a side; on a GPU at
@@ -184,7 +166,7 @@ def _case(rank: int, world_size: int, family: str, folder: str) -> dict:
         receiver = WeightReceiver(pipe)
         base = {k: v.clone() for k, v in ref.transformer.state_dict().items() if k in pipe.full_shapes}
         for step, how in enumerate(("direct", "full", "buckets")):
-            weights = _perturbed(base, seed=100 + step)
+            weights = perturbed(base, seed=100 + step)
             if how == "buckets":  # what collective_rpc calls on the worker vLLM-Omni composes with our extension
                 names = sorted(weights)
                 worker = inline.worker_with_extension(pipe)

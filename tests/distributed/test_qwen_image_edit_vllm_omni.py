@@ -18,11 +18,11 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import torch
 from PIL import Image
 
 from megatron_omni.parallel.rank_pool import run_ranks
 from megatron_omni.rollout.base import SamplingParams
+from tests.distributed.vllm_omni_helpers import perturbed, request_batch, trajectory_diff
 
 CFG = SamplingParams(height=64, width=64, num_steps=4, window_size=2, noise_level=1.2, guidance_scale=3.0,
                      negative_prompt=" ")
@@ -39,23 +39,7 @@ pytestmark = [pytest.mark.timeout(900), pytest.mark.slow]
 
 
 def _diff(a, b) -> dict:
-    out = {f: float((getattr(a, f).float() - getattr(b, f).float()).abs().max()) for f in FIELDS}
-    out["meta"] = float(a.prompts != b.prompts or a.cond_shapes != b.cond_shapes or a.cfg_rescale != b.cfg_rescale)
-    return out
-
-
-def _request_batch(prompts: list[str], params: SamplingParams, seeds: list[int]):
-    from vllm_omni.diffusion.request import OmniDiffusionRequest
-    from vllm_omni.diffusion.worker.request_batch import DiffusionRequestBatch
-    from vllm_omni.inputs.data import OmniDiffusionSamplingParams
-
-    from megatron_omni.rollout.vllm_omni.pipeline import EXTRA_KEY, sample_prompt, sampling_extra
-
-    sp = OmniDiffusionSamplingParams(height=params.height, width=params.width, num_inference_steps=params.num_steps,
-                                     extra_args={EXTRA_KEY: sampling_extra(params)})
-    reqs = [OmniDiffusionRequest(prompt=sample_prompt(prompts[i // 2], s, i, i // 2), sampling_params=sp,
-                                 request_id=f"r{i}") for i, s in enumerate(seeds)]
-    return DiffusionRequestBatch(requests=reqs)
+    return trajectory_diff(a, b, FIELDS, meta=("prompts", "cond_shapes", "cfg_rescale"))
 
 
 def _case(rank: int, world_size: int, folder: str, prompts: list[str], two: str) -> dict:
@@ -85,7 +69,7 @@ def _case(rank: int, world_size: int, folder: str, prompts: list[str], two: str)
         got = pipe.rollout(prompts, CFG, group_size=2, seeds=SEEDS)
         res["cfg"] = _diff(got, ref.generate(prompts, CFG, group_size=2, seeds=SEEDS))
         res["two"] = _diff(pipe.rollout([two], CFG, seeds=[9]), ref.generate([two], CFG, seeds=[9]))
-        outputs = pipe.forward(_request_batch(prompts, CFG, SEEDS))
+        outputs = pipe.forward(request_batch(prompts, CFG, SEEDS))
         res["forward"] = _diff(record_to_trajectory([o.trajectory_latents for o in outputs], CFG), got)
         res["forward_output"] = (tuple(outputs[0].output.shape), float(outputs[0].output.min()) < 0)
         counted = [*prompts, two, *(negative_record(p, CFG.negative_prompt) for p in [*prompts, two])]
@@ -96,8 +80,7 @@ def _case(rank: int, world_size: int, folder: str, prompts: list[str], two: str)
         groups = build_parallel_groups(ParallelLayout(tp=world_size))
         seed_everything(0, tp_rank=groups.tp.rank())
         trainer = provider.build_model(provider.transformer_config(hf_cfg, tp=world_size), groups)
-        g = torch.Generator().manual_seed(100)
-        weights = {k: v + 0.05 * torch.randn(v.shape, generator=g) for k, v in ref.initial_state_dict().items()}
+        weights = perturbed(ref.initial_state_dict(), seed=100)
         provider.load_hf_state_dict(trainer, weights)
         family = get_family("qwen_image_edit")
         plan = family_plans(family, hf_cfg, trainer_tp=world_size, rollout_kind="vllm_omni", rollout_tp=world_size,

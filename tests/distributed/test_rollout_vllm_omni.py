@@ -26,6 +26,7 @@ import torch
 from megatron_omni.parallel.rank_pool import run_ranks
 from megatron_omni.rollout.base import SamplingParams
 from model_providers.qwen_image.tiny_pipeline import make_tiny_pipeline
+from tests.distributed.vllm_omni_helpers import perturbed, request_batch
 
 PROMPTS = ["a red cat", "OPEN 24 HOURS"]
 NON_CFG = SamplingParams(height=64, width=64, num_steps=4, noise_level=1.2, window_size=2, window_range=(0, 2))
@@ -46,25 +47,6 @@ def _diff(a, b) -> dict:
     out["meta"] = (a.prompts == b.prompts and a.img_shape == b.img_shape and a.noise_level == b.noise_level
                    and a.sde_type == b.sde_type)
     return out
-
-
-def _perturbed(state: dict[str, torch.Tensor], seed: int) -> dict[str, torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    return {k: v + 0.05 * torch.randn(v.shape, generator=g) for k, v in state.items()}
-
-
-def _request_batch(params: SamplingParams, seeds: list[int]):
-    from vllm_omni.diffusion.request import OmniDiffusionRequest
-    from vllm_omni.diffusion.worker.request_batch import DiffusionRequestBatch
-    from vllm_omni.inputs.data import OmniDiffusionSamplingParams
-
-    from megatron_omni.rollout.vllm_omni.pipeline import EXTRA_KEY, sample_prompt, sampling_extra
-
-    sp = OmniDiffusionSamplingParams(height=params.height, width=params.width, num_inference_steps=params.num_steps,
-                                     extra_args={EXTRA_KEY: sampling_extra(params)})
-    reqs = [OmniDiffusionRequest(prompt=sample_prompt(PROMPTS[i // 2], s, i, i // 2), sampling_params=sp,
-                                 request_id=f"r{i}") for i, s in enumerate(seeds)]
-    return DiffusionRequestBatch(requests=reqs)
 
 
 def _case(rank: int, world_size: int, folder: str) -> dict:
@@ -99,7 +81,7 @@ def _case(rank: int, world_size: int, folder: str) -> dict:
             res[name + "_windows"] = got.log_probs.shape
         # ... and through vLLM-Omni's request path (forward -> DiffusionOutput records)
         seeds = [10, 11, 12, 13]
-        outputs = pipe.forward(_request_batch(NON_CFG, seeds))
+        outputs = pipe.forward(request_batch(PROMPTS, NON_CFG, seeds))
         via_forward = record_to_trajectory([o.trajectory_latents for o in outputs], NON_CFG)
         res["forward"] = _diff(via_forward, pipe.rollout(PROMPTS, NON_CFG, group_size=2, seeds=seeds))
         res["forward_image_range"] = float(outputs[0].output.min()) < 0  # [-1, 1] for vLLM-Omni's postprocess
@@ -112,7 +94,7 @@ def _case(rank: int, world_size: int, folder: str) -> dict:
         receiver = WeightReceiver(pipe)
         base = {k: v.clone() for k, v in ref.transformer.state_dict().items()}
         for step, how in enumerate(("direct", "full", "buckets")):
-            weights = _perturbed(base, seed=100 + step)
+            weights = perturbed(base, seed=100 + step)
             if how == "buckets":  # what collective_rpc calls on the worker vLLM-Omni composes with our extension
                 names = sorted(weights)
                 worker = inline.worker_with_extension(pipe)

@@ -383,14 +383,14 @@ def test_sd35_large_plans_two_nodes_through_slurm(results: dict) -> None:
 
 @pytest.mark.parametrize("recipe,world,reward_gpus,gpu,rc,rollout_gib", [
     ("edit_20b_2nodes", 16, 0, "H200", 0, "53.7"), ("edit_20b_1node", 6, 2, "H800", 3, "53.7"),
-    ("edit_20b_2nodes_h800", 16, 0, "H800", 0, "31.6")])
+    ("edit_20b_2nodes_h800", 16, 0, "H800", 0, "31.6"), ("edit_20b_1node_h800", 6, 2, "H800", 0, "32.6")])
 def test_edit_20b_plans_the_source_image(recipe: str, world: int, reward_gpus: int, gpu: str, rc: int,
                                          rollout_gib: str, monkeypatch: pytest.MonkeyPatch, capsys) -> None:
     """Qwen-Image-Edit 20B (train_edit_20b.sh's recipes, in this process): the plan counts the source image, its
     latents in the image stream (4096 tokens after the 1024 generated ones) and its 196 vision tokens in the text
     stream; the 2-node layout fits an H200, the 1-node one does not fit an H800 (the embedded engine's copy alone is
     53.7 GiB), rc 3; the 2-node H800 layout fits with the vLLM-Omni engine at rollout tp 8 (31.6 GiB, asleep while
-    the trainer updates)."""
+    the trainer updates), the 1-node H800 one with LoRA adapters and the engine at rollout tp 6 (32.6 GiB)."""
     from megatron_omni.train import main
 
     monkeypatch.setenv("WORLD_SIZE", str(world))
@@ -403,3 +403,5 @@ def test_edit_20b_plans_the_source_image(recipe: str, world: int, reward_gpus: i
     assert "5120 image (of them 4096 source-image) + 452 text tokens" in out, out[-2000:]
     assert f"model 20b on {world + reward_gpus} x {gpu}" in out
     assert re.search(rf"rollout weights +{re.escape(rollout_gib)} GiB", out), out[-2000:]
+    if recipe == "edit_20b_1node_h800":
+        assert "LoRA: rank 32, alpha 64" in out and "engine asleep during the update" in out, out[-2000:]

@@ -4,8 +4,8 @@
 latents as the condition) for the same seeds; an image-to-video SDE trajectory keeps the condition tokens clean at
 every step, they carry no log-prob (changing their velocity changes nothing), our Megatron model (world size 1)
 recomputes the rollout's log-probs to |dlogp| <= 1e-6; the folder's transformer converts byte-exactly; an image
-prompt on a text-to-video folder, DiffusionNFT on an image-conditioned trajectory and the folder on the vLLM-Omni
-Wan pipeline are refused by name."""
+prompt on a text-to-video folder is refused by name; DiffusionNFT's points on an image-to-video trajectory keep the
+condition clean and its loss leaves the condition tokens out."""
 
 from __future__ import annotations
 
@@ -118,10 +118,35 @@ def test_image_to_video_trajectory_keeps_the_condition_and_recomputes(engine: Wa
         off = recompute_log_probs(traj, DiffusersForward(model)).log_probs
         traj.clean_tokens = k
     assert float((off - traj.log_probs).abs().max()) > 1e-4
-    with pytest.raises(ValueError, match="DiffusionNFT would noise"):
-        from megatron_omni.trainer.objectives import nft_inputs
+    _diffusionnft_leaves_the_condition_out(traj)
 
-        nft_inputs(traj, None, None)
+
+def _diffusionnft_leaves_the_condition_out(traj) -> None:
+    """DiffusionNFT on an image-to-video trajectory: the condition tokens enter clean (not noised, timestep 0) and
+    are no part of the loss (their current, old or reference velocity does not move it; the generated tokens' do)."""
+    from megatron_omni.trainer.objectives import NftObjective, NftPoints, nft_inputs
+    from megatron_omni.trainer.pipeline_step import MicroBatch
+
+    k, n = traj.clean_tokens, traj.seeds.numel()
+    points = NftPoints.draw(traj, 2)
+    mb = MicroBatch(rows=torch.arange(n), js=torch.tensor([0, 1, 0, 1]))
+    inputs = nft_inputs(traj, points, mb)
+    assert torch.equal(inputs.xt[:, :k], inputs.x0[:, :k]) and not torch.equal(inputs.xt[:, k:], inputs.x0[:, k:])
+    timestep = inputs.batch.model_inputs(torch.float32)["timestep"]
+    assert timestep.shape == (n, 12) and (timestep[:, :k] == 0).all() and (timestep[:, k:] > 0).all()
+    g = torch.Generator().manual_seed(0)
+    old, ref = (torch.randn(n, 2, 12, traj.latents.shape[-1], generator=g) for _ in range(2))
+    objective = NftObjective(traj, points, reward_weight=torch.rand(n, generator=g), old_velocity=old, mix_beta=1.0,
+                             adv_clip=5.0, weight_min=1e-5, kl_beta=0.1, ref_velocity=ref)
+    v = torch.randn(n, 12, traj.latents.shape[-1], generator=g)
+    loss = objective.loss(mb, inputs, v)[0]
+    moved = v.clone()
+    moved[:, :k] += 100.0
+    old[..., :k, :] += 100.0
+    ref[..., :k, :] -= 100.0
+    assert torch.equal(objective.loss(mb, inputs, moved)[0], loss)
+    moved[:, k:] += 0.1
+    assert not torch.allclose(objective.loss(mb, inputs, moved)[0], loss)
 
 
 def test_ti2v_transformer_converts_byte_exactly(folder: str, tmp_path: Path) -> None:
@@ -143,8 +168,18 @@ def test_image_prompt_on_a_text_to_video_folder_is_refused(engine: WanRolloutEng
         engine.generate([images[0], TEXT[0]], SDE.ode())
 
 
-def test_the_vllm_omni_wan_pipeline_refuses_the_ti2v_folder_by_name(folder: str) -> None:
-    from megatron_omni.rollout.vllm_omni.wan_pipeline import require_text_to_video
+def test_the_vllm_omni_wan_pipeline_takes_the_ti2v_layout(folder: str, tmp_path: Path) -> None:
+    """The vLLM-Omni Wan pipeline samples TI2V folders (tests/distributed/test_wan_vllm_omni.py compares it): this
+    tiny folder is refused only for its head dim 16 (vLLM-Omni's RoPE split), a two-expert folder by name."""
+    import shutil
 
-    with pytest.raises(ValueError, match="Wan2.2-TI2V folder .* not sampled by the vLLM-Omni Wan pipeline"):
-        require_text_to_video(folder)
+    from megatron_omni.rollout.vllm_omni.wan_pipeline import check_folder, require_one_expert
+
+    with pytest.raises(ValueError, match="attention_head_dim=16"):
+        check_folder(folder)
+    require_one_expert(folder)
+    two = tmp_path / "a14b"
+    shutil.copytree(folder, two)
+    shutil.copytree(two / "transformer", two / "transformer_2")
+    with pytest.raises(ValueError, match="two-expert"):
+        require_one_expert(str(two))

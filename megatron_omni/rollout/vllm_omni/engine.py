@@ -88,7 +88,12 @@ def omni_kwargs(model_path: str | os.PathLike, tensor_parallel_size: int = 1, dt
                 quantization_config: dict[str, str] | None = None, pipeline_class: str = PIPELINE_CLASS,
                 **extra: Any) -> dict[str, Any]:
     """The `Omni(...)` keywords that register our pipeline and worker extension (and vLLM-Omni's
-    `quantization_config` when given; extra ones pass through)."""
+    `quantization_config` when given; extra ones pass through). A pipeline module may name per-stage overrides of
+    vLLM-Omni's bundled deploy config for this tp (its `stage_overrides(tp)`: Wan's pins its stage to one device)."""
+    module = pipeline_class.rpartition(".")[0]
+    overrides = getattr(importlib.import_module(module), "stage_overrides", lambda _: None)(int(tensor_parallel_size))
+    if overrides and "stage_overrides" not in extra:
+        extra = {**extra, "stage_overrides": overrides}
     return {
         "model": str(model_path),
         "custom_pipeline_args": {"pipeline_class": pipeline_class},

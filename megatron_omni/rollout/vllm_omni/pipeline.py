@@ -253,6 +253,7 @@ def sample_record(s: _Sample, cfg_rescale: bool = True) -> dict[str, Any]:
         "pooled_embeds": None if s.pooled is None else s.pooled.detach().float().cpu(),
         "negative_pooled_embeds": None if s.neg_pooled is None else s.neg_pooled.detach().float().cpu(),
         "distilled_guidance": s.distilled_guidance,
+        "clean_tokens": s.clean_tokens,  # an image-to-video sample's clean first-frame tokens (Wan2.2 TI2V)
     }
 
 
@@ -302,7 +303,8 @@ def record_to_trajectory(records: Sequence[Mapping[str, Any]], params: SamplingP
 def _conditioning(recs: Sequence[Mapping[str, Any]], params: SamplingParams) -> dict[str, Any]:
     """The records' conditioning as the diffusers engines fill a `Trajectory`: pooled embeddings [N, P] (and the
     negative prompt's under CFG), distilled guidance [N], an edit pipeline's source tokens (`cond_latents
-    [N, S_c, C]`, `cond_shapes`); nothing for what the family takes none of."""
+    [N, S_c, C]`, `cond_shapes`), an image-to-video call's clean first-frame token count (`clean_tokens`); nothing for
+    what the family takes none of."""
     out: dict[str, Any] = {}
     if recs[0].get("pooled_embeds") is not None:
         out["pooled_embeds"] = torch.stack([r["pooled_embeds"] for r in recs])
@@ -315,6 +317,12 @@ def _conditioning(recs: Sequence[Mapping[str, Any]], params: SamplingParams) -> 
         if len(shapes) != 1:
             raise ValueError(f"the records of one call must share their source images' grids, got {sorted(shapes)}")
         out.update(cond_latents=torch.stack([r["cond_latents"] for r in recs]), cond_shapes=shapes.pop())
+    clean = {int(r.get("clean_tokens") or 0) for r in recs}
+    if len(clean) != 1:
+        raise ValueError(f"the records of one call mix image-conditioned and unconditioned samples: clean tokens "
+                         f"{sorted(clean)}")
+    if clean != {0}:
+        out["clean_tokens"] = clean.pop()
     return out
 
 

@@ -12,9 +12,13 @@ Where this differs from vLLM-Omni's own Wan sampling, on purpose:
 - the sigma grid is the FOLDER's scheduler's static shift (what `WanPipeline` and the embedded engine sample), not
   vLLM-Omni's UniPC solver at `od_config.flow_shift` (default 5.0): the trainer's recompute follows the rollout;
 - each request is one sample (seed, SDE window and record per request), as for Qwen-Image;
-- the two-expert (A14B) and expanded-timestep (TI2V-5B) folders are refused by name, as the embedded engine
-  refuses them; FP8 is refused (the Wan family names no quantized linears); so is a head dim whose RoPE vLLM-Omni
-  0.30 slices wrongly (`check_rope_split`: the `tiny` preset's 16; every published Wan's 128 is right).
+- a Wan2.2-TI2V folder (`expand_timesteps`, e.g. TI2V-5B) is sampled as the embedded engine samples it: per-token
+  timesteps in every forward, and an image-record prompt (`EditRecord.prompt`) samples image-to-video with the image's
+  first-frame latents as clean tokens at timestep 0 (`Trajectory.clean_tokens`, carried in the record); vLLM-Omni's
+  own I2V path (the image in `multi_modal_data`, its mask blend) is not used: the record is the prompt string;
+- the two-expert (A14B) folders are refused by name, as the embedded engine refuses them; FP8 is refused (the Wan
+  family names no quantized linears); so is a head dim whose RoPE vLLM-Omni 0.30 slices wrongly
+  (`check_rope_split`: the `tiny` preset's 16; every published Wan's 128 is right).
 
 The request's `DiffusionOutput.output` is the video `[1, 3, F, H, W]` in [-1, 1] (the layout vLLM-Omni's Wan
 post-processing reads); the trajectory record is in `trajectory_latents` (`pipeline.sample_record`).
@@ -73,20 +77,11 @@ def folder_shift(model: str) -> float:
     return static_shift_of(json.loads(path.read_text()))
 
 
-def require_text_to_video(model: str) -> None:
-    """Refuse what the stepper does not sample: a two-expert folder (`transformer_2/`, Wan2.2 A14B) or one whose
-    `model_index.json` sets `expand_timesteps` (Wan2.2-TI2V-5B's image conditioning)."""
-    folder = Path(model)
-    index = folder / "model_index.json"
-    expand = index.is_file() and json.loads(index.read_text()).get("expand_timesteps", False)
-    if (folder / "transformer_2").exists():
+def require_one_expert(model: str) -> None:
+    """Refuse what the stepper does not sample: a two-expert folder (`transformer_2/`, Wan2.2 A14B)."""
+    if (Path(model) / "transformer_2").exists():
         raise ValueError(f"{model}: two-expert (Wan2.2 A14B) Wan pipelines are not supported by the vLLM-Omni Wan "
                          "pipeline yet")
-    if expand:
-        raise ValueError(f"{model}: a Wan2.2-TI2V folder (expand_timesteps) is not sampled by the vLLM-Omni Wan "
-                         "pipeline yet: our SDE stepper carries neither the per-token timesteps nor the image "
-                         "condition (the first latent frame, Trajectory.clean_tokens) through vLLM-Omni's requests; "
-                         "use rollout.engine=diffusers, which samples it")
 
 
 @functools.lru_cache(maxsize=4)
@@ -99,8 +94,12 @@ def _tokenizer(folder: str) -> Any:
 def text_lengths(folder: str | os.PathLike, prompts: Sequence[str]) -> list[int]:
     """Text tokens each prompt gives Wan's transformer before the zero padding, counted with the folder's tokenizer
     as `WanPipeline` tokenizes (the engine's `text_lengths` for a Wan folder, on every rank)."""
+    from model_providers.qwen_image_edit.data import EditRecord
+
     tokenizer = _tokenizer(str(folder))
-    return [len(wan_token_ids(tokenizer, p)) for p in prompts]
+    # an image-to-video prompt (a TI2V folder) is an image record: its instruction is the text
+    return [len(wan_token_ids(tokenizer, EditRecord.parse(p).instruction if p.startswith("{") else p))
+            for p in prompts]
 
 
 def check_rope_split(config: dict[str, Any]) -> None:
@@ -116,10 +115,17 @@ def check_rope_split(config: dict[str, Any]) -> None:
                          "the diffusers engine")
 
 
+def stage_overrides(tp: int) -> dict[str, dict[str, str]]:
+    """vLLM-Omni 0.30 deploys a Wan2.2 folder with its bundled `deploy/wan2_2_ti2v.yaml`, which pins stage 0 to
+    `devices: "0"`: at rollout tp > 1 its stage set-up then refuses ("requires 2 device(s) ... 1 device(s) are
+    available"). The stage takes devices 0..tp-1 (of the GPUs the engine's owner was given, numbered from 0)."""
+    return {"0": {"devices": ",".join(str(i) for i in range(tp))}}
+
+
 def check_folder(folder: str | os.PathLike) -> None:
-    """Everything `FlowGRPOWanPipeline` refuses about a folder (`require_text_to_video`, `check_rope_split`), checked
+    """Everything `FlowGRPOWanPipeline` refuses about a folder (`require_one_expert`, `check_rope_split`), checked
     before an engine starts (`engine.start_omni`: a worker's start-up error reaches the caller without its cause)."""
-    require_text_to_video(str(folder))
+    require_one_expert(str(folder))
     check_rope_split(json.loads((Path(folder) / "transformer" / "config.json").read_text()))
 
 
@@ -137,7 +143,10 @@ class WanSdeStepper(SdeStepper, WanRolloutEngine):
         return folder_shift(pipeline.od_config.model)
 
     def _velocity(self, pipeline: Any) -> PackedVideoTransformer:
-        return PackedVideoTransformer(pipeline.transformer, tuple(pipeline.transformer.config.patch_size))
+        # vLLM-Omni's pipeline reads `expand_timesteps` from the folder's model_index.json (Wan2.2-TI2V)
+        self.expand_timesteps = bool(getattr(pipeline, "expand_timesteps", False))
+        return PackedVideoTransformer(pipeline.transformer, tuple(pipeline.transformer.config.patch_size),
+                                      expand_timesteps=self.expand_timesteps)
 
     def _full_shapes(self, pipeline: Any) -> dict[str, tuple[int, ...]]:
         config = json.loads((Path(pipeline.od_config.model) / "transformer" / "config.json").read_text())
