@@ -52,6 +52,7 @@ from megatron_omni.rollout.vllm_omni.pipeline import (
     lazy_classes,
     parse_request,
     sample_record,
+    warm_up_side,
 )
 
 WAN_PIPELINE_CLASS = "megatron_omni.rollout.vllm_omni.wan_pipeline.FlowGRPOWanPipeline"
@@ -219,12 +220,12 @@ def _build_pipeline_class() -> type:
             return (frames.permute(1, 0, 2, 3)[None] * 2 - 1).contiguous()
 
         def warm_up(self, prompt: Any, sampling: Any) -> Any:
-            """vLLM-Omni's warm-up request, run through the stepper as one ODE sample (seed 0): the video only."""
+            """vLLM-Omni's warm-up request, run through the stepper as one ODE sample (seed 0) at its frames and
+            `warm_up_side` (at most 64 pixels a side where no GPU is): the video only."""
             text = prompt.get("prompt", "") if isinstance(prompt, dict) else str(prompt)
             t, s = self.vae_scale_factor_temporal, self.vae_scale_factor_spatial * 2
             frames = int(sampling.num_frames or 1 + t)
-            params = SamplingParams(height=max(s, int(sampling.height or 0) // s * s),
-                                    width=max(s, int(sampling.width or 0) // s * s),
+            params = SamplingParams(height=warm_up_side(sampling.height, s), width=warm_up_side(sampling.width, s),
                                     num_frames=(frames - 1) // t * t + 1, noise_level=0.0,
                                     num_steps=max(1, int(sampling.num_inference_steps or 1)))
             (sample,) = self.stepper.run([self._sample(0, text or "a", 0, 0, params)])
