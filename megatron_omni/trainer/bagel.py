@@ -20,14 +20,16 @@ embeddings and the LM head are frozen (text-to-image never reads the LM head; th
 without autograd). With `model.lora.rank > 0` only adapters on the generation expert's linears train, merged into
 the rollout's modules at each sync. `algorithm.beta > 0` adds the KL of the window transitions against the initial
 model (a frozen copy; with LoRA the adapters off); `optim.ema_decay > 0` keeps a checkpointed EMA of the weights.
-Prompts are token ids or text through the folder's tokenizer (`model_providers.bagel.tokenizer`). Layout: tp and
-dp (pp 1, no cp); rollout tp 1 in this process.
+Prompts are token ids or text through the folder's tokenizer (`model_providers.bagel.tokenizer`). Layout: tp, pp
+and dp (no cp; pp > 1 recomputes and updates through `trainer.bagel_pipeline`, the FlowGRPO loss alone: no LoRA, KL
+or EMA there); rollout tp 1 in this process, every rank's pipeline receiving every stage's tensors.
 """
 
 from __future__ import annotations
 
 import contextlib
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -37,7 +39,7 @@ import torch.distributed as dist
 from megatron_omni.algorithms.advantages import group_advantages
 from megatron_omni.algorithms.loss import flowgrpo_loss, kl_penalty
 from megatron_omni.algorithms.sde import sde_step
-from megatron_omni.bridge import WeightSync
+from megatron_omni.bridge import DistributedTransport, WeightSync
 from megatron_omni.bridge.family_sync import family_plans
 from megatron_omni.checkpoint.bagel import bagel_sharded_state_dict
 from megatron_omni.models.bagel.model import latent_position_ids, text_cfg
@@ -46,6 +48,7 @@ from megatron_omni.planner.mot import GEN_LORA_TARGETS, is_generation_tensor
 from megatron_omni.rollout.base import FinishedSample, SamplingParams
 from megatron_omni.rollout.quantization import QuantizationSpec
 from megatron_omni.rollout.vllm_omni.bagel import BagelSampling, BagelTrajectory, open_bagel_pipeline
+from megatron_omni.trainer import bagel_pipeline
 from megatron_omni.trainer.config import JobConfig, torch_dtype
 from megatron_omni.trainer.grad_guard import GradGuard
 from megatron_omni.trainer.rewards import RewardFunction, gather_rewards
@@ -121,8 +124,12 @@ def check_config(cfg: JobConfig, planning: bool = False) -> None:
     stride = bcfg["bagel"]["vae_config"]["downsample"] * bcfg["bagel"]["latent_patch_size"]
     side = stride * bcfg["bagel"]["max_latent_size"]
     refused = [
-        (p.pp != 1 or p.ulysses != 1 or p.ring != 1, "parallel", "BAGEL RL runs tp x dp (pp 1: the trainer's "
-         "backward is not pipelined; no context parallelism)"),
+        (p.ulysses != 1 or p.ring != 1, "parallel", "BAGEL RL runs tp x pp x dp (no context parallelism)"),
+        (p.pp > 1 and bcfg["llm_config"]["num_hidden_layers"] % p.pp, "parallel.pp",
+         f"must divide BAGEL's {bcfg['llm_config']['num_hidden_layers']} layers"),
+        (p.pp > 1 and (cfg.model.lora.enabled or a.beta > 0 or cfg.optim.ema_decay > 0), "parallel.pp",
+         "must be 1 with LoRA, the KL term (algorithm.beta) or the EMA (the pipelined update is full fine-tuning "
+         "of the FlowGRPO loss alone)"),
         (r.engine != "vllm_omni", "rollout.engine", "must be vllm_omni (vLLM-Omni's BAGEL pipeline)"),
         (r.vllm_omni_process != "inline", "rollout.vllm_omni_process", "must be inline (the BAGEL pipeline runs "
          "in the trainer's process)"),
@@ -217,22 +224,32 @@ def velocity(model: Any, text_kv: Any, prompt_len: int, markers: torch.Tensor, l
     return v
 
 
-def window_transitions(model: Any, traj: BagelTrajectory, markers: torch.Tensor
+def window_transitions(model: Any, traj: BagelTrajectory, markers: torch.Tensor,
+                       branches: Callable[[int, int, bool], torch.Tensor] | None = None
                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Window log-probs [N, W], transition means [N, W, p, c] and noise coefficients [N, W] of a rollout's
     trajectory under our `BagelMoT` (pp 1): per sample the prompt's text KV (no autograd: the understanding expert
     is frozen), then per window step the guided velocity of the recorded latents and `algorithms.sde`'s step
-    (log-prob of the recorded next latents, the mean the KL term compares); differentiable where grad is on."""
+    (log-prob of the recorded next latents, the mean the KL term compares); differentiable where grad is on.
+    `branches(i, j, text)`: the raw velocities [n, p] fp32 of sample i's window step j (text-conditioned, or the
+    unconditional branch when `text` is False) computed elsewhere (pp > 1: `trainer.bagel_pipeline`); then
+    `model` is not run and only the CFG combination and the SDE step happen here."""
     rows, means, stds = [], [], []
     for i in range(len(traj)):
         ids = traj.prompt_ids[i]
-        with torch.no_grad():
-            _, kv, _ = model.stage_text(ids)
+        if branches is None:
+            with torch.no_grad():
+                _, kv, _ = model.stage_text(ids)
         steps, mean, std = [], [], []
         for j in range(traj.window_size):
-            x, s = traj.latents[i, j], float(traj.sigmas[i, j])
-            v = velocity(model, kv, ids.shape[0], markers, x, traj.grid, s, float(traj.cfg_scales[i, j]),
-                         traj.cfg_renorm_min, traj.cfg_img_scale)
+            x, s, scale = traj.latents[i, j], float(traj.sigmas[i, j]), float(traj.cfg_scales[i, j])
+            if branches is None:
+                v = velocity(model, kv, ids.shape[0], markers, x, traj.grid, s, scale, traj.cfg_renorm_min,
+                             traj.cfg_img_scale)
+            else:
+                v = branches(i, j, True)
+                if scale > 1:  # as `velocity` combines them
+                    v = text_cfg(v, branches(i, j, False), scale, traj.cfg_renorm_min, traj.cfg_img_scale, v)
             out = sde_step(x[None], v[None], s, float(traj.sigmas_next[i, j]), traj.noise_level, traj.sde_type,
                            sigma_after_one=float(traj.sigma_after_one[i]), next_latents=traj.next_latents[i, j][None])
             steps.append(out.log_prob[0])
@@ -333,8 +350,16 @@ class BagelTrainer:
         self.quantization = QuantizationSpec()
         # The bridge into the rollout pipeline: the family's plan at rollout tp 1 (full tensors gathered over the
         # trainer's tp, bucketed), every BAGEL tensor checked written once by the coverage ledger.
-        (part, plan), = family_plans(self.family, bcfg, trainer_tp=groups.tp.size(), rollout_kind="vllm_omni",
-                                     rollout_tp=1, mode="full").items()
+        # pp > 1: every rank's pipeline gets every stage's tensors from the stage's first rank (as the DiT trainer).
+        pp = groups.layout.pp
+        (part, plan), = family_plans(self.family, bcfg, trainer_tp=groups.tp.size(), trainer_pp=pp,
+                                     rollout_kind="vllm_omni", rollout_tp=1, mode="full").items()
+        transport = None
+        if pp > 1:
+            first = groups.first_rank
+            transport = DistributedTransport(sources=groups.layout.stage_roots(first),
+                                             rollout_ranks=range(first, first + groups.layout.world_size),
+                                             dtype=self.model.config.params_dtype)
         sources = self.family.megatron_sources(self.model)[part]
         if self.lora.enabled:
             from megatron_omni.bridge.lora_sync import MergedSources, merged_linears
@@ -343,7 +368,7 @@ class BagelTrainer:
         self.sources = sources
         self.weight_sync = WeightSync(plan, sources=sources,
                                       target=self.pipeline.weight_target(), tp_group=groups.tp,
-                                      tp_rank=groups.tp.rank())
+                                      tp_rank=groups.tp.rank(), stage=groups.coords["pp"], transport=transport)
         o = cfg.optim
         self.ddp, self.optimizer = build_ddp_and_optimizer(
             self.model, self.model.config, groups.mcore,
@@ -444,8 +469,11 @@ class BagelTrainer:
         advantages = adv.advantages[offset: offset + len(traj)]
         t0 = time.perf_counter()
         if c.algorithm.old_logprob == "recompute":
-            with torch.no_grad():
-                old = window_log_probs(self.model, traj, self.markers)
+            if g.layout.pp > 1:
+                old = bagel_pipeline.window_log_probs(self.model, g, traj, self.markers)
+            else:
+                with torch.no_grad():
+                    old = window_log_probs(self.model, traj, self.markers)
         else:
             old = traj.log_probs
         t["old_logprob"] = time.perf_counter() - t0
@@ -467,6 +495,9 @@ class BagelTrainer:
         for rows in chunks:
             def backward(rows: torch.Tensor = rows) -> dict[str, Any]:
                 part = traj.select(rows)
+                if self.groups.layout.pp > 1:
+                    return bagel_pipeline.flowgrpo_backward(self.model, self.groups, part, self.markers, old[rows],
+                                                            adv[rows], c.algorithm.clip_range)
                 new, means, stds = window_transitions(self.model, part, self.markers)
                 kl = None
                 if beta > 0:

@@ -27,6 +27,10 @@ from megatron_omni.parallel.rank_pool import run_ranks
 PROMPTS = [[1, 17, 42, 99, 7, 2], [1, 5, 6, 2]]
 SEEDS = [3, 4]
 FP32_TOL = 1e-5
+PP_TOL = 1e-5  # pp 2 against pp 1 (tp 2), relative: loss and grad norm (measured 1.2e-7 and 2.7e-6)
+# pp 2 against pp 1 (tp 2): the weights after 2 Adam updates at lr 2e-2 (each moves an entry by up to ~lr); measured
+# 5.6e-4: Adam's normalisation amplifies the fp32 rounding of near-zero gradient entries
+PP_WEIGHT_TOL = 2e-3
 
 
 def _checks(rank: int, world_size: int, folder: str) -> dict:
@@ -277,7 +281,30 @@ def _tp2_update(rank: int, world_size: int) -> dict:
 
 
 def _tp2_job(rank: int, world_size: int, root: str) -> dict:
-    return {**_tp2_update(rank, world_size), **_lora_runs(rank, world_size, root)}
+    return {**_tp2_update(rank, world_size), **_lora_runs(rank, world_size, root), **_pp_runs(rank, world_size, root)}
+
+
+PP_STEPS = 2
+
+
+def _pp_runs(rank: int, world_size: int, root: str) -> dict:
+    """The tiny recipe's full fine-tuning (2 samples a step, one update, lr 2e-2) for 2 steps at pp 2 (the update
+    through 1F1B, `trainer.bagel_pipeline`) and at tp 2 (pp 1, plain autograd) on the same two ranks; each run's
+    last checkpoint. Rank 0 returns the folders."""
+    from pathlib import Path
+
+    from examples.bagel.recipe import tiny
+    from megatron_omni.trainer.run import run
+
+    out = {}
+    for name, tp, pp in (("pp2", 1, 2), ("pp1", 2, 1)):
+        cfg = tiny()
+        cfg.run_dir, cfg.steps, cfg.parallel.tp, cfg.parallel.pp = str(Path(root) / name), PP_STEPS, tp, pp
+        cfg.rollout.prompts_per_step, cfg.rollout.group_size, cfg.optim.mini_batches = 1, 2, 1
+        cfg.optim.lr, cfg.checkpoint.every, cfg.logging.tensorboard = 2e-2, PP_STEPS, False
+        run(cfg)
+        out[name] = cfg.run_dir
+    return out
 
 
 LORA_STEPS = 2
@@ -362,3 +389,30 @@ def test_lora_at_tp2_resumes_bit_identically_and_evaluates(tp2_job: tuple[Future
     assert before.images.shape == (2, 3, 32, 32) and before.prompts == ["17 42 99 7", "8 9 10"]
     assert not torch.equal(before.images, after.images)  # the trained adapters reached the evaluation's sampler
     assert (full / "eval_before_after.png").is_file() and (resumed / "eval_before_after.png").is_file()
+
+
+def test_pp2_steps_equal_pp1(tp2_job: tuple[Future, object]) -> None:
+    """2 RL steps at pp 2 (1F1B) and at pp 1 (tp 2) of one config: the same rewards, losses, grad norms and
+    updated weights (the step-2 checkpoints), recompute = rollout in both (the step-2 rollout ran on the synced
+    weights, every stage's tensors broadcast into both ranks' pipelines)."""
+    import json
+    from pathlib import Path
+
+    from megatron_omni.trainer.checkpointing import complete_checkpoints, read_checkpoint_tensors
+
+    out = tp2_job[0].result()[0]
+    hist = {k: [json.loads(x) for x in (Path(out[k]) / "metrics.jsonl").read_text().splitlines()]
+            for k in ("pp2", "pp1")}
+    print({k: [{m: h[m] for m in ("reward_mean", "policy_loss", "grad_norm", "train_rollout_dlogp_max")}
+               for h in v] for k, v in hist.items()})
+    assert len(hist["pp2"]) == len(hist["pp1"]) == PP_STEPS
+    for a, b in zip(hist["pp2"], hist["pp1"], strict=True):
+        assert a["reward_mean"] == b["reward_mean"] and a["grad_norm"] > 0, (a, b)
+        for key in ("policy_loss", "grad_norm"):
+            assert abs(a[key] - b[key]) <= PP_TOL * max(1.0, abs(b[key])), (key, a, b)
+        assert a["train_rollout_dlogp_max"] < FP32_TOL and b["train_rollout_dlogp_max"] < FP32_TOL, (a, b)
+    a, b = (read_checkpoint_tensors(complete_checkpoints(Path(out[k]))[-1])["model"] for k in ("pp2", "pp1"))
+    assert a.keys() == b.keys() and len(a) > 0
+    worst = max(float((a[k].float() - b[k].float()).abs().max()) for k in a)
+    print(f"pp2 vs pp1 weights after {PP_STEPS} steps: max |diff| {worst:.2e}")
+    assert worst < PP_WEIGHT_TOL, worst

@@ -25,7 +25,7 @@ def test_tiny_recipe_validates() -> None:
 
 @pytest.mark.parametrize("field, value, named", [
     ("rollout.engine", "diffusers", "rollout.engine"),
-    ("parallel.pp", 2, "parallel"),
+    ("parallel.pp", 3, "parallel.pp: must divide BAGEL's 2 layers"),
     ("model.lora.adaln", True, "model.lora.adaln"),
     ("algorithm.name", "mixgrpo", "algorithm.name"),
     ("rollout.height", 40, "rollout.height"),
@@ -44,7 +44,7 @@ def test_unsupported_settings_refused_by_name(field: str, value, named: str) -> 
         obj = getattr(obj, part)
     setattr(obj, last, value)
     with pytest.raises(ConfigError, match=named):
-        cfg.validate(world_size=2 if field == "parallel.pp" else 1)
+        cfg.validate(world_size=3 if field == "parallel.pp" else 1)
 
 
 def test_lora_kl_ema_settings() -> None:
@@ -67,6 +67,11 @@ def test_lora_kl_ema_settings() -> None:
         cfg.validate(world_size=1)
     cfg.model.lora.rank = 0
     cfg.validate(world_size=1)
+    cfg.parallel.pp = 2  # pipelined: full fine-tuning of the FlowGRPO loss alone (the EMA here is refused)
+    with pytest.raises(ConfigError, match="parallel.pp: must be 1 with LoRA"):
+        cfg.validate(world_size=2)
+    cfg.optim.ema_decay, cfg.algorithm.beta = 0.0, 0.0
+    cfg.validate(world_size=2)
 
 
 def test_text_prompts_through_the_folders_tokenizer(tmp_path) -> None:

@@ -1,0 +1,145 @@
+"""BAGEL RL's recompute and update at pipeline size > 1 (`trainer.bagel` at `parallel.pp` > 1).
+
+Per sample the prompt's text KV is built stage after stage (`models.bagel.model.pipeline_run`, no autograd: the
+understanding expert is frozen); each stage keeps the KV of its own layers. A window transition needs two
+velocities under text CFG (the text-conditioned branch and the unconditional one: no text KV, RoPE position 0),
+which one 1F1B micro-batch cannot carry together (its loss sees one forward's output), so the update runs in two
+passes:
+
+1. forward only, every branch of every window step (`pipeline_run`): the last stage holds the raw velocities
+   [n, p] and computes the FlowGRPO loss over the window's transitions exactly as pp 1 does
+   (`trainer.bagel.window_transitions` with the velocities given: CFG combination, SDE step, log-probs, clipped
+   surrogate), then its gradient with respect to each velocity, g = dL/dv;
+2. forward and backward under Megatron-Core's 1F1B schedule (`models.bagel.schedule.velocity_forward_backward`,
+   one call per sample and branch, its window steps the micro-batches) of the linear surrogate `<g, v>` per
+   micro-batch (times the number of micro-batches: the schedule divides by it), whose parameter gradient is
+   `sum g . dv/dtheta`, the chain rule of the pp 1 backward at the same velocities.
+
+The second forward recomputes what the first computed (same inputs, same weights). Loss metrics come from the last
+stage, broadcast over the pp group.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from megatron_omni.algorithms.loss import flowgrpo_loss
+from megatron_omni.models.bagel.model import latent_position_ids, pipeline_run
+from megatron_omni.models.bagel.schedule import velocity_forward_backward
+from megatron_omni.rollout.vllm_omni.bagel import BagelTrajectory
+
+Key = tuple[int, int, bool]  # (sample, window step, text-conditioned)
+
+
+def _last_rank(groups: Any) -> int:
+    return dist.get_global_rank(groups.pp, groups.layout.pp - 1)
+
+
+def _branches(traj: BagelTrajectory, i: int) -> list[tuple[bool, list[int]]]:
+    """Sample i's branches and the window steps each runs at: the text-conditioned branch at every step, the
+    unconditional one where the step's CFG scale is > 1."""
+    cond = list(range(traj.window_size))
+    uncond = [j for j in cond if float(traj.cfg_scales[i, j]) > 1]
+    return [(True, cond)] + ([(False, uncond)] if uncond else [])
+
+
+def _step_inputs(model: Any, traj: BagelTrajectory, i: int, j: int
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Latents [n, p], timesteps [n] and latent position ids [n] of sample i's window step j (`velocity`'s)."""
+    dtype = model.config.params_dtype
+    x = traj.latents[i, j].to(dtype)
+    h, w = traj.grid
+    return x, torch.full((x.shape[0],), float(traj.sigmas[i, j]), dtype=dtype), latent_position_ids(
+        h, w, model.arch.max_latent_size)
+
+
+@torch.no_grad()
+def text_caches(model: Any, groups: Any, traj: BagelTrajectory) -> list[Any]:
+    """Each sample's prompt text KV for this stage's layers (the text pass run stage after stage)."""
+    h, dtype = model.config.hidden_size, model.config.pipeline_dtype
+    caches = []
+    for i in range(len(traj)):
+        ids, box = traj.prompt_ids[i], {}
+
+        def stage(hidden, ids=ids, box=box):
+            out, box["kv"], _ = model.stage_text(ids, hidden)
+            return out
+
+        pipeline_run(stage, groups.pp, (ids.shape[0], 1, h), dtype)
+        caches.append(box["kv"])
+    return caches
+
+
+@torch.no_grad()
+def branch_velocities(model: Any, groups: Any, traj: BagelTrajectory, markers: torch.Tensor,
+                      caches: list[Any]) -> dict[Key, torch.Tensor] | None:
+    """Raw velocities [n, p] fp32 of every branch of every window step (forward only), by (sample, step, text) on
+    the last stage; None elsewhere. Collective over the pp group."""
+    h, dtype = model.config.hidden_size, model.config.pipeline_dtype
+    out: dict[Key, torch.Tensor] = {}
+    for i in range(len(traj)):
+        plen = traj.prompt_ids[i].shape[0]
+        for text, js in _branches(traj, i):
+            for j in js:
+                x, ts, pos = _step_inputs(model, traj, i, j)
+
+                def stage(hidden, x=x, ts=ts, pos=pos, text=text, i=i, plen=plen):
+                    return model.stage_velocity(caches[i] if text else None, plen if text else 0, markers, x, ts,
+                                                pos, hidden)
+
+                v = pipeline_run(stage, groups.pp, (x.shape[0] + 2, 1, h), dtype)
+                out[i, j, text] = v.float()
+    return out if groups.is_last_stage else None
+
+
+def window_log_probs(model: Any, groups: Any, traj: BagelTrajectory, markers: torch.Tensor) -> torch.Tensor:
+    """Window log-probs [N, W] (fp32) under the pipelined model, on every stage (forward only). Collective over the
+    pp group."""
+    from megatron_omni.trainer.bagel import window_transitions
+
+    vs = branch_velocities(model, groups, traj, markers, text_caches(model, groups, traj))
+    if vs is not None:
+        with torch.no_grad():
+            log_probs = window_transitions(model, traj, markers, lambda i, j, text: vs[i, j, text])[0].contiguous()
+    else:
+        log_probs = torch.empty(traj.log_probs.shape, dtype=torch.float32)
+    dist.broadcast(log_probs, src=_last_rank(groups), group=groups.pp)
+    return log_probs
+
+
+def flowgrpo_backward(model: Any, groups: Any, traj: BagelTrajectory, markers: torch.Tensor,
+                      old: torch.Tensor, adv: torch.Tensor, clip_range: float | tuple[float, float]
+                      ) -> dict[str, float]:
+    """Forward and backward of the FlowGRPO loss over the window's transitions of `traj` (old log-probs [N, W],
+    advantages [N]) on this rank's stage (grads accumulate in the DDP buffers; no optimizer step): the two passes of
+    the module docstring. Returns the loss's metrics on every stage. Collective over the pp group."""
+    from megatron_omni.trainer.bagel import window_transitions
+
+    caches = text_caches(model, groups, traj)
+    vs = branch_velocities(model, groups, traj, markers, caches)
+    grads: dict[Key, torch.Tensor] = {}
+    metrics = None
+    if vs is not None:
+        for v in vs.values():
+            v.requires_grad_(True)
+        new = window_transitions(model, traj, markers, lambda i, j, text: vs[i, j, text])[0]
+        loss = flowgrpo_loss(new, old, adv, clip_range)
+        loss.loss.backward()
+        grads = {k: torch.zeros_like(v) if v.grad is None else v.grad for k, v in vs.items()}
+        metrics = {k: float(v) for k, v in loss.metrics.items()}
+    for i in range(len(traj)):
+        plen = traj.prompt_ids[i].shape[0]
+        for text, js in _branches(traj, i):
+            steps = [_step_inputs(model, traj, i, j) for j in js]
+
+            def surrogate(k: int, v: torch.Tensor, i=i, js=js, text=text) -> torch.Tensor:
+                return (grads[i, js[k], text] * v.float()).sum() * len(js)
+
+            velocity_forward_backward(model, groups, caches[i] if text else None, plen if text else 0, markers,
+                                      steps, surrogate)
+    box = [metrics]
+    dist.broadcast_object_list(box, src=_last_rank(groups), group=groups.pp)
+    return box[0]
