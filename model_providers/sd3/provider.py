@@ -83,9 +83,11 @@ def weight_parts(name_or_config: str | dict[str, Any]) -> dict[str, WeightPart]:
 
 
 def megatron_sources(model: SD3Model) -> dict[str, dict[str, torch.Tensor]]:
-    """{"transformer": this rank's Megatron tensors (local tp shards, the parameters' storage) by global name}."""
-    tensors = shards.megatron_tensors(model, config_mappings(model.config))
-    return {"transformer": {m.megatron: tensors[m.megatron] for m in _synced(config_mappings(model.config))}}
+    """{"transformer": this rank's Megatron tensors (local tp shards of its stage, the parameters' storage) by global
+    name}."""
+    tensors = shards.megatron_tensors(model, config_mappings(model.config))  # this stage's only, under PP
+    return {"transformer": {m.megatron: tensors[m.megatron] for m in _synced(config_mappings(model.config))
+                            if m.megatron in tensors}}
 
 
 def tiny_transformer_config() -> dict[str, Any]:

@@ -4,32 +4,65 @@ folders and 2-rank pool) (`FlowGRPOTrainer`; nothing in it names a
 family): on each family's offline tiny pipeline (real diffusers engine, real Megatron model, real Megatron optimizer)
 one trainer with LoRA adapters at a 2-rank layout (SD3.5: Ulysses CP 2, its 3 tiny blocks do not split over 2 stages;
 FLUX.1: PP 2) runs one RL step of each rule `algorithm.name` selects: FlowGRPO, MixGRPO, GRPO-Guard
-and DiffusionNFT (the configuration each step runs under is validated as a run's would be).
+and DiffusionNFT (the configuration each step runs under is validated as a run's would be). Then one FlowGRPO step at
+each other 2-rank layout (`OTHER_LAYOUTS`: SD3.5 PP 2 on a 4-block variant of the tiny folder, FLUX.1 Ulysses and
+ring CP 2).
 
 Each step must: give a finite, nonzero loss and gradient norm; recompute the rollout's log-probs (the SDE rules)
 within the measured gap; change every adapter that receives a gradient and leave every base weight bit-identical;
 and sync merged weights (`rollout.lora_sync=merge`: base + B A through the family's bridge) into the engine's own
 transformer copy so that its transition means equal the trainer model's adapted ones within the dtypes' probe
-tolerance (the trainer's own check, `check_engine`; the figure is returned and bounded here too).
+tolerance (the trainer's own check, `check_engine`; the figure is returned and bounded here too). And it must equal
+the same step of a single-rank trainer (cp 1, pp 1: the same seeds, so the same trajectory): loss, grad norm, every
+adapter's gradient (DDP's `main_grad`, after the step) and its updated value, by model-wide name. The single-rank
+trainers run at the end of the task, one per rank at once (each on its own 1-rank groups).
 """
 
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import replace
+from pathlib import Path
 
 import torch
 
 PROMPTS = ["a red cat", "a bowl of fruit"]
 LAYOUTS = {"sd3": {"ulysses": 2}, "flux": {"pp": 2}}
+# One FlowGRPO step at each; `four_blocks`: on the family's tiny folder rebuilt with 4 blocks (SD3.5's 3 do not split)
+OTHER_LAYOUTS = {"sd3": [({"pp": 2}, True)], "flux": [({"ulysses": 2}, False), ({"ring": 2}, False)]}
 GROUP = 2
 RULES = ("flowgrpo", "mixgrpo", "grpo_guard", "diffusionnft")
 # Measured (fp32, tiny presets, 2 shared cores): trainer/rollout log-prob gap 0 (FLUX) and <= 2.4e-7 (SD3.5 with CFG
 # 4.5); merged engine vs adapted trainer probe means <= 1e-6. Bounds leave an order of magnitude.
 DLOGP_TOL = 1e-5
 PROBE_TOL = 1e-5
+# A step at a 2-rank layout against the single-rank step. Measured (both families, every rule and layout, load ~33):
+# rollout log-probs 0 (the same trajectory), loss <= 4.8e-7 (DiffusionNFT's 7.0), grad norm <= 1.8e-7 relative,
+# adapters' gradients <= 5.8e-6 of the largest, updated adapters <= 6.7e-4 of the largest B (Adam's first steps
+# divide by |g|: the smallest gradients' last bits move them; a wrong gradient moves them by the whole step).
+SINGLE_LOGP_TOL = 1e-6
+SINGLE_GRAD_TOL = 1e-4
+SINGLE_LOSS_TOL = 1e-5
+SINGLE_ADAPTER_TOL = 1e-2
 FP8_KEYS = ("loss", "grad_norm", "train_rollout_dlogp", "train_rollout_dlogp_max", "is_weight_mean", "is_weight_max",
             "train_rollout_dlogp_after_is", "sync_probe_max_diff", "sync_probe_quant_diff", "sync_probe_quant_bound")
+
+
+def four_block_folder(family: str, root: Path) -> str:
+    """The family's tiny pipeline folder (seed 0) with a 4-block transformer (SD3.5: dual, plain | plain,
+    context-pre-only), for PP 2."""
+    if family != "sd3":
+        raise ValueError(f"no 4-block variant is needed for {family!r}")
+    from model_providers.sd3.presets import preset
+    from model_providers.sd3.tiny_pipeline import TinySD3PipelineConfig, make_tiny_pipeline
+
+    cfg = TinySD3PipelineConfig(transformer=dict(preset("tiny"), num_layers=4, dual_attention_layers=(0,)))
+    return str(make_tiny_pipeline(root / "sd3-4-blocks", 0, cfg))
+
+
+def layout_name(layout: dict) -> str:
+    return "+".join(f"{k}{v}" for k, v in layout.items()) or "single"
 
 
 def _config(family: str, rule: str, layout: dict):
@@ -65,20 +98,22 @@ def _config(family: str, rule: str, layout: dict):
     return cfg
 
 
-def rules(rank: int, world_size: int, family: str, pipeline_dir: str, layout: dict) -> dict:
-    from megatron_omni.parallel import ParallelLayout, build_parallel_groups
+def _steps(family: str, folder: str, layout: dict, rules: tuple[str, ...], world_size: int, groups,
+           job_group=None) -> dict:
+    """One trainer at `layout` on `groups` runs one step of each of `rules` in turn (the trainer reads `algorithm`
+    per step: the same model and adapters go on under the next rule). Returns per rule the step's figures, its
+    adapters' (value, gradient) by model-wide name (`state`) and the rollout's log-probs."""
     from megatron_omni.trainer.flowgrpo import FlowGRPOTrainer
     from megatron_omni.trainer.rewards import RewardFunction
 
     out: dict = {}
     trainer = None
-    for step, rule in enumerate(RULES):
+    for step, rule in enumerate(rules):
         cfg = _config(family, rule, layout)
         cfg.validate(world_size)
         if trainer is None:
-            trainer = FlowGRPOTrainer(cfg, build_parallel_groups(ParallelLayout(**layout)), pipeline_dir,
-                                      RewardFunction("jpeg_compressibility"))
-        else:  # the trainer reads `algorithm` per step: the same model and adapters go on under the next rule
+            trainer = FlowGRPOTrainer(cfg, groups, folder, RewardFunction("jpeg_compressibility"), job_group=job_group)
+        else:
             trainer.cfg = cfg
         named = dict(trainer.model.named_parameters())
         before = {k: v.detach().clone() for k, v in named.items()}
@@ -86,15 +121,78 @@ def rules(rank: int, world_size: int, family: str, pipeline_dir: str, layout: di
         m = result.metrics
         trainable = {k for k, v in named.items() if v.requires_grad}
         moved = {k for k, v in named.items() if not torch.equal(v.detach(), before[k])}
+        glob = trainer.model.global_name
         out[rule] = {
             "loss": m["loss"], "grad_norm": m["grad_norm"], "dlogp_max": m.get("train_rollout_dlogp_max"),
             "probe": m["sync_probe_max_diff"], "trainable": len(trainable), "moved": len(moved),
             "moved_frozen": sorted(moved - trainable),
             "lora_only": all(".lora_" in k for k in trainable),
             "window": result.trajectory.window_start.tolist() if result.trajectory.log_probs.numel() else None,
+            # after the step: DDP zeroes its grad buffers when the next update starts
+            "state": {glob(k): (named[k].detach().clone(), named[k].main_grad.detach().clone()) for k in trainable},
+            "log_probs": result.trajectory.log_probs.clone(),
         }
-    if trainer.family.quantized_linears:  # FP8 rollout (FLUX.1): the engine's own copy fake-quantized, LoRA merged
-        trainer.close()
+    trainer.close()
+    return out
+
+
+def _single_rank(rank: int, world_size: int, family: str, jobs: list[tuple[str, tuple[str, ...]]]) -> dict:
+    """Each job (folder, rules) run by a single-rank trainer (cp 1, pp 1), job j on rank j % world_size, all at
+    once (every rank builds every 1-rank grid, as group creation is collective). Returns every job's `_steps`
+    by (folder, rule), on every rank."""
+    import torch.distributed as dist
+
+    from megatron_omni.parallel import ParallelLayout, build_parallel_groups
+    from megatron_omni.trainer.async_loop import MEGATRON_OPTIMIZER_WORLD_GATHERS
+
+    solo, _ = dist.new_subgroups_by_enumeration([[r] for r in range(world_size)])
+    groups = [build_parallel_groups(ParallelLayout(), ranks=range(r, r + 1)) for r in range(world_size)][rank]
+    mine = {}
+    for j, (folder, rules) in enumerate(jobs):
+        if j % world_size == rank:
+            mine.update({(folder, rule): r for rule, r in _steps(family, folder, {}, rules, 1, groups, solo).items()})
+    # Megatron-Core's optimizer gathers its parameter-group keys over the whole job: a rank with fewer trainers to
+    # build joins the others' gathers (as a disaggregated job's rollout ranks do)
+    built = len(range(rank, len(jobs), world_size))
+    for _ in range((len(range(0, len(jobs), world_size)) - built) * MEGATRON_OPTIMIZER_WORLD_GATHERS):
+        dist.all_gather_object([None] * world_size, [])
+    shares: list = [None] * world_size
+    dist.all_gather_object(shares, mine)
+    return {k: v for share in shares for k, v in share.items()}
+
+
+def _against(got: dict, ref: dict) -> dict:
+    """A step at a 2-rank layout against the single-rank step (this rank's adapters: a stage's under PP)."""
+    state, want = got.pop("state"), ref["state"]
+    logp, want_logp = got.pop("log_probs"), ref["log_probs"]
+    common = [n for n in state if n in want]
+    scale = max(float(g.abs().max()) for _, g in want.values())
+    return {
+        "names": sorted(state), "ref_names": sorted(want),
+        "grad_rel": max(float((state[n][1] - want[n][1]).abs().max()) for n in common) / scale,
+        "adapter": max(float((state[n][0] - want[n][0]).abs().max()) for n in common),
+        "adapter_moved": max(float(want[n][0].abs().max()) for n in want if ".lora_b" in n.lower()),
+        "grad_norm_rel": abs(got["grad_norm"] - ref["grad_norm"]) / ref["grad_norm"],
+        "loss": abs(got["loss"] - ref["loss"]),
+        "rollout_logp": (math.inf if logp.shape != want_logp.shape
+                         else float((logp - want_logp).abs().amax()) if logp.numel() else 0.0),
+    }
+
+
+def rules(rank: int, world_size: int, family: str, pipeline_dir: str, layout: dict,
+          others: list[tuple[dict, str]]) -> dict:
+    """The rules at `layout`, FP8 (FLUX.1), one FlowGRPO step at each of `others` ((layout, folder)), then the
+    single-rank steps they are compared with (`single` per rule / layout)."""
+    from megatron_omni.parallel import ParallelLayout, build_parallel_groups
+    from megatron_omni.trainer.flowgrpo import FlowGRPOTrainer
+    from megatron_omni.trainer.rewards import RewardFunction
+
+    seconds = {}
+    t0 = time.perf_counter()
+    out = _steps(family, pipeline_dir, layout, RULES, world_size, build_parallel_groups(ParallelLayout(**layout)))
+    seconds["rules"] = time.perf_counter() - t0
+    if family == "flux":  # FP8 rollout (FLUX.1): the engine's own copy fake-quantized, LoRA merged
+        t0 = time.perf_counter()
         cfg = _config(family, "flowgrpo", layout)
         cfg.rollout.quantization, cfg.algorithm.is_cap = "fp8", 2.0
         cfg.validate(world_size)
@@ -102,30 +200,64 @@ def rules(rank: int, world_size: int, family: str, pipeline_dir: str, layout: di
                               RewardFunction("jpeg_compressibility"))
         out["fp8"] = {k: v for k, v in fp8.train_step(0).metrics.items() if k in FP8_KEYS}
         out["fp8"]["quantized"] = fp8.engine.quantizer is not None
+        fp8.close()
+        seconds["fp8"] = time.perf_counter() - t0
+    folders = {}
+    for other, folder in others:
+        t0 = time.perf_counter()
+        name = layout_name(other)
+        out[name] = _steps(family, folder, other, ("flowgrpo",), world_size,
+                           build_parallel_groups(ParallelLayout(**other)))["flowgrpo"]
+        folders[name] = folder
+        seconds[name] = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    jobs = [(pipeline_dir, RULES)] + [(f, ("flowgrpo",)) for f in dict.fromkeys(folders.values()) if f != pipeline_dir]
+    single = _single_rank(rank, world_size, family, jobs)
+    seconds["single"] = time.perf_counter() - t0
+    for rule in RULES:
+        out[rule]["single"] = _against(out[rule], single[(pipeline_dir, rule)])
+    for name, folder in folders.items():
+        out[name]["single"] = _against(out[name], single[(folder, "flowgrpo")])
+    out["seconds"] = seconds
     return out
 
 
+def _check_step(r: dict, rule: str, what: str) -> None:
+    s = r["single"]
+    print(f"{what}: {({k: v for k, v in r.items() if k != 'single'})}\n  against the single-rank step: "
+          f"{({k: v for k, v in s.items() if 'names' not in k})}")
+    assert math.isfinite(r["loss"]), (what, r)  # a PPO surrogate at ratio 1 over centred advantages is 0
+    assert math.isfinite(r["grad_norm"]) and r["grad_norm"] > 0.0, (what, r)
+    assert r["lora_only"] and r["trainable"] > 0, (what, r)
+    assert r["moved_frozen"] == [], (what, r["moved_frozen"])
+    assert r["moved"] == r["trainable"], (what, r)
+    assert r["probe"] <= PROBE_TOL, (what, r)
+    if rule == "diffusionnft":
+        assert r["dlogp_max"] is None or math.isnan(r["dlogp_max"]), (what, r)
+    else:
+        assert r["dlogp_max"] <= DLOGP_TOL, (what, r)
+    assert s["rollout_logp"] <= SINGLE_LOGP_TOL, (what, s)  # the same trajectory
+    assert s["grad_norm_rel"] <= SINGLE_GRAD_TOL and s["grad_rel"] <= SINGLE_GRAD_TOL, (what, s)
+    assert s["loss"] <= SINGLE_LOSS_TOL, (what, s)
+    assert s["adapter"] <= SINGLE_ADAPTER_TOL * s["adapter_moved"], (what, s)
 
 
-def check_rules(out: dict, family: str) -> None:
-    """Assert what `rules` returned on one rank (the last stage's under PP)."""
-    for rule in RULES:
-        r = out[rule]
-        print(f"{family} {rule}: {r}")
-        assert math.isfinite(r["loss"]), (rule, r)  # a PPO surrogate at ratio 1 over centred advantages is 0
-        assert math.isfinite(r["grad_norm"]) and r["grad_norm"] > 0.0, (rule, r)
-        assert r["lora_only"] and r["trainable"] > 0, (rule, r)
-        assert r["moved_frozen"] == [], (rule, r["moved_frozen"])
-        assert r["moved"] == r["trainable"], (rule, r)
-        assert r["probe"] <= PROBE_TOL, (rule, r)
-        if rule == "diffusionnft":
-            assert r["dlogp_max"] is None or math.isnan(r["dlogp_max"]), (rule, r)
-        else:
-            assert r["dlogp_max"] <= DLOGP_TOL, (rule, r)
+def check_rules(outs: list[dict], family: str) -> None:
+    """Assert what `rules` returned on every rank."""
+    for rank, out in enumerate(outs):
+        print(f"{family} rank {rank} seconds: " + ", ".join(f"{k} {v:.1f}" for k, v in out["seconds"].items()))
+        steps = [(rule, rule) for rule in RULES] + [("flowgrpo", layout_name(o)) for o, _ in OTHER_LAYOUTS[family]]
+        for rule, key in steps:
+            _check_step(out[key], rule, f"{family} rank {rank} {key}")
+    for _, key in steps:  # the ranks' adapters (a stage's each under PP) are the single-rank trainer's
+        names = [set(out[key]["single"]["names"]) for out in outs]
+        want = set(outs[0][key]["single"]["ref_names"])
+        assert all(n <= want for n in names) and set().union(*names) == want, (key, names, want)
     # MixGRPO: every sample of step 1 starts its window where the schedule has moved it (one step per move)
-    assert out["mixgrpo"]["window"] == [1] * 4, out["mixgrpo"]["window"]
+    for out in outs:
+        assert out["mixgrpo"]["window"] == [1] * 4, out["mixgrpo"]["window"]
     if family == "flux":  # FP8 rollout: a gap the trainer measures and corrects with truncated importance weights
-        m = out["fp8"]
+        m = outs[-1]["fp8"]
         print(f"{family} fp8: {m}")
         assert m["quantized"] and 0 < m["sync_probe_quant_diff"] <= m["sync_probe_quant_bound"], m
         assert m["sync_probe_max_diff"] <= PROBE_TOL, m  # the unquantized view holds the merged weights

@@ -270,15 +270,16 @@ def test_synced_weights_reach_the_next_rollout(results: list[dict], how: str) ->
         assert "partial weight update" in r["partial"] and f"of {r['n_tensors']}" in r["partial"], r["partial"]
 
 
-def test_each_rule_trains_lora_at_cp_or_pp(folders: dict[str, str], family: str) -> None:
+def test_each_rule_trains_lora_at_cp_or_pp(folders: dict[str, str], family: str, tmp_path: Path) -> None:
     """FlowGRPO, MixGRPO, GRPO-Guard and DiffusionNFT with LoRA on the family's tiny folder, one step each through the
-    one trainer at SD3.5's CP 2 / FLUX.1's PP 2 (`tests/distributed/image_family_rl.py`), on this module's pool."""
-    from tests.distributed import image_family_rl
+    one trainer at SD3.5's CP 2 / FLUX.1's PP 2, then a FlowGRPO step at SD3.5's PP 2 / FLUX.1's Ulysses and ring
+    CP 2; each step equal to a single-rank trainer's (`tests/distributed/image_family_rl.py`), on this module's pool."""
+    from tests.distributed import image_family_rl as rl
 
-    outs = run_ranks(image_family_rl.rules, 2, family, folders[family], image_family_rl.LAYOUTS[family],
-                     timeout_s=600)
-    for out in outs:
-        image_family_rl.check_rules(out, family)
+    others = [(layout, rl.four_block_folder(family, tmp_path) if four_blocks else folders[family])
+              for layout, four_blocks in rl.OTHER_LAYOUTS[family]]
+    outs = run_ranks(rl.rules, 2, family, folders[family], rl.LAYOUTS[family], others, timeout_s=600)
+    rl.check_rules(outs, family)
 
 
 def test_lora_merged_into_vllm_omni_equals_the_diffusers_engine(results: list[dict], family: str) -> None:
