@@ -37,6 +37,13 @@ class RanksTimedOut(AssertionError):
     """Some ranks did not finish within the timeout (a hang or deadlock)."""
 
 
+class PortTaken(RankFailed):
+    """Rank 0 could not listen on the pool's rendezvous port: another process took it after `free_port`."""
+
+
+PORT_ATTEMPTS = 3
+
+
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
@@ -150,6 +157,8 @@ class _RankPool:
                         ) from None
                 continue
             if status == "error":
+                if got_id == -1 and ("EADDRINUSE" in payload or "Address already in use" in payload):
+                    raise PortTaken(f"rank {rank} of {self.world_size} could not listen:\n{payload}")
                 raise RankFailed(f"rank {rank} of {self.world_size} failed:\n{payload}")
             if got_id == task_id:
                 outputs[rank] = payload
@@ -212,6 +221,19 @@ def run_ranks(fn: Callable, world_size: int, *args: Any, timeout_s: float = 240.
     `fn` must be importable (a module-level function) and its arguments and result picklable. `fresh`: in
     new rank processes, killed afterwards (for tasks that leave process-wide state behind, like an engine).
     """
+    # `free_port` closes its socket before rank 0 listens on the port, so another process (a second test worker,
+    # another job on the machine) can take it in between: a pool whose rendezvous port was taken starts again on
+    # a new one, a few times; any other failure is the test's.
+    for attempt in range(PORT_ATTEMPTS):
+        try:
+            return _run_once(fn, world_size, args, kwargs, timeout_s, fresh)
+        except PortTaken:
+            if attempt == PORT_ATTEMPTS - 1:
+                raise
+    raise AssertionError("unreachable")
+
+
+def _run_once(fn: Callable, world_size: int, args: tuple, kwargs: dict, timeout_s: float, fresh: bool) -> list[Any]:
     if fresh:
         pool = _RankPool(world_size)
         try:

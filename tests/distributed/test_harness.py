@@ -55,3 +55,20 @@ def test_hung_rank_times_out() -> None:
     with pytest.raises(RanksTimedOut, match=r"ranks \[0\]"):
         run_ranks(_hang_on_rank_zero, 2, timeout_s=3)
     assert time.monotonic() - start < 30
+
+
+def test_a_pool_whose_port_was_taken_starts_again_on_another(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`free_port` closes its socket before rank 0 listens: another process can take the port in between (two
+    test workers). The first port handed out here is held by a listening socket; the pool starts again."""
+    import socket
+
+    from megatron_omni.parallel import rank_pool
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        ports = [taken.getsockname()[1]]
+        real = rank_pool.free_port
+        monkeypatch.setattr(rank_pool, "free_port", lambda: ports.pop() if ports else real())
+        assert run_ranks(_all_reduce_rank, 1, fresh=True, timeout_s=60) == [0.0]
+        assert ports == [], "the taken port was handed to the first pool"
