@@ -14,6 +14,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -57,6 +58,19 @@ def _start_ranks(run: Path, *args: str, world: int = 2,
         procs.append(subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                       text=True, start_new_session=True))
     return procs
+
+
+def _wait_until(done: Callable[[], bool], procs: list[subprocess.Popen], what: str, timeout_s: float = 600) -> None:
+    """Poll `done` while every rank runs; a rank that exits first (or the timeout) fails the test with each rank's
+    exit code and the end of its stderr."""
+    deadline = time.monotonic() + timeout_s
+    while not done():
+        if any(q.poll() is not None for q in procs) or time.monotonic() > deadline:
+            _kill_all(procs)
+            tails = "\n".join(f"rank {r} exited {q.returncode}: {q.communicate()[1][-2000:]}"
+                               for r, q in enumerate(procs))
+            raise AssertionError(f"{what}:\n{tails}")
+        time.sleep(0.02)
 
 
 def _kill_all(procs: list[subprocess.Popen]) -> None:
@@ -179,10 +193,7 @@ def test_sigkill_and_resume_equals_the_uninterrupted_run(uninterrupted: Path, tm
     procs = _start_ranks(run, *RESUMABLE)
     marker = run / "checkpoints" / "step_000002" / "COMPLETE"
     try:
-        deadline = time.monotonic() + 300
-        while not marker.exists():
-            assert all(q.poll() is None for q in procs) and time.monotonic() < deadline, "no step-2 checkpoint"
-            time.sleep(0.02)
+        _wait_until(marker.exists, procs, "no step-2 checkpoint")
     finally:
         _kill_all(procs)
     _assert_resumed_equal(uninterrupted, run)
@@ -196,10 +207,8 @@ def test_sigterm_stops_every_rank_with_the_stop_status_and_saves_the_step_ahead(
     run = tmp_path / "stopped"
     procs = _start_ranks(run, *RESUMABLE)
     try:
-        deadline = time.monotonic() + 300
-        while not ((run / "metrics.jsonl").exists() and (run / "metrics.jsonl").read_text().strip()):
-            assert all(q.poll() is None for q in procs) and time.monotonic() < deadline, "no step finished"
-            time.sleep(0.02)
+        _wait_until(lambda: (run / "metrics.jsonl").exists() and bool((run / "metrics.jsonl").read_text().strip()),
+                    procs, "no step finished")
         for q in procs:
             q.send_signal(signal.SIGTERM)
         outs = [q.communicate(timeout=300) for q in procs]
