@@ -82,7 +82,9 @@ class StopRequests:
             # Re-sent from another thread: a signal sent from inside this callback would be handled inside it
             # (and swallowed again) before the callback returns.
             signum, main = self._aborting, threading.main_thread().ident
-            threading.Timer(0.05, signal.pthread_kill, (main, signum)).start()
+            timer = threading.Timer(0.05, signal.pthread_kill, (main, signum))
+            timer.daemon = True  # never holds up the exit it asks for
+            timer.start()
 
     def requested(self, group: dist.ProcessGroup | None = None) -> bool:
         """Collective: whether any rank of `group` has seen a signal (the same answer on every rank)."""
