@@ -62,6 +62,11 @@ class ParallelGroups:
     def is_last_stage(self) -> bool:
         return self.coords["pp"] == self.layout.pp - 1
 
+    @property
+    def last_stage_rank(self) -> int:
+        """The global rank of this rank's pipeline's last stage (this rank without pipeline parallelism)."""
+        return dist.get_global_rank(self.pp, self.layout.pp - 1) if self.layout.pp > 1 else dist.get_rank()
+
 
 # Groups to create: our name -> grid dimensions it spans.
 _GROUP_DIMS: dict[str, list[str]] = {

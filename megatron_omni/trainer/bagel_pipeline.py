@@ -34,10 +34,6 @@ from megatron_omni.rollout.vllm_omni.bagel import BagelTrajectory
 Key = tuple[int, int, bool]  # (sample, window step, text-conditioned)
 
 
-def _last_rank(groups: Any) -> int:
-    return dist.get_global_rank(groups.pp, groups.layout.pp - 1)
-
-
 def _branches(traj: BagelTrajectory, i: int) -> list[tuple[bool, list[int]]]:
     """Sample i's branches and the window steps each runs at: the text-conditioned branch at every step, the
     unconditional one where the step's CFG scale is > 1."""
@@ -106,7 +102,7 @@ def window_log_probs(model: Any, groups: Any, traj: BagelTrajectory, markers: to
             log_probs = window_transitions(model, traj, markers, lambda i, j, text: vs[i, j, text])[0].contiguous()
     else:
         log_probs = torch.empty(traj.log_probs.shape, dtype=torch.float32)
-    dist.broadcast(log_probs, src=_last_rank(groups), group=groups.pp)
+    dist.broadcast(log_probs, src=groups.last_stage_rank, group=groups.pp)
     return log_probs
 
 
@@ -141,5 +137,5 @@ def flowgrpo_backward(model: Any, groups: Any, traj: BagelTrajectory, markers: t
             velocity_forward_backward(model, groups, caches[i] if text else None, plen if text else 0, markers,
                                       steps, surrogate)
     box = [metrics]
-    dist.broadcast_object_list(box, src=_last_rank(groups), group=groups.pp)
+    dist.broadcast_object_list(box, src=groups.last_stage_rank, group=groups.pp)
     return box[0]

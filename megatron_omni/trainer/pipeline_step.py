@@ -103,7 +103,7 @@ class PipelineStep:
         self.schedule = get_forward_backward_func(pp_size=self.pp, vp_size=None)
         self.p2p = P2PCommunicator(pp_group=groups.pp, config=config) if self.pp > 1 else None
         self.is_last_stage = groups.is_last_stage
-        self.last_stage_rank = dist.get_global_rank(groups.pp, self.pp - 1) if self.pp > 1 else dist.get_rank()
+        self.last_stage_rank = groups.last_stage_rank
 
     # -------------------------------------------------------------------------------------------- plumbing
 
