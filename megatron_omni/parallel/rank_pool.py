@@ -224,13 +224,10 @@ def run_ranks(fn: Callable, world_size: int, *args: Any, timeout_s: float = 240.
     # `free_port` closes its socket before rank 0 listens on the port, so another process (a second test worker,
     # another job on the machine) can take it in between: a pool whose rendezvous port was taken starts again on
     # a new one, a few times; any other failure is the test's.
-    for attempt in range(PORT_ATTEMPTS):
-        try:
+    for _ in range(PORT_ATTEMPTS - 1):
+        with contextlib.suppress(PortTaken):
             return _run_once(fn, world_size, args, kwargs, timeout_s, fresh)
-        except PortTaken:
-            if attempt == PORT_ATTEMPTS - 1:
-                raise
-    raise AssertionError("unreachable")
+    return _run_once(fn, world_size, args, kwargs, timeout_s, fresh)
 
 
 def _run_once(fn: Callable, world_size: int, args: tuple, kwargs: dict, timeout_s: float, fresh: bool) -> list[Any]:
