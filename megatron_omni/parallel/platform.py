@@ -12,7 +12,6 @@ from __future__ import annotations
 import contextlib
 import datetime
 import os
-import socket
 from collections.abc import Iterable, Iterator
 from typing import Any
 
@@ -20,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_omni.parallel.megatron_cpu_shims import apply_cpu_shims
+from megatron_omni.parallel.ports import free_port
 
 
 def has_gpu() -> bool:
@@ -100,7 +100,7 @@ def init_distributed(
     if init_method is None and world_size == 1 and "MASTER_PORT" not in os.environ:
         # A one-process job needs no agreed port: a free one, passed directly rather than through the environment,
         # so that processes this one starts later (a launched trainer, a reward server) inherit no port it holds.
-        init_method = f"tcp://127.0.0.1:{_free_port()}"
+        init_method = f"tcp://127.0.0.1:{free_port()}"
     elif init_method is None:
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         os.environ.setdefault("MASTER_PORT", "29500")
@@ -122,10 +122,6 @@ def _ensure_global_memory_buffer() -> None:
         parallel_state._set_global_memory_buffer()
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def destroy_distributed() -> None:

@@ -20,13 +20,14 @@ import contextlib
 import multiprocessing as mp
 import os
 import queue
-import socket
 import time
 import traceback
 from collections.abc import Callable
 from typing import Any
 
 import psutil
+
+from megatron_omni.parallel.ports import free_port
 
 
 class RankFailed(AssertionError):
@@ -42,12 +43,6 @@ class PortTaken(RankFailed):
 
 
 PORT_ATTEMPTS = 3
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _rank_main(rank: int, world_size: int, port: int, tasks: Any, results: Any, parent_pid: int) -> None:

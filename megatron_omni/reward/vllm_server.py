@@ -24,7 +24,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -34,6 +33,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+from megatron_omni.parallel.ports import free_port
 from megatron_omni.reward.errors import RewardServiceError
 
 CPU_ARGS = ["--enforce-eager", "--dtype", "float32", "--max-model-len", "2048", "--max-num-seqs", "16",
@@ -108,13 +108,6 @@ def main(argv: list[str] | None = None) -> None:
                          gpus=a.gpus or 1, extra=extra)
     print(f"vlm judge server: {' '.join(cmd)}", flush=True)
     os.execv(cmd[0], cmd)
-
-
-def free_port() -> int:
-    """A loopback port free right now (vLLM takes a port number, not a port file)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class VllmJudgeServer:

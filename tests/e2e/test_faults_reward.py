@@ -19,6 +19,7 @@ import pytest
 import torch
 from tqdm import tqdm
 
+from megatron_omni.parallel.ports import free_port
 from megatron_omni.reward.launcher import RewardServerProcess
 from megatron_omni.rollout.base import FinishedSample
 from megatron_omni.trainer.rewards import RewardFunction, RewardPreflightError, preflight
@@ -26,12 +27,6 @@ from tests.e2e.in_process import call_main
 
 ROOT = Path(__file__).resolve().parents[2]
 SLOW = "tests.e2e.test_reward_server:slow_brightness"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _train(*args: str, env: dict | None = None, timeout: float = 240) -> tuple[int, str, float]:
@@ -47,7 +42,7 @@ def _last_line(err: str) -> str:
 
 
 def test_refused_port_and_bad_url_exit_2_within_seconds(tmp_path: Path) -> None:
-    port = _free_port()  # nothing listens there
+    port = free_port()  # nothing listens there
     rc, err, took = _train("--set", f"reward.url=http://127.0.0.1:{port}/", "--set", f"run_dir={tmp_path}/r")
     assert rc == 2, err[-2000:]
     line = _last_line(err)
@@ -67,7 +62,7 @@ def test_refused_port_and_bad_url_exit_2_within_seconds(tmp_path: Path) -> None:
 
 
 def test_preflight_time_bound_and_what_failed() -> None:
-    port = _free_port()
+    port = free_port()
     t0 = time.monotonic()
     with pytest.raises(RewardPreflightError, match=rf"127\.0\.0\.1:{port}.*connection refused"):
         preflight(f"http://127.0.0.1:{port}", timeout_s=2.0)
