@@ -106,6 +106,9 @@ class DiTTraits:
     planned: the dry-run planner has a cost model (memory, FLOPs) for the family; False: `--dry-run` refuses it.
     guidance_embeds_key: the transformer config key saying the model takes the distilled guidance scale as an input
         (FLUX.1-dev's `guidance_embeds`; the trajectory carries it); None: no family model takes one.
+    negative_text: (prompt, negative prompt) -> the text whose embedding is that prompt's negative under true CFG
+        (an edit record: the same sources read with the negative prompt as the instruction); None: the negative
+        prompt itself.
     """
 
     pipeline_class: str
@@ -121,6 +124,7 @@ class DiTTraits:
     pooled_dim_key: str | None = None
     planned: bool = True
     guidance_embeds_key: str | None = None
+    negative_text: Callable[[str, str], str] | None = None
 
 
 @dataclass(frozen=True)

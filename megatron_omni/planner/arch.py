@@ -274,6 +274,22 @@ def dit_arch(family: str, model: str | dict[str, Any]) -> DiTArch:
     raise LayoutError(f"the planner has no cost model for model.family={family}")
 
 
+def job_arch(family: str, model: str | dict[str, Any], pipeline: str, height: int, width: int
+             ) -> tuple[DiTArch, int, int]:
+    """The planner's view of a job's model with what conditions each prompt: (arch, tokens the conditioning adds
+    to the text stream, tokens it adds to the image stream). Qwen-Image-Edit: one `width x height` source resized
+    by the areas of `pipeline` (its `edit_config.json`; "tiny": the tiny pipeline's; a folder without one:
+    diffusers' defaults, so a dry run without the folder plans those). Other families: (dit_arch, 0, 0)."""
+    if family != "qwen_image_edit":
+        return dit_arch(family, model), 0, 0
+    from model_providers.qwen_image_edit.conditioning import EditAreas
+    from model_providers.qwen_image_edit.tiny_pipeline import TinyEditConfig
+
+    areas = TinyEditConfig().areas if pipeline == "tiny" else EditAreas.of_folder(pipeline)
+    src = edit_tokens(height, width, areas.condition_area, areas.vae_area)
+    return qwen_image_edit_arch(model, src.patches), src.vision, src.condition
+
+
 def arch_of(model: str | dict[str, Any] | DiTArch) -> DiTArch:
     """`model` as a `DiTArch`: one already, a FLUX.1 preset or config (it has `num_single_layers`), an SD3.5 one
     (it has `pooled_projection_dim`), else Qwen-Image's."""

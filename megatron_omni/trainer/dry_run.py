@@ -23,7 +23,7 @@ from megatron_omni.planner import (
     Workload,
     measured_mfu,
 )
-from megatron_omni.planner.arch import dit_arch, edit_tokens, qwen_image_edit_arch
+from megatron_omni.planner.arch import job_arch
 from megatron_omni.planner.dry_run import dry_run as planner_dry_run
 from megatron_omni.planner.video import VideoWorkload, choose_cp, plan_video
 from megatron_omni.trainer.config import ConfigError, JobConfig, apply_overrides, trainer_world_size
@@ -65,18 +65,9 @@ def job_plan(cfg: JobConfig, world_size: int, gpu: str, gpus_per_node: int = 8, 
     edit's plus the source's vision tokens, its source latents in the image stream)."""
     model, source = _model_config(cfg)
     family = cfg.model.family
-    text_tokens, condition_tokens = Workload.text_tokens, 0
-    if family == "qwen_image_edit":
-        from model_providers.qwen_image_edit.conditioning import EditAreas
-        from model_providers.qwen_image_edit.tiny_pipeline import TinyEditConfig
-
-        # The folder's edit_config.json, else diffusers' areas (a dry run without the folder plans those).
-        areas = TinyEditConfig().areas if cfg.model.pipeline == "tiny" else EditAreas.of_folder(cfg.model.pipeline)
-        src = edit_tokens(cfg.rollout.height, cfg.rollout.width, areas.condition_area, areas.vae_area)
-        arch = qwen_image_edit_arch(model, src.patches)
-        text_tokens, condition_tokens = text_tokens + src.vision, src.condition
-    else:
-        arch = dit_arch(family, model)
+    arch, condition_text, condition_tokens = job_arch(family, model, cfg.model.pipeline, cfg.rollout.height,
+                                                      cfg.rollout.width)
+    text_tokens = Workload.text_tokens + condition_text
     if arch.t5_padded:  # CLIP's 77 tokens before T5's (SD3.5); T5's alone (FLUX.1, CLIP pooled only)
         text_tokens = arch.fixed_text_tokens + cfg.rollout.max_sequence_length
     r, p = cfg.rollout, cfg.parallel

@@ -86,7 +86,6 @@ from megatron_omni.trainer.skeleton import (
 )
 from megatron_omni.trainer.training_state import OptimizerSettings, build_ddp_and_optimizer, build_scheduler
 from model_providers import ModelFamily, get_family
-from model_providers.qwen_image_edit.data import negative_record
 
 
 class FlowGRPOTrainer:
@@ -615,7 +614,8 @@ class FlowGRPOTrainer:
         texts = list(prompts)
         if params.do_cfg:
             # an editing family encodes the negative prompt with each record's sources, as that record's instruction
-            texts += ([negative_record(p, params.negative_prompt) for p in prompts] if self.family.traits.conditioned
+            negative = self.family.traits.negative_text
+            texts += ([negative(p, params.negative_prompt) for p in prompts] if negative is not None
                       else [params.negative_prompt])
         return min(params.max_sequence_length, max(self.engine.text_lengths(texts)))
 

@@ -14,6 +14,7 @@ from dataclasses import replace
 from model_providers.qwen_image import provider
 from model_providers.qwen_image.family import FAMILY as QWEN_IMAGE
 from model_providers.qwen_image_edit import tiny_pipeline
+from model_providers.qwen_image_edit.data import negative_record
 from model_providers.qwen_image_edit.panels import source_output_panels
 from model_providers.registry import DiTTraits, TinyPipeline
 
@@ -28,7 +29,7 @@ FAMILY = replace(
     # engine's.
     traits=DiTTraits(pipeline_class="QwenImageEditPlusPipeline", token_channels=lambda c: int(c["in_channels"]),
                      text_dim_key="joint_attention_dim", rollout_engines=("diffusers", "vllm_omni"), conditioned=True,
-                     true_cfg=True, sample_panels=source_output_panels),
+                     true_cfg=True, sample_panels=source_output_panels, negative_text=negative_record),
     diffusers_class=None,
     arch_config=None,
     mappings=None,
