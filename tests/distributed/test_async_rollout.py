@@ -322,7 +322,8 @@ def test_a_stuck_engine_is_reported_within_the_stall_bound(tiny_pipeline: str, t
     assert trainer["rank"] == 1 and trainer["step"] == 0, trainer
     assert "rollout rank 1 lost while step 0 was in flight: it answers but finished no sample" in trainer["error"]
     bound = STALL_SETTINGS.stall_timeout_s
-    assert bound < trainer["seconds"] < bound + 2 * STALL_SETTINGS.heartbeat_s + 1.0, trainer
+    # after the bound, and before the stuck engine comes back (2 s of slack for a loaded machine's thread wake-ups)
+    assert bound < trainer["seconds"] < bound + 2 * STALL_SETTINGS.heartbeat_s + 2.0, trainer
     assert trainer["seconds"] < STUCK_S, trainer
     assert rollout == {"rollout_error": None}  # the engine came back later and the rank stopped when told
 
@@ -341,7 +342,8 @@ def test_a_lost_rollout_rank_is_reported_within_the_bound(tiny_pipeline: str, tm
     assert "rollout rank 1" in out["error"] and "step 0" in out["error"], out
     bound = FAULT_SETTINGS.liveness_timeout_s
     if fault == "kill":
-        assert out["seconds"] < 2.0, out  # a dead process closes its connection: reported at once
+        # a dead process closes its connection: reported at once, before the liveness bound could fire
+        assert out["seconds"] < bound, out
         assert "connection closed" in out["error"], out
     else:
         assert bound - 1.0 < out["seconds"] < bound + 3.0, out
