@@ -150,7 +150,7 @@ class DiffusersRolloutEngine:
         self.pipe = self._load_pipeline(model_path, dtype)
         self.pipe.to(self.device)
         self.pipe.set_progress_bar_config(disable=True)
-        self.transformer = self.pipe.transformer
+        self.transformer = self._policy_transformer()
         self.quantization = quantization
         self.quantizer = FakeQuantizedTransformer(self.transformer, quantization) if quantization.enabled else None
         self.last_requantize: RefreshStats | None = None
@@ -169,6 +169,10 @@ class DiffusersRolloutEngine:
         from diffusers import QwenImagePipeline
 
         return QwenImagePipeline.from_pretrained(model_path, local_files_only=True, dtype=dtype)
+
+    def _policy_transformer(self):
+        """The transformer the trainer's policy is (its config, weights, sync target, LoRA): the pipeline's one."""
+        return self.pipe.transformer
 
     def _grid_shift(self):
         """The scheduler settings the sigma grid is built from (`self.shift`)."""
