@@ -1,10 +1,11 @@
 """Wan2.2 A14B two-expert folders on the tiny offline folder in the published layout (`transformer` the high-noise
 expert, `transformer_2` the low-noise one, `boundary_ratio` 0.875): each expert converts diffusers -> Megatron ->
-diffusers byte-exact; the embedded engine's ODE rollout with true CFG is `WanPipeline`'s video for the same seeds,
-each step on the expert the pipeline runs at that timestep (rows of both kinds in one forward too); the policy is the
-low-noise expert: an SDE window in its steps is recomputed by the Megatron model built from `transformer_2` to
-|dlogp| <= 1e-6 (and not by the high-noise expert's), a trainer-injected velocity model replaces that expert only,
-and a window that can start at a high-noise step is refused by name, as is the folder on the vLLM-Omni pipeline."""
+diffusers byte-exact (the pipeline folder, which names no one transformer, is refused by name); the embedded
+engine's ODE rollout with true CFG is `WanPipeline`'s video for the same seeds, each step on the expert the pipeline
+runs at that timestep (rows of both kinds in one forward too); the policy is the low-noise expert: an SDE window in
+its steps is recomputed by the Megatron model built from `transformer_2` to |dlogp| <= 1e-6 (and not by the
+high-noise expert's), a trainer-injected velocity model replaces that expert only, and a window that can start at a
+high-noise step is refused by name, as is the folder on the vLLM-Omni pipeline."""
 
 from __future__ import annotations
 
@@ -51,7 +52,7 @@ def engine(folder: str) -> WanRolloutEngine:
     return engine
 
 
-def test_each_expert_converts_byte_exact(folder: str, tmp_path: Path) -> None:
+def test_each_expert_converts_byte_exact(folder: str, tmp_path: Path, capsys) -> None:
     index = json.loads((Path(folder) / "model_index.json").read_text())
     assert index["boundary_ratio"] == 0.875 and index["transformer_2"] == ["diffusers", "WanTransformer3DModel"]
     experts = expert_dirs(folder)
@@ -63,6 +64,13 @@ def test_each_expert_converts_byte_exact(folder: str, tmp_path: Path) -> None:
         assert main(["mcore-to-hf", str(tmp_path / name / "mcore"), str(tmp_path / name / "back"),
                      "--no-progress"]) == 0
         assert tensor_hashes(tmp_path / name / "back") == tensor_hashes(src)
+    # the pipeline folder itself names no one transformer: refused, nothing written
+    capsys.readouterr()
+    assert main(["hf-to-mcore", folder, str(tmp_path / "pipe"), "--no-progress"]) == 2
+    assert "two-expert (Wan2.2 A14B) pipeline" in capsys.readouterr().err and not (tmp_path / "pipe").exists()
+    assert main(["mcore-to-hf", str(tmp_path / "transformer_2" / "mcore"), str(tmp_path / "pipe"),
+                 "--pipeline-source", folder, "--no-progress"]) == 2
+    assert "transformer_2" in capsys.readouterr().err and not (tmp_path / "pipe").exists()
 
 
 def _timesteps_seen(*modules: torch.nn.Module) -> tuple[list[list[float]], list]:
