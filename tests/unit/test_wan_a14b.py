@@ -27,6 +27,7 @@ from megatron_omni.rollout.diffusers_engines.engine import build_diffusers_engin
 from megatron_omni.rollout.diffusers_engines.wan import ExpertRouter, WanRolloutEngine
 from megatron_omni.rollout.registry import EngineSettings
 from megatron_omni.rollout.vllm_omni.wan_pipeline import require_one_expert
+from megatron_omni.trainer.flowgrpo import _initial_weights
 from model_providers.wan import provider
 from model_providers.wan.experts import expert_dirs, read_two_experts
 from model_providers.wan.tiny_pipeline import make_tiny_a14b_pipeline
@@ -106,6 +107,11 @@ def test_ode_rollout_is_wan_pipelines_video_on_each_steps_expert(folder: str, en
     assert engine.transformer is engine.pipe.transformer_2
     assert engine.initial_state_dict().keys() == engine.pipe.transformer.state_dict().keys()
     assert torch.equal(engine.initial_state_dict()["proj_out.weight"], engine.pipe.transformer_2.proj_out.weight)
+    # a bf16 engine under an fp32 trainer: the trainer reads the policy expert's tensors from the folder
+    assert engine.policy_component == "transformer_2"
+    from_folder = _initial_weights({"w": torch.zeros(1, dtype=torch.bfloat16)}, folder, torch.float32,
+                                   engine.policy_component)
+    assert torch.equal(from_folder["proj_out.weight"], engine.pipe.transformer_2.proj_out.weight)
     # rows of both experts in one forward (continuous batching) get each its own expert's velocity
     router = engine.velocity_model
     assert isinstance(router, ExpertRouter)

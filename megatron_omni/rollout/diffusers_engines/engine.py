@@ -170,9 +170,12 @@ class DiffusersRolloutEngine:
 
         return QwenImagePipeline.from_pretrained(model_path, local_files_only=True, dtype=dtype)
 
+    # the pipeline component the trainer's policy is (its config, weights, sync target, LoRA), `_policy_transformer`
+    policy_component = "transformer"
+
     def _policy_transformer(self):
-        """The transformer the trainer's policy is (its config, weights, sync target, LoRA): the pipeline's one."""
-        return self.pipe.transformer
+        """The pipeline's `policy_component` module."""
+        return getattr(self.pipe, self.policy_component)
 
     def _grid_shift(self):
         """The scheduler settings the sigma grid is built from (`self.shift`)."""

@@ -110,9 +110,10 @@ class WanRolloutEngine(DiffusersRolloutEngine):
         self._conditions: dict[tuple, torch.Tensor] = {}
         return pipe
 
-    def _policy_transformer(self):
+    @property
+    def policy_component(self) -> str:
         # A14B: the low-noise expert is the policy (model_providers.wan.experts)
-        return self.pipe.transformer if self.experts is None else self.pipe.transformer_2
+        return "transformer" if self.experts is None else TRAINED_EXPERT
 
     @property
     def velocity_model(self) -> VelocityModel:
