@@ -112,6 +112,11 @@ class FlowGRPOTrainer:
                                                                           quantization=self.quantization,
                                                                           vllm_omni_process=r.vllm_omni_process))
         self.hf_config = self.engine.transformer_config()
+        if cfg.algorithm.name == "diffusionnft" and getattr(self.engine, "experts", None) is not None:
+            raise ValueError("algorithm.name=diffusionnft trains at noise levels over the whole grid, but this "
+                             "two-expert (Wan2.2 A14B) folder's policy is its low-noise expert only (the high-noise "
+                             "steps sample a frozen expert): train it with a policy-gradient rule and "
+                             "rollout.window_range in the low-noise steps")
         p = cfg.parallel
         # batched p2p on gloo gave wrong results (docs/design.md section 5)
         overrides: dict = {"batch_p2p_comm": False}

@@ -17,6 +17,7 @@ import pytest
 import torch
 from diffusers import WanPipeline, WanTransformer3DModel
 
+from examples.wan.recipe import wan_video_demo
 from megatron_omni.algorithms.transition import recompute_log_probs
 from megatron_omni.models.dit.diffusers_interface import DiffusersForward
 from megatron_omni.models.dit.video_interface import PackedVideoTransformer
@@ -27,7 +28,7 @@ from megatron_omni.rollout.diffusers_engines.engine import build_diffusers_engin
 from megatron_omni.rollout.diffusers_engines.wan import ExpertRouter, WanRolloutEngine
 from megatron_omni.rollout.registry import EngineSettings
 from megatron_omni.rollout.vllm_omni.wan_pipeline import require_one_expert
-from megatron_omni.trainer.flowgrpo import _initial_weights
+from megatron_omni.trainer.flowgrpo import FlowGRPOTrainer, _initial_weights
 from model_providers.wan import provider
 from model_providers.wan.experts import expert_dirs, read_two_experts
 from model_providers.wan.tiny_pipeline import make_tiny_a14b_pipeline
@@ -169,8 +170,13 @@ def test_the_low_noise_expert_recomputes_the_window(folder: str, engine: WanRoll
         assert float((again.images - ode.images).abs().max()) < 1e-5
 
 
-def test_what_the_two_expert_folder_refuses(folder: str, engine: WanRolloutEngine) -> None:
+def test_what_the_two_expert_folder_refuses(folder: str, engine: WanRolloutEngine, one_rank) -> None:
     with pytest.raises(ValueError, match=r"step 0, a high-noise step .* start at 1"):
         engine.generate(PROMPTS, replace(SDE, window_range=(0, 2)))
+    # DiffusionNFT would train the low-noise expert at high-noise levels too: refused when the trainer is built
+    cfg = wan_video_demo()
+    cfg.algorithm.name = "diffusionnft"
+    with pytest.raises(ValueError, match="diffusionnft trains at noise levels over the whole grid"):
+        FlowGRPOTrainer(cfg, one_rank, folder, reward_fn=None)
     with pytest.raises(ValueError, match="not supported by the vLLM-Omni Wan pipeline yet"):
         require_one_expert(folder)
