@@ -7,10 +7,12 @@ The RL choice (the issue is silent): the policy the trainer updates is the low-n
 (`TRAINED_EXPERT`); the high-noise expert samples the early steps frozen. The SDE window (where log-probs are
 recorded, so where the policy gradient and its recompute act) must lie wholly in the low-noise steps: the rollout
 refuses a window that can reach a high-noise step (`check_window`), so every recorded transition was sampled by
-the expert the trainer recomputes it with. Why the low-noise expert: flow_grpo-style windows fall in the early-mid
-steps of a shifted grid, and at Wan2.2's boundaries (t 875 / 900) only the first one or two steps of a 10-50 step
-grid are high-noise, so the window misses nothing it would otherwise train; training one expert keeps the trainer's
-one-model machinery (bridge, checkpoint, optimizer, LoRA) unchanged and halves the trained parameters (14B, not 28B).
+the expert the trainer recomputes it with. Why the low-noise expert: one trained expert keeps the trainer's
+one-model machinery (bridge plans, checkpoints, optimizer, LoRA, the sync probe at sigma 0.8 < every published
+boundary) unchanged and trains 14B parameters, not 28B. The cost: the window is confined to the low-noise steps,
+which at a high shift are the late ones (20 steps at boundary 0.875: steps 8-19 at shift 5.0, 13-19 at shift 12.0),
+so RL acts on the detail the low-noise expert draws, not the layout the high-noise one sets; training the high-noise
+expert too is not built.
 """
 
 from __future__ import annotations
