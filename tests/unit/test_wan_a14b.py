@@ -180,3 +180,32 @@ def test_what_the_two_expert_folder_refuses(folder: str, engine: WanRolloutEngin
         FlowGRPOTrainer(cfg, one_rank, folder, reward_fn=None)
     with pytest.raises(ValueError, match="not supported by the vLLM-Omni Wan pipeline yet"):
         require_one_expert(folder)
+
+
+def test_the_planner_holds_both_experts_in_the_rollout(folder: str) -> None:
+    """The A14B preset is two experts of the 14B's shape: the rollout engine holds both (its weights grow by one
+    expert, nothing else moves); the dry run reads the count from the folder or the preset, and the recipe's window
+    starts at the folder's first low-noise step."""
+    from examples.wan.recipe import low_noise_window_range
+    from megatron_omni.parallel.layout import ParallelLayout
+    from megatron_omni.planner.specs import Precision
+    from megatron_omni.planner.video import plan_video
+    from megatron_omni.trainer.dry_run import rollout_experts
+    from model_providers.wan.presets import preset
+    from tests.unit.test_wan_planner import _workload
+
+    assert preset("wan2.2-t2v-a14b") == preset("wan2.1-t2v-14b")
+    prec = Precision(distributed_optimizer=True)
+    one, two = (plan_video("wan2.2-t2v-a14b", ParallelLayout(tp=2), 16, _workload(), precision=prec,
+                           recompute="full", rollout_experts=n) for n in (1, 2))
+    assert two.memory.rollout_weights - one.memory.rollout_weights == 2 * provider.parameter_count("wan2.1-t2v-14b")
+    assert two.memory.total - one.memory.total == two.memory.rollout_weights - one.memory.rollout_weights
+    assert (two.step_s, two.memory.parameters) == (one.step_s, one.memory.parameters)
+    cfg = wan_video_demo()
+    assert rollout_experts(cfg) == 1  # the tiny one-transformer pipeline
+    cfg.model.pipeline = folder
+    assert rollout_experts(cfg) == 2
+    cfg.model.pipeline, cfg.model.preset = "/no/such/folder", "wan2.2-t2v-a14b"
+    assert rollout_experts(cfg) == 2
+    assert low_noise_window_range(folder, 4) == [1, 4] and low_noise_window_range(folder, 6, span=2) == [2, 4]
+    assert low_noise_window_range("/no/such/folder", 4) is None
