@@ -66,17 +66,15 @@ class ExpertRouter(torch.nn.Module):
     def __init__(self, high: VelocityModel, low: VelocityModel, experts: TwoExperts) -> None:
         super().__init__()
         self.high, self.low, self.experts = high, low, experts
-        self.calls = {"high": 0, "low": 0}  # forwards per expert (rows of each kind seen by a forward)
 
     def forward(self, hidden_states: torch.Tensor, timestep: torch.Tensor, img_shapes: list, **kwargs: Any):
         b = hidden_states.shape[0]
         sigma = timestep if timestep.ndim == 1 else timestep.amax(1)
         high = self.experts.high_noise(sigma)
         out = None
-        for name, model, rows in (("high", self.high, high), ("low", self.low, ~high)):
+        for model, rows in ((self.high, high), (self.low, ~high)):
             if not bool(rows.any()):
                 continue
-            self.calls[name] += 1
             if bool(rows.all()):
                 return model(hidden_states=hidden_states, timestep=timestep, img_shapes=img_shapes, **kwargs)
             idx = rows.nonzero().flatten()
