@@ -4,6 +4,7 @@ flux`) or the Qwen-Image-Edit pipeline (`--family qwen_image_edit`).
 
     python tools/make_tiny_pipeline.py --out /tmp/tiny-qwen-image --seed 0 [--preset small]
     python tools/make_tiny_pipeline.py --family wan --out /tmp/tiny-wan --seed 0
+    python tools/make_tiny_pipeline.py --family wan-a14b --out /tmp/tiny-wan-a14b --seed 0   # Wan2.2-A14B layout
     python tools/make_tiny_pipeline.py --family wan-ti2v --out /tmp/tiny-wan-ti2v --seed 0   # Wan2.2-TI2V-5B layout
     python tools/make_tiny_pipeline.py --family sd3 --out /tmp/tiny-sd3 --seed 0
     python tools/make_tiny_pipeline.py --family flux --out /tmp/tiny-flux --seed 0
@@ -31,8 +32,8 @@ from model_providers.qwen_image.tiny_pipeline import (  # noqa: E402,F401  (re-e
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--family", choices=("qwen_image", "wan", "wan-ti2v", "sd3", "flux", "qwen_image_edit"),
-                        default="qwen_image")
+    parser.add_argument("--family", default="qwen_image",
+                        choices=("qwen_image", "wan", "wan-ti2v", "wan-a14b", "sd3", "flux", "qwen_image_edit"))
     parser.add_argument("--out", required=True, help="destination folder")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--preset", choices=("tiny", "small"), default="tiny",
@@ -49,6 +50,10 @@ def main() -> None:
         from model_providers.wan.tiny_pipeline import make_tiny_ti2v_pipeline
 
         path = make_tiny_ti2v_pipeline(args.out, seed=args.seed, overwrite=args.overwrite)
+    elif args.family == "wan-a14b":
+        from model_providers.wan.tiny_pipeline import make_tiny_a14b_pipeline
+
+        path = make_tiny_a14b_pipeline(args.out, seed=args.seed, overwrite=args.overwrite)
     elif args.family in ("wan", "sd3", "flux"):
         from importlib import import_module
 

@@ -41,7 +41,31 @@ SIZES: dict[str, dict] = {
                 width=832),
     "5b": dict(preset="wan2.2-ti2v-5b", pipeline="/models/Wan2.2-TI2V-5B-Diffusers", frames=121, height=704,
                width=1280),
+    # Wan2.2-T2V-A14B: two experts of the 14B's shape (the low-noise one trained), 81 frames at 480 x 832
+    "a14b": dict(preset="wan2.2-t2v-a14b", pipeline="/models/Wan2.2-T2V-A14B-Diffusers", frames=81, height=480,
+                 width=832),
 }
+
+
+def low_noise_window_range(pipeline: str, num_steps: int, span: int = 10) -> list[int] | None:
+    """The SDE window's range on a two-expert (A14B) folder: from its first low-noise step of the `num_steps` grid
+    (the trained expert's: model_providers/wan/experts.py) over `span` steps; None when the folder is not at hand
+    (a dry run plans without it) or has one transformer."""
+    import json
+    from pathlib import Path
+
+    from megatron_omni.algorithms.schedule import static_shift_of, static_shift_sigmas
+    from model_providers.wan.experts import read_two_experts
+
+    root = Path(pipeline)
+    if not (root / "model_index.json").is_file() or (experts := read_two_experts(root)) is None:
+        return None
+    shift = static_shift_of(json.loads((root / "scheduler" / "scheduler_config.json").read_text()))
+    high = experts.high_noise(static_shift_sigmas(num_steps, shift)[:-1]).tolist()
+    first = high.index(False) if False in high else num_steps
+    if first >= num_steps - 1:
+        raise ValueError(f"{pipeline}: no two low-noise steps in a {num_steps}-step grid at shift {shift}")
+    return [first, min(first + span, num_steps)]
 
 
 def wan_video(size: str) -> JobConfig:
@@ -99,6 +123,12 @@ def wan_video(size: str) -> JobConfig:
             cfg.prompts = [rec.prompt for rec in read_edit_records(records)]
         r.guidance_scale = 5.0
         r.negative_prompt = ""
+    if size == "a14b":
+        # the trained expert is the low-noise one: the window starts at its first step (the engine refuses earlier)
+        r.window_range = low_noise_window_range(cfg.model.pipeline, r.num_steps) or r.window_range
+        # the rollout holds both experts (64 GiB in bf16 with umT5-XXL and the VAE): at tp 1 no Ulysses degree fits
+        # the 81 x 480 x 832 clip in an H200 (161 GiB at 8), so the trained expert is split over tp 2
+        cfg.parallel.tp = 2
     chosen = planner_cp(cfg, int(os.environ.get("WORLD_SIZE", "1")), os.environ.get("GPU_KIND") or "H200")
     cfg.parallel.ulysses = chosen.layout.ulysses
     return cfg
@@ -107,6 +137,12 @@ def wan_video(size: str) -> JobConfig:
 def wan_14b() -> JobConfig:
     """Wan2.1-T2V-14B: 81-frame 480p clips."""
     return wan_video("14b")
+
+
+def wan_a14b() -> JobConfig:
+    """Wan2.2-T2V-A14B (two experts; the low-noise `transformer_2` trained, the SDE window in its steps): 81-frame
+    480p clips."""
+    return wan_video("a14b")
 
 
 def wan_5b() -> JobConfig:

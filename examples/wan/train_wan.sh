@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Wan text-to-video, FlowGRPO x video OCR + temporal consistency, on NNODES nodes x 8 GPUs:
 #   SIZE=14b (Wan2.1-T2V-14B, 81 x 480 x 832, default NNODES=2) | SIZE=5b (Wan2.2-TI2V-5B, 121 x 704 x 1280, NNODES=1;
-#   image-to-video from I2V_RECORDS=records.jsonl ({"image", "instruction"} per line), else text-to-video; CFG 5.0).
+#   image-to-video from I2V_RECORDS=records.jsonl ({"image", "instruction"} per line), else text-to-video; CFG 5.0)
+#   | SIZE=a14b (Wan2.2-T2V-A14B's two experts, the low-noise one trained, 81 x 480 x 832, NNODES=2).
 # The Ulysses degree (context parallelism over the video tokens) is the planner's: the smallest that fits the
 # clip at this world size (examples/wan/recipe.py, planner/video.py). Plain torchrun form: run it on every node
 # with its NODE_RANK, as examples/qwen_image/train_20b.sh.
@@ -16,7 +17,8 @@ SIZE="${SIZE:-14b}"
 case "$SIZE" in
     14b) DEFAULT_NNODES=2; DEFAULT_PIPELINE=/models/Wan2.1-T2V-14B-Diffusers ;;
     5b) DEFAULT_NNODES=1; DEFAULT_PIPELINE=/models/Wan2.2-TI2V-5B-Diffusers ;;
-    *) echo "train_wan: SIZE=$SIZE: expected 14b or 5b" >&2; exit 2 ;;
+    a14b) DEFAULT_NNODES=2; DEFAULT_PIPELINE=/models/Wan2.2-T2V-A14B-Diffusers ;;
+    *) echo "train_wan: SIZE=$SIZE: expected 14b, 5b or a14b" >&2; exit 2 ;;
 esac
 NNODES="${NNODES:-$DEFAULT_NNODES}"
 GPUS_PER_NODE="${GPUS_PER_NODE:-8}"

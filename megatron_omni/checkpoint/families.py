@@ -75,6 +75,11 @@ def resolve_diffusers_folder(path: str | Path) -> DiffusersSource:
         entry = index.get("transformer")
         if not entry:
             raise CheckpointError(f"{root / 'model_index.json'} lists no 'transformer' component")
+        if (index.get("transformer_2") or [None])[0] is not None:
+            # Wan2.2 A14B: the pipeline's `transformer` is only its high-noise expert (written back there, a trained
+            # low-noise expert would take the wrong slot)
+            raise CheckpointError(f"{root} is a two-expert (Wan2.2 A14B) pipeline: convert one expert's folder, "
+                                  f"{root / 'transformer'} (high noise) or {root / 'transformer_2'} (low noise)")
         pipeline_dir, root = root, root / "transformer"
     cfg_path = root / "config.json"
     if not cfg_path.is_file():

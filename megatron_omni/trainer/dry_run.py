@@ -149,6 +149,23 @@ def dry_run(cfg: JobConfig, world_size: int, gpu: str, gpus_per_node: int = 8, r
     return status
 
 
+def rollout_experts(cfg: JobConfig) -> int:
+    """Transformers the job's rollout engine holds: the folder's (two for a Wan2.2 A14B folder: `transformer_2` and
+    `boundary_ratio` in its model_index.json) when it is at hand, else the preset's (`EXPERTS` of the family's
+    presets module), else 1."""
+    index = Path(cfg.model.pipeline) / "model_index.json"
+    if cfg.model.pipeline != "tiny" and index.is_file():
+        second = json.loads(index.read_text()).get("transformer_2")
+        return 2 if second and second[0] is not None else 1
+    import importlib
+
+    try:
+        experts = importlib.import_module(f"model_providers.{cfg.model.family}.presets").EXPERTS
+    except (ImportError, AttributeError):
+        return 1
+    return int(experts.get(cfg.model.preset, 1))
+
+
 def video_workload(cfg: JobConfig, world_size: int) -> VideoWorkload:
     """The planner's view of a video job's step (`planner.video`): Wan pads every prompt to the text length."""
     r, p = cfg.rollout, cfg.parallel
@@ -172,7 +189,8 @@ def planner_cp(cfg: JobConfig, world_size: int, gpu: str = "H200", max_cp: int =
     return choose_cp(model if model is not None else _model_config(cfg)[0], world_size,
                      video_workload(cfg, world_size), tp=p.tp, pp=p.pp, gpu=gpu,
                      precision=Precision.of(cfg.model.params_dtype, r.dtype, cfg.optim.distributed_optimizer),
-                     recompute=cfg.model.recompute or "none", mfu=mfu, max_cp=max_cp)
+                     recompute=cfg.model.recompute or "none", mfu=mfu, max_cp=max_cp,
+                     rollout_experts=rollout_experts(cfg))
 
 
 def video_dry_run(cfg: JobConfig, world_size: int, gpu: str, gpus_per_node: int, reward_gpus: int,
@@ -187,7 +205,7 @@ def video_dry_run(cfg: JobConfig, world_size: int, gpu: str, gpus_per_node: int,
     work = video_workload(cfg, world_size)
     try:
         got = plan_video(model, ParallelLayout(tp=p.tp, ulysses=p.ulysses, ring=p.ring, pp=p.pp), world_size, work,
-                         gpu, precision, recompute, mfu)
+                         gpu, precision, recompute, mfu, rollout_experts=rollout_experts(cfg))
     except LayoutError as exc:
         raise ConfigError(f"layout: {exc}") from exc
     try:
@@ -196,8 +214,10 @@ def video_dry_run(cfg: JobConfig, world_size: int, gpu: str, gpus_per_node: int,
     except LayoutError as exc:
         chosen, choice = None, f"none fits: {exc}"
     lay, m, gib = got.layout, got.memory, 2**30
+    experts = rollout_experts(cfg)
     print(f"dry run: world size {world_size} trainer ranks + {reward_gpus} reward GPUs, model from {source} "
-          f"(model.family={cfg.model.family}), {gpu}")
+          f"(model.family={cfg.model.family}), {gpu}"
+          + (f"; {experts} experts of this shape in the rollout engine, one trained" if experts > 1 else ""))
     print(f"clip: {work.frames} frames {work.height}x{work.width} -> patch grid {'x'.join(map(str, got.grid))} = "
           f"{got.video_tokens} video tokens, {work.text_tokens} text tokens; {work.videos} clips per step")
     print(f"layout: tp={lay.tp} ulysses={lay.ulysses} ring={lay.ring} pp={lay.pp} dp={lay.dp}, recompute "

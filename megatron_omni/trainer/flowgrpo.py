@@ -111,6 +111,11 @@ class FlowGRPOTrainer:
                                                                           quantization=self.quantization,
                                                                           vllm_omni_process=r.vllm_omni_process))
         self.hf_config = self.engine.transformer_config()
+        if cfg.algorithm.name == "diffusionnft" and getattr(self.engine, "experts", None) is not None:
+            raise ValueError("algorithm.name=diffusionnft trains at noise levels over the whole grid, but this "
+                             "two-expert (Wan2.2 A14B) folder's policy is its low-noise expert only (the high-noise "
+                             "steps sample a frozen expert): train it with a policy-gradient rule and "
+                             "rollout.window_range in the low-noise steps")
         p = cfg.parallel
         # batched p2p on gloo gave wrong results (docs/design.md section 5)
         overrides: dict = {"batch_p2p_comm": False}
@@ -124,7 +129,8 @@ class FlowGRPOTrainer:
                              f"{self.family.kind!r} (trainer.run picks the trainer by kind)")
         mcfg = self.family.megatron_config(self.hf_config, tp=p.tp, pp=p.pp, ulysses=p.ulysses, ring=p.ring,
                                            params_dtype=params_dtype, **overrides)
-        hf_state = _initial_weights(self.engine.initial_state_dict(), pipeline_dir, params_dtype)
+        hf_state = _initial_weights(self.engine.initial_state_dict(), pipeline_dir, params_dtype,
+                                    getattr(self.engine, "policy_component", "transformer"))
         self.model = self.family.build_model(mcfg, groups, backend=cfg.model.backend)
         self.family.load_state(self.model, hf_state)
         _count_stage_replicas_once(self.model, groups)
@@ -656,14 +662,14 @@ class LogpGapError(RuntimeError):
 
 
 def _initial_weights(state: dict[str, torch.Tensor], pipeline_dir: str | Path,
-                     dtype: torch.dtype) -> dict[str, torch.Tensor]:
+                     dtype: torch.dtype, component: str = "transformer") -> dict[str, torch.Tensor]:
     """The diffusers-named weights the trainer starts from: the engine's (`initial_state_dict`), unless it
     holds them in a narrower dtype than the trainer's (a bf16 engine for an fp32 model), then the folder's own
-    tensors."""
+    tensors of the policy's `component` (a Wan2.2 A14B folder's low-noise `transformer_2`)."""
     held = {t.dtype for t in state.values() if t.is_floating_point()}
     if all(torch.finfo(h).bits >= torch.finfo(dtype).bits for h in held):
         return state
-    folder = SafetensorsFolder(Path(pipeline_dir) / "transformer")
+    folder = SafetensorsFolder(Path(pipeline_dir) / component)
     return {name: folder.read(name) for name in folder.entries}
 
 

@@ -12,7 +12,12 @@ tiny size: `WanPipeline` with `expand_timesteps=True` (per-token timesteps; `Wan
 folder and conditions on the first frame), a transformer of 48 latent channels and Wan2.2's residual VAE
 (`is_residual`, 12-channel 2 x 2 pixel patches, 48 latent channels: 4 x 16 x 16 compression).
 
+The A14B layout (`TINY_A14B`, `--family wan-a14b`) is what Wan-AI's Wan2.2-T2V-A14B diffusers folder holds, at tiny
+size: `WanPipeline` with two transformers (`transformer`, the high-noise expert; `transformer_2`, the low-noise one)
+and `boundary_ratio` in model_index.json (`model_providers.wan.experts`).
+
 CLI: python tools/make_tiny_pipeline.py --family wan --out /tmp/tiny-wan --seed 0
+     python tools/make_tiny_pipeline.py --family wan-a14b --out /tmp/tiny-wan-a14b --seed 0
      python tools/make_tiny_pipeline.py --family wan-ti2v --out /tmp/tiny-wan-ti2v --seed 0
 """
 
@@ -45,6 +50,9 @@ class TinyWanPipelineConfig:
     expand_timesteps: bool = False
     vae_residual: bool = False
     vae_patch_size: int | None = None
+    # Wan2.2-A14B's layout: a second transformer (`transformer_2`, the low-noise expert, its own seeded weights)
+    # switched to below boundary_ratio x the scheduler's training timesteps
+    boundary_ratio: float | None = None
 
     def transformer_config(self) -> dict[str, Any]:
         """The transformer's diffusers config."""
@@ -92,9 +100,15 @@ def build_components(cfg: TinyWanPipelineConfig, seed: int) -> dict:
             num_layers=cfg.text_layers, num_heads=cfg.text_heads, relative_attention_num_buckets=8,
             relative_attention_max_distance=32, pad_token_id=tokenizer.pad_token_id,
         )).eval()
+        if cfg.boundary_ratio is not None:
+            torch.manual_seed(seed + 4)
+            transformer_2 = WanTransformer3DModel(**t).eval()
     scheduler = FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=cfg.shift)
-    return {"transformer": transformer, "vae": vae, "text_encoder": text_encoder, "tokenizer": tokenizer,
-            "scheduler": scheduler}
+    out = {"transformer": transformer, "vae": vae, "text_encoder": text_encoder, "tokenizer": tokenizer,
+           "scheduler": scheduler}
+    if cfg.boundary_ratio is not None:
+        out.update(transformer_2=transformer_2, boundary_ratio=cfg.boundary_ratio)
+    return out
 
 
 def make_tiny_pipeline(out_dir: str | os.PathLike, seed: int = 0, config: TinyWanPipelineConfig | None = None,
@@ -124,6 +138,17 @@ TINY_TI2V = TinyWanPipelineConfig(
     transformer=dict(preset("tiny"), in_channels=48, out_channels=48),
     expand_timesteps=True, vae_residual=True, vae_patch_size=2,
 )
+
+
+# Wan2.2-T2V-A14B's layout at tiny size: two `tiny` transformers (high-noise `transformer`, low-noise `transformer_2`)
+# switched at its published boundary_ratio 0.875 (I2V-A14B's is 0.9); with the tiny folder's shift 3.0 a 4-step grid
+# runs step 0 (t = 1000) on the high-noise expert and steps 1-3 (t = 857.7, 602.2, 8.9) on the low-noise one.
+TINY_A14B = TinyWanPipelineConfig(boundary_ratio=0.875)
+
+
+def make_tiny_a14b_pipeline(out_dir: str | os.PathLike, seed: int = 0, overwrite: bool = False) -> Path:
+    """`make_tiny_pipeline` with `TINY_A14B`: a tiny two-expert folder in Wan2.2-A14B's layout."""
+    return make_tiny_pipeline(out_dir, seed, TINY_A14B, overwrite)
 
 
 def make_tiny_ti2v_pipeline(out_dir: str | os.PathLike, seed: int = 0, overwrite: bool = False) -> Path:

@@ -53,7 +53,7 @@ def c_layers(name: str) -> int:
 def test_family_is_registered_and_converts_by_its_class() -> None:
     fam = get_family("wan")
     assert fam.kind == "dit" and fam.convertible and fam.diffusers_class == "WanTransformer3DModel"
-    assert set(PUBLISHED) | {"tiny", "small"} == set(fam.presets)
+    assert set(PUBLISHED) | {"tiny", "small", "wan2.2-t2v-a14b"} == set(fam.presets)  # A14B: two 14B experts
     assert fam.preset_name(dict(_meta_diffusers("wan2.1-t2v-14b").config)) == "wan2.1-t2v-14b"
     assert fam.num_heads(provider.hf_config("wan2.2-ti2v-5b")) == 24
     assert fam.tiny_pipeline is not None

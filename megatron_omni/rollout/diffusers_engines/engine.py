@@ -150,7 +150,7 @@ class DiffusersRolloutEngine:
         self.pipe = self._load_pipeline(model_path, dtype)
         self.pipe.to(self.device)
         self.pipe.set_progress_bar_config(disable=True)
-        self.transformer = self.pipe.transformer
+        self.transformer = self._policy_transformer()
         self.quantization = quantization
         self.quantizer = FakeQuantizedTransformer(self.transformer, quantization) if quantization.enabled else None
         self.last_requantize: RefreshStats | None = None
@@ -169,6 +169,13 @@ class DiffusersRolloutEngine:
         from diffusers import QwenImagePipeline
 
         return QwenImagePipeline.from_pretrained(model_path, local_files_only=True, dtype=dtype)
+
+    # the pipeline component the trainer's policy is (its config, weights, sync target, LoRA), `_policy_transformer`
+    policy_component = "transformer"
+
+    def _policy_transformer(self):
+        """The pipeline's `policy_component` module."""
+        return getattr(self.pipe, self.policy_component)
 
     def _grid_shift(self):
         """The scheduler settings the sigma grid is built from (`self.shift`)."""

@@ -21,6 +21,12 @@ family hooks this overrides), producing the same `Trajectory` record (video shap
   normalised, is the first latent frame; its tokens sit at timestep 0 in every forward, no step changes them and
   they carry no log-prob (`Trajectory.clean_tokens`); the text is the instruction. A plain prompt samples
   text-to-video. A folder without `expand_timesteps` refuses image records by name.
+- Wan2.2 A14B (a folder with `transformer_2` and `boundary_ratio`, `model_providers.wan.experts`): every step runs
+  the expert `WanPipeline` runs at its timestep (`ExpertRouter`, row by row: samples at different steps share a
+  forward), the high-noise `transformer` frozen, the low-noise `transformer_2` the policy (`self.transformer`: the
+  trainer's config, weights, sync target; a velocity model the trainer injects replaces it, not the high-noise
+  expert). The SDE window must lie in the low-noise steps (refused by name before any work otherwise), so every
+  recorded log-prob is the trained expert's and its recompute uses the expert the rollout used.
 """
 
 from __future__ import annotations
@@ -36,6 +42,7 @@ from megatron_omni.models.dit.embeddings import patchify_video, unpatchify_video
 from megatron_omni.models.dit.video_interface import PackedVideoTransformer
 from megatron_omni.rollout.base import SamplingParams
 from megatron_omni.rollout.diffusers_engines.engine import DiffusersRolloutEngine, _Sample
+from model_providers.wan.experts import TRAINED_EXPERT, TwoExperts, read_two_experts
 
 
 def wan_token_ids(tokenizer: Any, text: str, max_length: int | None = None) -> tuple[int, ...]:
@@ -50,23 +57,76 @@ def wan_token_ids(tokenizer: Any, text: str, max_length: int | None = None) -> t
     return tuple(ids)
 
 
+class ExpertRouter(torch.nn.Module):
+    """The velocity-model keyword interface over Wan2.2 A14B's two experts: each row runs `high` when its timestep
+    is at or above the boundary (`TwoExperts.high_noise`), `low` below, as `WanPipeline` switches its transformer per
+    step. Rows of both kinds in one batch (continuous batching) run as two forwards, scattered back in order.
+    `timestep` is sigma [B] (or per token [B, S], the row's largest: the noisy tokens')."""
+
+    def __init__(self, high: VelocityModel, low: VelocityModel, experts: TwoExperts) -> None:
+        super().__init__()
+        self.high, self.low, self.experts = high, low, experts
+
+    def forward(self, hidden_states: torch.Tensor, timestep: torch.Tensor, img_shapes: list, **kwargs: Any):
+        b = hidden_states.shape[0]
+        sigma = timestep if timestep.ndim == 1 else timestep.amax(1)
+        high = self.experts.high_noise(sigma)
+        out = None
+        for model, rows in ((self.high, high), (self.low, ~high)):
+            if not bool(rows.any()):
+                continue
+            if bool(rows.all()):
+                return model(hidden_states=hidden_states, timestep=timestep, img_shapes=img_shapes, **kwargs)
+            idx = rows.nonzero().flatten()
+            part = {k: (v[idx] if isinstance(v, torch.Tensor) and v.ndim and v.shape[0] == b else v)
+                    for k, v in kwargs.items()}
+            v = model(hidden_states=hidden_states[idx], timestep=timestep[idx],
+                      img_shapes=[img_shapes[i] for i in idx.tolist()], **part)
+            v = v[0] if isinstance(v, tuple | list) else v
+            if out is None:
+                out = v.new_empty(b, *v.shape[1:])
+            out[idx] = v
+        return (out,)
+
+
 class WanRolloutEngine(DiffusersRolloutEngine):
     """Rollout with diffusers' Wan text-to-video components (see the module docstring); the arguments are
     `DiffusersRolloutEngine`'s (`model_path`: a diffusers `WanPipeline` folder)."""
 
     cfg_rescale = False  # WanPipeline's guidance is plain
     expand_timesteps = False  # a Wan2.2-TI2V folder's per-token timesteps (set from the folder by _load_pipeline)
+    experts: TwoExperts | None = None  # a Wan2.2 A14B folder's expert switch (set from the folder by _load_pipeline)
 
     def _load_pipeline(self, model_path: str | os.PathLike, dtype: torch.dtype):
         from diffusers import WanPipeline
 
+        self.experts = read_two_experts(model_path)  # Wan2.2 A14B's switch, None for one transformer
         pipe = WanPipeline.from_pretrained(model_path, local_files_only=True, dtype=dtype)
-        if getattr(pipe, "transformer_2", None) is not None:
-            raise ValueError(f"{model_path}: two-expert (Wan2.2 A14B) Wan pipelines are not supported by the rollout "
-                             "engine yet")
+        if self.experts is not None and (pipe.transformer is None or pipe.transformer_2 is None):
+            raise ValueError(f"{model_path}: a two-expert folder needs both transformer/ and {TRAINED_EXPERT}/")
         self.expand_timesteps = bool(pipe.config.get("expand_timesteps", False))
         self._conditions: dict[tuple, torch.Tensor] = {}
         return pipe
+
+    @property
+    def policy_component(self) -> str:
+        # A14B: the low-noise expert is the policy (model_providers.wan.experts)
+        return "transformer" if self.experts is None else TRAINED_EXPERT
+
+    @property
+    def velocity_model(self) -> VelocityModel:
+        """What the engine samples with: the policy's velocity model, behind the expert switch for an A14B folder
+        (the high-noise steps on the folder's frozen `transformer`)."""
+        return self._router if self.experts is not None else self._policy_velocity
+
+    @velocity_model.setter
+    def velocity_model(self, model: VelocityModel) -> None:
+        # the trainer may inject its own model (a shared model): it replaces the policy expert only
+        self._policy_velocity = model
+        if self.experts is not None:
+            high = PackedVideoTransformer(self.pipe.transformer, self.patch_size,
+                                          expand_timesteps=self.expand_timesteps)
+            self._router = ExpertRouter(high, model, self.experts)
 
     def _grid_shift(self) -> float:
         return static_shift_of(self.pipe.scheduler.config)
@@ -171,10 +231,14 @@ class WanRolloutEngine(DiffusersRolloutEngine):
 
     def generate(self, prompts, params: SamplingParams, group_size: int = 1, seeds=None, on_sample=None):
         """See `RolloutEngine.generate`; a call whose prompts mix image records and text is refused before any work
-        (one trajectory holds one count of clean condition tokens)."""
+        (one trajectory holds one count of clean condition tokens), and on an A14B folder an SDE window that can
+        start at a high-noise step (`TwoExperts.check_window`)."""
         if len({self.image_record(p) is None for p in prompts}) > 1:
             raise ValueError("the prompts of one generate call mix image-conditioned and unconditioned samples: "
                              "give every prompt of a call an image, or none")
+        if self.experts is not None and params.stochastic:
+            first = params.window_start if params.window_start is not None else params.resolved_window_range[0]
+            self.experts.check_window(static_shift_sigmas(params.num_steps, self.shift), first)
         return super().generate(prompts, params, group_size, seeds, on_sample)
 
     # ------------------------------------------------------------------ prompts

@@ -16,7 +16,7 @@ Where this differs from vLLM-Omni's own Wan sampling, on purpose:
   timesteps in every forward, and an image-record prompt (`EditRecord.prompt`) samples image-to-video with the image's
   first-frame latents as clean tokens at timestep 0 (`Trajectory.clean_tokens`, carried in the record); vLLM-Omni's
   own I2V path (the image in `multi_modal_data`, its mask blend) is not used: the record is the prompt string;
-- the two-expert (A14B) folders are refused by name, as the embedded engine refuses them; FP8 is refused (the Wan
+- the two-expert (A14B) folders are refused by name (the embedded engine samples them); FP8 is refused (the Wan
   family names no quantized linears); so is a head dim whose RoPE vLLM-Omni 0.30 slices wrongly
   (`check_rope_split`: the `tiny` preset's 16; every published Wan's 128 is right).
 
@@ -82,7 +82,7 @@ def require_one_expert(model: str) -> None:
     """Refuse what the stepper does not sample: a two-expert folder (`transformer_2/`, Wan2.2 A14B)."""
     if (Path(model) / "transformer_2").exists():
         raise ValueError(f"{model}: two-expert (Wan2.2 A14B) Wan pipelines are not supported by the vLLM-Omni Wan "
-                         "pipeline yet")
+                         "pipeline yet; the embedded engine samples them (rollout.engine=diffusers)")
 
 
 @functools.lru_cache(maxsize=4)
