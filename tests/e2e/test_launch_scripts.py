@@ -80,7 +80,7 @@ BAD = {
                          r"no layout for 3 nodes"),
     "vlm_judge_without_gpus": ("examples/qwen_image/train_20b_1node.sh", [], {"REWARD_KIND": "vlm", "REWARD_GPUS": ""},
                                r"REWARD_KIND=vlm needs REWARD_GPUS"),
-    "wan_unknown_size": ("examples/wan/train_wan.sh", [], {"SIZE": "7b"}, r"SIZE=7b: expected 14b or 5b"),
+    "wan_unknown_size": ("examples/wan/train_wan.sh", [], {"SIZE": "7b"}, r"SIZE=7b: expected 14b, 5b or a14b"),
     "sd35_unknown_size": ("examples/sd3/train_sd35.sh", [], {"SIZE": "xl"}, r"SIZE=xl: expected medium or large"),
 }
 # The same checks, in this process (cheap: no interpreter start): (recipe, world size, overrides, rc, pattern).
