@@ -58,6 +58,7 @@ from torch.distributed.checkpoint.planner import (
     WriteItem,
     WriteItemType,
 )
+from torch.futures import Future
 
 from megatron_omni.checkpoint.errors import CheckpointError
 
@@ -119,11 +120,18 @@ class _BoundedFileWriter(FileSystemWriter):
                 size = 0
             buckets[-1].append(item)
             size += n
-        file_queue: queue.Queue = queue.Queue()
+        # One DCP write call per file: DCP's file loop keeps the last tensor of a file in a local variable until
+        # the next file's first tensor has been produced, so in one call a big tensor that ends a file (SD3.5's
+        # 0.45 GB sincos table) was still alive beside the next one; a returned call holds nothing.
+        results = []
         for i, bucket in enumerate(buckets):
             file_name = f"{plan.storage_data.prefix}{i}{DEFAULT_SUFFIX}"
+            file_queue: queue.Queue = queue.Queue()
             file_queue.put((self.fs.concat_path(self.path, file_name), file_name, bucket))
-        return self._write_data(planner, file_queue)
+            results += self._write_data(planner, file_queue).wait()
+        done: Future = Future()
+        done.set_result(results)
+        return done
 
 
 class _ProducingPlanner(MCoreSavePlanner):
