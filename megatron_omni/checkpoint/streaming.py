@@ -8,7 +8,9 @@ dict holds shape-only ("meta") placeholders and `StreamingSaveStrategy` — a to
 Megatron still validates, writes common.pt, metadata.json and the DCP metadata — produces each tensor
 only when torch DCP's writer asks for its bytes (`SavePlanner.resolve_data`). DCP's file writer keeps
 the tensors of one output file alive until the file is closed, so tensors are grouped into files of at
-most `max_file_bytes`: peak memory is one file's worth, whatever the model size.
+most `max_file_bytes`, each written by its own DCP write call (within one call DCP's file loop would keep a file's
+last tensor alive while the next file's first is produced): peak memory is one file's worth, or the largest tensor,
+whatever the model size.
 
 Reading: `load_full_tensors` reads groups of keys whose total size is at most `bucket_bytes` and yields the
 tensors group by group, through torch DCP's public `load` with Megatron's own pieces (its key grouping, its
