@@ -8,14 +8,19 @@ dict holds shape-only ("meta") placeholders and `StreamingSaveStrategy` — a to
 Megatron still validates, writes common.pt, metadata.json and the DCP metadata — produces each tensor
 only when torch DCP's writer asks for its bytes (`SavePlanner.resolve_data`). DCP's file writer keeps
 the tensors of one output file alive until the file is closed, so tensors are grouped into files of at
-most `max_file_bytes`: peak memory is one file's worth, whatever the model size.
+most `max_file_bytes`, each written by its own DCP write call (within one call DCP's file loop would keep a file's
+last tensor alive while the next file's first is produced): peak memory is one file's worth, or the largest tensor,
+whatever the model size.
 
-Reading: `load_full_tensors` calls `dist_checkpointing.load` on groups of keys whose total size is at
-most `bucket_bytes` and yields the tensors group by group. DCP's file reader `torch.load`s each stored chunk
-into fresh memory and then copies it into the requested tensor, so a tensor briefly exists twice: for a tensor
-bigger than a bucket (SD3.5's 0.45 GB sincos table `pos_embed`) that doubled the peak. `DirectFileSystemReader`
-reads a stored chunk that is the whole requested tensor straight into it instead (`torch.load` to the meta
-device gives the storage's offset in the file without reading it); other requests take DCP's own path.
+Reading: `load_full_tensors` reads groups of keys whose total size is at most `bucket_bytes` and yields the
+tensors group by group, through torch DCP's public `load` with Megatron's own pieces (its key grouping, its
+PyTorch-side ShardedTensor wrappers, its `MCoreLoadPlanner`, which checks global shapes), so a checkpoint saved
+at any layout is read as `dist_checkpointing.load` would read it. DCP's file reader `torch.load`s each stored
+chunk into fresh memory and then copies it into the requested tensor, so a tensor briefly exists twice: for a
+tensor bigger than a bucket (SD3.5's 0.45 GB sincos table `pos_embed`) that doubled the peak. The reader passed
+to `load` is `DirectFileSystemReader`: it reads a stored chunk that is the whole requested tensor straight into
+it instead (`torch.load` to the meta device gives the storage's offset in the file without reading it); other
+requests take DCP's own path. (`dist_checkpointing.load` takes no reader, hence `dcp.load` here.)
 """
 
 from __future__ import annotations
@@ -32,14 +37,13 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from megatron.core import dist_checkpointing
 from megatron.core.dist_checkpointing.mapping import ShardedTensor
-from megatron.core.dist_checkpointing.strategies import torch as mcore_torch_strategies
 from megatron.core.dist_checkpointing.strategies.base import SaveShardedStrategy
 from megatron.core.dist_checkpointing.strategies.cached_metadata_filesystem_reader import (
     CachedMetadataFileSystemReader,
 )
 from megatron.core.dist_checkpointing.strategies.torch import (
+    MCoreLoadPlanner,
     MCoreSavePlanner,
-    TorchDistLoadShardedStrategy,
     _replace_state_dict_keys_with_sharded_keys,
     mcore_to_pyt_state_dict,
 )
@@ -56,6 +60,7 @@ from torch.distributed.checkpoint.planner import (
     WriteItem,
     WriteItemType,
 )
+from torch.futures import Future
 
 from megatron_omni.checkpoint.errors import CheckpointError
 
@@ -117,11 +122,18 @@ class _BoundedFileWriter(FileSystemWriter):
                 size = 0
             buckets[-1].append(item)
             size += n
-        file_queue: queue.Queue = queue.Queue()
+        # One DCP write call per file: DCP's file loop keeps the last tensor of a file in a local variable until
+        # the next file's first tensor has been produced, so in one call a big tensor that ends a file (SD3.5's
+        # 0.45 GB sincos table) was still alive beside the next one; a returned call holds nothing.
+        results = []
         for i, bucket in enumerate(buckets):
             file_name = f"{plan.storage_data.prefix}{i}{DEFAULT_SUFFIX}"
+            file_queue: queue.Queue = queue.Queue()
             file_queue.put((self.fs.concat_path(self.path, file_name), file_name, bucket))
-        return self._write_data(planner, file_queue)
+            results += self._write_data(planner, file_queue).wait()
+        done: Future = Future()
+        done.set_result(results)
+        return done
 
 
 class _ProducingPlanner(MCoreSavePlanner):
@@ -254,27 +266,6 @@ class DirectFileSystemReader(CachedMetadataFileSystemReader):
         return True
 
 
-class DirectLoadStrategy(TorchDistLoadShardedStrategy):
-    """Megatron's torch_dist load strategy reading through `DirectFileSystemReader` (`reader` is the last one)."""
-
-    reader: DirectFileSystemReader | None = None
-
-    def load(self, sharded_state_dict, checkpoint_dir: Path):  # noqa: ANN001, ANN201 - Megatron's signature
-        original = mcore_torch_strategies._get_filesystem_reader
-
-        def direct_reader(path, cache_metadata: bool = False) -> DirectFileSystemReader:  # noqa: ANN001
-            self.reader = DirectFileSystemReader(path)
-            return self.reader
-
-        # The strategy builds its reader through this module-level function; swapping it for the call is the
-        # one seam Megatron offers short of copying its load().
-        mcore_torch_strategies._get_filesystem_reader = direct_reader
-        try:
-            return super().load(sharded_state_dict, checkpoint_dir)
-        finally:
-            mcore_torch_strategies._get_filesystem_reader = original
-
-
 def load_full_tensors(checkpoint_dir: str | Path, buckets: list[list[str]],
                       specs: dict[str, tuple[tuple[int, ...], torch.dtype]]) -> Iterator[dict[str, torch.Tensor]]:
     """Yield {key: full tensor} bucket by bucket (one process).
@@ -289,10 +280,16 @@ def load_full_tensors(checkpoint_dir: str | Path, buckets: list[list[str]],
 def _load_bucket(ckpt: str, bucket: list[str],
                  specs: dict[str, tuple[tuple[int, ...], torch.dtype]]) -> dict[str, torch.Tensor]:
     sharded = {k: full_sharded_tensor(k, torch.empty(specs[k][0], dtype=specs[k][1])) for k in bucket}
+    # What Megatron's torch_dist load strategy does for ShardedTensors, with our reader passed to DCP's public
+    # load: the same key grouping, the same PyTorch-side wrappers (so a chunk saved at any TP/PP layout is found
+    # by its global offsets) and the same planner (global shapes checked against the stored metadata).
+    grouped, _, _ = _replace_state_dict_keys_with_sharded_keys(sharded)
+    pyt_state_dict = mcore_to_pyt_state_dict(grouped, is_loading=True)
+    planner = MCoreLoadPlanner(shapes_validation_sharded_tensors=list(sharded.values()))
     try:
-        loaded = dist_checkpointing.load(sharded, ckpt, sharded_strategy=DirectLoadStrategy())
+        dcp.load(pyt_state_dict, storage_reader=DirectFileSystemReader(ckpt), planner=planner)
     except (Exception, CheckpointException) as exc:  # noqa: BLE001 - DCP's exception is a BaseException
         names = ", ".join(bucket[:3]) + (" ..." if len(bucket) > 3 else "")
         raise CheckpointError(f"cannot read tensors {names} from {ckpt} (damaged or truncated data file?): "
                               f"{type(exc).__name__}: {exc}") from exc
-    return {k: loaded[k] for k in bucket}  # load() also returns the common state (content metadata)
+    return {k: sharded[k].data for k in bucket}  # DCP read into each ShardedTensor's own tensor
