@@ -227,8 +227,10 @@ class BagelMoT(MegatronModule):
         return self.llm2vae(x[gen_mask][:, 0])
 
     def gather_velocity(self, v: torch.Tensor, n: int) -> torch.Tensor:
-        """This cp rank's velocity [k, p] (`stage_velocity` on the last stage) -> the image's [n, p] (differentiable;
-        identity without context parallelism)."""
+        """This cp rank's velocity [k, p] (`stage_velocity` on the last stage) -> the image's [n, p] (identity without
+        context parallelism). Differentiable with the all-gather's adjoint: a loss every cp rank computes whole
+        from the gathered velocity reaches the shards cp times once the dp x cp reduction sums it (divide it by
+        cp, or compute the loss on the rank's own shard as the parity test does)."""
         shard = self.query_shard(n)
         if shard is None:
             return v
