@@ -221,10 +221,11 @@ def _pp_backward(cfg: dict, state: dict, latents: torch.Tensor) -> dict:
 
 
 def _cp_step(cfg: dict, state: dict, layout: ParallelLayout, dtype: torch.dtype, grid: tuple[int, int],
-             backward: bool) -> dict:
+             backward: bool, gathered_loss: bool = False) -> dict:
     """One generation step of our model at `layout` over a `grid` of latent tokens: the whole velocity [n, p]
     (gathered over cp) and, with `backward`, the gradients of a fixed projection of it, summed over the cp ranks
-    (each cp rank's are its shard's share, as data-parallel reduction over dp x cp sums them), plus the latents'."""
+    (each cp rank's are its shard's share, as data-parallel reduction over dp x cp sums them), plus the latents'.
+    The loss is each rank's own shard's, or with `gathered_loss` the whole gathered velocity's divided by cp."""
     from megatron_omni.models.bagel.model import latent_position_ids
     from model_providers.bagel import provider
 
@@ -248,8 +249,11 @@ def _cp_step(cfg: dict, state: dict, layout: ParallelLayout, dtype: torch.dtype,
     out = {"v": v.detach().float(), "n_local": v_local.shape[0]}
     if backward:
         shard = model.query_shard(n)
-        lo = max(shard.bounds[0], 1) - 1 if shard is not None else 0
-        (v_local.float() * weight[lo:lo + v_local.shape[0]]).sum().backward()
+        if gathered_loss:
+            ((v.float() * weight).sum() / groups.cp.size()).backward()
+        else:
+            lo = max(shard.bounds[0], 1) - 1 if shard is not None else 0
+            (v_local.float() * weight[lo:lo + v_local.shape[0]]).sum().backward()
         grads = {k: p.grad for k, p in model.named_parameters() if p.grad is not None}
         grads["latents"] = x.grad
         for g in grads.values():
@@ -270,6 +274,9 @@ def _cp_parity(cfg: dict, state: dict) -> dict:
         out[f"cp2_{grid[1]}_n_local"] = two["n_local"]
         g1, g2 = one["grads"], two["grads"]
         out[f"cp2_{grid[1]}_grads"] = (len(g1), set(g1) == set(g2), max(_rel(g2[k], g1[k]) for k in g1))
+    g3 = _cp_step(cfg, state, ParallelLayout(ulysses=2), torch.float32, (3, 3), backward=True,
+                  gathered_loss=True)["grads"]
+    out["cp2_gathered_loss_grads"] = max(_rel(g3[k], g1[k]) for k in g1)
     one16, two16 = (_cp_step(cfg, state, layout, torch.bfloat16, (3, 4), backward=False)["v"]
                     for layout in (ParallelLayout(), ParallelLayout(ulysses=2)))
     ref = fp32[(3, 4)]["v"]
@@ -411,7 +418,8 @@ def test_pp2_backward_under_1f1b_equals_pp1(figures) -> None:
 def test_cp2_generation_step_equals_cp1(figures) -> None:
     """Context parallelism 2 over the image query (k/v all-gathered over the cp group) gives cp 1's velocity and,
     summed over the cp ranks, every gradient (the weights' and the latents'), fp32, on an even (3 x 4 latents: 7 + 7
-    packed tokens) and an uneven (3 x 3: 5 + 6) split; bf16 within a few bf16 steps of fp32."""
+    packed tokens) and an uneven (3 x 3: 5 + 6) split, with each rank's loss on its shard or on the gathered
+    velocity over cp; bf16 within a few bf16 steps of fp32."""
     for rank, r in enumerate(figures):
         for w in (4, 3):
             assert r[f"cp2_{w}"] < 1e-5, r
@@ -420,6 +428,8 @@ def test_cp2_generation_step_equals_cp1(figures) -> None:
         assert r["cp2_4_n_local"] == 6, r  # 14 tokens: [start, 6 latents] | [6 latents, end]
         assert r["cp2_3_n_local"] == 4 + rank, r  # 11 tokens: [start, 4 latents] | [5 latents, end]
         assert all(e < 3e-2 for e in r["cp2_bf16"]), r["cp2_bf16"]
+        # a loss on `gather_velocity`'s whole velocity, divided by cp, gives the same gradients
+        assert r["cp2_gathered_loss_grads"] < 1e-5, r
 
 
 @pytest.mark.parametrize("layout,tp,pp", [("tp1", 1, 1), ("tp2", 2, 1), ("pp2", 1, 2)])
