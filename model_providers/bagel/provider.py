@@ -83,11 +83,10 @@ def transformer_config(name_or_config: str | dict[str, Any], *, tp: int = 1, pp:
 
 def build_model(name_or_config: str | dict[str, Any], groups, params_dtype: torch.dtype = torch.float32) -> BagelMoT:
     """This rank's `BagelMoT` stage (`groups`: `megatron_omni.parallel.ParallelGroups`; tp and pp are read from
-    its layout)."""
+    its layout, and a generation step splits its image tokens over `groups.cp`, ulysses x ring as one group: BAGEL's
+    context parallelism is the k/v all-gather of `models.bagel.mot`, see docs/families-bagel.md)."""
     cfg = bagel_config(name_or_config)
     layout = groups.layout
-    if layout.cp > 1:
-        raise ValueError("BAGEL has no context parallelism yet (see docs/families-bagel.md)")
     tcfg = transformer_config(cfg, tp=layout.tp, pp=layout.pp, params_dtype=params_dtype)
     return BagelMoT(tcfg, arch(cfg), groups)
 

@@ -220,6 +220,70 @@ def _pp_backward(cfg: dict, state: dict, latents: torch.Tensor) -> dict:
     return {"n": len(diffs), "max_rel": max(diffs), "none": sum(g is None for g in grads[2].values())}
 
 
+def _cp_step(cfg: dict, state: dict, layout: ParallelLayout, dtype: torch.dtype, grid: tuple[int, int],
+             backward: bool, gathered_loss: bool = False) -> dict:
+    """One generation step of our model at `layout` over a `grid` of latent tokens: the whole velocity [n, p]
+    (gathered over cp) and, with `backward`, the gradients of a fixed projection of it, summed over the cp ranks
+    (each cp rank's are its shard's share, as data-parallel reduction over dp x cp sums them), plus the latents'.
+    The loss is each rank's own shard's, or with `gathered_loss` the whole gathered velocity's divided by cp."""
+    from megatron_omni.models.bagel.model import latent_position_ids
+    from model_providers.bagel import provider
+
+    b = cfg["bagel"]
+    n = grid[0] * grid[1]
+    gen = torch.Generator().manual_seed(13)
+    latents = torch.randn(n, b["latent_patch_size"] ** 2 * b["vae_config"]["z_channels"], generator=gen)
+    weight = torch.randn(latents.shape, generator=gen)
+    pos = latent_position_ids(*grid, b["max_latent_size"])
+    markers = torch.tensor([cfg["tokens"]["start_of_image"], cfg["tokens"]["end_of_image"]])
+    groups = build_parallel_groups(layout)
+    seed_everything(0, tp_rank=0)
+    model = provider.build_model(cfg, groups, params_dtype=dtype)
+    provider.load_bagel_state(model, state)
+    with torch.no_grad():
+        _, kv, _ = model.stage_text(torch.tensor(PROMPT))
+    x = latents.to(dtype).requires_grad_(backward)
+    with torch.set_grad_enabled(backward):
+        v_local = model.stage_velocity(kv, len(PROMPT), markers, x, torch.full((n,), T, dtype=dtype), pos)
+        v = model.gather_velocity(v_local, n)
+    out = {"v": v.detach().float(), "n_local": v_local.shape[0]}
+    if backward:
+        shard = model.query_shard(n)
+        if gathered_loss:
+            ((v.float() * weight).sum() / groups.cp.size()).backward()
+        else:
+            lo = max(shard.bounds[0], 1) - 1 if shard is not None else 0
+            (v_local.float() * weight[lo:lo + v_local.shape[0]]).sum().backward()
+        grads = {k: p.grad for k, p in model.named_parameters() if p.grad is not None}
+        grads["latents"] = x.grad
+        for g in grads.values():
+            torch.distributed.all_reduce(g, group=groups.cp)
+        out["grads"] = grads
+    return out
+
+
+def _cp_parity(cfg: dict, state: dict) -> dict:
+    """Context parallelism 2 (`ParallelLayout(ulysses=2)`: BAGEL's k/v all-gather over the cp group) against cp 1
+    on the same weights: the velocity (fp32 and bf16; an even 3 x 4 and an uneven 3 x 3 split: 14 and 11 packed
+    tokens) and, fp32, every gradient."""
+    out, fp32 = {}, {}
+    for grid in ((3, 4), (3, 3)):
+        one = fp32[grid] = _cp_step(cfg, state, ParallelLayout(), torch.float32, grid, backward=True)
+        two = _cp_step(cfg, state, ParallelLayout(ulysses=2), torch.float32, grid, backward=True)
+        out[f"cp2_{grid[1]}"] = _rel(two["v"], one["v"])
+        out[f"cp2_{grid[1]}_n_local"] = two["n_local"]
+        g1, g2 = one["grads"], two["grads"]
+        out[f"cp2_{grid[1]}_grads"] = (len(g1), set(g1) == set(g2), max(_rel(g2[k], g1[k]) for k in g1))
+    g3 = _cp_step(cfg, state, ParallelLayout(ulysses=2), torch.float32, (3, 3), backward=True,
+                  gathered_loss=True)["grads"]
+    out["cp2_gathered_loss_grads"] = max(_rel(g3[k], g1[k]) for k in g1)
+    one16, two16 = (_cp_step(cfg, state, layout, torch.bfloat16, (3, 4), backward=False)["v"]
+                    for layout in (ParallelLayout(), ParallelLayout(ulysses=2)))
+    ref = fp32[(3, 4)]["v"]
+    out["cp2_bf16"] = (_rel(two16, one16), _rel(two16, ref), _rel(one16, ref))
+    return out
+
+
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).norm() / b.norm())
 
@@ -266,6 +330,7 @@ def _parity(rank: int, world_size: int, folder: str, ckpt: str) -> dict:
     out["ckpt_tp2"] = _load_checkpoint(cfg, state, ParallelLayout(tp=2), ckpt)
     out["ckpt_pp2"] = _load_checkpoint(cfg, state, ParallelLayout(pp=2), ckpt)
     out["pp2_backward"] = _pp_backward(cfg, state, latents)
+    out.update(_cp_parity(cfg, state))
     return out
 
 
@@ -348,6 +413,23 @@ def test_pp2_backward_under_1f1b_equals_pp1(figures) -> None:
     for r in figures:
         g = r["pp2_backward"]
         assert g["n"] > 0 and g["none"] == 0 and g["max_rel"] < 1e-5, g
+
+
+def test_cp2_generation_step_equals_cp1(figures) -> None:
+    """Context parallelism 2 over the image query (k/v all-gathered over the cp group) gives cp 1's velocity and,
+    summed over the cp ranks, every gradient (the weights' and the latents'), fp32, on an even (3 x 4 latents: 7 + 7
+    packed tokens) and an uneven (3 x 3: 5 + 6) split, with each rank's loss on its shard or on the gathered
+    velocity over cp; bf16 within a few bf16 steps of fp32."""
+    for rank, r in enumerate(figures):
+        for w in (4, 3):
+            assert r[f"cp2_{w}"] < 1e-5, r
+            n_grads, same_set, max_rel = r[f"cp2_{w}_grads"]
+            assert n_grads > 20 and same_set and max_rel < 1e-5, r[f"cp2_{w}_grads"]
+        assert r["cp2_4_n_local"] == 6, r  # 14 tokens: [start, 6 latents] | [6 latents, end]
+        assert r["cp2_3_n_local"] == 4 + rank, r  # 11 tokens: [start, 4 latents] | [5 latents, end]
+        assert all(e < 3e-2 for e in r["cp2_bf16"]), r["cp2_bf16"]
+        # a loss on `gather_velocity`'s whole velocity, divided by cp, gives the same gradients
+        assert r["cp2_gathered_loss_grads"] < 1e-5, r
 
 
 @pytest.mark.parametrize("layout,tp,pp", [("tp1", 1, 1), ("tp2", 2, 1), ("pp2", 1, 2)])

@@ -16,6 +16,10 @@ Pipeline parallelism splits the layers: a stage runs its own layers and keeps th
 the previous stage's hidden states). The small generation-side modules (time embedder, vae2llm, llm2vae,
 latent position table) are replicated over tensor-parallel ranks; the ViT/connector (understanding of input
 images) is not part of this module (t2i does not use it; it stays a frozen replicated module at the rollout).
+
+Context parallelism splits a generation step's image query (`stage_velocity`) into contiguous token shards over
+the cp group the model was built with; the prompt's understanding pass stays whole on every cp rank (it is causal
+and short), so every rank holds the whole text KV. See `mot.TokenShard` and docs/families-bagel.md.
 """
 
 from __future__ import annotations
@@ -31,7 +35,7 @@ from megatron.core.transformer.enums import ModelType
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from megatron_omni.models.bagel.mot import KV, MoTLayer, RMSNorm, route
+from megatron_omni.models.bagel.mot import KV, MoTLayer, RMSNorm, TokenShard, gather_uneven, route, shard_bounds
 
 
 @dataclass(frozen=True)
@@ -138,8 +142,11 @@ class BagelMoT(MegatronModule):
 
     # ------------------------------------------------------------------------------------------ pieces
     def rope(self, position_ids: torch.Tensor) -> torch.Tensor:
-        """RoPE frequencies [n, 1, 1, d] of position ids [n] (Qwen2's, non-interleaved halves)."""
-        return self.rotary(int(position_ids.max()) + 1)[position_ids]
+        """RoPE frequencies [n, 1, 1, d] of position ids [n] (Qwen2's, non-interleaved halves).
+
+        The whole table (`get_emb`): `RotaryEmbedding.forward` slices it per cp rank for causal load balancing,
+        while BAGEL's position ids are explicit (every image-query token sits at the prompt's length)."""
+        return self.rotary.get_emb(int(position_ids.max()) + 1)[position_ids]
 
     def embed_tokens(self, ids: torch.Tensor) -> torch.Tensor:
         """[n] token ids -> [n, 1, h] (first stage)."""
@@ -157,11 +164,13 @@ class BagelMoT(MegatronModule):
         return packed, gen_mask
 
     def run_layers(self, x: torch.Tensor, rope: torch.Tensor, gen_mask: torch.Tensor | None = None,
-                   prefix: list[KV] | None = None, causal: bool = False) -> tuple[torch.Tensor, list[KV]]:
-        """This stage's layers: x [n, 1, h] -> (x [n, 1, h], per local layer (k, v) of the n tokens)."""
+                   prefix: list[KV] | None = None, causal: bool = False,
+                   shard: TokenShard | None = None) -> tuple[torch.Tensor, list[KV]]:
+        """This stage's layers: x [n, 1, h] -> (x [n, 1, h], per local layer (k, v) of the n tokens); `shard`: x
+        is this rank's context-parallel shard (see `mot.MoTAttention.forward`)."""
         kvs = []
         for i, layer in enumerate(self.decoder.layers):
-            x, kv = layer(x, rope, gen_mask, None if prefix is None else prefix[i], causal)
+            x, kv = layer(x, rope, gen_mask, None if prefix is None else prefix[i], causal, shard)
             kvs.append(kv)
         return x, kvs
 
@@ -182,24 +191,53 @@ class BagelMoT(MegatronModule):
                 logits = self.output_layer(x)[0]
         return x, kvs, logits
 
+    def query_shard(self, n: int) -> TokenShard | None:
+        """The context-parallel split of a generation step's image query (n latent tokens + 2 markers) over this
+        model's cp group; None without context parallelism. `bounds` is this rank's [start, stop) in the packed
+        order [start marker, latents..., end marker]: the hidden states a pipeline stage passes are
+        [stop - start, 1, h]."""
+        cp = self.pg_collection.cp
+        return TokenShard(cp, n + 2) if cp is not None and cp.size() > 1 else None
+
     def stage_velocity(self, text_kv: list[KV], rope_position: int, marker_ids: torch.Tensor,
                        latents: torch.Tensor, timesteps: torch.Tensor, latent_pos_ids: torch.Tensor,
                        hidden: torch.Tensor | None = None) -> torch.Tensor:
         """One generation step on this stage (see the module docstring): `text_kv` this stage's cached prompt
-        KV, `rope_position` the prompt length (every image-query token's RoPE position).
+        KV, `rope_position` the prompt length (every image-query token's RoPE position). Every cp rank passes
+        the whole step (latents [n, p], timesteps [n], latent position ids [n]).
 
-        Returns the hidden states [n + 2, 1, h] for the next stage, or on the last stage the velocity [n, p]."""
+        Returns the hidden states [n + 2, 1, h] for the next stage, or on the last stage the velocity [n, p];
+        under context parallelism this rank's shard of either (`query_shard`; the velocity of the latent tokens
+        inside it, `gather_velocity` joins them)."""
         n = latents.shape[0]
+        shard = self.query_shard(n)
+        start, stop = shard.bounds if shard is not None else (0, n + 2)
         gen_mask = torch.zeros(n + 2, dtype=torch.bool, device=latents.device)
         gen_mask[1:-1] = True
         if self.pre_process:
+            # The whole query is embedded and then sliced: a per-token linear map, far cheaper than one layer.
             hidden, gen_mask = self.embed_image_query(marker_ids, latents, timesteps, latent_pos_ids)
-        rope = self.rope(torch.full((n + 2,), rope_position, dtype=torch.long, device=latents.device))
-        x, _ = self.run_layers(hidden, rope, gen_mask, prefix=text_kv)
+            hidden = hidden[start:stop]
+        gen_mask = gen_mask[start:stop]
+        rope = self.rope(torch.full((stop - start,), rope_position, dtype=torch.long, device=latents.device))
+        x, _ = self.run_layers(hidden, rope, gen_mask, prefix=text_kv, shard=shard)
         if not self.post_process:
             return x
         x = route(x, gen_mask, self.decoder.final_layernorm, self.decoder.final_layernorm_gen)
         return self.llm2vae(x[gen_mask][:, 0])
+
+    def gather_velocity(self, v: torch.Tensor, n: int) -> torch.Tensor:
+        """This cp rank's velocity [k, p] (`stage_velocity` on the last stage) -> the image's [n, p] (identity without
+        context parallelism). Differentiable with the all-gather's adjoint: a loss every cp rank computes whole
+        from the gathered velocity reaches the shards cp times once the dp x cp reduction sums it (divide it by
+        cp, or compute the loss on the rank's own shard as the parity test does)."""
+        shard = self.query_shard(n)
+        if shard is None:
+            return v
+        size = shard.group.size()
+        bounds = [shard_bounds(n + 2, size, r) for r in range(size)]
+        lengths = [max(0, min(b, n + 1) - max(a, 1)) for a, b in bounds]  # latents are packed positions 1..n
+        return gather_uneven(v, shard.group, lengths)
 
     def set_input_tensor(self, input_tensor) -> None:
         """Megatron's pipeline hook (inputs are passed to the stage methods explicitly instead)."""

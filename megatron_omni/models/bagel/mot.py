@@ -13,6 +13,11 @@ understanding pass that builds the prompt's KV cache) sends every token through 
 Shapes: packed tokens `[n, 1, h]` (Megatron's `[s, b, h]` with b = 1: BAGEL packs a request's tokens into one
 sequence); RoPE frequencies `[n, 1, 1, d]` per token (BAGEL's position ids: all tokens of one generated image
 share one position); KV `[m, g / tp, d]`.
+
+Context parallelism (a generation step only): the image query's tokens are split into contiguous shards over the
+cp group (`TokenShard`); each rank runs both experts on its own shard and all-gathers the shard's k/v (after
+QK-norm and RoPE) before attending, because the generation attention is non-causal (every query reads every
+image key). See docs/families-bagel.md for why this form and not Ulysses.
 """
 
 from __future__ import annotations
@@ -27,7 +32,42 @@ from megatron.core.transformer.mlp import MLP, MLPSubmodules
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+from megatron_omni.models.dit.cp_comm import gather_along_dim
+
 KV = tuple[torch.Tensor, torch.Tensor]
+
+
+def shard_bounds(total: int, size: int, rank: int) -> tuple[int, int]:
+    """[start, stop) of `rank`'s contiguous shard when `total` tokens split over `size` ranks (sizes differ by at
+    most one, none empty)."""
+    if total < size:
+        raise ValueError(f"{total} tokens cannot be split over {size} context-parallel ranks")
+    return rank * total // size, (rank + 1) * total // size
+
+
+def gather_uneven(x: torch.Tensor, group, lengths: list[int]) -> torch.Tensor:
+    """All-gather contiguous shards of different lengths along dim 0 in group-rank order: x [lengths[rank], ...]
+    -> [sum(lengths), ...]. Padded to the longest shard for the collective; backward is the reduce-scatter of
+    `gather_along_dim` (each rank's gradient of the gathered copy is summed back into the shard's owner)."""
+    c = max(lengths)
+    padded = F.pad(x, (0, 0) * (x.dim() - 1) + (0, c - x.shape[0]))
+    full = gather_along_dim(padded, 0, group)
+    keep = torch.cat([torch.arange(r * c, r * c + n, device=x.device) for r, n in enumerate(lengths)])
+    return full.index_select(0, keep)
+
+
+class TokenShard:
+    """A sequence of `total` tokens split contiguously over the ranks of `group` (this rank holds `bounds`)."""
+
+    def __init__(self, group, total: int) -> None:
+        self.group, self.total = group, total
+        size = group.size()
+        self.lengths = [b - a for a, b in (shard_bounds(total, size, r) for r in range(size))]
+        self.bounds = shard_bounds(total, size, group.rank())
+
+    def gather(self, x: torch.Tensor) -> torch.Tensor:
+        """This rank's shard x [stop - start, ...] -> the whole sequence [total, ...] (differentiable)."""
+        return gather_uneven(x, self.group, self.lengths)
 
 
 class RMSNorm(torch.nn.Module):
@@ -94,11 +134,13 @@ class MoTAttention(MegatronModule):
         return route(x, gen_mask, getattr(self, f"{which}_layernorm"), getattr(self, f"{which}_layernorm_gen"))
 
     def forward(self, x: torch.Tensor, rope: torch.Tensor, gen_mask: torch.Tensor | None, prefix: KV | None,
-                causal: bool) -> tuple[torch.Tensor, KV]:
+                causal: bool, shard: TokenShard | None = None) -> tuple[torch.Tensor, KV]:
         """x [n, 1, h], rope [n, 1, 1, d] -> (out [n, 1, h], this call's (k, v) [n, g/tp, d] after norm + RoPE).
 
         `prefix`: cached (k, v) [m, g/tp, d] every query also attends to (the prompt's, for a generation step).
-        `causal`: causal attention over the n tokens (only without a prefix: the understanding pass)."""
+        `causal`: causal attention over the n tokens (only without a prefix: the understanding pass).
+        `shard`: the n tokens are this rank's shard of a context-parallel sequence; every query attends over the
+        whole sequence's k/v, gathered over the shard's group (non-causal only)."""
         n = x.shape[0]
         qkv = route(x, gen_mask, lambda t: _first(self.linear_qkv(t)), lambda t: _first(self.linear_qkv_gen(t)))
         qkv = qkv.view(n, 1, self.num_groups, self.heads_per_group + 2, self.head_dim)
@@ -108,6 +150,10 @@ class MoTAttention(MegatronModule):
         k = apply_rotary_pos_emb(self._norm(k, "k", gen_mask), rope, self.config, cp_group=self.cp_group)
         k, v = k[:, 0], v[:, 0]  # [n, g/tp, d]
         kv = (k, v)
+        if shard is not None:
+            if causal:
+                raise ValueError("context parallelism gathers k/v for non-causal attention only")
+            k, v = shard.gather(k), shard.gather(v)
         if prefix is not None:
             if causal:
                 raise ValueError("causal attention over a cached prefix is not used by BAGEL's generation step")
@@ -136,10 +182,11 @@ class MoTLayer(MegatronModule):
         self.mlp_gen = MLP(config, spec, tp_group=tp_group)
 
     def forward(self, x: torch.Tensor, rope: torch.Tensor, gen_mask: torch.Tensor | None = None,
-                prefix: KV | None = None, causal: bool = False) -> tuple[torch.Tensor, KV]:
+                prefix: KV | None = None, causal: bool = False,
+                shard: TokenShard | None = None) -> tuple[torch.Tensor, KV]:
         """x [n, 1, h] -> (x [n, 1, h], this layer's (k, v) of the n tokens); see `MoTAttention.forward`."""
         h = route(x, gen_mask, self.input_layernorm, self.input_layernorm_gen)
-        h, kv = self.self_attention(h, rope, gen_mask, prefix, causal)
+        h, kv = self.self_attention(h, rope, gen_mask, prefix, causal, shard)
         x = x + h
         h = route(x, gen_mask, self.pre_mlp_layernorm, self.pre_mlp_layernorm_gen)
         h = route(h, gen_mask, lambda t: _first(self.mlp(t)), lambda t: _first(self.mlp_gen(t)))
