@@ -21,8 +21,8 @@ without autograd). With `model.lora.rank > 0` only adapters on the generation ex
 the rollout's modules at each sync. `algorithm.beta > 0` adds the KL of the window transitions against the initial
 model (a frozen copy; with LoRA the adapters off); `optim.ema_decay > 0` keeps a checkpointed EMA of the weights.
 Prompts are token ids or text through the folder's tokenizer (`model_providers.bagel.tokenizer`). Layout: tp, pp
-and dp (no cp; pp > 1 recomputes and updates through `trainer.bagel_pipeline`, the FlowGRPO loss alone: no LoRA, KL
-or EMA there); rollout tp 1 in this process, every rank's pipeline receiving every stage's tensors.
+and dp (no cp; pp > 1 recomputes and updates through `trainer.bagel_pipeline`, with LoRA, the KL term and the EMA as
+at pp 1); rollout tp 1 in this process, every rank's pipeline receiving every stage's tensors.
 """
 
 from __future__ import annotations
@@ -127,9 +127,6 @@ def check_config(cfg: JobConfig, planning: bool = False) -> None:
         (p.ulysses != 1 or p.ring != 1, "parallel", "BAGEL RL runs tp x pp x dp (no context parallelism)"),
         (p.pp > 1 and bcfg["llm_config"]["num_hidden_layers"] % p.pp, "parallel.pp",
          f"must divide BAGEL's {bcfg['llm_config']['num_hidden_layers']} layers"),
-        (p.pp > 1 and (cfg.model.lora.enabled or a.beta > 0 or cfg.optim.ema_decay > 0), "parallel.pp",
-         "must be 1 with LoRA, the KL term (algorithm.beta) or the EMA (the pipelined update is full fine-tuning "
-         "of the FlowGRPO loss alone)"),
         (r.engine != "vllm_omni", "rollout.engine", "must be vllm_omni (vLLM-Omni's BAGEL pipeline)"),
         (r.vllm_omni_process != "inline", "rollout.vllm_omni_process", "must be inline (the BAGEL pipeline runs "
          "in the trainer's process)"),
@@ -335,8 +332,9 @@ class BagelTrainer:
             from megatron_omni.checkpoint.lora import lora_sharded_state_dict
             from megatron_omni.models.lora import add_lora
 
+            # At pp > 1 a stage holds some of the layers: `lora_targets` checked the patterns on the whole model
             add_lora(self.model, lora_targets(cfg, bcfg), self.lora.rank, self.lora.alpha, self.lora.dropout,
-                     seed=cfg.seed, global_name=self.model.global_name)
+                     seed=cfg.seed, global_name=self.model.global_name, require_match=groups.layout.pp == 1)
             self.sharded_state = lora_sharded_state_dict
         dtype = torch_dtype(cfg.model.params_dtype)
         self.reference = (self._frozen_copy(bcfg, state, dtype) if cfg.algorithm.beta > 0 and not self.lora.enabled
@@ -497,7 +495,7 @@ class BagelTrainer:
                 part = traj.select(rows)
                 if self.groups.layout.pp > 1:
                     return bagel_pipeline.flowgrpo_backward(self.model, self.groups, part, self.markers, old[rows],
-                                                            adv[rows], c.algorithm.clip_range)
+                                                            adv[rows], c.algorithm.clip_range, beta, self._reference)
                 new, means, stds = window_transitions(self.model, part, self.markers)
                 kl = None
                 if beta > 0:

@@ -17,10 +17,19 @@ passes:
 
 The second forward recomputes what the first computed (same inputs, same weights). Loss metrics come from the last
 stage, broadcast over the pp group.
+
+The KL term (`algorithm.beta > 0`) joins pass 1: the reference (the frozen initial copy, or with LoRA the model
+with its adapters off) runs forward only through the pipeline over the same branches, the last stage takes its
+transition means and adds `beta * KL` to the loss before taking g = dL/dv, so pass 2 carries the KL's gradient too.
+The reference reuses the model's text KV: the understanding expert that builds it is frozen (and never adapted),
+so the copy's is the same. LoRA and the EMA need nothing here: the adapters are modules of each stage's layers
+(pass 2's backward reaches them), the EMA is updated per rank on its own shards after the optimizer step.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from typing import Any
 
 import torch
@@ -107,22 +116,37 @@ def window_log_probs(model: Any, groups: Any, traj: BagelTrajectory, markers: to
 
 
 def flowgrpo_backward(model: Any, groups: Any, traj: BagelTrajectory, markers: torch.Tensor,
-                      old: torch.Tensor, adv: torch.Tensor, clip_range: float | tuple[float, float]
+                      old: torch.Tensor, adv: torch.Tensor, clip_range: float | tuple[float, float],
+                      beta: float = 0.0, reference: Callable[[], AbstractContextManager[Any]] | None = None
                       ) -> dict[str, float]:
     """Forward and backward of the FlowGRPO loss over the window's transitions of `traj` (old log-probs [N, W],
     advantages [N]) on this rank's stage (grads accumulate in the DDP buffers; no optimizer step): the two passes of
-    the module docstring. Returns the loss's metrics on every stage. Collective over the pp group."""
-    from megatron_omni.trainer.bagel import window_transitions
+    the module docstring. `beta` > 0 adds the KL of the transitions against `reference()` (a context giving this
+    stage's reference model; `trainer.bagel.BagelTrainer._reference`). Returns the loss's metrics on every stage.
+    Collective over the pp group."""
+    from megatron_omni.trainer.bagel import window_kl, window_transitions
 
     caches = text_caches(model, groups, traj)
+    ref_vs = None
+    if beta > 0:
+        if reference is None:
+            raise ValueError("beta > 0 needs the reference model")
+        with reference() as ref:
+            ref_vs = branch_velocities(ref, groups, traj, markers, caches)
     vs = branch_velocities(model, groups, traj, markers, caches)
     grads: dict[Key, torch.Tensor] = {}
     metrics = None
     if vs is not None:
+        kl = None
+        if ref_vs is not None:
+            with torch.no_grad():
+                ref_means = window_transitions(model, traj, markers, lambda i, j, text: ref_vs[i, j, text])[1]
         for v in vs.values():
             v.requires_grad_(True)
-        new = window_transitions(model, traj, markers, lambda i, j, text: vs[i, j, text])[0]
-        loss = flowgrpo_loss(new, old, adv, clip_range)
+        new, means, stds = window_transitions(model, traj, markers, lambda i, j, text: vs[i, j, text])
+        if ref_vs is not None:
+            kl = window_kl(means, ref_means, stds)
+        loss = flowgrpo_loss(new, old, adv, clip_range, beta, kl)
         loss.loss.backward()
         grads = {k: torch.zeros_like(v) if v.grad is None else v.grad for k, v in vs.items()}
         metrics = {k: float(v) for k, v in loss.metrics.items()}
