@@ -466,9 +466,10 @@ class BagelTrainer:
         adv = group_advantages(all_r, all_g, std_mode=c.algorithm.std_mode, clip=c.algorithm.adv_clip)
         advantages = adv.advantages[offset: offset + len(traj)]
         t0 = time.perf_counter()
+        forwards: list[bagel_pipeline.Forward] = []  # pp > 1: the recompute's forward, reused by the first update
         if c.algorithm.old_logprob == "recompute":
             if g.layout.pp > 1:
-                old = bagel_pipeline.window_log_probs(self.model, g, traj, self.markers)
+                old = bagel_pipeline.window_log_probs(self.model, g, traj, self.markers, forwards)
             else:
                 with torch.no_grad():
                     old = window_log_probs(self.model, traj, self.markers)
@@ -477,25 +478,32 @@ class BagelTrainer:
         t["old_logprob"] = time.perf_counter() - t0
         gap = (old - traj.log_probs).abs()
         t0 = time.perf_counter()
-        metrics = self._update(traj, old, advantages, step)
+        metrics = self._update(traj, old, advantages, step, forwards[0] if forwards else None)
         t["train"] = time.perf_counter() - t0
         t["sync"] = self.sync_weights()
         metrics.update(step_metrics(all_r, adv.zero_std_ratio, float(gap.mean()), t, g.layout.world_size))
         metrics["train_rollout_dlogp_max"] = float(gap.max())
         return StepResult(metrics, traj, rewards, traj.images, texts)
 
-    def _update(self, traj: BagelTrajectory, old: torch.Tensor, adv: torch.Tensor, step: int) -> dict[str, float]:
+    def _update(self, traj: BagelTrajectory, old: torch.Tensor, adv: torch.Tensor, step: int,
+                forward: bagel_pipeline.Forward | None = None) -> dict[str, float]:
+        """The step's mini-batch updates; `forward` (pp > 1): the old log-probs' forward at the weights the first
+        mini-batch starts from."""
         c = self.cfg
         sums: dict[str, float] = {}
         tally = UpdateTally()
         chunks = mini_batch_rows(len(traj), c.seed, step, c.optim.mini_batches)
         beta = c.algorithm.beta
-        for rows in chunks:
-            def backward(rows: torch.Tensor = rows) -> dict[str, Any]:
+        for n, rows in enumerate(chunks):
+            # only the first mini-batch runs at the weights of the old log-probs' forward
+            reuse = forward.rows(rows.tolist()) if forward is not None and n == 0 else None
+
+            def backward(rows: torch.Tensor = rows, reuse: bagel_pipeline.Forward | None = reuse) -> dict[str, Any]:
                 part = traj.select(rows)
                 if self.groups.layout.pp > 1:
                     return bagel_pipeline.flowgrpo_backward(self.model, self.groups, part, self.markers, old[rows],
-                                                            adv[rows], c.algorithm.clip_range, beta, self._reference)
+                                                            adv[rows], c.algorithm.clip_range, beta, self._reference,
+                                                            reuse)
                 new, means, stds = window_transitions(self.model, part, self.markers)
                 kl = None
                 if beta > 0:

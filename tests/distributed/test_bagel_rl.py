@@ -311,7 +311,7 @@ def _pp_runs(rank: int, world_size: int, root: str) -> dict:
         run(cfg)
         out[name] = cfg.run_dir
     cfg = _lora_config(str(Path(root) / "lora_pp2"))
-    cfg.parallel.tp, cfg.parallel.pp = 1, 2
+    cfg.parallel.tp, cfg.parallel.pp, cfg.eval.prompts = 1, 2, []  # the evaluation is tp 2's test (~1 s here)
     run(cfg)
     out["lora_pp2"] = cfg.run_dir
     return out
@@ -463,10 +463,9 @@ def _swiglu_global_rows(b: torch.Tensor, tp: int) -> torch.Tensor:
 
 def test_lora_and_kl_at_pp2_equal_tp2(tp2_job: tuple[Future, object]) -> None:
     """`_lora_config`'s LoRA run with the KL term (reference: the adapters off) at pp 2 against its tp 2 run (the
-    first of `_lora_runs`), on the same two ranks: the same rewards and held-out evaluation, the same grad norms
-    and KL, recompute = rollout (the merged adapters of both stages reached both ranks' pipelines), the same
-    adapters in the step-2 checkpoints."""
-    import json
+    first of `_lora_runs`), on the same two ranks: the same rewards, the same grad norms and KL, recompute = rollout
+    (the merged adapters of both stages reached both ranks' pipelines), the same adapters in the step-2
+    checkpoints."""
     from pathlib import Path
 
     from megatron_omni.trainer.checkpointing import read_checkpoint_tensors
@@ -488,9 +487,3 @@ def test_lora_and_kl_at_pp2_equal_tp2(tp2_job: tuple[Future, object]) -> None:
     worst = max(float((a[k] - b[k]).abs().max()) for k in a)
     print(f"LoRA pp2 vs tp2 adapters after {LORA_STEPS} steps: max |diff| {worst:.2e}")
     assert worst < PP_LORA_TOL, worst
-    evals = {k: [json.loads(x) for x in (Path(out[k]) / "eval.jsonl").read_text().splitlines()]
-             for k in ("lora_pp2", "full")}
-    assert evals["lora_pp2"][0] == evals["full"][0], evals  # before training: the same model
-    assert [e["step"] for e in evals["lora_pp2"]] == [0, LORA_STEPS], evals
-    # after: adapters equal to ~1e-5, JPEG sizes of the 8-bit images may differ by a byte (measured: equal)
-    assert abs(evals["lora_pp2"][1]["reward_mean"] - evals["full"][1]["reward_mean"]) < 5e-3, evals
