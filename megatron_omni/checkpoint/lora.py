@@ -40,17 +40,27 @@ def lora_sharded_state_dict(model: torch.nn.Module) -> ShardedStateDict:
     """This rank's adapters as a `ShardedStateDict` keyed by local parameter name (`<linear>.lora.lora_a`):
     ShardedTensors `lora.<global linear name>.lora_a|lora_b` whose data is the parameter (so the optimizer maps
     its state onto them and a load writes in place); the split factor at its tp offset (column: B on dim 0,
-    row: A on dim 1), the replicated one with tp replica ids. Needs `model.global_name` and `pg_collection`."""
+    row: A on dim 1), the replicated one with tp replica ids. A fused SwiGLU fc1's B (each tp rank's rows
+    `[gate_r; up_r]`) goes through Megatron-Core's gate/up factory as the fc1 weight does, so the checkpoint holds
+    the global `[gate; up]` at any tp (contiguous shards would hold `[gate_0; up_0; gate_1; up_1]` at tp 2, and a
+    resume at another tp would permute the rows). Needs `model.global_name` and `pg_collection`."""
+    from megatron.core.transformer.mlp import apply_swiglu_sharded_factory
+
     pg = model.pg_collection
     tp_rank, tp_size, dp_rank = pg.tp.rank(), pg.tp.size(), pg.dp_cp.rank()
+    modules = dict(model.named_modules())
     out: ShardedStateDict = {}
     for name, a in adapters(model).items():
         split_factor, dim = ("lora_a", 1) if a.parallel == "row" else ("lora_b", 0)
+        swiglu = name.endswith("linear_fc1") and getattr(getattr(modules[name], "config", None),
+                                                         "gated_linear_unit", False)
         for factor in ("lora_a", "lora_b"):
             key = f"{LORA_PREFIX}{model.global_name(name)}.{factor}"
             t = getattr(a, factor)
             if factor == split_factor:
                 sh = ShardedTensor.from_rank_offsets(key, t, (dim, tp_rank, tp_size), replica_id=(0, 0, dp_rank))
+                if swiglu:
+                    sh = apply_swiglu_sharded_factory(sh, ())
             else:
                 sh = ShardedTensor.from_rank_offsets(key, t, replica_id=(0, tp_rank, dp_rank))
             out[f"{name}.lora.{factor}"] = sh

@@ -21,8 +21,8 @@ without autograd). With `model.lora.rank > 0` only adapters on the generation ex
 the rollout's modules at each sync. `algorithm.beta > 0` adds the KL of the window transitions against the initial
 model (a frozen copy; with LoRA the adapters off); `optim.ema_decay > 0` keeps a checkpointed EMA of the weights.
 Prompts are token ids or text through the folder's tokenizer (`model_providers.bagel.tokenizer`). Layout: tp, pp
-and dp (no cp; pp > 1 recomputes and updates through `trainer.bagel_pipeline`, the FlowGRPO loss alone: no LoRA, KL
-or EMA there); rollout tp 1 in this process, every rank's pipeline receiving every stage's tensors.
+and dp (no cp; pp > 1 recomputes and updates through `trainer.bagel_pipeline`, with LoRA, the KL term and the EMA as
+at pp 1); rollout tp 1 in this process, every rank's pipeline receiving every stage's tensors.
 """
 
 from __future__ import annotations
@@ -127,9 +127,6 @@ def check_config(cfg: JobConfig, planning: bool = False) -> None:
         (p.ulysses != 1 or p.ring != 1, "parallel", "BAGEL RL runs tp x pp x dp (no context parallelism)"),
         (p.pp > 1 and bcfg["llm_config"]["num_hidden_layers"] % p.pp, "parallel.pp",
          f"must divide BAGEL's {bcfg['llm_config']['num_hidden_layers']} layers"),
-        (p.pp > 1 and (cfg.model.lora.enabled or a.beta > 0 or cfg.optim.ema_decay > 0), "parallel.pp",
-         "must be 1 with LoRA, the KL term (algorithm.beta) or the EMA (the pipelined update is full fine-tuning "
-         "of the FlowGRPO loss alone)"),
         (r.engine != "vllm_omni", "rollout.engine", "must be vllm_omni (vLLM-Omni's BAGEL pipeline)"),
         (r.vllm_omni_process != "inline", "rollout.vllm_omni_process", "must be inline (the BAGEL pipeline runs "
          "in the trainer's process)"),
@@ -335,8 +332,9 @@ class BagelTrainer:
             from megatron_omni.checkpoint.lora import lora_sharded_state_dict
             from megatron_omni.models.lora import add_lora
 
+            # At pp > 1 a stage holds some of the layers: `lora_targets` checked the patterns on the whole model
             add_lora(self.model, lora_targets(cfg, bcfg), self.lora.rank, self.lora.alpha, self.lora.dropout,
-                     seed=cfg.seed, global_name=self.model.global_name)
+                     seed=cfg.seed, global_name=self.model.global_name, require_match=groups.layout.pp == 1)
             self.sharded_state = lora_sharded_state_dict
         dtype = torch_dtype(cfg.model.params_dtype)
         self.reference = (self._frozen_copy(bcfg, state, dtype) if cfg.algorithm.beta > 0 and not self.lora.enabled
@@ -468,9 +466,10 @@ class BagelTrainer:
         adv = group_advantages(all_r, all_g, std_mode=c.algorithm.std_mode, clip=c.algorithm.adv_clip)
         advantages = adv.advantages[offset: offset + len(traj)]
         t0 = time.perf_counter()
+        forwards: list[bagel_pipeline.Forward] = []  # pp > 1: the recompute's forward, reused by the first update
         if c.algorithm.old_logprob == "recompute":
             if g.layout.pp > 1:
-                old = bagel_pipeline.window_log_probs(self.model, g, traj, self.markers)
+                old = bagel_pipeline.window_log_probs(self.model, g, traj, self.markers, forwards)
             else:
                 with torch.no_grad():
                     old = window_log_probs(self.model, traj, self.markers)
@@ -479,25 +478,32 @@ class BagelTrainer:
         t["old_logprob"] = time.perf_counter() - t0
         gap = (old - traj.log_probs).abs()
         t0 = time.perf_counter()
-        metrics = self._update(traj, old, advantages, step)
+        metrics = self._update(traj, old, advantages, step, forwards[0] if forwards else None)
         t["train"] = time.perf_counter() - t0
         t["sync"] = self.sync_weights()
         metrics.update(step_metrics(all_r, adv.zero_std_ratio, float(gap.mean()), t, g.layout.world_size))
         metrics["train_rollout_dlogp_max"] = float(gap.max())
         return StepResult(metrics, traj, rewards, traj.images, texts)
 
-    def _update(self, traj: BagelTrajectory, old: torch.Tensor, adv: torch.Tensor, step: int) -> dict[str, float]:
+    def _update(self, traj: BagelTrajectory, old: torch.Tensor, adv: torch.Tensor, step: int,
+                forward: bagel_pipeline.Forward | None = None) -> dict[str, float]:
+        """The step's mini-batch updates; `forward` (pp > 1): the old log-probs' forward at the weights the first
+        mini-batch starts from."""
         c = self.cfg
         sums: dict[str, float] = {}
         tally = UpdateTally()
         chunks = mini_batch_rows(len(traj), c.seed, step, c.optim.mini_batches)
         beta = c.algorithm.beta
-        for rows in chunks:
-            def backward(rows: torch.Tensor = rows) -> dict[str, Any]:
+        for n, rows in enumerate(chunks):
+            # only the first mini-batch runs at the weights of the old log-probs' forward
+            reuse = forward.rows(rows.tolist()) if forward is not None and n == 0 else None
+
+            def backward(rows: torch.Tensor = rows, reuse: bagel_pipeline.Forward | None = reuse) -> dict[str, Any]:
                 part = traj.select(rows)
                 if self.groups.layout.pp > 1:
                     return bagel_pipeline.flowgrpo_backward(self.model, self.groups, part, self.markers, old[rows],
-                                                            adv[rows], c.algorithm.clip_range)
+                                                            adv[rows], c.algorithm.clip_range, beta, self._reference,
+                                                            reuse)
                 new, means, stds = window_transitions(self.model, part, self.markers)
                 kl = None
                 if beta > 0:

@@ -15,12 +15,24 @@ passes:
    micro-batch (times the number of micro-batches: the schedule divides by it), whose parameter gradient is
    `sum g . dv/dtheta`, the chain rule of the pp 1 backward at the same velocities.
 
-The second forward recomputes what the first computed (same inputs, same weights). Loss metrics come from the last
+The second forward recomputes what the first computed (same inputs, same weights). Pass 1 of the first mini-batch
+is the old log-probs' forward itself (`window_log_probs` keeps it: no update has moved the weights in between), so
+with one mini-batch a step runs the window forward twice, as at pp 1 (the old log-probs, then the update's forward
+with its backward), not three times. Loss metrics come from the last
 stage, broadcast over the pp group.
+
+The KL term (`algorithm.beta > 0`) joins pass 1: the reference (the frozen initial copy, or with LoRA the model
+with its adapters off) runs forward only through the pipeline over the same branches, the last stage takes its
+transition means and adds `beta * KL` to the loss before taking g = dL/dv, so pass 2 carries the KL's gradient too.
+The reference reuses the model's text KV: the understanding expert that builds it is frozen (and never adapted),
+so the copy's is the same. LoRA and the EMA need nothing here: the adapters are modules of each stage's layers
+(pass 2's backward reaches them), the EMA is updated per rank on its own shards after the optimizer step.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from typing import Any
 
 import torch
@@ -91,12 +103,31 @@ def branch_velocities(model: Any, groups: Any, traj: BagelTrajectory, markers: t
     return out if groups.is_last_stage else None
 
 
-def window_log_probs(model: Any, groups: Any, traj: BagelTrajectory, markers: torch.Tensor) -> torch.Tensor:
-    """Window log-probs [N, W] (fp32) under the pipelined model, on every stage (forward only). Collective over the
-    pp group."""
+class Forward:
+    """One forward of a trajectory's window (`window_log_probs`): this stage's text KV per sample and, on the last
+    stage, the raw branch velocities. The update's first mini-batch reuses it when the weights have not moved since
+    (`rows`), instead of running pass 1's forward again."""
+
+    def __init__(self, caches: list[Any], vs: dict[Key, torch.Tensor] | None) -> None:
+        self.caches, self.vs = caches, vs
+
+    def rows(self, rows: list[int]) -> Forward:
+        """The forward of `traj.select(rows)` (samples renumbered 0..len(rows)-1, as the selection)."""
+        vs = None if self.vs is None else {(k, j, t): v for (i, j, t), v in self.vs.items() if i in rows
+                                           for k in [rows.index(i)]}
+        return Forward([self.caches[i] for i in rows], vs)
+
+
+def window_log_probs(model: Any, groups: Any, traj: BagelTrajectory, markers: torch.Tensor,
+                     keep: list[Forward] | None = None) -> torch.Tensor:
+    """Window log-probs [N, W] (fp32) under the pipelined model, on every stage (forward only); `keep` receives the
+    forward (`Forward`). Collective over the pp group."""
     from megatron_omni.trainer.bagel import window_transitions
 
-    vs = branch_velocities(model, groups, traj, markers, text_caches(model, groups, traj))
+    caches = text_caches(model, groups, traj)
+    vs = branch_velocities(model, groups, traj, markers, caches)
+    if keep is not None:
+        keep.append(Forward(caches, vs))
     if vs is not None:
         with torch.no_grad():
             log_probs = window_transitions(model, traj, markers, lambda i, j, text: vs[i, j, text])[0].contiguous()
@@ -107,22 +138,38 @@ def window_log_probs(model: Any, groups: Any, traj: BagelTrajectory, markers: to
 
 
 def flowgrpo_backward(model: Any, groups: Any, traj: BagelTrajectory, markers: torch.Tensor,
-                      old: torch.Tensor, adv: torch.Tensor, clip_range: float | tuple[float, float]
-                      ) -> dict[str, float]:
+                      old: torch.Tensor, adv: torch.Tensor, clip_range: float | tuple[float, float],
+                      beta: float = 0.0, reference: Callable[[], AbstractContextManager[Any]] | None = None,
+                      forward: Forward | None = None) -> dict[str, float]:
     """Forward and backward of the FlowGRPO loss over the window's transitions of `traj` (old log-probs [N, W],
     advantages [N]) on this rank's stage (grads accumulate in the DDP buffers; no optimizer step): the two passes of
-    the module docstring. Returns the loss's metrics on every stage. Collective over the pp group."""
-    from megatron_omni.trainer.bagel import window_transitions
+    the module docstring. `beta` > 0 adds the KL of the transitions against `reference()` (a context giving this
+    stage's reference model; `trainer.bagel.BagelTrainer._reference`). `forward`: pass 1's forward already run at
+    the current weights (the old log-probs', `window_log_probs`), reused. Returns the loss's metrics on every stage.
+    Collective over the pp group."""
+    from megatron_omni.trainer.bagel import window_kl, window_transitions
 
-    caches = text_caches(model, groups, traj)
-    vs = branch_velocities(model, groups, traj, markers, caches)
+    caches = text_caches(model, groups, traj) if forward is None else forward.caches
+    ref_vs = None
+    if beta > 0:
+        if reference is None:
+            raise ValueError("beta > 0 needs the reference model")
+        with reference() as ref:
+            ref_vs = branch_velocities(ref, groups, traj, markers, caches)
+    vs = branch_velocities(model, groups, traj, markers, caches) if forward is None else forward.vs
     grads: dict[Key, torch.Tensor] = {}
     metrics = None
     if vs is not None:
+        kl = None
+        if ref_vs is not None:
+            with torch.no_grad():
+                ref_means = window_transitions(model, traj, markers, lambda i, j, text: ref_vs[i, j, text])[1]
         for v in vs.values():
             v.requires_grad_(True)
-        new = window_transitions(model, traj, markers, lambda i, j, text: vs[i, j, text])[0]
-        loss = flowgrpo_loss(new, old, adv, clip_range)
+        new, means, stds = window_transitions(model, traj, markers, lambda i, j, text: vs[i, j, text])
+        if ref_vs is not None:
+            kl = window_kl(means, ref_means, stds)
+        loss = flowgrpo_loss(new, old, adv, clip_range, beta, kl)
         loss.loss.backward()
         grads = {k: torch.zeros_like(v) if v.grad is None else v.grad for k, v in vs.items()}
         metrics = {k: float(v) for k, v in loss.metrics.items()}

@@ -31,6 +31,8 @@ PP_TOL = 1e-5  # pp 2 against pp 1 (tp 2), relative: loss and grad norm (measure
 # pp 2 against pp 1 (tp 2): the weights after 2 Adam updates at lr 2e-2 (each moves an entry by up to ~lr); measured
 # 5.6e-4: Adam's normalisation amplifies the fp32 rounding of near-zero gradient entries
 PP_WEIGHT_TOL = 2e-3
+PP_EMA_TOL = 5e-4  # the EMA (decay 0.9) of those weights, pp 2 against pp 1: measured 1.1e-4
+PP_LORA_TOL = 1e-4  # LoRA adapters after 2 updates (lr 2e-2), pp 2 against tp 2: measured 8.1e-6
 
 
 def _checks(rank: int, world_size: int, folder: str) -> dict:
@@ -285,12 +287,15 @@ def _tp2_job(rank: int, world_size: int, root: str) -> dict:
 
 
 PP_STEPS = 2
+PP_BETA, PP_EMA = 0.1, 0.9  # the KL term and the EMA of the pp 2 / pp 1 pair
+LORA_BETA = 0.1  # the KL term of the LoRA runs (reference: the adapters off)
 
 
 def _pp_runs(rank: int, world_size: int, root: str) -> dict:
-    """The tiny recipe's full fine-tuning (2 samples a step, one update, lr 2e-2) for 2 steps at pp 2 (the update
-    through 1F1B, `trainer.bagel_pipeline`) and at tp 2 (pp 1, plain autograd) on the same two ranks; each run's
-    last checkpoint. Rank 0 returns the folders."""
+    """The tiny recipe's full fine-tuning (2 samples a step, one update, lr 2e-2) with the KL term and the EMA for 2
+    steps at pp 2 (the update through 1F1B, `trainer.bagel_pipeline`) and at tp 2 (pp 1, plain autograd) on the
+    same two ranks; then `_lora_config`'s LoRA run at pp 2 (its tp 2 run is `_lora_runs`' first). Rank 0 returns
+    the folders."""
     from pathlib import Path
 
     from examples.bagel.recipe import tiny
@@ -302,8 +307,13 @@ def _pp_runs(rank: int, world_size: int, root: str) -> dict:
         cfg.run_dir, cfg.steps, cfg.parallel.tp, cfg.parallel.pp = str(Path(root) / name), PP_STEPS, tp, pp
         cfg.rollout.prompts_per_step, cfg.rollout.group_size, cfg.optim.mini_batches = 1, 2, 1
         cfg.optim.lr, cfg.checkpoint.every, cfg.logging.tensorboard = 2e-2, PP_STEPS, False
+        cfg.algorithm.beta, cfg.optim.ema_decay = PP_BETA, PP_EMA
         run(cfg)
         out[name] = cfg.run_dir
+    cfg = _lora_config(str(Path(root) / "lora_pp2"))
+    cfg.parallel.tp, cfg.parallel.pp, cfg.eval.prompts = 1, 2, []  # the evaluation is tp 2's test (~1 s here)
+    run(cfg)
+    out["lora_pp2"] = cfg.run_dir
     return out
 
 
@@ -319,7 +329,7 @@ def _lora_config(run_dir: str):
     cfg = tiny()
     cfg.run_dir, cfg.steps, cfg.parallel.tp = run_dir, LORA_STEPS, 2
     cfg.rollout.prompts_per_step, cfg.rollout.group_size, cfg.optim.mini_batches = 1, 2, 1
-    cfg.model.lora.rank, cfg.model.lora.alpha, cfg.optim.lr = 4, 8.0, 2e-2
+    cfg.model.lora.rank, cfg.model.lora.alpha, cfg.optim.lr, cfg.algorithm.beta = 4, 8.0, 2e-2, LORA_BETA
     cfg.checkpoint.every, cfg.checkpoint.keep = 1, 5
     cfg.eval.prompts, cfg.eval.seeds_per_prompt, cfg.eval.num_steps = ["17 42 99 7", "8 9 10"], 1, 3
     cfg.logging.tensorboard = False
@@ -391,28 +401,80 @@ def test_lora_at_tp2_resumes_bit_identically_and_evaluates(tp2_job: tuple[Future
     assert (full / "eval_before_after.png").is_file() and (resumed / "eval_before_after.png").is_file()
 
 
-def test_pp2_steps_equal_pp1(tp2_job: tuple[Future, object]) -> None:
-    """2 RL steps at pp 2 (1F1B) and at pp 1 (tp 2) of one config: the same rewards, losses, grad norms and
-    updated weights (the step-2 checkpoints), recompute = rollout in both (the step-2 rollout ran on the synced
-    weights, every stage's tensors broadcast into both ranks' pipelines)."""
+def _metrics(run_dir: str) -> list[dict]:
     import json
+    from pathlib import Path
+
+    return [json.loads(x) for x in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
+
+
+def _close(a: float, b: float, tol: float = PP_TOL) -> bool:
+    return abs(a - b) <= tol * max(1.0, abs(b))
+
+
+def test_pp2_steps_equal_pp1(tp2_job: tuple[Future, object]) -> None:
+    """2 RL steps at pp 2 (1F1B) and at pp 1 (tp 2) of one config with the KL term and the EMA: the same rewards,
+    losses (the KL term apart), grad norms, updated weights and EMA weights (the step-2 checkpoints), recompute =
+    rollout in both (the step-2 rollout ran on the synced weights, every stage's tensors broadcast into both ranks'
+    pipelines)."""
     from pathlib import Path
 
     from megatron_omni.trainer.checkpointing import complete_checkpoints, read_checkpoint_tensors
 
     out = tp2_job[0].result()[0]
-    hist = {k: [json.loads(x) for x in (Path(out[k]) / "metrics.jsonl").read_text().splitlines()]
-            for k in ("pp2", "pp1")}
-    print({k: [{m: h[m] for m in ("reward_mean", "policy_loss", "grad_norm", "train_rollout_dlogp_max")}
+    from megatron_omni.planner.mot import is_generation_tensor
+
+    hist = {k: _metrics(out[k]) for k in ("pp2", "pp1")}
+    print({k: [{m: h[m] for m in ("reward_mean", "policy_loss", "kl_loss", "grad_norm", "train_rollout_dlogp_max")}
                for h in v] for k, v in hist.items()})
     assert len(hist["pp2"]) == len(hist["pp1"]) == PP_STEPS
     for a, b in zip(hist["pp2"], hist["pp1"], strict=True):
         assert a["reward_mean"] == b["reward_mean"] and a["grad_norm"] > 0, (a, b)
         for key in ("policy_loss", "grad_norm"):
-            assert abs(a[key] - b[key]) <= PP_TOL * max(1.0, abs(b[key])), (key, a, b)
+            assert _close(a[key], b[key]), (key, a, b)
         assert a["train_rollout_dlogp_max"] < FP32_TOL and b["train_rollout_dlogp_max"] < FP32_TOL, (a, b)
+    # the KL against the initial copy: 0 before the first update, then > 0 and the same at both layouts (relative:
+    # measured 3.5e-6 of 2.7e-3)
+    assert hist["pp2"][0]["kl_loss"] == hist["pp1"][0]["kl_loss"] == 0, hist
+    kl2, kl1 = hist["pp2"][1]["kl_loss"], hist["pp1"][1]["kl_loss"]
+    assert kl1 > 0 and abs(kl2 - kl1) <= PP_TOL * kl1, (kl2, kl1)
     a, b = (read_checkpoint_tensors(complete_checkpoints(Path(out[k]))[-1])["model"] for k in ("pp2", "pp1"))
     assert a.keys() == b.keys() and len(a) > 0
-    worst = max(float((a[k].float() - b[k].float()).abs().max()) for k in a)
-    print(f"pp2 vs pp1 weights after {PP_STEPS} steps: max |diff| {worst:.2e}")
+    weights = [k for k in a if not k.startswith("ema.")]
+    assert sorted(a) == sorted(weights + [f"ema.{k}" for k in weights])  # the EMA checkpointed at pp 2
+    worst = max(float((a[k].float() - b[k].float()).abs().max()) for k in weights)
+    worst_ema = max(float((a[f"ema.{k}"].float() - b[f"ema.{k}"].float()).abs().max()) for k in weights)
+    print(f"pp2 vs pp1 after {PP_STEPS} steps: weights max |diff| {worst:.2e}, EMA {worst_ema:.2e}")
     assert worst < PP_WEIGHT_TOL, worst
+    assert worst_ema < PP_EMA_TOL, worst_ema
+    # the pp-2 EMA was updated: it lags the model on every trained tensor, equals it on every frozen one
+    lag = {k: float((a[f"ema.{k}"].float() - a[k].float()).abs().max()) for k in weights}
+    assert min(v for k, v in lag.items() if is_generation_tensor(k)) > 0, lag
+    assert max(v for k, v in lag.items() if not is_generation_tensor(k)) == 0, lag
+
+
+def test_lora_and_kl_at_pp2_equal_tp2(tp2_job: tuple[Future, object]) -> None:
+    """`_lora_config`'s LoRA run with the KL term (reference: the adapters off) at pp 2 against its tp 2 run (the
+    first of `_lora_runs`), on the same two ranks: the same rewards, the same grad norms and KL, recompute = rollout
+    (the merged adapters of both stages reached both ranks' pipelines), the same adapters in the step-2
+    checkpoints (the fused SwiGLU fc1's B in global [gate; up] order at tp 2 too: `checkpoint.lora`)."""
+    from pathlib import Path
+
+    from megatron_omni.trainer.checkpointing import read_checkpoint_tensors
+
+    out = tp2_job[0].result()[0]
+    hist = {k: _metrics(out[k]) for k in ("lora_pp2", "full")}
+    print({k: [{m: h[m] for m in ("reward_mean", "kl_loss", "grad_norm", "train_rollout_dlogp_max")} for h in v]
+           for k, v in hist.items()})
+    assert len(hist["lora_pp2"]) == len(hist["full"]) == LORA_STEPS
+    for a, b in zip(hist["lora_pp2"], hist["full"], strict=True):
+        assert a["reward_mean"] == b["reward_mean"] and a["grad_norm"] > 0, (a, b)
+        assert _close(a["grad_norm"], b["grad_norm"]) and a["train_rollout_dlogp_max"] < FP32_TOL, (a, b)
+    kl2, kl1 = hist["lora_pp2"][1]["kl_loss"], hist["full"][1]["kl_loss"]
+    assert hist["lora_pp2"][0]["kl_loss"] == 0 and kl1 > 0 and abs(kl2 - kl1) <= PP_TOL * kl1, (kl2, kl1)
+    last = f"step_{LORA_STEPS:06d}"
+    a, b = (read_checkpoint_tensors(Path(out[k]) / "checkpoints" / last)["model"] for k in ("lora_pp2", "full"))
+    assert a.keys() == b.keys() and len(a) == 16, sorted(a)
+    worst = max(float((a[k] - b[k]).abs().max()) for k in a)
+    print(f"LoRA pp2 vs tp2 adapters after {LORA_STEPS} steps: max |diff| {worst:.2e}")
+    assert worst < PP_LORA_TOL, worst

@@ -48,8 +48,8 @@ def test_unsupported_settings_refused_by_name(field: str, value, named: str) -> 
 
 
 def test_lora_kl_ema_settings() -> None:
-    """LoRA, the KL term and the EMA validate; LoRA adapts generation-expert linears only, takes merged weights
-    and no EMA."""
+    """LoRA, the KL term and the EMA validate, at pp 1 and pp 2; LoRA adapts generation-expert linears only, takes
+    merged weights and no EMA."""
     cfg = tiny()
     cfg.model.lora.rank, cfg.algorithm.beta = 4, 0.01
     cfg.validate(world_size=1)
@@ -67,11 +67,13 @@ def test_lora_kl_ema_settings() -> None:
         cfg.validate(world_size=1)
     cfg.model.lora.rank = 0
     cfg.validate(world_size=1)
-    cfg.parallel.pp = 2  # pipelined: full fine-tuning of the FlowGRPO loss alone (the EMA here is refused)
-    with pytest.raises(ConfigError, match="parallel.pp: must be 1 with LoRA"):
-        cfg.validate(world_size=2)
-    cfg.optim.ema_decay, cfg.algorithm.beta = 0.0, 0.0
+    cfg.parallel.pp = 2  # pipelined: the KL term and the EMA as at pp 1; LoRA too, still without the EMA
     cfg.validate(world_size=2)
+    cfg.model.lora.rank, cfg.optim.ema_decay = 4, 0.0
+    cfg.validate(world_size=2)
+    cfg.optim.ema_decay = 0.9
+    with pytest.raises(ConfigError, match="optim.ema_decay"):
+        cfg.validate(world_size=2)
 
 
 def test_text_prompts_through_the_folders_tokenizer(tmp_path) -> None:
