@@ -1,6 +1,12 @@
 """Our SDE pipeline class over vLLM-Omni 0.30's Qwen-Image edit plus pipeline (`FlowGRPOQwenImageEditPipeline`), on
 two gloo ranks (rollout tp 2: the transformer really sharded), against the embedded diffusers edit engine.
 
+The tiny folder has Qwen-Image-Edit-2511's layout: `zero_cond_t: true` in its transformer config (the source tokens
+modulated with the timestep-0 embedding; the flag adds no weight), which both loaders read. The 2509 layout (no flag)
+is the same modules with the flag off (the flag is the only thing their constructors set from it): the two-source
+record is also sampled that way on both engines, which moves it well beyond the tolerance (so an engine ignoring
+the flag fails the comparison).
+
 vLLM-Omni's own loader builds the class from the tiny edit folder (as `custom_pipeline_args` makes a worker do); its
 trajectories (images, window latents, log-probs, text and negative embeddings, source tokens) equal
 `EditRolloutEngine`'s for the same records and seeds with true CFG, over one-source records and a record of two
@@ -42,6 +48,15 @@ def _diff(a, b) -> dict:
     return trajectory_diff(a, b, FIELDS, meta=("prompts", "cond_shapes", "cfg_rescale"))
 
 
+def _flags(transformer, value: bool | None = None) -> list[bool]:
+    """Every `zero_cond_t` attribute of a Qwen-Image transformer (diffusers': the model and its blocks; vLLM-Omni's
+    also its `ModulateIndexPrepare`), set to `value` first when given."""
+    modules = [m for m in transformer.modules() if hasattr(m, "zero_cond_t")]
+    for m in modules if value is not None else ():
+        m.zero_cond_t = value
+    return [m.zero_cond_t for m in modules]
+
+
 def _case(rank: int, world_size: int, folder: str, prompts: list[str], two: str) -> dict:
     from megatron_omni.bridge import WeightSync
     from megatron_omni.bridge.family_sync import family_plans
@@ -64,11 +79,21 @@ def _case(rank: int, world_size: int, folder: str, prompts: list[str], two: str)
               if not k.startswith("_")}
     with inline.vllm_omni_model(folder, world_size, EDIT_PIPELINE_CLASS) as pipe:
         res["class"] = type(pipe).__name__
+        res["zero_cond_t"] = (_flags(pipe.transformer), _flags(ref.transformer))
         res["sharded"] = tuple(pipe.transformer.transformer_blocks[0].attn.to_qkv.weight.shape)
         # 1. parity with the embedded edit engine under true CFG: one-source records, then two sources
         got = pipe.rollout(prompts, CFG, group_size=2, seeds=SEEDS)
         res["cfg"] = _diff(got, ref.generate(prompts, CFG, group_size=2, seeds=SEEDS))
-        res["two"] = _diff(pipe.rollout([two], CFG, seeds=[9]), ref.generate([two], CFG, seeds=[9]))
+        two_2511 = pipe.rollout([two], CFG, seeds=[9])
+        res["two"] = _diff(two_2511, ref.generate([two], CFG, seeds=[9]))
+        # the 2509 layout: both engines with the flag off
+        _flags(pipe.transformer, False)
+        _flags(ref.transformer, False)
+        two_2509 = pipe.rollout([two], CFG, seeds=[9])
+        res["two_2509"] = _diff(two_2509, ref.generate([two], CFG, seeds=[9]))
+        res["moved_2509"] = float((two_2509.next_latents - two_2511.next_latents).abs().max())
+        _flags(pipe.transformer, True)
+        _flags(ref.transformer, True)
         outputs = pipe.forward(request_batch(prompts, CFG, SEEDS))
         res["forward"] = _diff(record_to_trajectory([o.trajectory_latents for o in outputs], CFG), got)
         res["forward_output"] = (tuple(outputs[0].output.shape), float(outputs[0].output.min()) < 0)
@@ -101,6 +126,8 @@ def results(tmp_path_factory) -> list[dict]:
 
     root = tmp_path_factory.mktemp("edit_vllm")
     folder = str(make_tiny_edit_pipeline(root / "tiny-edit", seed=0))
+    config = Path(folder, "transformer", "config.json")  # Qwen-Image-Edit-2511's layout
+    config.write_text(json.dumps({**json.loads(config.read_text()), "zero_cond_t": True}, indent=2, sort_keys=True))
     rng = np.random.RandomState(1)
     paths = []
     for i, size in enumerate([(64, 64), (80, 64), (128, 64)]):
@@ -114,11 +141,15 @@ def results(tmp_path_factory) -> list[dict]:
 def test_edit_pipeline_is_loaded_by_vllm_omni_and_equals_the_diffusers_edit_engine(results: list[dict]) -> None:
     for r in results:
         assert r["class"] == "FlowGRPOQwenImageEditPipeline"
+        vllm_flags, diffusers_flags = r["zero_cond_t"]  # read from the folder by both loaders
+        assert vllm_flags == [True] * 4 and diffusers_flags == [True] * 3, r["zero_cond_t"]
         assert r["sharded"][0] == 3 * r["sharded"][1] // 2  # fused q/k/v rows, split over tp=2
-        for case in ("cfg", "two"):
+        for case in ("cfg", "two", "two_2509"):
             print(f"edit vllm-omni tp=2 {case} vs diffusers edit engine max |diff|:",
                   {k: f"{v:.1e}" for k, v in r[case].items()})
             assert all(v <= TOL for v in r[case].values()), (case, r[case])
+        print(f"the two-source record without zero_cond_t moved by {r['moved_2509']:.1e}")
+        assert r["moved_2509"] > 10 * TOL, r["moved_2509"]  # the flag acts on this record
         assert all(v == 0 for v in r["forward"].values()), r["forward"]  # the request path: the same records
         assert r["forward_output"] == ((1, 3, 64, 64), True)  # the image in [-1, 1]
         lengths, want = r["text_lengths"]
