@@ -18,6 +18,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import multiprocessing as mp
+import multiprocessing.util  # noqa: F401  (before close_pools is registered: see there)
 import os
 import queue
 import time
@@ -186,6 +187,9 @@ _POOLS: dict[int, _RankPool] = {}
 @atexit.register
 def close_pools() -> None:
     # The ranks hold nothing worth a clean shutdown, and a gloo teardown can wait on its peers: kill them.
+    # Exit handlers run last-registered first, and multiprocessing's own joins every live non-daemonic child (ours
+    # wait for tasks forever): it must be registered before this one (the import at the top), so that this one
+    # runs first. Imported lazily, at the first start of a process, it hung a script's exit.
     for pool in _POOLS.values():
         pool.close(graceful=False)
     _POOLS.clear()

@@ -3,6 +3,9 @@ traceback, and a hung rank fails the test within the timeout instead of stalling
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import time
 
 import pytest
@@ -72,3 +75,12 @@ def test_a_pool_whose_port_was_taken_starts_again_on_another(monkeypatch: pytest
         monkeypatch.setattr(rank_pool, "free_port", lambda: ports.pop() if ports else real())
         assert run_ranks(_all_reduce_rank, 1, fresh=True, timeout_s=60) == [0.0]
         assert ports == [], "the taken port was handed to the first pool"
+
+
+def test_a_script_that_used_a_pool_exits() -> None:
+    """multiprocessing's exit handler joins every live child; the pool's own handler must kill the ranks first
+    (registered after it), or a script (a benchmark) that ran ranks hangs after its last line."""
+    code = "from operator import add\nfrom megatron_omni.parallel.rank_pool import run_ranks\nprint(run_ranks(add, 1))"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MASTER_")}
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0 and proc.stdout.strip() == "[1]", proc.stderr[-2000:]
