@@ -364,7 +364,9 @@ class VllmOmniRolloutEngine:
         from megatron_omni.rollout.vllm_omni.pipeline import diffusers_shapes
 
         names = self._rpc("quantized_weight_names")[0]
-        check_quantized_names(names, self.quantization, diffusers_shapes(self.transformer_config()))
+        index = json.loads((self.model_path / "model_index.json").read_text())
+        model_class = (index.get("transformer") or [None, "QwenImageTransformer2DModel"])[1]
+        check_quantized_names(names, self.quantization, diffusers_shapes(self.transformer_config(), model_class))
         self.load_weights(self.initial_state_dict().items())
 
     def _rpc(self, method: str, *args: Any) -> list[Any]:
