@@ -123,21 +123,21 @@ def _error(fn, *args) -> str:
     return "no error"
 
 
-def _fp8(folder: str, family: str, pipeline_class: str, fam, hf_cfg: dict, trainer, merged, weights: dict, groups,
+def _fp8(folder: str, family: str, fam, hf_cfg: dict, trainer, merged, weights: dict, groups,
          world_size: int) -> dict:
-    """FP8 rollout on vLLM-Omni at rollout tp 1 (each rank its own engine, built with vLLM's ModelOpt FP8 config):
-    the trainer's merged-LoRA weights synced through the family's plan into the worker's receiver (quantized there,
-    one layer-wise reload); the probe against the trainer's, the FP8 engine against the fake-quantized diffusers
-    engine and the unquantized one holding the same weights, and the trainer's log-probs of its rollout."""
+    """FP8 rollout on vLLM-Omni at rollout tp 1 (each rank its own engine, built by the registry with vLLM's ModelOpt
+    FP8 config, the folder's weights quantized in): the trainer's merged-LoRA weights synced through the family's plan
+    into the engine's sink (the worker's receiver: quantized there, one layer-wise reload); the probe against the
+    trainer's, the FP8 engine against the fake-quantized diffusers engine and the unquantized one holding the same
+    weights, and the trainer's log-probs of its rollout."""
     from megatron_omni.algorithms.transition import recompute_log_probs
     from megatron_omni.bridge import WeightSync
     from megatron_omni.bridge.family_sync import family_plans
     from megatron_omni.models.dit.diffusers_interface import DiffusersForward
     from megatron_omni.rollout.probe import PROBE_DISTILLED_GUIDANCE, check_quantized_probe, probe_trajectory
     from megatron_omni.rollout.quantization import QuantizationSpec, probe_relative_tolerance
-    from megatron_omni.rollout.vllm_omni import inline
-    from megatron_omni.rollout.vllm_omni.fp8 import check_quantized_names, fp8_layers, vllm_quantization_config
-    from megatron_omni.rollout.vllm_omni.worker import WeightReceiver
+    from megatron_omni.rollout.registry import EngineSettings, build_engine
+    from megatron_omni.rollout.vllm_omni.fp8 import check_quantized_names, fp8_layers
 
     spec = QuantizationSpec("fp8", tuple(fam.quantized_linears))
     traits = fam.traits
@@ -148,36 +148,42 @@ def _fp8(folder: str, family: str, pipeline_class: str, fam, hf_cfg: dict, train
         trainer_means = recompute_log_probs(probe, DiffusersForward(trainer), return_means=True).means
     ref, _ = _engines(family, folder)
     fake = type(ref)(folder, max_batch_size=4, quantization=spec)
-    for engine in (ref, fake):
-        engine.load_weights(weights.items())
+    for e in (ref, fake):
+        e.load_weights(weights.items())
     rel = probe_relative_tolerance(spec)
     out: dict = {}
-    with inline.vllm_omni_model(folder, 1, pipeline_class, quantization_config=vllm_quantization_config(spec)) as pipe:
+    # the registry's builder, inline: vLLM-Omni's pipeline in this rank, the folder's weights quantized in
+    engine = build_engine("vllm_omni", folder, EngineSettings(tp=1, quantization=spec, vllm_omni_process="inline"))
+    try:
+        pipe = engine.omni.pipeline
         layers = fp8_layers(pipe.transformer)
         out["fp8_layers"] = len(layers)
         out["fp8_dtypes"] = sorted({str(m.weight.dtype) for m in layers.values()})
         out["quantized_names"] = len(pipe.fp8_reloader.quantized)
         out["names_check"] = _error(check_quantized_names, pipe.fp8_reloader.quantized, spec, pipe.full_shapes)
-        stale = pipe.stepper.probe(probe)
-        receiver = WeightReceiver(pipe)
+        stale = engine.probe(probe)
+        # the trainer's merged weights through the bridge into the engine's sink, as the trainer syncs
+        sink = engine.weight_sink()
+        out["in_place"] = sink.in_place
         plan = family_plans(fam, hf_cfg, trainer_tp=world_size, rollout_kind="vllm_omni", rollout_tp=1,
                             mode="full")["transformer"]
-        receiver.begin()
-        WeightSync(plan, sources=merged, target=receiver.target(), tp_group=groups.tp, tp_rank=groups.tp.rank(),
-                   bucket_bytes=16 * 1024).sync()
-        out["synced"] = receiver.finish()
-        means = pipe.stepper.probe(probe)
+        with engine.weight_update():
+            WeightSync(plan, sources=merged, target=sink.target, tp_group=groups.tp, tp_rank=groups.tp.rank(),
+                       bucket_bytes=16 * 1024).sync()
+        means = engine.probe(probe)
         got = check_quantized_probe(means, trainer_means, probe, 1e-4, rel, "after the FP8 sync")
         out["probe"] = (got.quantization_diff, got.bound)
         out["stale"] = _error(check_quantized_probe, stale, trainer_means, probe, 1e-4, rel, "stale FP8 copy")
         out["probe_vs_fake"] = float((means - fake.probe(probe)).abs().max())
         out["unquantized_view"] = float((fake.probe_unquantized(probe) - trainer_means).abs().max())
         cfg = CASES[family]["cfg"]
-        traj = pipe.rollout(PROMPTS, cfg, seeds=[7, 8])
+        traj = engine.generate(PROMPTS, cfg, seeds=[7, 8])
         fields = ("latents", "next_latents", "log_probs", "final_latents", "images")
         for name, other in (("vs_fake", fake), ("vs_unquantized", ref)):
             theirs = other.generate(PROMPTS, cfg, seeds=[7, 8])
             out[name] = {f: float((getattr(traj, f) - getattr(theirs, f)).abs().max()) for f in fields}
+    finally:
+        engine.close()
     with torch.no_grad():  # the trainer/rollout gap: the trainer's log-probs of the FP8 engine's transitions
         gap = (recompute_log_probs(traj, DiffusersForward(trainer)).log_probs - traj.log_probs).abs()
     out["gap"] = (float(gap.mean()), float(gap.max()))
@@ -276,7 +282,7 @@ def _case(rank: int, world_size: int, family: str, folder: str) -> dict:
                            ref.generate(PROMPTS, cfg, group_size=2, seeds=SEEDS))
     # 4. FP8 at rollout tp 1, fed the trainer's merged LoRA weights
     t0 = time.perf_counter()
-    res["fp8"] = _fp8(folder, family, pipeline_class, fam, hf_cfg, trainer, merged, merged_weights, groups, world_size)
+    res["fp8"] = _fp8(folder, family, fam, hf_cfg, trainer, merged, merged_weights, groups, world_size)
     res["fp8_s"] = time.perf_counter() - t0
     return res
 
@@ -384,7 +390,7 @@ def test_fp8_rollout_on_vllm_omni_at_rollout_tp1(results: list[dict], family: st
               f"trainer/rollout log-prob gap mean {f['gap'][0]:.1e} max {f['gap'][1]:.1e}")
         assert (f["fp8_layers"], f["quantized_names"]) == FP8_LINEARS[family], f
         assert f["fp8_dtypes"] == ["torch.float8_e4m3fn"] and f["names_check"] == "no error", f
-        assert f["synced"] > 0
+        assert not f["in_place"]  # FP8: the checkpoint layout through the worker's receiver
         assert 0 < f["probe"][0] <= f["probe"][1], f["probe"]
         assert f["stale"].startswith("ProbeMismatch"), f["stale"]
         # one forward: the same FP8 values as ModelOpt's fake quantization (a real FP8 GEMM: fp32 rounding)
