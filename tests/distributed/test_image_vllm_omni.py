@@ -88,14 +88,16 @@ def _lora_merged(pipe, ref, trainer, fam, family: str, hf_cfg: dict, receiver, g
     weights (gathered from the merged shards)."""
     from megatron_omni.bridge import WeightSync
     from megatron_omni.bridge.family_sync import family_plans
-    from megatron_omni.bridge.lora_sync import MergedSources, merged_linears
+    from megatron_omni.bridge.lora_sync import LoRAAdapterSync, MergedSources, merged_linears
     from megatron_omni.models.lora import adapters, add_lora
+    from megatron_omni.rollout.vllm_omni import inline
     from megatron_omni.trainer.config import LoRAConfig
 
     provider = __import__(f"model_providers.{family}.provider", fromlist=["provider"])
     provider.load_hf_state_dict(trainer, ref.transformer.state_dict())
     lora = LoRAConfig(rank=4, alpha=8.0)
-    add_lora(trainer, lora.target_patterns(), lora.rank, lora.alpha, seed=0, global_name=trainer.global_name)
+    linears = [trainer.global_name(n) for n in add_lora(trainer, lora.target_patterns(), lora.rank, lora.alpha,
+                                                         seed=0, global_name=trainer.global_name)]
     g = torch.Generator().manual_seed(7)
     for a in adapters(trainer).values():
         a.lora_b.data.copy_(0.05 * torch.randn(a.lora_b.shape, generator=g))
@@ -109,8 +111,21 @@ def _lora_merged(pipe, ref, trainer, fam, family: str, hf_cfg: dict, receiver, g
     want = provider.stage_hf_tensors(trainer, local | {n: merged[n] for n in merged.linears})  # pp 1: global names
     ref.load_weights([(k, v) for k, v in want.items() if k in pipe.full_shapes])
     after = pipe.rollout(PROMPTS, CASES[family]["cfg"], seeds=[7, 8])
+    # adapter-only (`rollout.lora_sync=adapter`): the base weights back, then the adapters into vLLM-Omni's own LoRA
+    # layers (its request path); the rollout equals the merged one
+    WeightSync(plan, sources=fam.megatron_sources(trainer)["transformer"], target=receiver.target(),
+               tp_group=groups.tp, tp_rank=groups.tp.rank(), bucket_bytes=16 * 1024).sync()
+    base_rollout = pipe.rollout(PROMPTS, CASES[family]["cfg"], seeds=[7, 8]).images
+    worker = inline.worker_with_extension(pipe)
+    sync = LoRAAdapterSync(trainer, SimpleNamespace(load_lora=worker.load_flowgrpo_lora), fam, hf_cfg, linears,
+                           lora.rank, lora.alpha, groups.tp, groups.mcore.pp, trainer.global_name)
+    adapter_modules = sync.sync().modules
+    adapted = pipe.rollout(PROMPTS, CASES[family]["cfg"], seeds=[7, 8])
     return {"lora": _diff(after, ref.generate(PROMPTS, CASES[family]["cfg"], seeds=[7, 8])),
             "lora_changed": float((after.images - before).abs().max()), "lora_adapted": len(merged.linears),
+            "adapter": _diff(adapted, after), "adapter_modules": adapter_modules,
+            "adapter_layers": len(worker._flowgrpo_lora_receiver.layers),
+            "adapter_base_moved": float((base_rollout - after.images).abs().max()),
             "_merged": (merged, {k: v for k, v in want.items() if k in pipe.full_shapes})}
 
 
@@ -366,6 +381,14 @@ def test_each_rule_trains_lora_at_cp_or_pp(folders: dict[str, str], family: str,
 
 def test_lora_merged_into_vllm_omni_equals_the_diffusers_engine(results: list[dict], family: str) -> None:
     for r in results:
+        print(f"{family} vllm-omni tp=2 adapter-only LoRA ({r['adapter_modules']} modules, {r['adapter_layers']} "
+              "vLLM-Omni LoRA layers) vs the merged sync max |diff|:",
+              {k: f"{v:.1e}" for k, v in r["adapter"].items()},
+              f"(the base alone is {r['adapter_base_moved']:.3g} off)")
+        # every adapted Megatron linear reaches vLLM-Omni (a fused q/k/v as its diffusers q, k and v modules)
+        assert r["adapter_modules"] >= r["lora_adapted"] and r["adapter_layers"] > 0, r
+        assert r["adapter_base_moved"] > 1e-3, r["adapter_base_moved"]  # the base sync took the adapters out
+        _assert_same(r["adapter"])
         print(f"{family} vllm-omni tp=2 after a merged LoRA sync ({r['lora_adapted']} adapted linears) vs diffusers "
               f"engine max |diff|:", {k: f"{v:.1e}" for k, v in r["lora"].items()},
               f"moved {r['lora_changed']:.3g}, took {r['lora_s']:.1f} s")

@@ -189,11 +189,12 @@ class _FlowGRPOImage:
         self.fp8_reloader = None
         quant_config = self.od_config.quantization_config
         if fp8.is_modelopt_fp8(quant_config):
-            layout = self._rollout_layout()
+            layout = self.rollout_layout()
             self._quantize_linears(layout, quant_config)
             self.fp8_reloader = fp8.attach_reloader(self.transformer, self.full_shapes, layout)
 
-    def _rollout_layout(self) -> Any:
+    def rollout_layout(self) -> Any:
+        """The family's vLLM-Omni rollout layout (the bridge's `rule(hf name)`: FP8 names, LoRA module names)."""
         import importlib
 
         return importlib.import_module(f"model_providers.{self.family}.rollout_layouts").rollout_layout("vllm_omni")
@@ -300,6 +301,13 @@ def _build_flux_class() -> type:
             FluxPipeline.__init__(self, od_config=od_config, prefix=prefix)
             # FluxPipeline's post-processing of packed 2 x 2 latents (vLLM-Omni builds it only in its post-process)
             self.image_processor = VaeImageProcessor(vae_scale_factor=self.vae_scale_factor * 2)
+            # vLLM-Omni's LoRA manager learns which diffusers projections a fused layer packs from a module's
+            # `stacked_params_mapping` attribute (SD3's `load_weights` sets one); its FLUX module declares them only
+            # as `packed_modules_mapping`, so an adapter on `to_q` would not bind to `to_qkv` without this
+            t = self.transformer
+            if getattr(t, "stacked_params_mapping", None) is None:
+                t.stacked_params_mapping = [(f".{packed}", f".{part}", shard) for packed, parts in
+                                            t.packed_modules_mapping.items() for part, shard in zip(parts, "qkv")]
             self._setup(FluxSdeStepper)
 
     FlowGRPOFluxPipeline.__module__ = __name__
