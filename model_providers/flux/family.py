@@ -25,7 +25,7 @@ FAMILY = ModelFamily(
     megatron_sources=provider.megatron_sources,
     megatron_module=FluxModel,
     tiny_pipeline=TinyPipeline(make=provider.make_tiny_pipeline, transformer_config=provider.tiny_transformer_config),
-    # FP8 rollout on the embedded diffusers engine (vLLM-Omni's FLUX pipeline class refuses it: not wired there)
+    # FP8 rollout on both engines (the embedded one fake-quantizes these linears, vLLM-Omni holds them in FP8)
     quantized_linears=QUANTIZED_LINEARS,
     # Images as FLUX's packed 2 x 2 latent patches (one token = in_channels values); the pooled CLIP embedding and
     # the distilled guidance scale ride in the trajectory; no true CFG (FLUX.1-dev is guidance-distilled); no Flash

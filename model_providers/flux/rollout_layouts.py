@@ -32,16 +32,13 @@ _NON_BLOCK = tuple(f"{m}.{k}" for m in (
 _QK_NORMS = ("attn.norm_q.weight", "attn.norm_k.weight")
 
 # The linears vLLM-Omni 0.30.0's FLUX module builds with the engine's quantization config, as diffusers module names
-# (`rollout.quantization`, the embedded engine's fake FP8 quantizes the same ones): in the double-stream blocks the
-# attention projections (fused there as `to_qkv` / `add_kv_proj`), both MLPs and both adaLN linears (`norm1`,
-# `norm1_context`: its `AdaLayerNormZero` takes the config); in the single-stream blocks `attn.to_q/k/v`,
-# `proj_mlp` and `proj_out`. The single blocks' adaLN (`norm.linear`) and every non-block layer get
-# `safe_quant_config` there (full precision), so they stay in full precision here too.
-QUANTIZED_LINEARS = tuple(f"transformer_blocks.*.{m}" for m in (
-    "attn.to_q", "attn.to_k", "attn.to_v", "attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj", "attn.to_out.0",
-    "attn.to_add_out", "ff.net.0.proj", "ff.net.2", "ff_context.net.0.proj", "ff_context.net.2", "norm1.linear",
-    "norm1_context.linear")) + tuple(f"single_transformer_blocks.*.{m}" for m in (
-        "attn.to_q", "attn.to_k", "attn.to_v", "proj_mlp", "proj_out"))
+# (`rollout.quantization`; the embedded engine's fake FP8 quantizes the same ones): the single-stream blocks'
+# `attn.to_q/k/v` (fused there as `to_qkv`), `proj_mlp` and `proj_out`. Its `FluxTransformer2DModel` hands the
+# double-stream blocks `safe_quant_config(quant_config)` (none for FP8: the config meant for norm / modulation
+# layers, vllm-omni #2728), so every double-stream linear stays in full precision, as do the single blocks' adaLN
+# (`norm.linear`) and every non-block layer (measured: 3 FP8 layers per single block, none in a double block).
+QUANTIZED_LINEARS = tuple(f"single_transformer_blocks.*.{m}" for m in (
+    "attn.to_q", "attn.to_k", "attn.to_v", "proj_mlp", "proj_out"))
 
 
 def _double_rules() -> tuple[RolloutRule, ...]:

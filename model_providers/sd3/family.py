@@ -9,6 +9,7 @@ from megatron_omni.models.dit.sd3_model import SD3Model
 from model_providers.qwen_image.mapping import hf_to_megatron, megatron_to_hf
 from model_providers.registry import DiTTraits, ModelFamily, TinyPipeline
 from model_providers.sd3 import presets, provider
+from model_providers.sd3.rollout_layouts import QUANTIZED_LINEARS
 
 FAMILY = ModelFamily(
     name="sd3",
@@ -24,6 +25,8 @@ FAMILY = ModelFamily(
     megatron_sources=provider.megatron_sources,
     megatron_module=SD3Model,
     tiny_pipeline=TinyPipeline(make=provider.make_tiny_pipeline, transformer_config=provider.tiny_transformer_config),
+    # FP8 rollout on both engines (the embedded one fake-quantizes these linears, vLLM-Omni holds them in FP8)
+    quantized_linears=QUANTIZED_LINEARS,
     # Images as [b, c, H, W] latents carried as packed p x p patch tokens (one token = c x p x p values); SD3.5's
     # pooled CLIP embedding rides in the trajectory; true CFG is flow_grpo's plain (unrescaled) guidance, chosen by
     # the engine and recorded in the trajectory; no Flash tail (SD3.5 samples a static-shift grid).

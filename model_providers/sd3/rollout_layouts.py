@@ -20,6 +20,17 @@ from model_providers.registry import RolloutRule, SameNameLayout
 
 ROLLOUT_KINDS = ("vllm_omni", "diffusers")
 
+# The linears an FP8 rollout quantizes (`rollout.quantization`), as diffusers module names: the blocks' attention
+# projections (fused in vLLM-Omni as `to_qkv` / `add_kv_proj`) and both MLPs, the set FLUX.1's vLLM-Omni module
+# quantizes less what SD3.5 builds otherwise. vLLM-Omni 0.30.0's SD3 module passes its quantization config to no
+# linear, so our pipeline class rebuilds these with it (`rollout/vllm_omni/fp8.quantize_linears`). Full precision:
+# the adaLN linears (diffusers' `nn.Linear`s in vLLM-Omni, which take no vLLM quantization method), every non-block
+# layer, and a dual-attention block's `attn2` (SD3.5 Large has none: a pattern that matches no linear is refused by
+# the fake quantizer of the embedded engine).
+QUANTIZED_LINEARS = tuple(f"transformer_blocks.*.{m}" for m in (
+    "attn.to_q", "attn.to_k", "attn.to_v", "attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj", "attn.to_out.0",
+    "attn.to_add_out", "ff.net.0.proj", "ff.net.2", "ff_context.net.0.proj", "ff_context.net.2"))
+
 _NON_BLOCK = tuple(f"{m}.{k}" for m in (
     "pos_embed.proj", "time_text_embed.timestep_embedder.linear_1", "time_text_embed.timestep_embedder.linear_2",
     "time_text_embed.text_embedder.linear_1", "time_text_embed.text_embedder.linear_2", "context_embedder",

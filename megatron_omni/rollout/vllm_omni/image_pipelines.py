@@ -15,8 +15,10 @@ seeds and weights each gives its diffusers engine's trajectory.
 
 Where this differs from vLLM-Omni's own sampling, on purpose: each request is one sample (seed, SDE window and record
 per request, as for Qwen-Image); the text encoders are called one prompt at a time (the engines' embedding cache);
-FP8 is refused: SD3.5 names no quantized linears; FLUX.1 names vLLM-Omni's (its FP8 rollout runs on the embedded
-diffusers engine), but feeding this class's FP8 linears from the bridge (`vllm_omni/fp8.py`) is not wired.
+FP8 (an engine built with `fp8.vllm_quantization_config`): the linears the family names (`quantized_linears`) hold
+vLLM's FP8 weights, fed from the bridge through `fp8.Fp8WeightReloader` as Qwen-Image's are. FLUX.1's are those
+vLLM-Omni's FLUX module builds with the engine's quantization config; vLLM-Omni 0.30.0's SD3 module passes its config
+to no linear, so our SD3 class rebuilds the ones SD3.5's family names with it (`fp8.quantize_linears`).
 
 The request's `DiffusionOutput.output` is the image `[1, 3, H, W]` in [-1, 1]; the trajectory record (with the pooled
 embeddings and the distilled guidance) is in `trajectory_latents` (`pipeline.sample_record`).
@@ -174,15 +176,31 @@ class _FlowGRPOImage:
 
     supports_step_execution = False  # each request carries its own seed, SDE window and record
 
-    def _setup(self, stepper_class: type) -> None:
-        from megatron_omni.rollout.vllm_omni.fp8 import is_modelopt_fp8
+    family = ""  # the model family (its vLLM-Omni rollout layout and quantized linears)
 
-        if is_modelopt_fp8(self.od_config.quantization_config):
-            raise ValueError(f"the vLLM-Omni {type(self).__name__} runs unquantized (its FP8 weight feed is not "
-                             "wired; FLUX.1's FP8 rollout runs on rollout.engine=diffusers)")
+    def _setup(self, stepper_class: type) -> None:
+        from megatron_omni.rollout.vllm_omni import fp8
+
         self.transformer.load_weights = fused_loader(self.transformer.load_weights)
         self.stepper = stepper_class(self, max_batch_size=int(getattr(self.od_config, "max_batch_size", 0) or 8))
         self.full_shapes = self.stepper.full_shapes  # what the worker extension checks updates against
+        # An FP8 engine: its linears are (re)loaded through vLLM's layer-wise reload, which needs each layer's
+        # checkpoint layout recorded now, before vLLM-Omni's loader fills and post-processes it (vllm_omni.fp8).
+        self.fp8_reloader = None
+        quant_config = self.od_config.quantization_config
+        if fp8.is_modelopt_fp8(quant_config):
+            layout = self.rollout_layout()
+            self._quantize_linears(layout, quant_config)
+            self.fp8_reloader = fp8.attach_reloader(self.transformer, self.full_shapes, layout)
+
+    def rollout_layout(self) -> Any:
+        """The family's vLLM-Omni rollout layout (the bridge's `rule(hf name)`: FP8 names, LoRA module names)."""
+        import importlib
+
+        return importlib.import_module(f"model_providers.{self.family}.rollout_layouts").rollout_layout("vllm_omni")
+
+    def _quantize_linears(self, layout: Any, quant_config: Any) -> None:
+        """Give the family's quantized linears vLLM's FP8 method where vLLM-Omni's module did not (nothing here)."""
 
     def rollout(self, prompts: Sequence[str], params: SamplingParams, group_size: int = 1,
                 seeds: Sequence[int] | None = None, on_sample=None) -> Any:
@@ -244,6 +262,17 @@ def _build_sd3_class() -> type:
     class FlowGRPOSD3Pipeline(_FlowGRPOImage, StableDiffusion3Pipeline):
         """vLLM-Omni's SD3 pipeline, denoised by our SDE stepper (see the module docstring)."""
 
+        family = "sd3"
+
+        def _quantize_linears(self, layout: Any, quant_config: Any) -> None:
+            from megatron_omni.rollout.quantization import QuantizationSpec, quantized_names
+            from megatron_omni.rollout.vllm_omni.fp8 import quantize_linears
+            from model_providers import get_family
+
+            spec = QuantizationSpec("fp8", tuple(get_family("sd3").quantized_linears))
+            modules = {layout.rule(n)[0].removesuffix(".weight") for n in quantized_names(self.full_shapes, spec)}
+            quantize_linears(self.transformer, modules, quant_config)
+
         def __init__(self, *, od_config: Any, prefix: str = "") -> None:
             check_folder(od_config.model)
             StableDiffusion3Pipeline.__init__(self, od_config=od_config, prefix=prefix)
@@ -265,11 +294,20 @@ def _build_flux_class() -> type:
     class FlowGRPOFluxPipeline(_FlowGRPOImage, FluxPipeline):
         """vLLM-Omni's FLUX.1 pipeline, denoised by our SDE stepper (see the module docstring)."""
 
+        family = "flux"
+
         def __init__(self, *, od_config: Any, prefix: str = "") -> None:
             check_folder(od_config.model)
             FluxPipeline.__init__(self, od_config=od_config, prefix=prefix)
             # FluxPipeline's post-processing of packed 2 x 2 latents (vLLM-Omni builds it only in its post-process)
             self.image_processor = VaeImageProcessor(vae_scale_factor=self.vae_scale_factor * 2)
+            # vLLM-Omni's LoRA manager learns which diffusers projections a fused layer packs from a module's
+            # `stacked_params_mapping` attribute (SD3's `load_weights` sets one); its FLUX module declares them only
+            # as `packed_modules_mapping`, so an adapter on `to_q` would not bind to `to_qkv` without this
+            t = self.transformer
+            if getattr(t, "stacked_params_mapping", None) is None:
+                t.stacked_params_mapping = [(f".{packed}", f".{part}", shard) for packed, parts in
+                                            t.packed_modules_mapping.items() for part, shard in zip(parts, "qkv")]
             self._setup(FluxSdeStepper)
 
     FlowGRPOFluxPipeline.__module__ = __name__

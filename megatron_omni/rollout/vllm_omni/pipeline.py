@@ -363,9 +363,7 @@ def _build_pipeline_class() -> type:
             # checkpoint layout recorded now, before the loader fills and post-processes it (vllm_omni.fp8).
             self.fp8_reloader = None
             if fp8.is_modelopt_fp8(od_config.quantization_config):
-                fp8.record_checkpoint_layout(self.transformer)
-                fp8.contiguous_fp8_inputs(self.transformer)
-                self.fp8_reloader = fp8.Fp8WeightReloader(self.transformer, self.full_shapes)
+                self.fp8_reloader = fp8.attach_reloader(self.transformer, self.full_shapes)
 
         def rollout(self, prompts: Sequence[str], params: SamplingParams, group_size: int = 1,
                     seeds: Sequence[int] | None = None, on_sample=None) -> Trajectory:

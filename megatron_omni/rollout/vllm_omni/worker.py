@@ -202,7 +202,9 @@ class FlowGRPOWorkerExtension(BackBufferWorkerExtension):
         pipeline = self.model_runner.pipeline
         receiver = getattr(self, "_flowgrpo_lora_receiver", None)
         if receiver is None or receiver.pipeline is not pipeline:
-            receiver = VllmOmniLoRAReceiver(self, rollout_layout("vllm_omni"))
+            # another family's class (SD3.5, FLUX.1) names its own layout; Qwen-Image's by default
+            layout = getattr(pipeline, "rollout_layout", lambda: rollout_layout("vllm_omni"))()
+            receiver = VllmOmniLoRAReceiver(self, layout)
             self._flowgrpo_lora_receiver = receiver
         out = receiver.load(state, rank, alpha)
         if hasattr(pipeline, "full_shapes"):
