@@ -8,6 +8,8 @@ Two readers share the `TextReader` interface (`read(images) -> list[str]`):
 
 Reward per image (flow_grpo / VeRL-Omni): `1 - min(lev(read, target), len(target)) / len(target)` on
 lower-cased, space-free texts, 1 when the target is contained in the read text (see text.ocr_similarity).
+That reward is a step function of the image (a word is read or missed); `RapidOcrReader.legibility` is the
+same recognizer's continuous measure of how legible the target is (for benchmarks that compare two samplers).
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from PIL import Image, ImageDraw, ImageFont
 
 from megatron_omni.reward.errors import RewardInputError, RewardScorerError
 from megatron_omni.reward.scorers import Scorer
-from megatron_omni.reward.text import ocr_similarity, resolve_target
+from megatron_omni.reward.text import normalize_text, ocr_similarity, resolve_target
 
 
 class TextReader(Protocol):
@@ -124,6 +126,46 @@ class RapidOcrReader:
             out.append("".join(txts) if txts else "")
         return out
 
+    def legibility(self, images: list[Image.Image], targets: list[str]) -> list[float]:
+        """Per image, the recognizer's per-character geometric-mean probability of its target,
+        exp(log P(target | image) / len(target)) in [0, 1], a continuous measure of legibility.
+
+        P is the CTC likelihood under PP-OCR's recognition model (rapidocr's own pre-processing and ONNX
+        session) of the target's lower-cased, space-free text, case-insensitively (each letter's probability is
+        its lower- plus upper-case entry's), on each text box detection finds (the best box counts), else on the
+        whole image resized as the recognizer resizes its inputs."""
+        from rapidocr.utils.log import logger
+
+        if len(images) != len(targets):
+            raise RewardInputError(f"{len(images)} images but {len(targets)} targets")
+        rec = self.engine._load_rec_model()
+        out = []
+        for im, target in zip(images, targets):
+            text = normalize_text(target)
+            if not text:
+                raise RewardInputError(f"empty OCR target {target!r}")
+            bgr = np.ascontiguousarray(np.asarray(im.convert("RGB"))[:, :, ::-1])
+            img, record = self.engine.preprocess_img(self.engine.load_img(bgr))
+            crops: list[np.ndarray] = []
+            level = logger.level
+            logger.setLevel("CRITICAL")  # "The text detection result is empty": an expected outcome here
+            try:
+                crops, _ = self.engine.detect_and_crop(img, record)
+            except Exception as exc:  # rapidocr raises its RapidOCRError when no box is found
+                if "empty" not in str(exc):
+                    raise RewardScorerError(f"rapidocr detection failed on a {im.size} image: {exc}") from exc
+            finally:
+                logger.setLevel(level)
+            crops = crops or [img]
+            _, height, width = rec.rec_image_shape
+            best = -float("inf")
+            for crop in crops:
+                wh = max(width / height, crop.shape[1] / crop.shape[0])
+                probs = rec.session(rec.resize_norm_img(crop, wh)[np.newaxis].astype(np.float32))  # (1, T, C)
+                best = max(best, ctc_log_likelihood(probs[0], text, rec.postprocess_op.dict))
+            out.append(float(np.exp(best / len(text))))
+        return out
+
     def warmup(self) -> None:
         """One read of a small synthetic image (onnxruntime's first run allocates and optimises)."""
         img = Image.new("RGB", (96, 48), "white")
@@ -132,6 +174,29 @@ class RapidOcrReader:
 
     def close(self) -> None:
         """Nothing to release (sessions are freed with the object)."""
+
+
+def ctc_log_likelihood(probs: np.ndarray, text: str, index: dict[str, int]) -> float:
+    """log P(text) under a CTC recognizer's per-timestep character probabilities `probs` [T, C] (class 0 the
+    blank, `index` the character -> class map), case-insensitive: a letter's class is its lower- plus upper-case
+    entry. The distribution is reduced to [blank, each distinct character of `text`, everything else] (still
+    summing to 1) before torch's CTC loss; -inf when `text` cannot be aligned in T steps or has a character
+    the dictionary lacks."""
+    import torch
+
+    chars = sorted(set(text))
+    cols = [probs[:, 0]]
+    for c in chars:
+        ids = {index[v] for v in (c, c.lower(), c.upper()) if v in index}
+        if not ids:
+            return -float("inf")
+        cols.append(probs[:, sorted(ids)].sum(axis=1))
+    cols.append(np.clip(1.0 - np.sum(cols, axis=0), 0.0, None))
+    logp = torch.from_numpy(np.log(np.clip(np.stack(cols, axis=1), 1e-30, None)).astype(np.float64))
+    target = torch.tensor([[1 + chars.index(c) for c in text]])
+    nll = torch.nn.functional.ctc_loss(logp[:, None, :], target, torch.tensor([logp.shape[0]]),
+                                       torch.tensor([len(text)]), blank=0, reduction="sum", zero_infinity=False)
+    return -float(nll)
 
 
 def build_reader(reader: str | TextReader, **kwargs: Any) -> TextReader:

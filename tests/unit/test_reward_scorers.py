@@ -57,6 +57,48 @@ def test_ocr_blank_and_noise_score_zero(ocr: Scorer) -> None:
     assert rewards == [0.0, 0.0, 0.0, 0.0]
 
 
+def test_ocr_legibility_is_continuous_and_ranks_images(ocr: Scorer) -> None:
+    """RapidOcrReader.legibility: ~1 for the word clearly written (either case); lower, and lower still, as a
+    blur makes it less legible while the step-function reward still reads it; ~0 for a blank image (no box: the
+    whole image is scored) and a different word; low for a one-letter error. 64 px images, as the rollouts'."""
+    from PIL import ImageFilter
+
+    def word(text: str) -> Image.Image:
+        return render(text, size=(64, 64), font_size=14)
+
+    clear = word("HELLO")
+    images = [clear, word("hello"), clear.filter(ImageFilter.GaussianBlur(2.5)),
+              clear.filter(ImageFilter.GaussianBlur(3)), Image.new("RGB", (64, 64), "white"), word("WORLD"),
+              word("HELPO")]
+    clear_s, lower_s, blur_s, blurrer_s, blank_s, other_s, typo_s = ocr.reader.legibility(images, ["Hello"] * 7)
+    assert clear_s > 0.99 and lower_s > 0.99
+    assert ocr(images[2:3], ['"HELLO"']) == [1.0]  # still read exactly: the reward cannot see the blur
+    assert clear_s > blur_s + 0.05 and blur_s > blurrer_s + 0.05
+    assert blank_s < 0.01 and other_s < 0.01
+    assert typo_s < 0.5 * clear_s
+    with pytest.raises(RewardInputError, match="targets"):
+        ocr.reader.legibility([clear], [])
+
+
+def test_ctc_log_likelihood_equals_sum_over_alignments() -> None:
+    """The case-folded CTC likelihood equals the brute-force sum over every alignment that collapses to the text."""
+    import itertools
+
+    from megatron_omni.reward.ocr import ctc_log_likelihood
+
+    rng = np.random.default_rng(0)
+    probs = rng.dirichlet(np.ones(5), size=4)  # T=4 steps over [blank, a, A, b, c]
+    index = {"a": 1, "A": 2, "b": 3, "c": 4}
+    folded = np.stack([probs[:, 0], probs[:, 1] + probs[:, 2], probs[:, 3], probs[:, 4]], axis=1)
+    total = 0.0
+    for path in itertools.product(range(4), repeat=4):  # classes: blank, a|A, b, c
+        collapsed = [k for i, k in enumerate(path) if k and (i == 0 or k != path[i - 1])]
+        if collapsed == [1, 2]:
+            total += float(np.prod(folded[np.arange(4), path]))
+    assert ctc_log_likelihood(probs, "ab", index) == pytest.approx(np.log(total), rel=1e-9)
+    assert ctc_log_likelihood(probs, "az", index) == -np.inf  # a character the dictionary lacks
+
+
 def test_ocr_array_input_equals_pil_and_explicit_target(ocr: Scorer) -> None:
     img = render("WORLD")
     arr = np.asarray(img).copy()
