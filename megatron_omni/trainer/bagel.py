@@ -85,6 +85,16 @@ def lora_targets(cfg: JobConfig, bcfg: dict[str, Any]) -> list[str]:
     return chosen
 
 
+def check_layout(cfg: JobConfig, world_size: int) -> None:
+    """The settings against the trainer's world size: every data-parallel rank rolls out prompts of its own
+    (`rollout.prompts_per_step` >= dp). Raises ValueError naming the setting."""
+    p = cfg.parallel
+    dp = world_size // (p.tp * p.ulysses * p.ring * p.pp)
+    if cfg.rollout.prompts_per_step < dp:
+        raise ValueError(f"rollout.prompts_per_step={cfg.rollout.prompts_per_step} must be >= the data-parallel "
+                         f"size {dp} with model.family=bagel (every dp rank rolls out prompts of its own)")
+
+
 def prompt_tokenizer(cfg: JobConfig, folder: Path | None, tokens: dict[str, int]) -> Any | None:
     """The tokenizer text prompts go through: the folder's (published layout: Qwen2's files), or for
     `model.pipeline=tiny` the tiny tokenizer its folder carries; None when every prompt is token ids (nothing is
