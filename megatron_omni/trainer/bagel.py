@@ -20,9 +20,10 @@ embeddings and the LM head are frozen (text-to-image never reads the LM head; th
 without autograd). With `model.lora.rank > 0` only adapters on the generation expert's linears train, merged into
 the rollout's modules at each sync. `algorithm.beta > 0` adds the KL of the window transitions against the initial
 model (a frozen copy; with LoRA the adapters off); `optim.ema_decay > 0` keeps a checkpointed EMA of the weights.
-Prompts are token ids or text through the folder's tokenizer (`model_providers.bagel.tokenizer`). Layout: tp, pp
-and dp (no cp; pp > 1 recomputes and updates through `trainer.bagel_pipeline`, with LoRA, the KL term and the EMA as
-at pp 1); rollout tp 1 in this process, every rank's pipeline receiving every stage's tensors.
+Prompts are token ids or text through the folder's tokenizer (`model_providers.bagel.tokenizer`). Layout: tp, pp,
+dp and at pp 1 cp (`parallel.ulysses` x `ring`: each cp rank computes its shard of every velocity, gathered before
+the CFG and the loss; pp > 1 recomputes and updates through `trainer.bagel_pipeline`, with LoRA, the KL term and the
+EMA as at pp 1); rollout tp 1 in this process, every rank's pipeline receiving every stage's tensors.
 """
 
 from __future__ import annotations
@@ -85,6 +86,16 @@ def lora_targets(cfg: JobConfig, bcfg: dict[str, Any]) -> list[str]:
     return chosen
 
 
+def check_layout(cfg: JobConfig, world_size: int) -> None:
+    """The settings against the trainer's world size: every data-parallel rank rolls out prompts of its own
+    (`rollout.prompts_per_step` >= dp). Raises ValueError naming the setting."""
+    p = cfg.parallel
+    dp = world_size // (p.tp * p.ulysses * p.ring * p.pp)
+    if cfg.rollout.prompts_per_step < dp:
+        raise ValueError(f"rollout.prompts_per_step={cfg.rollout.prompts_per_step} must be >= the data-parallel "
+                         f"size {dp} with model.family=bagel (every dp rank rolls out prompts of its own)")
+
+
 def prompt_tokenizer(cfg: JobConfig, folder: Path | None, tokens: dict[str, int]) -> Any | None:
     """The tokenizer text prompts go through: the folder's (published layout: Qwen2's files), or for
     `model.pipeline=tiny` the tiny tokenizer its folder carries; None when every prompt is token ids (nothing is
@@ -124,7 +135,8 @@ def check_config(cfg: JobConfig, planning: bool = False) -> None:
     stride = bcfg["bagel"]["vae_config"]["downsample"] * bcfg["bagel"]["latent_patch_size"]
     side = stride * bcfg["bagel"]["max_latent_size"]
     refused = [
-        (p.ulysses != 1 or p.ring != 1, "parallel", "BAGEL RL runs tp x pp x dp (no context parallelism)"),
+        (p.ulysses * p.ring > 1 and p.pp > 1, "parallel.ulysses/ring", "context parallelism runs at pp 1 only "
+         "(the pipeline schedule's hidden states are whole image queries, not cp shards)"),
         (p.pp > 1 and bcfg["llm_config"]["num_hidden_layers"] % p.pp, "parallel.pp",
          f"must divide BAGEL's {bcfg['llm_config']['num_hidden_layers']} layers"),
         (r.engine != "vllm_omni", "rollout.engine", "must be vllm_omni (vLLM-Omni's BAGEL pipeline)"),
@@ -214,10 +226,13 @@ def velocity(model: Any, text_kv: Any, prompt_len: int, markers: torch.Tensor, l
     pos = latent_position_ids(h, w, model.arch.max_latent_size)
     ts = torch.full((n,), float(t), dtype=dtype)
     x = latents.to(dtype)
-    v = model.stage_velocity(text_kv, prompt_len, markers, x, ts, pos).float()
+    # Under context parallelism each rank computes its shard of the image's velocity and the all-gather joins them
+    # (differentiable): every cp rank then holds the whole velocity and computes the same whole loss, whose
+    # gradients Megatron's DDP averages over dp x cp, which gives cp 1's (docs/families-bagel.md).
+    v = model.gather_velocity(model.stage_velocity(text_kv, prompt_len, markers, x, ts, pos), n).float()
     if cfg_scale > 1:
-        v = text_cfg(v, model.stage_velocity(None, 0, markers, x, ts, pos).float(), cfg_scale, renorm_min,
-                     img_scale, v)
+        v_u = model.gather_velocity(model.stage_velocity(None, 0, markers, x, ts, pos), n).float()
+        v = text_cfg(v, v_u, cfg_scale, renorm_min, img_scale, v)
     return v
 
 

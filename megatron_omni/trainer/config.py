@@ -380,6 +380,7 @@ class JobConfig:
             check_algorithm,
             check_dit_traits,
             check_family,
+            check_family_layout,
             check_fields,
             check_placement,
             check_quantization,
@@ -391,7 +392,8 @@ class JobConfig:
         check_fields(self)
         if check_family(self, planning) != "dit":  # the hybrid's and a family trainer's own checks ran in check_family
             check_placement(self, world_size)
-            return _validate_layout(self, world_size)
+            _validate_layout(self, world_size)
+            return check_family_layout(self, world_size)
         check_reward(self)
         check_dit_traits(self)
         check_algorithm(self)

@@ -235,6 +235,25 @@ def check_family(cfg: Any, planning: bool = False) -> str:
     return family.kind
 
 
+def check_family_layout(cfg: Any, world_size: int) -> None:
+    """A family trainer's checks against the world size (its module's `check_layout`, where it has one), after the
+    layout resolved. Raises ConfigError naming the setting."""
+    from megatron_omni.trainer.config import ConfigError
+    from model_providers import get_family
+
+    family = get_family(cfg.model.family)
+    if family.trainer is None:
+        return
+    import importlib
+
+    check = getattr(importlib.import_module(family.trainer), "check_layout", None)
+    if check is not None:
+        try:
+            check(cfg, world_size)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
+
+
 def _check_ar_dit(cfg: Any, family: Any) -> None:
     from megatron_omni.trainer.config import ConfigError
 

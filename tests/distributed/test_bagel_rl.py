@@ -293,18 +293,19 @@ LORA_BETA = 0.1  # the KL term of the LoRA runs (reference: the adapters off)
 
 def _pp_runs(rank: int, world_size: int, root: str) -> dict:
     """The tiny recipe's full fine-tuning (2 samples a step, one update, lr 2e-2) with the KL term and the EMA for 2
-    steps at pp 2 (the update through 1F1B, `trainer.bagel_pipeline`) and at tp 2 (pp 1, plain autograd) on the
-    same two ranks; then `_lora_config`'s LoRA run at pp 2 (its tp 2 run is `_lora_runs`' first). Rank 0 returns
-    the folders."""
+    steps at pp 2 (the update through 1F1B, `trainer.bagel_pipeline`), at tp 2 (pp 1, plain autograd) and at cp 2
+    (`parallel.ulysses=2`: the image query's token shards, velocities gathered over cp) on the same two ranks; then
+    `_lora_config`'s LoRA run at pp 2 (its tp 2 run is `_lora_runs`' first). Rank 0 returns the folders."""
     from pathlib import Path
 
     from examples.bagel.recipe import tiny
     from megatron_omni.trainer.run import run
 
     out = {}
-    for name, tp, pp in (("pp2", 1, 2), ("pp1", 2, 1)):
+    for name, tp, pp, cp in (("pp2", 1, 2, 1), ("pp1", 2, 1, 1), ("cp2", 1, 1, 2)):
         cfg = tiny()
         cfg.run_dir, cfg.steps, cfg.parallel.tp, cfg.parallel.pp = str(Path(root) / name), PP_STEPS, tp, pp
+        cfg.parallel.ulysses = cp
         cfg.rollout.prompts_per_step, cfg.rollout.group_size, cfg.optim.mini_batches = 1, 2, 1
         cfg.optim.lr, cfg.checkpoint.every, cfg.logging.tensorboard = 2e-2, PP_STEPS, False
         cfg.algorithm.beta, cfg.optim.ema_decay = PP_BETA, PP_EMA
@@ -478,3 +479,31 @@ def test_lora_and_kl_at_pp2_equal_tp2(tp2_job: tuple[Future, object]) -> None:
     worst = max(float((a[k] - b[k]).abs().max()) for k in a)
     print(f"LoRA pp2 vs tp2 adapters after {LORA_STEPS} steps: max |diff| {worst:.2e}")
     assert worst < PP_LORA_TOL, worst
+
+
+def test_cp2_steps_equal_tp2(tp2_job: tuple[Future, object]) -> None:
+    """`_pp_runs`' config at cp 2 (each rank computes its shard of every velocity, all-gathered before the CFG and the
+    loss; gradients averaged over dp x cp by Megatron-Core's DDP) against tp 2, on the same two ranks: the same
+    rewards, losses, KL and grad norms, recompute = rollout, and the same weights and EMA after 2 steps."""
+    from pathlib import Path
+
+    from megatron_omni.trainer.checkpointing import complete_checkpoints, read_checkpoint_tensors
+
+    out = tp2_job[0].result()[0]
+    hist = {k: _metrics(out[k]) for k in ("cp2", "pp1")}
+    print({k: [{m: h[m] for m in ("reward_mean", "policy_loss", "kl_loss", "grad_norm", "train_rollout_dlogp_max")}
+               for h in v] for k, v in hist.items()})
+    assert len(hist["cp2"]) == len(hist["pp1"]) == PP_STEPS
+    for a, b in zip(hist["cp2"], hist["pp1"], strict=True):
+        assert a["reward_mean"] == b["reward_mean"] and a["grad_norm"] > 0, (a, b)
+        for key in ("policy_loss", "grad_norm"):
+            assert _close(a[key], b[key]), (key, a, b)
+        assert a["train_rollout_dlogp_max"] < FP32_TOL, (a, b)
+    kl2, kl1 = hist["cp2"][1]["kl_loss"], hist["pp1"][1]["kl_loss"]
+    assert kl1 > 0 and abs(kl2 - kl1) <= PP_TOL * kl1, (kl2, kl1)
+    a, b = (read_checkpoint_tensors(complete_checkpoints(Path(out[k]))[-1])["model"] for k in ("cp2", "pp1"))
+    assert a.keys() == b.keys() and len(a) > 0
+    worst = max(float((a[k].float() - b[k].float()).abs().max()) for k in a if not k.startswith("ema."))
+    worst_ema = max(float((a[k].float() - b[k].float()).abs().max()) for k in a if k.startswith("ema."))
+    print(f"cp2 vs tp2 after {PP_STEPS} steps: weights max |diff| {worst:.2e}, EMA {worst_ema:.2e}")
+    assert worst < PP_WEIGHT_TOL and worst_ema < PP_EMA_TOL, (worst, worst_ema)

@@ -109,3 +109,24 @@ def test_text_prompts_through_the_folders_tokenizer(tmp_path) -> None:
     big.validate(world_size=8, planning=True)  # a dry run plans from the preset
     with pytest.raises(ConfigError, match="model.pipeline"):
         big.validate(world_size=8)
+
+
+def test_data_parallel_ranks_need_prompts_and_cp_runs_at_pp1() -> None:
+    """A data-parallel rank without a prompt of its own (`rollout.prompts_per_step` < dp) is a config error naming
+    the setting (the rollout failed on it); context parallelism validates at pp 1 and is refused at pp > 1."""
+    cfg = tiny()
+    cfg.rollout.prompts_per_step = 1
+    cfg.validate(world_size=1)
+    with pytest.raises(ConfigError, match=r"rollout.prompts_per_step=1 must be >= the data-parallel size 2"):
+        cfg.validate(world_size=2)
+    cfg.parallel.tp = 2  # one model replica on the 2 ranks: dp 1
+    cfg.validate(world_size=2)
+    cfg.parallel.tp, cfg.parallel.ulysses = 1, 2
+    cfg.validate(world_size=2)
+    with pytest.raises(ConfigError, match=r"rollout.prompts_per_step=1 must be >= the data-parallel size 2"):
+        cfg.validate(world_size=4)
+    cfg.rollout.prompts_per_step, cfg.parallel.ulysses, cfg.parallel.ring = 2, 1, 2
+    cfg.validate(world_size=4)
+    cfg.parallel.pp = 2
+    with pytest.raises(ConfigError, match=r"parallel.ulysses/ring: context parallelism runs at pp 1 only"):
+        cfg.validate(world_size=4)
