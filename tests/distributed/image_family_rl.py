@@ -4,9 +4,9 @@ folders and 2-rank pool) (`FlowGRPOTrainer`; nothing in it names a
 family): on each family's offline tiny pipeline (real diffusers engine, real Megatron model, real Megatron optimizer)
 one trainer with LoRA adapters at a 2-rank layout (SD3.5: Ulysses CP 2, its 3 tiny blocks do not split over 2 stages;
 FLUX.1: PP 2) runs one RL step of each rule `algorithm.name` selects: FlowGRPO, MixGRPO, GRPO-Guard
-and DiffusionNFT (the configuration each step runs under is validated as a run's would be). Then one FlowGRPO step at
-each other 2-rank layout (`OTHER_LAYOUTS`: SD3.5 PP 2 on a 4-block variant of the tiny folder, FLUX.1 Ulysses and
-ring CP 2).
+and DiffusionNFT (the configuration each step runs under is validated as a run's would be). Then the steps of each
+other 2-rank layout (`OTHER_LAYOUTS`: the four rules at SD3.5 PP 2 on a 4-block variant of the tiny folder, one
+FlowGRPO step at FLUX.1 Ulysses and ring CP 2).
 
 Each step must: give a finite, nonzero loss and gradient norm; recompute the rollout's log-probs (the SDE rules)
 within the measured gap; change every adapter that receives a gradient and leave every base weight bit-identical;
@@ -29,10 +29,12 @@ import torch
 
 PROMPTS = ["a red cat", "a bowl of fruit"]
 LAYOUTS = {"sd3": {"ulysses": 2}, "flux": {"pp": 2}}
-# One FlowGRPO step at each; `four_blocks`: on the family's tiny folder rebuilt with 4 blocks (SD3.5's 3 do not split)
-OTHER_LAYOUTS = {"sd3": [({"pp": 2}, True)], "flux": [({"ulysses": 2}, False), ({"ring": 2}, False)]}
 GROUP = 2
 RULES = ("flowgrpo", "mixgrpo", "grpo_guard", "diffusionnft")
+# (layout, four_blocks, rules): one step of each rule in turn, as at `LAYOUTS`; `four_blocks`: on the family's tiny
+# folder rebuilt with 4 blocks (SD3.5's 3 do not split over 2 stages)
+OTHER_LAYOUTS = {"sd3": [({"pp": 2}, True, RULES)],
+                 "flux": [({"ulysses": 2}, False, ("flowgrpo",)), ({"ring": 2}, False, ("flowgrpo",))]}
 # Measured (fp32, tiny presets, 2 shared cores): trainer/rollout log-prob gap 0 (FLUX) and <= 2.4e-7 (SD3.5 with CFG
 # 4.5); merged engine vs adapted trainer probe means <= 1e-6. Bounds leave an order of magnitude.
 DLOGP_TOL = 1e-5
@@ -179,10 +181,15 @@ def _against(got: dict, ref: dict) -> dict:
     }
 
 
+def other_key(layout: dict, rule: str) -> str:
+    """A step's key at one of `OTHER_LAYOUTS` (`pp2`: FlowGRPO, `pp2/mixgrpo`: another rule)."""
+    return layout_name(layout) + ("" if rule == "flowgrpo" else f"/{rule}")
+
+
 def rules(rank: int, world_size: int, family: str, pipeline_dir: str, layout: dict,
-          others: list[tuple[dict, str]]) -> dict:
-    """The rules at `layout`, FP8 (FLUX.1), one FlowGRPO step at each of `others` ((layout, folder)), then the
-    single-rank steps they are compared with (`single` per rule / layout)."""
+          others: list[tuple[dict, str, tuple[str, ...]]]) -> dict:
+    """The rules at `layout`, FP8 (FLUX.1), the steps of each of `others` ((layout, folder, rules)), then the
+    single-rank steps they are compared with (`single` per rule / layout and rule)."""
     from megatron_omni.parallel import ParallelLayout, build_parallel_groups
     from megatron_omni.trainer.flowgrpo import FlowGRPOTrainer
     from megatron_omni.trainer.rewards import RewardFunction
@@ -202,22 +209,26 @@ def rules(rank: int, world_size: int, family: str, pipeline_dir: str, layout: di
         out["fp8"]["quantized"] = fp8.engine.quantizer is not None
         fp8.close()
         seconds["fp8"] = time.perf_counter() - t0
-    folders = {}
-    for other, folder in others:
+    folders = {}  # key -> (folder, rule)
+    jobs = {pipeline_dir: RULES}  # the single-rank trainers: one per folder, the longest rule sequence it needs
+    for other, folder, other_rules in others:
         t0 = time.perf_counter()
-        name = layout_name(other)
-        out[name] = _steps(family, folder, other, ("flowgrpo",), world_size,
-                           build_parallel_groups(ParallelLayout(**other)))["flowgrpo"]
-        folders[name] = folder
-        seconds[name] = time.perf_counter() - t0
+        steps = _steps(family, folder, other, other_rules, world_size, build_parallel_groups(ParallelLayout(**other)))
+        for rule, r in steps.items():
+            out[other_key(other, rule)] = r
+            folders[other_key(other, rule)] = (folder, rule)
+        # the same sequence of rules from the same start, so a prefix of another's is the same steps
+        if len(other_rules) > len(jobs.get(folder, ())):
+            assert jobs.get(folder, ()) == other_rules[:len(jobs.get(folder, ()))], (folder, other_rules)
+            jobs[folder] = other_rules
+        seconds[layout_name(other)] = time.perf_counter() - t0
     t0 = time.perf_counter()
-    jobs = [(pipeline_dir, RULES)] + [(f, ("flowgrpo",)) for f in dict.fromkeys(folders.values()) if f != pipeline_dir]
-    single = _single_rank(rank, world_size, family, jobs)
+    single = _single_rank(rank, world_size, family, list(jobs.items()))
     seconds["single"] = time.perf_counter() - t0
     for rule in RULES:
         out[rule]["single"] = _against(out[rule], single[(pipeline_dir, rule)])
-    for name, folder in folders.items():
-        out[name]["single"] = _against(out[name], single[(folder, "flowgrpo")])
+    for name, key in folders.items():
+        out[name]["single"] = _against(out[name], single[key])
     out["seconds"] = seconds
     return out
 
@@ -246,7 +257,8 @@ def check_rules(outs: list[dict], family: str) -> None:
     """Assert what `rules` returned on every rank."""
     for rank, out in enumerate(outs):
         print(f"{family} rank {rank} seconds: " + ", ".join(f"{k} {v:.1f}" for k, v in out["seconds"].items()))
-        steps = [(rule, rule) for rule in RULES] + [("flowgrpo", layout_name(o)) for o, _ in OTHER_LAYOUTS[family]]
+        steps = [(rule, rule) for rule in RULES] + [(rule, other_key(o, rule)) for o, _, rs in OTHER_LAYOUTS[family]
+                                                    for rule in rs]
         for rule, key in steps:
             _check_step(out[key], rule, f"{family} rank {rank} {key}")
     for _, key in steps:  # the ranks' adapters (a stage's each under PP) are the single-rank trainer's
@@ -255,7 +267,8 @@ def check_rules(outs: list[dict], family: str) -> None:
         assert all(n <= want for n in names) and set().union(*names) == want, (key, names, want)
     # MixGRPO: every sample of step 1 starts its window where the schedule has moved it (one step per move)
     for out in outs:
-        assert out["mixgrpo"]["window"] == [1] * 4, out["mixgrpo"]["window"]
+        for key in [k for _, k in steps if k.endswith("mixgrpo")]:
+            assert out[key]["window"] == [1] * 4, (key, out[key]["window"])
     if family == "flux":  # FP8 rollout: a gap the trainer measures and corrects with truncated importance weights
         m = outs[-1]["fp8"]
         print(f"{family} fp8: {m}")
