@@ -6,7 +6,8 @@ one trainer with LoRA adapters at a 2-rank layout (SD3.5: Ulysses CP 2, its 3 ti
 FLUX.1: PP 2) runs one RL step of each rule `algorithm.name` selects: FlowGRPO, MixGRPO, GRPO-Guard
 and DiffusionNFT (the configuration each step runs under is validated as a run's would be). Then the steps of each
 other 2-rank layout (`OTHER_LAYOUTS`: the four rules at SD3.5 PP 2 on a 4-block variant of the tiny folder, one
-FlowGRPO step at FLUX.1 Ulysses and ring CP 2).
+FlowGRPO step at FLUX.1 Ulysses and ring CP 2). Last, one full fine-tuning FlowGRPO step at `LAYOUTS` (no LoRA:
+every weight trained, the engine synced with the weights themselves; every weight with a nonzero gradient moves).
 
 Each step must: give a finite, nonzero loss and gradient norm; recompute the rollout's log-probs (the SDE rules)
 within the measured gap; change every adapter that receives a gradient and leave every base weight bit-identical;
@@ -47,6 +48,10 @@ SINGLE_LOGP_TOL = 1e-6
 SINGLE_GRAD_TOL = 1e-4
 SINGLE_LOSS_TOL = 1e-5
 SINGLE_ADAPTER_TOL = 1e-2
+# Full fine-tuning (no LoRA, FlowGRPO at SD3.5's CP 2 / FLUX.1's PP 2): updated weights against the single-rank
+# trainer's, relative to the step's largest update (Adam's first step: lr for every weight whose gradient is not
+# tiny). Measured: SD3.5 1.1e-2, FLUX.1 2.3e-3 (load ~5). A wrong gradient moves a weight by a whole step.
+SINGLE_FULL_TOL = 1e-1
 FP8_KEYS = ("loss", "grad_norm", "train_rollout_dlogp", "train_rollout_dlogp_max", "is_weight_mean", "is_weight_max",
             "train_rollout_dlogp_after_is", "sync_probe_max_diff", "sync_probe_quant_diff", "sync_probe_quant_bound")
 
@@ -67,7 +72,7 @@ def layout_name(layout: dict) -> str:
     return "+".join(f"{k}{v}" for k, v in layout.items()) or "single"
 
 
-def _config(family: str, rule: str, layout: dict):
+def _config(family: str, rule: str, layout: dict, lora: bool = True):
     from megatron_omni.trainer.config import JobConfig
 
     cfg = JobConfig(prompts=PROMPTS, seed=3)
@@ -83,10 +88,10 @@ def _config(family: str, rule: str, layout: dict):
     r.prompts_per_step = len(PROMPTS)
     r.group_size = GROUP
     r.transformer = "engine"  # the engine samples with its own copy: the merged sync is exercised
-    r.lora_sync = "merge"
+    r.lora_sync = "merge" if lora else "auto"  # full fine-tuning syncs the weights themselves
     if family == "sd3":
         r.guidance_scale, r.negative_prompt = 4.5, ""
-    cfg.model.lora.rank, cfg.model.lora.alpha = 4, 8.0
+    cfg.model.lora.rank, cfg.model.lora.alpha = (4 if lora else 0), 8.0
     cfg.optim.lr = 1e-2
     cfg.optim.mini_batches = 1
     cfg.algorithm.clip_range = 0.2
@@ -101,7 +106,7 @@ def _config(family: str, rule: str, layout: dict):
 
 
 def _steps(family: str, folder: str, layout: dict, rules: tuple[str, ...], world_size: int, groups,
-           job_group=None) -> dict:
+           job_group=None, lora: bool = True) -> dict:
     """One trainer at `layout` on `groups` runs one step of each of `rules` in turn (the trainer reads `algorithm`
     per step: the same model and adapters go on under the next rule). Returns per rule the step's figures, its
     adapters' (value, gradient) by model-wide name (`state`) and the rollout's log-probs."""
@@ -111,7 +116,7 @@ def _steps(family: str, folder: str, layout: dict, rules: tuple[str, ...], world
     out: dict = {}
     trainer = None
     for step, rule in enumerate(rules):
-        cfg = _config(family, rule, layout)
+        cfg = _config(family, rule, layout, lora)
         cfg.validate(world_size)
         if trainer is None:
             trainer = FlowGRPOTrainer(cfg, groups, folder, RewardFunction("jpeg_compressibility"), job_group=job_group)
@@ -127,8 +132,10 @@ def _steps(family: str, folder: str, layout: dict, rules: tuple[str, ...], world
         out[rule] = {
             "loss": m["loss"], "grad_norm": m["grad_norm"], "dlogp_max": m.get("train_rollout_dlogp_max"),
             "probe": m["sync_probe_max_diff"], "trainable": len(trainable), "moved": len(moved),
-            "moved_frozen": sorted(moved - trainable),
+            "moved_frozen": sorted(moved - trainable), "unmoved": sorted(glob(k) for k in trainable - moved),
+            "zero_grad": sorted(glob(k) for k in trainable if not named[k].main_grad.any()),
             "lora_only": all(".lora_" in k for k in trainable),
+            "update": max(float((named[k].detach() - before[k]).abs().max()) for k in trainable),
             "window": result.trajectory.window_start.tolist() if result.trajectory.log_probs.numel() else None,
             # after the step: DDP zeroes its grad buffers when the next update starts
             "state": {glob(k): (named[k].detach().clone(), named[k].main_grad.detach().clone()) for k in trainable},
@@ -138,10 +145,10 @@ def _steps(family: str, folder: str, layout: dict, rules: tuple[str, ...], world
     return out
 
 
-def _single_rank(rank: int, world_size: int, family: str, jobs: list[tuple[str, tuple[str, ...]]]) -> dict:
-    """Each job (folder, rules) run by a single-rank trainer (cp 1, pp 1), job j on rank j % world_size, all at
-    once (every rank builds every 1-rank grid, as group creation is collective). Returns every job's `_steps`
-    by (folder, rule), on every rank."""
+def _single_rank(rank: int, world_size: int, family: str, jobs: list[tuple[str, tuple[str, ...], bool]]) -> dict:
+    """Each job (folder, rules, lora) run by a single-rank trainer (cp 1, pp 1), job j on rank j % world_size, all
+    at once (every rank builds every 1-rank grid, as group creation is collective). Returns every job's `_steps`
+    by (folder, rule, lora), on every rank."""
     import torch.distributed as dist
 
     from megatron_omni.parallel import ParallelLayout, build_parallel_groups
@@ -150,9 +157,10 @@ def _single_rank(rank: int, world_size: int, family: str, jobs: list[tuple[str, 
     solo, _ = dist.new_subgroups_by_enumeration([[r] for r in range(world_size)])
     groups = [build_parallel_groups(ParallelLayout(), ranks=range(r, r + 1)) for r in range(world_size)][rank]
     mine = {}
-    for j, (folder, rules) in enumerate(jobs):
+    for j, (folder, rules, lora) in enumerate(jobs):
         if j % world_size == rank:
-            mine.update({(folder, rule): r for rule, r in _steps(family, folder, {}, rules, 1, groups, solo).items()})
+            mine.update({(folder, rule, lora): r
+                         for rule, r in _steps(family, folder, {}, rules, 1, groups, solo, lora).items()})
     # Megatron-Core's optimizer gathers its parameter-group keys over the whole job: a rank with fewer trainers to
     # build joins the others' gathers (as a disaggregated job's rollout ranks do)
     built = len(range(rank, len(jobs), world_size))
@@ -169,11 +177,13 @@ def _against(got: dict, ref: dict) -> dict:
     logp, want_logp = got.pop("log_probs"), ref["log_probs"]
     common = [n for n in state if n in want]
     scale = max(float(g.abs().max()) for _, g in want.values())
+    # LoRA: B starts at 0, so its largest value is how far the steps moved it; full fine-tuning: the step's update
+    lora_b = [float(want[n][0].abs().max()) for n in want if ".lora_b" in n.lower()]
     return {
         "names": sorted(state), "ref_names": sorted(want),
         "grad_rel": max(float((state[n][1] - want[n][1]).abs().max()) for n in common) / scale,
         "adapter": max(float((state[n][0] - want[n][0]).abs().max()) for n in common),
-        "adapter_moved": max(float(want[n][0].abs().max()) for n in want if ".lora_b" in n.lower()),
+        "adapter_moved": max(lora_b) if lora_b else ref["update"],
         "grad_norm_rel": abs(got["grad_norm"] - ref["grad_norm"]) / ref["grad_norm"],
         "loss": abs(got["loss"] - ref["loss"]),
         "rollout_logp": (math.inf if logp.shape != want_logp.shape
@@ -216,32 +226,41 @@ def rules(rank: int, world_size: int, family: str, pipeline_dir: str, layout: di
         steps = _steps(family, folder, other, other_rules, world_size, build_parallel_groups(ParallelLayout(**other)))
         for rule, r in steps.items():
             out[other_key(other, rule)] = r
-            folders[other_key(other, rule)] = (folder, rule)
+            folders[other_key(other, rule)] = (folder, rule, True)
         # the same sequence of rules from the same start, so a prefix of another's is the same steps
         if len(other_rules) > len(jobs.get(folder, ())):
             assert jobs.get(folder, ()) == other_rules[:len(jobs.get(folder, ()))], (folder, other_rules)
             jobs[folder] = other_rules
         seconds[layout_name(other)] = time.perf_counter() - t0
+    # full fine-tuning (no LoRA): one FlowGRPO step at `layout`, every weight trained
     t0 = time.perf_counter()
-    single = _single_rank(rank, world_size, family, list(jobs.items()))
+    out["full"] = _steps(family, pipeline_dir, layout, ("flowgrpo",), world_size,
+                         build_parallel_groups(ParallelLayout(**layout)), lora=False)["flowgrpo"]
+    folders["full"] = (pipeline_dir, "flowgrpo", False)
+    seconds["full"] = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    single = _single_rank(rank, world_size, family,
+                          [(f, rs, True) for f, rs in jobs.items()] + [(pipeline_dir, ("flowgrpo",), False)])
     seconds["single"] = time.perf_counter() - t0
     for rule in RULES:
-        out[rule]["single"] = _against(out[rule], single[(pipeline_dir, rule)])
+        out[rule]["single"] = _against(out[rule], single[(pipeline_dir, rule, True)])
     for name, key in folders.items():
         out[name]["single"] = _against(out[name], single[key])
     out["seconds"] = seconds
     return out
 
 
-def _check_step(r: dict, rule: str, what: str) -> None:
+def _check_step(r: dict, rule: str, what: str, lora: bool = True) -> None:
     s = r["single"]
-    print(f"{what}: {({k: v for k, v in r.items() if k != 'single'})}\n  against the single-rank step: "
+    shown = {k: v for k, v in r.items() if k not in ("single", "zero_grad")}
+    print(f"{what}: {shown}\n  against the single-rank step: "
           f"{({k: v for k, v in s.items() if 'names' not in k})}")
     assert math.isfinite(r["loss"]), (what, r)  # a PPO surrogate at ratio 1 over centred advantages is 0
     assert math.isfinite(r["grad_norm"]) and r["grad_norm"] > 0.0, (what, r)
-    assert r["lora_only"] and r["trainable"] > 0, (what, r)
+    assert r["lora_only"] == lora and r["trainable"] > 0, (what, r)
     assert r["moved_frozen"] == [], (what, r["moved_frozen"])
-    assert r["moved"] == r["trainable"], (what, r)
+    # Adam does not move a weight whose gradient is 0 (full fine-tuning: a weight the loss does not reach)
+    assert (r["unmoved"] == []) if lora else set(r["unmoved"]) <= set(r["zero_grad"]), (what, r)
     assert r["probe"] <= PROBE_TOL, (what, r)
     if rule == "diffusionnft":
         assert r["dlogp_max"] is None or math.isnan(r["dlogp_max"]), (what, r)
@@ -250,7 +269,7 @@ def _check_step(r: dict, rule: str, what: str) -> None:
     assert s["rollout_logp"] <= SINGLE_LOGP_TOL, (what, s)  # the same trajectory
     assert s["grad_norm_rel"] <= SINGLE_GRAD_TOL and s["grad_rel"] <= SINGLE_GRAD_TOL, (what, s)
     assert s["loss"] <= SINGLE_LOSS_TOL, (what, s)
-    assert s["adapter"] <= SINGLE_ADAPTER_TOL * s["adapter_moved"], (what, s)
+    assert s["adapter"] <= (SINGLE_ADAPTER_TOL if lora else SINGLE_FULL_TOL) * s["adapter_moved"], (what, s)
 
 
 def check_rules(outs: list[dict], family: str) -> None:
@@ -261,7 +280,9 @@ def check_rules(outs: list[dict], family: str) -> None:
                                                     for rule in rs]
         for rule, key in steps:
             _check_step(out[key], rule, f"{family} rank {rank} {key}")
-    for _, key in steps:  # the ranks' adapters (a stage's each under PP) are the single-rank trainer's
+        _check_step(out["full"], "flowgrpo", f"{family} rank {rank} full fine-tuning", lora=False)
+    # the ranks' adapters (a stage's each under PP; every weight under full fine-tuning) are the single-rank trainer's
+    for key in [k for _, k in steps] + ["full"]:
         names = [set(out[key]["single"]["names"]) for out in outs]
         want = set(outs[0][key]["single"]["ref_names"])
         assert all(n <= want for n in names) and set().union(*names) == want, (key, names, want)
