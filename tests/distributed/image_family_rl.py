@@ -4,9 +4,11 @@ folders and 2-rank pool) (`FlowGRPOTrainer`; nothing in it names a
 family): on each family's offline tiny pipeline (real diffusers engine, real Megatron model, real Megatron optimizer)
 one trainer with LoRA adapters at a 2-rank layout (SD3.5: Ulysses CP 2, its 3 tiny blocks do not split over 2 stages;
 FLUX.1: PP 2) runs one RL step of each rule `algorithm.name` selects: FlowGRPO, MixGRPO, GRPO-Guard
-and DiffusionNFT (the configuration each step runs under is validated as a run's would be). Then one FlowGRPO step at
-each other 2-rank layout (`OTHER_LAYOUTS`: SD3.5 PP 2 on a 4-block variant of the tiny folder, FLUX.1 Ulysses and
-ring CP 2).
+and DiffusionNFT (the configuration each step runs under is validated as a run's would be). Then the steps of each
+other 2-rank layout (`OTHER_LAYOUTS`: the four rules at SD3.5 PP 2 on a 4-block variant of the tiny folder, one
+FlowGRPO step at FLUX.1 Ulysses and ring CP 2). Last, one FlowGRPO step at `LAYOUTS` of each other `VARIANTS`: full
+fine-tuning (no LoRA: every weight trained, the engine synced with the weights themselves; every weight with a
+nonzero gradient moves) and LoRA in bf16 (against one rank in bf16, within bf16's measured bounds).
 
 Each step must: give a finite, nonzero loss and gradient norm; recompute the rollout's log-probs (the SDE rules)
 within the measured gap; change every adapter that receives a gradient and leave every base weight bit-identical;
@@ -29,10 +31,15 @@ import torch
 
 PROMPTS = ["a red cat", "a bowl of fruit"]
 LAYOUTS = {"sd3": {"ulysses": 2}, "flux": {"pp": 2}}
-# One FlowGRPO step at each; `four_blocks`: on the family's tiny folder rebuilt with 4 blocks (SD3.5's 3 do not split)
-OTHER_LAYOUTS = {"sd3": [({"pp": 2}, True)], "flux": [({"ulysses": 2}, False), ({"ring": 2}, False)]}
 GROUP = 2
+# The trainers' settings beside the rules' (`_steps`' keywords): LoRA in fp32 (every layout), and one FlowGRPO step
+# at `LAYOUTS` of each other: full fine-tuning (no LoRA) and LoRA with bf16 parameters and rollout
+VARIANTS = {"lora": {}, "full": {"lora": False}, "bf16": {"dtype": "bf16"}}
 RULES = ("flowgrpo", "mixgrpo", "grpo_guard", "diffusionnft")
+# (layout, four_blocks, rules): one step of each rule in turn, as at `LAYOUTS`; `four_blocks`: on the family's tiny
+# folder rebuilt with 4 blocks (SD3.5's 3 do not split over 2 stages)
+OTHER_LAYOUTS = {"sd3": [({"pp": 2}, True, RULES)],
+                 "flux": [({"ulysses": 2}, False, ("flowgrpo",)), ({"ring": 2}, False, ("flowgrpo",))]}
 # Measured (fp32, tiny presets, 2 shared cores): trainer/rollout log-prob gap 0 (FLUX) and <= 2.4e-7 (SD3.5 with CFG
 # 4.5); merged engine vs adapted trainer probe means <= 1e-6. Bounds leave an order of magnitude.
 DLOGP_TOL = 1e-5
@@ -45,6 +52,19 @@ SINGLE_LOGP_TOL = 1e-6
 SINGLE_GRAD_TOL = 1e-4
 SINGLE_LOSS_TOL = 1e-5
 SINGLE_ADAPTER_TOL = 1e-2
+# Full fine-tuning (no LoRA, FlowGRPO at SD3.5's CP 2 / FLUX.1's PP 2): updated weights against the single-rank
+# trainer's, relative to the step's largest update (Adam's first step: lr for every weight whose gradient is not
+# tiny). Measured: SD3.5 1.1e-2, FLUX.1 2.3e-3 (load ~5). A wrong gradient moves a weight by a whole step.
+SINGLE_FULL_TOL = 1e-1
+# bf16 (LoRA, FlowGRPO, `model.params_dtype=rollout.dtype=bf16`) at `LAYOUTS` against one rank in bf16. Measured (load
+# ~5): probe 3.5e-3 and trainer/rollout dlogp 4.7e-4 (SD3.5; FLUX.1 0); against one rank FLUX.1 PP 2 bit-exact
+# (grad norm 3.5e-8), SD3.5 Ulysses CP 2: rollout log-probs 0, loss 0, grad norm 3.2e-4, gradients 7.8e-3, updated B
+# 6.4e-2 in norm (elementwise up to 2 lr: Adam's step on a near-zero gradient flips sign with its last bf16 bits, so
+# the elementwise bound is not applied). A wrong gradient gives ~1 in norm.
+BF16_PROBE_TOL = 2e-2
+BF16_DLOGP_TOL = 5e-3
+BF16_GRAD_TOL = 5e-2
+BF16_B_NORM_TOL = 0.3
 FP8_KEYS = ("loss", "grad_norm", "train_rollout_dlogp", "train_rollout_dlogp_max", "is_weight_mean", "is_weight_max",
             "train_rollout_dlogp_after_is", "sync_probe_max_diff", "sync_probe_quant_diff", "sync_probe_quant_bound")
 
@@ -65,7 +85,7 @@ def layout_name(layout: dict) -> str:
     return "+".join(f"{k}{v}" for k, v in layout.items()) or "single"
 
 
-def _config(family: str, rule: str, layout: dict):
+def _config(family: str, rule: str, layout: dict, lora: bool = True, dtype: str = "fp32"):
     from megatron_omni.trainer.config import JobConfig
 
     cfg = JobConfig(prompts=PROMPTS, seed=3)
@@ -81,10 +101,11 @@ def _config(family: str, rule: str, layout: dict):
     r.prompts_per_step = len(PROMPTS)
     r.group_size = GROUP
     r.transformer = "engine"  # the engine samples with its own copy: the merged sync is exercised
-    r.lora_sync = "merge"
+    r.lora_sync = "merge" if lora else "auto"  # full fine-tuning syncs the weights themselves
     if family == "sd3":
         r.guidance_scale, r.negative_prompt = 4.5, ""
-    cfg.model.lora.rank, cfg.model.lora.alpha = 4, 8.0
+    cfg.model.lora.rank, cfg.model.lora.alpha = (4 if lora else 0), 8.0
+    cfg.model.params_dtype = r.dtype = dtype
     cfg.optim.lr = 1e-2
     cfg.optim.mini_batches = 1
     cfg.algorithm.clip_range = 0.2
@@ -99,7 +120,7 @@ def _config(family: str, rule: str, layout: dict):
 
 
 def _steps(family: str, folder: str, layout: dict, rules: tuple[str, ...], world_size: int, groups,
-           job_group=None) -> dict:
+           job_group=None, lora: bool = True, dtype: str = "fp32") -> dict:
     """One trainer at `layout` on `groups` runs one step of each of `rules` in turn (the trainer reads `algorithm`
     per step: the same model and adapters go on under the next rule). Returns per rule the step's figures, its
     adapters' (value, gradient) by model-wide name (`state`) and the rollout's log-probs."""
@@ -109,7 +130,7 @@ def _steps(family: str, folder: str, layout: dict, rules: tuple[str, ...], world
     out: dict = {}
     trainer = None
     for step, rule in enumerate(rules):
-        cfg = _config(family, rule, layout)
+        cfg = _config(family, rule, layout, lora, dtype)
         cfg.validate(world_size)
         if trainer is None:
             trainer = FlowGRPOTrainer(cfg, groups, folder, RewardFunction("jpeg_compressibility"), job_group=job_group)
@@ -125,8 +146,10 @@ def _steps(family: str, folder: str, layout: dict, rules: tuple[str, ...], world
         out[rule] = {
             "loss": m["loss"], "grad_norm": m["grad_norm"], "dlogp_max": m.get("train_rollout_dlogp_max"),
             "probe": m["sync_probe_max_diff"], "trainable": len(trainable), "moved": len(moved),
-            "moved_frozen": sorted(moved - trainable),
+            "moved_frozen": sorted(moved - trainable), "unmoved": sorted(glob(k) for k in trainable - moved),
+            "zero_grad": sorted(glob(k) for k in trainable if not named[k].main_grad.any()),
             "lora_only": all(".lora_" in k for k in trainable),
+            "update": max(float((named[k].detach() - before[k]).abs().max()) for k in trainable),
             "window": result.trajectory.window_start.tolist() if result.trajectory.log_probs.numel() else None,
             # after the step: DDP zeroes its grad buffers when the next update starts
             "state": {glob(k): (named[k].detach().clone(), named[k].main_grad.detach().clone()) for k in trainable},
@@ -136,10 +159,10 @@ def _steps(family: str, folder: str, layout: dict, rules: tuple[str, ...], world
     return out
 
 
-def _single_rank(rank: int, world_size: int, family: str, jobs: list[tuple[str, tuple[str, ...]]]) -> dict:
-    """Each job (folder, rules) run by a single-rank trainer (cp 1, pp 1), job j on rank j % world_size, all at
-    once (every rank builds every 1-rank grid, as group creation is collective). Returns every job's `_steps`
-    by (folder, rule), on every rank."""
+def _single_rank(rank: int, world_size: int, family: str, jobs: list[tuple[str, tuple[str, ...], str]]) -> dict:
+    """Each job (folder, rules, variant: a key of `VARIANTS`) run by a single-rank trainer (cp 1, pp 1), job j on
+    rank j % world_size, all at once (every rank builds every 1-rank grid, as group creation is collective).
+    Returns every job's `_steps` by (folder, rule, variant), on every rank."""
     import torch.distributed as dist
 
     from megatron_omni.parallel import ParallelLayout, build_parallel_groups
@@ -148,9 +171,10 @@ def _single_rank(rank: int, world_size: int, family: str, jobs: list[tuple[str, 
     solo, _ = dist.new_subgroups_by_enumeration([[r] for r in range(world_size)])
     groups = [build_parallel_groups(ParallelLayout(), ranks=range(r, r + 1)) for r in range(world_size)][rank]
     mine = {}
-    for j, (folder, rules) in enumerate(jobs):
+    for j, (folder, rules, variant) in enumerate(jobs):
         if j % world_size == rank:
-            mine.update({(folder, rule): r for rule, r in _steps(family, folder, {}, rules, 1, groups, solo).items()})
+            mine.update({(folder, rule, variant): r for rule, r in
+                         _steps(family, folder, {}, rules, 1, groups, solo, **VARIANTS[variant]).items()})
     # Megatron-Core's optimizer gathers its parameter-group keys over the whole job: a rank with fewer trainers to
     # build joins the others' gathers (as a disaggregated job's rollout ranks do)
     built = len(range(rank, len(jobs), world_size))
@@ -167,11 +191,18 @@ def _against(got: dict, ref: dict) -> dict:
     logp, want_logp = got.pop("log_probs"), ref["log_probs"]
     common = [n for n in state if n in want]
     scale = max(float(g.abs().max()) for _, g in want.values())
+    # LoRA: B starts at 0, so its largest value is how far the steps moved it; full fine-tuning: the step's update
+    lora_b = [float(want[n][0].abs().max()) for n in want if ".lora_b" in n.lower()]
     return {
         "names": sorted(state), "ref_names": sorted(want),
         "grad_rel": max(float((state[n][1] - want[n][1]).abs().max()) for n in common) / scale,
         "adapter": max(float((state[n][0] - want[n][0]).abs().max()) for n in common),
-        "adapter_moved": max(float(want[n][0].abs().max()) for n in want if ".lora_b" in n.lower()),
+        "adapter_moved": max(lora_b) if lora_b else ref["update"],
+        # the updated B (LoRA) against the single-rank trainer's, in norm: ||B - B_1|| / ||B_1|| (B_1 = its update)
+        "b_norm_rel": (math.sqrt(sum(float((state[n][0].float() - want[n][0].float()).square().sum())
+                                     for n in common if ".lora_b" in n.lower()))
+                       / max(math.sqrt(sum(float(want[n][0].float().square().sum())
+                                           for n in common if ".lora_b" in n.lower())), 1e-30)),
         "grad_norm_rel": abs(got["grad_norm"] - ref["grad_norm"]) / ref["grad_norm"],
         "loss": abs(got["loss"] - ref["loss"]),
         "rollout_logp": (math.inf if logp.shape != want_logp.shape
@@ -179,10 +210,15 @@ def _against(got: dict, ref: dict) -> dict:
     }
 
 
+def other_key(layout: dict, rule: str) -> str:
+    """A step's key at one of `OTHER_LAYOUTS` (`pp2`: FlowGRPO, `pp2/mixgrpo`: another rule)."""
+    return layout_name(layout) + ("" if rule == "flowgrpo" else f"/{rule}")
+
+
 def rules(rank: int, world_size: int, family: str, pipeline_dir: str, layout: dict,
-          others: list[tuple[dict, str]]) -> dict:
-    """The rules at `layout`, FP8 (FLUX.1), one FlowGRPO step at each of `others` ((layout, folder)), then the
-    single-rank steps they are compared with (`single` per rule / layout)."""
+          others: list[tuple[dict, str, tuple[str, ...]]]) -> dict:
+    """The rules at `layout`, FP8 (FLUX.1), the steps of each of `others` ((layout, folder, rules)), then the
+    single-rank steps they are compared with (`single` per rule / layout and rule)."""
     from megatron_omni.parallel import ParallelLayout, build_parallel_groups
     from megatron_omni.trainer.flowgrpo import FlowGRPOTrainer
     from megatron_omni.trainer.rewards import RewardFunction
@@ -202,60 +238,83 @@ def rules(rank: int, world_size: int, family: str, pipeline_dir: str, layout: di
         out["fp8"]["quantized"] = fp8.engine.quantizer is not None
         fp8.close()
         seconds["fp8"] = time.perf_counter() - t0
-    folders = {}
-    for other, folder in others:
+    folders = {}  # key -> (folder, rule)
+    jobs = {pipeline_dir: RULES}  # the single-rank trainers: one per folder, the longest rule sequence it needs
+    for other, folder, other_rules in others:
         t0 = time.perf_counter()
-        name = layout_name(other)
-        out[name] = _steps(family, folder, other, ("flowgrpo",), world_size,
-                           build_parallel_groups(ParallelLayout(**other)))["flowgrpo"]
-        folders[name] = folder
-        seconds[name] = time.perf_counter() - t0
+        steps = _steps(family, folder, other, other_rules, world_size, build_parallel_groups(ParallelLayout(**other)))
+        for rule, r in steps.items():
+            out[other_key(other, rule)] = r
+            folders[other_key(other, rule)] = (folder, rule, "lora")
+        # the same sequence of rules from the same start, so a prefix of another's is the same steps
+        if len(other_rules) > len(jobs.get(folder, ())):
+            assert jobs.get(folder, ()) == other_rules[:len(jobs.get(folder, ()))], (folder, other_rules)
+            jobs[folder] = other_rules
+        seconds[layout_name(other)] = time.perf_counter() - t0
+    for variant in [v for v in VARIANTS if v != "lora"]:  # one FlowGRPO step at `layout`
+        t0 = time.perf_counter()
+        out[variant] = _steps(family, pipeline_dir, layout, ("flowgrpo",), world_size,
+                              build_parallel_groups(ParallelLayout(**layout)), **VARIANTS[variant])["flowgrpo"]
+        folders[variant] = (pipeline_dir, "flowgrpo", variant)
+        seconds[variant] = time.perf_counter() - t0
     t0 = time.perf_counter()
-    jobs = [(pipeline_dir, RULES)] + [(f, ("flowgrpo",)) for f in dict.fromkeys(folders.values()) if f != pipeline_dir]
-    single = _single_rank(rank, world_size, family, jobs)
+    single = _single_rank(rank, world_size, family, [(f, rs, "lora") for f, rs in jobs.items()]
+                          + [(pipeline_dir, ("flowgrpo",), v) for v in VARIANTS if v != "lora"])
     seconds["single"] = time.perf_counter() - t0
     for rule in RULES:
-        out[rule]["single"] = _against(out[rule], single[(pipeline_dir, rule)])
-    for name, folder in folders.items():
-        out[name]["single"] = _against(out[name], single[(folder, "flowgrpo")])
+        out[rule]["single"] = _against(out[rule], single[(pipeline_dir, rule, "lora")])
+    for name, key in folders.items():
+        out[name]["single"] = _against(out[name], single[key])
     out["seconds"] = seconds
     return out
 
 
-def _check_step(r: dict, rule: str, what: str) -> None:
+def _check_step(r: dict, rule: str, what: str, lora: bool = True, bf16: bool = False) -> None:
     s = r["single"]
-    print(f"{what}: {({k: v for k, v in r.items() if k != 'single'})}\n  against the single-rank step: "
+    shown = {k: v for k, v in r.items() if k not in ("single", "zero_grad")}
+    print(f"{what}: {shown}\n  against the single-rank step: "
           f"{({k: v for k, v in s.items() if 'names' not in k})}")
     assert math.isfinite(r["loss"]), (what, r)  # a PPO surrogate at ratio 1 over centred advantages is 0
     assert math.isfinite(r["grad_norm"]) and r["grad_norm"] > 0.0, (what, r)
-    assert r["lora_only"] and r["trainable"] > 0, (what, r)
+    assert r["lora_only"] == lora and r["trainable"] > 0, (what, r)
     assert r["moved_frozen"] == [], (what, r["moved_frozen"])
-    assert r["moved"] == r["trainable"], (what, r)
-    assert r["probe"] <= PROBE_TOL, (what, r)
+    # Adam does not move a weight whose gradient is 0 (full fine-tuning: a weight the loss does not reach)
+    # (LoRA in fp32: AdamW's decay moves A even at a zero gradient; in bf16 that move is below a bf16 step)
+    assert (r["unmoved"] == []) if lora and not bf16 else set(r["unmoved"]) <= set(r["zero_grad"]), (what, r)
+    assert r["probe"] <= (BF16_PROBE_TOL if bf16 else PROBE_TOL), (what, r)
     if rule == "diffusionnft":
         assert r["dlogp_max"] is None or math.isnan(r["dlogp_max"]), (what, r)
     else:
-        assert r["dlogp_max"] <= DLOGP_TOL, (what, r)
+        assert r["dlogp_max"] <= (BF16_DLOGP_TOL if bf16 else DLOGP_TOL), (what, r)
     assert s["rollout_logp"] <= SINGLE_LOGP_TOL, (what, s)  # the same trajectory
-    assert s["grad_norm_rel"] <= SINGLE_GRAD_TOL and s["grad_rel"] <= SINGLE_GRAD_TOL, (what, s)
+    grad_tol = BF16_GRAD_TOL if bf16 else SINGLE_GRAD_TOL
+    assert s["grad_norm_rel"] <= grad_tol and s["grad_rel"] <= grad_tol, (what, s)
     assert s["loss"] <= SINGLE_LOSS_TOL, (what, s)
-    assert s["adapter"] <= SINGLE_ADAPTER_TOL * s["adapter_moved"], (what, s)
+    if bf16:
+        assert s["b_norm_rel"] <= BF16_B_NORM_TOL, (what, s)
+        return
+    assert s["adapter"] <= (SINGLE_ADAPTER_TOL if lora else SINGLE_FULL_TOL) * s["adapter_moved"], (what, s)
 
 
 def check_rules(outs: list[dict], family: str) -> None:
     """Assert what `rules` returned on every rank."""
     for rank, out in enumerate(outs):
         print(f"{family} rank {rank} seconds: " + ", ".join(f"{k} {v:.1f}" for k, v in out["seconds"].items()))
-        steps = [(rule, rule) for rule in RULES] + [("flowgrpo", layout_name(o)) for o, _ in OTHER_LAYOUTS[family]]
+        steps = [(rule, rule) for rule in RULES] + [(rule, other_key(o, rule)) for o, _, rs in OTHER_LAYOUTS[family]
+                                                    for rule in rs]
         for rule, key in steps:
             _check_step(out[key], rule, f"{family} rank {rank} {key}")
-    for _, key in steps:  # the ranks' adapters (a stage's each under PP) are the single-rank trainer's
+        _check_step(out["full"], "flowgrpo", f"{family} rank {rank} full fine-tuning", lora=False)
+        _check_step(out["bf16"], "flowgrpo", f"{family} rank {rank} bf16", bf16=True)
+    # the ranks' adapters (a stage's each under PP; every weight under full fine-tuning) are the single-rank trainer's
+    for key in [k for _, k in steps] + ["full", "bf16"]:
         names = [set(out[key]["single"]["names"]) for out in outs]
         want = set(outs[0][key]["single"]["ref_names"])
         assert all(n <= want for n in names) and set().union(*names) == want, (key, names, want)
     # MixGRPO: every sample of step 1 starts its window where the schedule has moved it (one step per move)
     for out in outs:
-        assert out["mixgrpo"]["window"] == [1] * 4, out["mixgrpo"]["window"]
+        for key in [k for _, k in steps if k.endswith("mixgrpo")]:
+            assert out[key]["window"] == [1] * 4, (key, out[key]["window"])
     if family == "flux":  # FP8 rollout: a gap the trainer measures and corrects with truncated importance weights
         m = outs[-1]["fp8"]
         print(f"{family} fp8: {m}")

@@ -369,12 +369,13 @@ def test_synced_weights_reach_the_next_rollout(results: list[dict], how: str) ->
 
 def test_each_rule_trains_lora_at_cp_or_pp(folders: dict[str, str], family: str, tmp_path: Path) -> None:
     """FlowGRPO, MixGRPO, GRPO-Guard and DiffusionNFT with LoRA on the family's tiny folder, one step each through the
-    one trainer at SD3.5's CP 2 / FLUX.1's PP 2, then a FlowGRPO step at SD3.5's PP 2 / FLUX.1's Ulysses and ring
-    CP 2; each step equal to a single-rank trainer's (`tests/distributed/image_family_rl.py`), on this module's pool."""
+    one trainer at SD3.5's CP 2 / FLUX.1's PP 2, then the four at SD3.5's PP 2 and a FlowGRPO step at FLUX.1's Ulysses
+    and ring CP 2, then full fine-tuning and bf16 FlowGRPO steps at the first layout; each step equal to a single-rank
+    trainer's (`tests/distributed/image_family_rl.py`), on this module's pool."""
     from tests.distributed import image_family_rl as rl
 
-    others = [(layout, rl.four_block_folder(family, tmp_path) if four_blocks else folders[family])
-              for layout, four_blocks in rl.OTHER_LAYOUTS[family]]
+    others = [(layout, rl.four_block_folder(family, tmp_path) if four_blocks else folders[family], rules)
+              for layout, four_blocks, rules in rl.OTHER_LAYOUTS[family]]
     outs = run_ranks(rl.rules, 2, family, folders[family], rl.LAYOUTS[family], others, timeout_s=600)
     rl.check_rules(outs, family)
 
