@@ -9,6 +9,7 @@ below. `test_config_validation.py` walks the table, so a new numeric field needs
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import json
 import os
 import types
@@ -244,8 +245,6 @@ def check_family_layout(cfg: Any, world_size: int) -> None:
     family = get_family(cfg.model.family)
     if family.trainer is None:
         return
-    import importlib
-
     check = getattr(importlib.import_module(family.trainer), "check_layout", None)
     if check is not None:
         try:
