@@ -413,41 +413,49 @@ def _close(a: float, b: float, tol: float = PP_TOL) -> bool:
     return abs(a - b) <= tol * max(1.0, abs(b))
 
 
-def test_pp2_steps_equal_pp1(tp2_job: tuple[Future, object]) -> None:
-    """2 RL steps at pp 2 (1F1B) and at pp 1 (tp 2) of one config with the KL term and the EMA: the same rewards,
-    losses (the KL term apart), grad norms, updated weights and EMA weights (the step-2 checkpoints), recompute =
-    rollout in both (the step-2 rollout ran on the synced weights, every stage's tensors broadcast into both ranks'
-    pipelines)."""
+def _equal_to_pp1(out: dict, name: str) -> tuple[dict, dict]:
+    """`_pp_runs`' run `name` against its pp 1 (tp 2) run, both with the KL term and the EMA: the same rewards, losses
+    (the KL term apart) and grad norms, recompute = rollout in both, the KL 0 before the first update and then the
+    same, and the same weights and EMA weights in the step-`PP_STEPS` checkpoints. Returns those checkpoints' model
+    tensors (`name`'s, pp 1's)."""
     from pathlib import Path
 
     from megatron_omni.trainer.checkpointing import complete_checkpoints, read_checkpoint_tensors
 
-    out = tp2_job[0].result()[0]
-    from megatron_omni.planner.mot import is_generation_tensor
-
-    hist = {k: _metrics(out[k]) for k in ("pp2", "pp1")}
+    hist = {k: _metrics(out[k]) for k in (name, "pp1")}
     print({k: [{m: h[m] for m in ("reward_mean", "policy_loss", "kl_loss", "grad_norm", "train_rollout_dlogp_max")}
                for h in v] for k, v in hist.items()})
-    assert len(hist["pp2"]) == len(hist["pp1"]) == PP_STEPS
-    for a, b in zip(hist["pp2"], hist["pp1"], strict=True):
+    assert len(hist[name]) == len(hist["pp1"]) == PP_STEPS
+    for a, b in zip(hist[name], hist["pp1"], strict=True):
         assert a["reward_mean"] == b["reward_mean"] and a["grad_norm"] > 0, (a, b)
         for key in ("policy_loss", "grad_norm"):
             assert _close(a[key], b[key]), (key, a, b)
         assert a["train_rollout_dlogp_max"] < FP32_TOL and b["train_rollout_dlogp_max"] < FP32_TOL, (a, b)
     # the KL against the initial copy: 0 before the first update, then > 0 and the same at both layouts (relative:
-    # measured 3.5e-6 of 2.7e-3)
-    assert hist["pp2"][0]["kl_loss"] == hist["pp1"][0]["kl_loss"] == 0, hist
-    kl2, kl1 = hist["pp2"][1]["kl_loss"], hist["pp1"][1]["kl_loss"]
+    # measured 3.5e-6 of 2.7e-3 at pp 2)
+    assert hist[name][0]["kl_loss"] == hist["pp1"][0]["kl_loss"] == 0, hist
+    kl2, kl1 = hist[name][1]["kl_loss"], hist["pp1"][1]["kl_loss"]
     assert kl1 > 0 and abs(kl2 - kl1) <= PP_TOL * kl1, (kl2, kl1)
-    a, b = (read_checkpoint_tensors(complete_checkpoints(Path(out[k]))[-1])["model"] for k in ("pp2", "pp1"))
+    a, b = (read_checkpoint_tensors(complete_checkpoints(Path(out[k]))[-1])["model"] for k in (name, "pp1"))
     assert a.keys() == b.keys() and len(a) > 0
     weights = [k for k in a if not k.startswith("ema.")]
-    assert sorted(a) == sorted(weights + [f"ema.{k}" for k in weights])  # the EMA checkpointed at pp 2
+    assert sorted(a) == sorted(weights + [f"ema.{k}" for k in weights])  # the EMA checkpointed
     worst = max(float((a[k].float() - b[k].float()).abs().max()) for k in weights)
     worst_ema = max(float((a[f"ema.{k}"].float() - b[f"ema.{k}"].float()).abs().max()) for k in weights)
-    print(f"pp2 vs pp1 after {PP_STEPS} steps: weights max |diff| {worst:.2e}, EMA {worst_ema:.2e}")
+    print(f"{name} vs pp1 (tp 2) after {PP_STEPS} steps: weights max |diff| {worst:.2e}, EMA {worst_ema:.2e}")
     assert worst < PP_WEIGHT_TOL, worst
     assert worst_ema < PP_EMA_TOL, worst_ema
+    return a, b
+
+
+def test_pp2_steps_equal_pp1(tp2_job: tuple[Future, object]) -> None:
+    """2 RL steps at pp 2 (1F1B) and at pp 1 (tp 2) of one config with the KL term and the EMA: `_equal_to_pp1`
+    (the step-2 rollout ran on the synced weights, every stage's tensors broadcast into both ranks' pipelines), and
+    the pp-2 EMA was updated."""
+    from megatron_omni.planner.mot import is_generation_tensor
+
+    a, _ = _equal_to_pp1(tp2_job[0].result()[0], "pp2")
+    weights = [k for k in a if not k.startswith("ema.")]
     # the pp-2 EMA was updated: it lags the model on every trained tensor, equals it on every frozen one
     lag = {k: float((a[f"ema.{k}"].float() - a[k].float()).abs().max()) for k in weights}
     assert min(v for k, v in lag.items() if is_generation_tensor(k)) > 0, lag
@@ -483,27 +491,6 @@ def test_lora_and_kl_at_pp2_equal_tp2(tp2_job: tuple[Future, object]) -> None:
 
 def test_cp2_steps_equal_tp2(tp2_job: tuple[Future, object]) -> None:
     """`_pp_runs`' config at cp 2 (each rank computes its shard of every velocity, all-gathered before the CFG and the
-    loss; gradients averaged over dp x cp by Megatron-Core's DDP) against tp 2, on the same two ranks: the same
-    rewards, losses, KL and grad norms, recompute = rollout, and the same weights and EMA after 2 steps."""
-    from pathlib import Path
-
-    from megatron_omni.trainer.checkpointing import complete_checkpoints, read_checkpoint_tensors
-
-    out = tp2_job[0].result()[0]
-    hist = {k: _metrics(out[k]) for k in ("cp2", "pp1")}
-    print({k: [{m: h[m] for m in ("reward_mean", "policy_loss", "kl_loss", "grad_norm", "train_rollout_dlogp_max")}
-               for h in v] for k, v in hist.items()})
-    assert len(hist["cp2"]) == len(hist["pp1"]) == PP_STEPS
-    for a, b in zip(hist["cp2"], hist["pp1"], strict=True):
-        assert a["reward_mean"] == b["reward_mean"] and a["grad_norm"] > 0, (a, b)
-        for key in ("policy_loss", "grad_norm"):
-            assert _close(a[key], b[key]), (key, a, b)
-        assert a["train_rollout_dlogp_max"] < FP32_TOL, (a, b)
-    kl2, kl1 = hist["cp2"][1]["kl_loss"], hist["pp1"][1]["kl_loss"]
-    assert kl1 > 0 and abs(kl2 - kl1) <= PP_TOL * kl1, (kl2, kl1)
-    a, b = (read_checkpoint_tensors(complete_checkpoints(Path(out[k]))[-1])["model"] for k in ("cp2", "pp1"))
-    assert a.keys() == b.keys() and len(a) > 0
-    worst = max(float((a[k].float() - b[k].float()).abs().max()) for k in a if not k.startswith("ema."))
-    worst_ema = max(float((a[k].float() - b[k].float()).abs().max()) for k in a if k.startswith("ema."))
-    print(f"cp2 vs tp2 after {PP_STEPS} steps: weights max |diff| {worst:.2e}, EMA {worst_ema:.2e}")
-    assert worst < PP_WEIGHT_TOL and worst_ema < PP_EMA_TOL, (worst, worst_ema)
+    loss; gradients averaged over dp x cp by Megatron-Core's DDP) against tp 2, on the same two ranks:
+    `_equal_to_pp1`."""
+    _equal_to_pp1(tp2_job[0].result()[0], "cp2")
