@@ -153,7 +153,7 @@ class MoTAttention(MegatronModule):
         if shard is not None:
             if causal:
                 raise ValueError("context parallelism gathers k/v for non-causal attention only")
-            k, v = shard.gather(k), shard.gather(v)
+            k, v = shard.gather(torch.stack((k, v), dim=-1)).unbind(-1)  # one collective for both
         if prefix is not None:
             if causal:
                 raise ValueError("causal attention over a cached prefix is not used by BAGEL's generation step")
