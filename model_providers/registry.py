@@ -1,6 +1,8 @@
 """Model families as data: a family is a `ModelFamily` bundle in `model_providers/<name>/family.py` (its
 module-level `FAMILY`), looked up by name with `get_family`, so a trainer builds, loads and exports a model
-without importing the family's modules and a new family is a new folder, not a trainer edit.
+without importing the family's modules and a new family is a new folder (and its line in `FAMILIES`), not a
+trainer edit. Families load lazily: `FAMILIES` names each family, where its bundle lives and the keys it is
+found by, and a family's modules are imported only when that family is asked for.
 
 The bundle holds what this room (model_providers) owns: presets, the config from a preset, build, load and
 export of the weights in their Hugging Face / diffusers layout, the Megatron weight shapes and, for a family
@@ -15,6 +17,7 @@ from __future__ import annotations
 
 import importlib
 import pkgutil
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -243,36 +246,100 @@ class ModelFamily:
         return next((name for name in self.presets if self._arch(name) == arch), None)
 
 
+@dataclass(frozen=True)
+class FamilyEntry:
+    """What the registry knows of a family without importing it: where its bundle lives and the two keys a family is
+    found by from outside (a diffusers folder's `_class_name`, a built model's class), as names. `get_family`
+    checks them against the bundle when it imports it, so the table cannot drift from the folders.
+
+    module: the dotted module whose `FAMILY` is the bundle (`model_providers.<name>.family`).
+    diffusers_class: the bundle's `diffusers_class` (None: no diffusers conversion).
+    megatron_module: the bundle's `megatron_module` as "dotted.module:ClassName" (None: it has none).
+    """
+
+    name: str
+    module: str
+    diffusers_class: str | None = None
+    megatron_module: str | None = None
+
+
+# One line per model_providers/<name>/ folder with a family.py (a unit test holds the two equal). Importing the
+# registry imports no family: a process that converts an SD3.5 folder or trains FLUX.1 never pays for the others'
+# imports (Qwen-Image-Edit's processor pulls in transformers and scipy, BAGEL's provider its tokenizer stack).
+FAMILIES: dict[str, FamilyEntry] = {e.name: e for e in (
+    FamilyEntry("ar_dit", "model_providers.ar_dit.family"),
+    FamilyEntry("bagel", "model_providers.bagel.family"),
+    FamilyEntry("flux", "model_providers.flux.family", "FluxTransformer2DModel",
+                "megatron_omni.models.dit.flux_model:FluxModel"),
+    FamilyEntry("qwen_image", "model_providers.qwen_image.family", "QwenImageTransformer2DModel",
+                "megatron_omni.models.dit.model:MMDiTModel"),
+    FamilyEntry("qwen_image_edit", "model_providers.qwen_image_edit.family", None,
+                "megatron_omni.models.dit.model:MMDiTModel"),
+    FamilyEntry("sd3", "model_providers.sd3.family", "SD3Transformer2DModel",
+                "megatron_omni.models.dit.sd3_model:SD3Model"),
+    FamilyEntry("wan", "model_providers.wan.family", "WanTransformer3DModel",
+                "megatron_omni.models.dit.wan_model:WanModel"),
+)}
+
+
 def family_names() -> list[str]:
-    """The families present: every model_providers/<name>/ folder with a family.py."""
+    """The registered families' names (`FAMILIES`), sorted; imports none of them."""
+    return sorted(FAMILIES)
+
+
+def family_folders() -> list[str]:
+    """The model_providers/<name>/ folders with a family.py (what `FAMILIES` must list), sorted."""
     root = Path(__file__).resolve().parent
     return sorted(m.name for m in pkgutil.iter_modules([str(root)])
                   if m.ispkg and (root / m.name / "family.py").exists())
 
 
+def _class_path(cls: type | None) -> str | None:
+    return None if cls is None else f"{cls.__module__}:{cls.__qualname__}"
+
+
 def get_family(name: str) -> ModelFamily:
-    """The bundle of family `name` (`model_providers/<name>/family.py`'s `FAMILY`). Raises ValueError naming
-    the known families when there is none."""
-    known = family_names()
-    if name not in known:
-        raise ValueError(f"unknown model family {name!r}; known: {known}")
-    family = importlib.import_module(f"model_providers.{name}.family").FAMILY
+    """The bundle of family `name` (`model_providers/<name>/family.py`'s `FAMILY`), importing that family's module
+    only. Raises ValueError naming the known families when there is none, and naming the mismatch when the bundle
+    differs from its `FAMILIES` entry."""
+    entry = FAMILIES.get(name)
+    if entry is None:
+        raise ValueError(f"unknown model family {name!r}; known: {family_names()}")
+    family = importlib.import_module(entry.module).FAMILY
+    where = f"{entry.module.replace('.', '/')}.py"
     if not isinstance(family, ModelFamily) or family.name != name:
-        raise ValueError(f"model_providers/{name}/family.py must define FAMILY = ModelFamily(name={name!r}, ...)")
+        raise ValueError(f"{where} must define FAMILY = ModelFamily(name={name!r}, ...)")
     if family.kind not in FAMILY_KINDS:
-        raise ValueError(f"model_providers/{name}/family.py: kind {family.kind!r} is not one of {FAMILY_KINDS}")
+        raise ValueError(f"{where}: kind {family.kind!r} is not one of {FAMILY_KINDS}")
     if family.kind == "dit" and family.traits is None:
-        raise ValueError(f"model_providers/{name}/family.py: a DiT family declares its traits (DiTTraits)")
+        raise ValueError(f"{where}: a DiT family declares its traits (DiTTraits)")
     if family.kind == "mot" and family.trainer is None:
-        raise ValueError(f"model_providers/{name}/family.py: a MoT family names its trainer module (trainer=)")
+        raise ValueError(f"{where}: a MoT family names its trainer module (trainer=)")
+    declared = (family.diffusers_class, _class_path(family.megatron_module))
+    if declared != (entry.diffusers_class, entry.megatron_module):
+        raise ValueError(f"{where} declares (diffusers_class, megatron_module) {declared}, but the registry's "
+                         f"FAMILIES entry says {(entry.diffusers_class, entry.megatron_module)}: make them equal")
+    if entry.diffusers_class is not None and not family.convertible:
+        raise ValueError(f"{where}: diffusers_class {entry.diffusers_class!r} needs arch_config, mappings and "
+                         f"hf_to_megatron / megatron_to_hf")
     return family
 
 
+def diffusers_classes() -> dict[str, str]:
+    """diffusers `_class_name` -> the name of the family that converts it (the convertible families); imports
+    none of them."""
+    return {e.diffusers_class: e.name for e in FAMILIES.values() if e.diffusers_class is not None}
+
+
 def family_of_model(model: Any) -> ModelFamily:
-    """The registered family whose Megatron model class (`megatron_module`) `model` is an instance of. Raises
-    ValueError naming the model's class when no family builds it."""
+    """The registered family whose Megatron model class (`megatron_module`) `model` is an instance of (the first
+    by name when several build it). Imports only that family: a family whose model class's module was never
+    imported cannot have built `model`. Raises ValueError naming the model's class when no family builds it."""
     for name in family_names():
-        family = get_family(name)
-        if family.megatron_module is not None and isinstance(model, family.megatron_module):
-            return family
+        path = FAMILIES[name].megatron_module
+        if path is None:
+            continue
+        module, cls = path.split(":")
+        if module in sys.modules and isinstance(model, getattr(sys.modules[module], cls)):
+            return get_family(name)
     raise ValueError(f"no registered model family builds a {type(model).__name__} (ModelFamily.megatron_module)")

@@ -6,6 +6,8 @@
 # text CFG, the in-process rollout's bf16 copy) fits on the GPU kind: tp 1 on H200, tp 4 on H800.
 #   DRY_RUN=1 bash examples/bagel/train_bagel.sh                  # H200 and H800: layouts, memory per GPU, step FLOPs
 #   DRY_RUN=1 GPU_KIND=H800 bash examples/bagel/train_bagel.sh    # one kind; no GPU needed either way
+#   DRY_RUN=1 GPU_KIND=H800 bash examples/bagel/train_bagel.sh --set parallel.tp=2 --set parallel.ulysses=2
+#       # context parallelism 2: the generation tokens' activations / 2 and the per-layer k/v all-gather printed
 #   GPU_KIND=H200 PIPELINE_DIR=/models/BAGEL-7B-MoT bash examples/bagel/train_bagel.sh   # the run (one kind)
 # Knobs: GPU_KIND ("H200 H800" for a dry run, one kind for a run), PIPELINE_DIR (the published BAGEL folder:
 # ema.safetensors, ae.safetensors, the configs and Qwen2's tokenizer files; its prompts are text through that

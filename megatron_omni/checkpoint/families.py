@@ -2,7 +2,8 @@
 
 The families and what conversion needs of them (diffusers class, architecture check, name mapping, Megatron
 shapes, presets) are the model_providers registry's bundles (`model_providers.registry.ModelFamily`); this
-file only reads a folder's config and finds the bundle whose `diffusers_class` it names.
+file only reads a folder's config and finds the bundle whose `diffusers_class` it names (the registry knows the
+classes without importing the families, so only the family a folder holds is imported).
 """
 
 from __future__ import annotations
@@ -13,12 +14,12 @@ from pathlib import Path
 from typing import Any
 
 from megatron_omni.checkpoint.errors import CheckpointError
-from model_providers.registry import ModelFamily, family_names, get_family
+from model_providers.registry import ModelFamily, diffusers_classes, get_family
 
 
 def convertible_families() -> list[ModelFamily]:
     """The registered families with a diffusers conversion (a `diffusers_class` and its mapping), by name."""
-    return [fam for fam in map(get_family, family_names()) if fam.convertible]
+    return [get_family(name) for name in sorted(diffusers_classes().values())]
 
 
 def family_of_config(config: dict[str, Any], where: str) -> ModelFamily:
@@ -27,17 +28,16 @@ def family_of_config(config: dict[str, Any], where: str) -> ModelFamily:
     cls = config.get("_class_name")
     if cls is None:
         raise CheckpointError(f"{where} has no '_class_name': cannot tell the model family")
-    known = convertible_families()
-    for fam in known:
-        if fam.diffusers_class == cls:
-            try:
-                fam.arch_config(config)
-            except (KeyError, ValueError) as exc:
-                raise CheckpointError(f"{where}: {exc}") from exc
-            return fam
-    classes = sorted(f.diffusers_class for f in known)
-    raise CheckpointError(f"{where}: unknown model family (class {cls!r}); supported classes: {classes} "
-                          f"(known families: {[f.name for f in known]})")
+    known = diffusers_classes()
+    if cls in known:
+        fam = get_family(known[cls])
+        try:
+            fam.arch_config(config)
+        except (KeyError, ValueError) as exc:
+            raise CheckpointError(f"{where}: {exc}") from exc
+        return fam
+    raise CheckpointError(f"{where}: unknown model family (class {cls!r}); supported classes: {sorted(known)} "
+                          f"(known families: {sorted(known.values())})")
 
 
 def read_json(path: Path) -> dict[str, Any]:

@@ -2,6 +2,14 @@
 trainable share that carries gradients and Adam state (the generation expert alone when the understanding expert is
 frozen), and the FLOPs of one generation step.
 
+Context parallelism (`cp`: `parallel.ulysses` x `ring`, pp 1; docs/families-bagel.md, "Context parallelism") is
+counted as the model builds it: each cp rank holds one contiguous shard of the generation tokens (image latents + 2
+markers; shard sizes differ by at most one, so the largest, ceil((n + 2) / cp), is the rank's), which divides their
+activations by cp; per layer it all-gathers the shards' k/v (padded to the largest shard) and keeps the gathered
+k/v for the attention's backward, whose reduce-scatter moves the same bytes back (`cp_kv_gather_bytes`). The
+prompt's understanding pass stays whole on every cp rank; the distributed optimizer shards over dp x cp, as
+Qwen-Image's planner counts it (`planner.plan`).
+
 Counts follow how `megatron_omni.models.bagel` builds each tensor (`model_providers.bagel.mapping` gives the
 tensor-parallel dim and the pipeline stage of each); the distributed parity test checks them against the built
 model's parameter counts per rank. Memory here is weights, gradients and optimizer state only (no activations).
@@ -144,6 +152,41 @@ def generation_step_flops(model: str | dict[str, Any], image_tokens: int, prompt
 # Megatron's activation estimate per layer and token without recomputation, bf16: 34 h bytes (flash attention: no
 # score matrix), divided over tp (sequence-parallel-free CPU form: the full layer count on one stage).
 ACTIVATION_BYTES_PER_TOKEN_HIDDEN = 34
+# The link efficiency Qwen-Image's planner assumes for collectives (`planner.plan.plan`'s default).
+LINK_EFFICIENCY = 0.7
+
+
+def cp_shard_tokens(image_tokens: int, cp: int) -> int:
+    """The generation tokens of the most loaded cp rank: the packed image query (`image_tokens` latents + 2 markers)
+    split into cp contiguous shards whose sizes differ by at most one (`models.bagel.mot.TokenShard`)."""
+    return -(-(image_tokens + 2) // cp)
+
+
+def cp_kv_gather_bytes(model: str | dict[str, Any], image_tokens: int, cp: int, tp: int = 1,
+                       act_bytes: int = 2) -> int:
+    """Bytes one rank receives in one layer's k/v all-gather over cp for one sample (one CFG branch): the other
+    cp - 1 ranks' shards, padded to the largest shard, of k and v ([tokens, query groups / tp, head dim] each). The
+    backward's reduce-scatter of the k/v gradient sends the same. 0 at cp 1."""
+    llm = bagel_config(model)["llm_config"]
+    d = llm["hidden_size"] // llm["num_attention_heads"]
+    return (cp - 1) * cp_shard_tokens(image_tokens, cp) * 2 * (llm["num_key_value_heads"] // tp) * d * act_bytes
+
+
+def mot_activation_bytes(model: str | dict[str, Any], image_tokens: int, tp: int = 1, cp: int = 1,
+                         branches: int = 2, act_bytes: int = 2) -> int:
+    """Activation bytes of one sample's window step on the most loaded rank (bf16, no recompute), for each of
+    `branches` CFG branches: Megatron's `ACTIVATION_BYTES_PER_TOKEN_HIDDEN` x h / tp per layer and generation token
+    of this rank's cp shard (the largest, `cp_shard_tokens`), plus at cp > 1 the other ranks' k/v that each layer
+    gathers and keeps for the attention's backward ([tokens, query groups / tp, head dim], k and v)."""
+    llm = bagel_config(model)["llm_config"]
+    h, n_layers = llm["hidden_size"], llm["num_hidden_layers"]
+    d, groups = h // llm["num_attention_heads"], llm["num_key_value_heads"]
+    shard = cp_shard_tokens(image_tokens, cp)
+    own = ACTIVATION_BYTES_PER_TOKEN_HIDDEN * n_layers * shard * h * branches // tp
+    gathered = (image_tokens + 2 - shard) * 2 * (groups // tp) * d * act_bytes
+    return own + n_layers * branches * gathered
+
+
 # What the allocator and the runtime keep beside the model's tensors (CUDA context, NCCL buffers, fragmentation).
 RESERVED_BYTES = 6 * GIB
 
@@ -167,6 +210,9 @@ class MoTPlan:
     step_s: float
     trained_params: int = 0  # of the trained share on the most loaded stage
     params: int = 0  # every parameter of a rank (what a whole frozen copy, the KL reference or the EMA, holds)
+    cp: int = 1
+    kv_gather_bytes: int = 0  # received per rank in one layer's k/v all-gather, one sample and branch
+    cp_comm_s: float = 0.0  # the step's k/v all-gathers and reduce-scatters (in step_s)
 
     @property
     def total(self) -> int:
@@ -178,25 +224,35 @@ class MoTPlan:
 
     def lines(self) -> list[str]:
         m = self.memory
-        return [f"{self.gpu} tp={self.tp} dp={self.dp}: weights {m.weights / GIB:.1f} GiB + grads {m.grads / GIB:.1f} "
-                f"GiB + optimizer states {m.optimizer / GIB:.1f} GiB",
-                f"  + activations {self.activations / GIB:.1f} GiB + rollout copy {self.rollout_copy / GIB:.1f} GiB "
-                f"+ reserved {self.reserved / GIB:.1f} GiB = {self.total / GIB:.1f} GiB of {self.capacity / GIB:.1f} "
-                f"GiB: {'fits' if self.fits else 'does not fit'}",
-                f"  step: {self.step_flops_per_gpu / 1e12:.0f} TFLOPs per GPU, about {self.step_s:.0f} s at the "
-                f"assumed MFU"]
+        cp = f" cp={self.cp}" if self.cp > 1 else ""
+        lines = [f"{self.gpu} tp={self.tp}{cp} dp={self.dp}: weights {m.weights / GIB:.1f} GiB + grads "
+                 f"{m.grads / GIB:.1f} GiB + optimizer states {m.optimizer / GIB:.1f} GiB",
+                 f"  + activations {self.activations / GIB:.1f} GiB + rollout copy {self.rollout_copy / GIB:.1f} GiB "
+                 f"+ reserved {self.reserved / GIB:.1f} GiB = {self.total / GIB:.1f} GiB of {self.capacity / GIB:.1f} "
+                 f"GiB: {'fits' if self.fits else 'does not fit'}",
+                 f"  step: {self.step_flops_per_gpu / 1e12:.0f} TFLOPs per GPU, about {self.step_s:.0f} s at the "
+                 f"assumed MFU"]
+        if self.cp > 1:
+            lines.append(f"  cp {self.cp}: the generation tokens' activations / {self.cp}; k/v all-gather "
+                         f"{self.kv_gather_bytes / 2**20:.1f} MiB received per layer and sample, the same reduce-"
+                         f"scattered in backward: {self.cp_comm_s:.1f} s of the step")
+        return lines
 
 
 def plan_mot(model: str | dict[str, Any], gpu: str, gpus: int = 8, height: int = 1024, width: int = 1024,
              prompt_tokens: int = 64, samples: int = 64, num_steps: int = 10, window: int = 2, cfg: bool = True,
              train: str = "gen", mfu: float = 0.3, bf16: bool = True, distributed_optimizer: bool = True,
-             rollout_bytes: int = 2, lora_rank: int = 64) -> list[MoTPlan]:
+             rollout_bytes: int = 2, lora_rank: int = 64, cp: int = 1) -> list[MoTPlan]:
     """Every tensor-parallel size BAGEL's query groups and the GPU count admit, planned for FlowGRPO on
     text-to-image: `samples` images per step of `num_steps` denoising steps (the rollout: every step, one forward
     per CFG branch), `window` of them trained (recompute + forward + backward: 4 forwards' worth) per sample.
     `bf16`: the trainer's weights (else fp32); `rollout_bytes`: per parameter of the rollout's copy; `train`
     "lora": adapters of `lora_rank` (`mot_memory`; the backward still runs through the generation expert, so the
-    activations are those of full training, and the rollout receives merged weights: the same copy)."""
+    activations are those of full training, and the rollout receives merged weights: the same copy). `cp`: context
+    parallelism of the trainer (dp = gpus / (tp x cp)): the generation tokens' activations / cp plus the gathered
+    k/v (`mot_activation_bytes`), and per trained sample and branch three k/v collectives per layer (the old
+    log-probs' forward and the training forward all-gather, the backward reduce-scatters; not overlapped, at the
+    NVLink bandwidth x `LINK_EFFICIENCY`) added to the step; the rollout (vLLM-Omni at tp 1) is not split."""
     from megatron_omni.planner.specs import GPUS
 
     if gpu not in GPUS:
@@ -205,27 +261,33 @@ def plan_mot(model: str | dict[str, Any], gpu: str, gpus: int = 8, height: int =
     c = bagel_config(model)
     llm, b = c["llm_config"], c["bagel"]
     stride = b["vae_config"]["downsample"] * b["latent_patch_size"]
+    if cp < 1:
+        raise ValueError(f"cp={cp} must be >= 1")
     if height % stride or width % stride or max(height, width) > stride * b["max_latent_size"]:
         raise ValueError(f"image {height}x{width} must be multiples of {stride} up to {stride * b['max_latent_size']}")
     image_tokens = (height // stride) * (width // stride)
     branches = 2 if cfg else 1
-    h, n_layers = llm["hidden_size"], llm["num_hidden_layers"]
+    n_layers = llm["num_hidden_layers"]
     step = generation_step_flops(c, image_tokens, prompt_tokens)
     total_params = sum(rank_parameter_counts(c, 1))
     plans = []
+    if cp > image_tokens + 2:
+        raise ValueError(f"cp={cp} exceeds the {image_tokens + 2} generation tokens of a {height}x{width} image")
     for tp in (1, 2, 4, 8):
-        if gpus % tp or llm["num_key_value_heads"] % tp:
+        if gpus % (tp * cp) or llm["num_key_value_heads"] % tp:
             continue
-        dp = gpus // tp
-        mem = mot_memory(c, tp, 1, train, bf16=bf16, dp=dp, distributed_optimizer=distributed_optimizer,
+        dp = gpus // (tp * cp)
+        mem = mot_memory(c, tp, 1, train, bf16=bf16, dp=dp * cp, distributed_optimizer=distributed_optimizer,
                          lora_rank=lora_rank)
         trained = (lora_parameter_counts(c, tp, 1, lora_rank) if train == "lora"
                    else rank_parameter_counts(c, tp, 1, trainable=train))
-        act = ACTIVATION_BYTES_PER_TOKEN_HIDDEN * n_layers * (image_tokens + 2) * h * branches // tp
+        act = mot_activation_bytes(c, image_tokens, tp, cp, branches)
         flops = samples * branches * step * (num_steps + 4 * window) / gpus
+        kv = cp_kv_gather_bytes(c, image_tokens, cp, tp)
+        cp_s = samples / dp * branches * window * 3 * n_layers * kv / (spec.link_bytes_per_s * LINK_EFFICIENCY)
         plans.append(MoTPlan(gpu, tp, dp, mem, act, total_params * rollout_bytes, RESERVED_BYTES, spec.memory_bytes,
-                             flops, flops / (spec.peak_bf16_flops * mfu),
-                             max(trained), max(rank_parameter_counts(c, tp, 1))))
+                             flops, flops / (spec.peak_bf16_flops * mfu) + cp_s,
+                             max(trained), max(rank_parameter_counts(c, tp, 1)), cp, kv, cp_s))
     return plans
 
 
@@ -246,6 +308,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-cfg", action="store_true")
     ap.add_argument("--train", default="gen", choices=("gen", "both", "lora"))
     ap.add_argument("--lora-rank", type=int, default=64, help="adapter rank with --train lora")
+    ap.add_argument("--cp", type=int, default=1, help="context parallelism (parallel.ulysses x ring)")
     args = ap.parse_args(argv)
     status = 0
     print(f"dry run: world size {args.gpus} trainer ranks (one node of {args.gpus} GPUs; the rollout runs in the "
@@ -254,7 +317,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             plans = plan_mot(args.preset, gpu, args.gpus, args.height, args.width, samples=args.samples,
                              num_steps=args.num_steps, window=args.window, cfg=not args.no_cfg, train=args.train,
-                             lora_rank=args.lora_rank)
+                             lora_rank=args.lora_rank, cp=args.cp)
         except (KeyError, ValueError) as exc:
             print(f"plan: {exc}")
             return 2
@@ -267,7 +330,8 @@ def main(argv: list[str] | None = None) -> int:
         fitting = [p for p in plans if p.fits]
         if fitting:
             best = fitting[0]
-            print(f"chosen: tp={best.tp} dp={best.dp} (the smallest tp that fits)")
+            print(f"chosen: tp={best.tp}{f' cp={best.cp}' if best.cp > 1 else ''} dp={best.dp} (the smallest tp "
+                  "that fits)")
             print(f"step time: about {best.step_s:.0f} s at MFU 0.3 (FLOPs only), "
                   f"{args.samples / best.step_s / args.gpus:.3f} images/s/GPU")
         else:

@@ -259,7 +259,7 @@ def mot_dry_run(cfg: JobConfig, world_size: int, gpu: str) -> int:
                          samples=r.prompts_per_step * r.group_size, num_steps=r.num_steps, window=r.window_size,
                          cfg=r.guidance_scale > 1, bf16=bf16, distributed_optimizer=o.distributed_optimizer,
                          rollout_bytes=2 if r.dtype == "bf16" else 4, train="lora" if lora.enabled else "gen",
-                         lora_rank=lora.rank)
+                         lora_rank=lora.rank, cp=p.ulysses * p.ring)
     except (KeyError, ValueError) as exc:
         raise ConfigError(f"plan: {exc}") from None
     print(f"dry run: world size {world_size} trainer ranks (the rollout runs in the trainer's processes), model "
@@ -293,13 +293,22 @@ def mot_dry_run(cfg: JobConfig, world_size: int, gpu: str) -> int:
         if plan.tp == p.tp:
             mine = (plan, total <= plan.capacity)
     if mine is None:
-        raise ConfigError(f"layout: parallel.tp={p.tp} is not one the model admits on {world_size} GPUs (tp must "
-                          f"divide the world size and the key/value heads): {[q.tp for q in plans]}")
+        raise ConfigError(f"layout: parallel.tp={p.tp} is not one the model admits on {world_size} GPUs (tp x cp must "
+                          f"divide the world size and tp the key/value heads): {[q.tp for q in plans]}")
     plan, fits = mine
     print(f"bridge: full tensors gathered over the trainer's tp into vLLM-Omni's BAGEL pipeline at rollout tp 1, "
           f"{plan.rollout_copy / GIB:.1f} GiB per sync, coverage-checked")
-    print(f"layout: tp={plan.tp} dp={plan.dp} (parallel.tp)")
-    print(f"step time: about {plan.step_s:.0f} s at MFU 0.3 (FLOPs only), "
+    if plan.cp > 1:
+        print(f"layout: tp={plan.tp} cp={plan.cp} dp={plan.dp} (parallel.tp, parallel.ulysses x ring)")
+        print(f"context parallelism: cp {plan.cp} splits the generation tokens (activations / {plan.cp}) and "
+              f"all-gathers their k/v per layer: {plan.kv_gather_bytes / 2**20:.1f} MiB received per layer and sample,"
+              f" reduce-scattered in backward, {plan.cp_comm_s:.1f} s per step")
+    else:
+        print(f"layout: tp={plan.tp} dp={plan.dp} (parallel.tp)")
+        print("context parallelism: cp 1 (parallel.ulysses x ring > 1 splits the generation tokens' activations over "
+              "cp and all-gathers their k/v per layer)")
+    print(f"step time: about {plan.step_s:.0f} s at MFU 0.3 (FLOPs"
+          + (" + the k/v collectives over cp" if plan.cp > 1 else " only") + "), "
           f"{r.prompts_per_step * r.group_size / plan.step_s / world_size:.3f} images/s/GPU")
     print("reference (VeRL-Omni and UniRL train BAGEL; no per-GPU throughput of theirs is recorded here)")
     if fits:

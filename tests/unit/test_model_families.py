@@ -43,3 +43,51 @@ def test_qwen_image_edit_family_reuses_the_qwen_image_model() -> None:
     assert edit.build_model is qwen.build_model and edit.megatron_module is MMDiTModel
     assert not edit.convertible and qwen.convertible
     assert family_of_model(MMDiTModel.__new__(MMDiTModel)).name == "qwen_image"
+
+
+def test_families_load_lazily_only_the_one_asked_for() -> None:
+    """In a fresh interpreter: importing the registry, listing the families and the diffusers classes imports no
+    family; finding the family of an SD3.5 diffusers config imports SD3.5's modules (and the Qwen-Image helpers it
+    shares) but no other family's bundle or provider, nor transformers/scipy (Qwen-Image-Edit's processor)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = """if True:
+    import sys
+    from model_providers.registry import FAMILIES, diffusers_classes, family_names, get_family
+
+    def loaded():
+        return sorted(m for m in sys.modules if m.startswith("model_providers.") and m.count(".") >= 2)
+
+    assert diffusers_classes()["SD3Transformer2DModel"] == "sd3" and "bagel" in family_names()
+    try:
+        get_family("no_such_family")
+    except ValueError:
+        pass
+    assert loaded() == [] and "torch" not in sys.modules, loaded()
+    from megatron_omni.checkpoint.families import family_of_config
+
+    sd3 = family_of_config(get_family("sd3").config("tiny") | {"_class_name": "SD3Transformer2DModel"}, "c")
+    assert sd3.name == "sd3"
+    others = [n for n in FAMILIES if n != "sd3"]
+    bundles = [m for m in loaded() for n in others if m.startswith((f"model_providers.{n}.family",
+                                                                     f"model_providers.{n}.provider"))]
+    assert "model_providers.sd3.family" in loaded() and not bundles, bundles
+    assert not {"transformers", "scipy"} & set(sys.modules)
+    """
+    root = Path(__file__).resolve().parents[2]
+    proc = subprocess.run([sys.executable, "-W", "ignore", "-c", script], cwd=root, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+
+def test_registry_lists_every_family_folder() -> None:
+    """`FAMILIES` (what the registry knows without importing) names exactly the folders with a family.py, and each
+    bundle agrees with its entry (get_family checks diffusers_class and megatron_module)."""
+    from model_providers.registry import FAMILIES, family_folders
+
+    assert sorted(FAMILIES) == family_folders() == family_names()
+    for name in family_names():
+        fam = get_family(name)
+        assert fam.convertible == (FAMILIES[name].diffusers_class is not None), name

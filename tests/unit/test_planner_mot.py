@@ -54,3 +54,37 @@ def test_generation_step_flops_scale_with_image_tokens() -> None:
     assert 4 * small < big < 16 * small
     # about 2 x 6.5e9 active parameters per image token, plus attention
     assert 2 * 6.4e9 * 4096 < big < 2 * 7.5e9 * 4096 * 1.5
+
+
+def test_cp_splits_the_generation_tokens_and_adds_the_kv_all_gather() -> None:
+    """Context parallelism in the MoT plan, term by term on BAGEL-7B-MoT at 1024 x 1024 (4096 latents + 2 markers,
+    h 3584, 28 layers, 4 query groups of head dim 128): the rank's shard is the model's largest (`shard_bounds`), the
+    generation tokens' activations divide by cp, the other shards' k/v are kept per layer, the all-gather receives
+    (cp - 1) padded shards of k and v per layer, and the step adds three such collectives per layer (old log-probs'
+    forward, training forward, backward's reduce-scatter) per trained sample and branch; cp 1 is unchanged."""
+    from megatron_omni.models.bagel.mot import shard_bounds
+
+    for n, cp in ((4096, 2), (4096, 3), (7, 4), (12, 2), (12, 1)):
+        assert mot.cp_shard_tokens(n, cp) == max(b - a for a, b in (shard_bounds(n + 2, cp, r) for r in range(cp)))
+    h, layers, groups, d = 3584, 28, 4, 128
+    one = {p.tp: p for p in mot.plan_mot("7b-mot", "H200", 8)}
+    two = {p.tp: p for p in mot.plan_mot("7b-mot", "H200", 8, cp=2)}
+    assert sorted(one) == [1, 2, 4] and sorted(two) == [1, 2, 4]  # tp x cp divides the 8 GPUs, tp the 4 groups
+    for tp, p in two.items():
+        q = one[tp]
+        assert (q.cp, q.kv_gather_bytes, q.cp_comm_s) == (1, 0, 0.0)
+        assert q.activations == 34 * layers * 4098 * h * 2 // tp  # both CFG branches, the whole query
+        kv = 2049 * 2 * (groups // tp) * d * 2  # the other rank's padded shard of k and v, bf16
+        assert p.cp == 2 and p.dp == 8 // (2 * tp) and p.kv_gather_bytes == kv
+        assert p.activations == 34 * layers * 2049 * h * 2 // tp + layers * 2 * kv  # kept for backward
+        # weights whole on every cp rank; the distributed optimizer shards over dp x cp (as many ranks as at cp 1)
+        assert p.memory == q.memory
+        # 64 images over dp, 2 branches, window 2, 3 collectives per layer, H200 NVLink 450 GB/s x 0.7
+        assert p.cp_comm_s == pytest.approx(64 / p.dp * 2 * 2 * 3 * layers * kv / (450e9 * 0.7))
+        assert p.step_s == pytest.approx(q.step_s + p.cp_comm_s)
+        assert "cp 2: the generation tokens' activations / 2" in "\n".join(p.lines())
+    assert 0.50 < two[1].activations / one[1].activations < 0.52
+    with pytest.raises(ValueError, match="cp=0"):
+        mot.plan_mot("7b-mot", "H200", 8, cp=0)
+    with pytest.raises(ValueError, match="exceeds"):
+        mot.plan_mot("tiny", "H200", 8, height=32, width=32, cp=8)
