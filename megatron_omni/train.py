@@ -13,8 +13,11 @@ in GPU memory. Nothing is loaded and no GPU is needed. A run whose train/rollout
 from __future__ import annotations
 
 import argparse
+import atexit
 import os
 import sys
+import threading
+from typing import NoReturn
 
 from megatron_omni.trainer.config import ConfigError, apply_overrides, load_recipe
 
@@ -151,5 +154,24 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def exit_without_teardown(status: int) -> NoReturn:
+    """Leave with `status` after what a normal exit does for the run (join the threads that are not daemons, run
+    the atexit handlers: multiprocessing joins its children, vLLM-Omni closes its engine; flush stdout and stderr),
+    but without the interpreter's teardown. After a run that teardown is a full garbage collection over the ~5000
+    modules torch, megatron-core, diffusers and transformers loaded: 2-3 s of CPU per rank (longer on a busy
+    machine) that frees memory the OS frees anyway. Every file of the run is closed by then (`run` closes its
+    writers, the checkpoint is renamed into place)."""
+    for thread in threading.enumerate():
+        if thread is not threading.main_thread() and not thread.daemon:
+            thread.join()
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # a closed pipe: nothing left to tell
+            pass
+    os._exit(0 if status is None else status)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_without_teardown(main())

@@ -206,21 +206,24 @@ def test_reward_rises_pp2(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
-def test_sigkill_and_resume_is_bit_identical(tmp_path: Path) -> None:
+def test_sigkill_and_resume_is_bit_identical(one_rank_runs: dict, tmp_path: Path) -> None:
     """With an EMA of the weights kept (optim.ema_decay): it is checkpointed and resumes bit-identically too."""
     steps = ["--set", "steps=4", "--set", "checkpoint.every=1", "--set", "checkpoint.keep=5",
              "--set", "optim.ema_decay=0.9"]
     ref, run, plain = tmp_path / "uninterrupted", tmp_path / "killed", tmp_path / "plain"
-    # The reference and the EMA-less run of the refusal below run while the killed run runs and resumes.
-    with _Background(ref, *steps) as uninterrupted, _Background(plain, "--set", "steps=1") as without_ema:
+    # The reference runs while the killed run runs and resumes.
+    with _Background(ref, *steps) as uninterrupted:
         _kill_after_checkpoint(run, 2, *steps)
         resumed = _train(run, *steps, "--resume", "auto")  # while the reference still runs
         assert uninterrupted.result().returncode == 0, uninterrupted.result().stderr[-3000:]
         _assert_resumed_bit_identically(ref, run, 4, resumed)
-        assert without_ema.result().returncode == 0, without_ema.result().stderr[-3000:]
-    # A checkpoint without an EMA cannot resume a job that keeps one (asserted below): that start runs while this
-    # process exports the EMA.
-    with _Background(plain, "--set", "steps=2", "--set", "optim.ema_decay=0.9", "--resume", "auto") as refusing:
+    # A checkpoint without an EMA cannot resume a job that keeps one (asserted below): the EMA-less run is a copy of
+    # the module's plain one-rank run (the same demo recipe without optim.ema_decay; one start fewer than a run of
+    # its own), and that start runs while this process exports the EMA.
+    without_ema = one_rank_runs["tp1"]
+    assert without_ema[1].result().returncode == 0, without_ema[1].result().stderr[-3000:]
+    shutil.copytree(without_ema[0], plain)
+    with _Background(plain, "--set", "steps=9", "--set", "optim.ema_decay=0.9", "--resume", "auto") as refusing:
         assert _rewards(ref)[-1] == _rewards(run)[-1]
         model = _final_state(ref, 4)["model"]
         ema = [k for k in model if k.startswith("ema.")]
