@@ -161,9 +161,10 @@ def exit_without_teardown(status: int) -> NoReturn:
     modules torch, megatron-core, diffusers and transformers loaded: 2-3 s of CPU per rank (longer on a busy
     machine) that frees memory the OS frees anyway. Every file of the run is closed by then (`run` closes its
     writers, the checkpoint is renamed into place)."""
-    for thread in threading.enumerate():
-        if thread is not threading.main_thread() and not thread.daemon:
-            thread.join()
+    # What Py_FinalizeEx does first, in its order: the threading module's exit hooks (idle
+    # concurrent.futures workers are told to stop, so a plain join of every non-daemon thread could wait on one
+    # forever), then the joins, then the atexit handlers.
+    threading._shutdown()
     atexit._run_exitfuncs()
     for stream in (sys.stdout, sys.stderr):
         try:

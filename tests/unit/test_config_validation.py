@@ -6,6 +6,8 @@ checks those tables cover every numeric and every fixed-set field of the config 
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import typing
 from pathlib import Path
 
@@ -193,6 +195,21 @@ def test_cli_config_error_prints_on_rank0_only(capsys: pytest.CaptureFixture,
     monkeypatch.setenv("RANK", "0")
     rc, err = _main(capsys, "--set", "checkpoint.keep=0")
     assert rc == 2 and err == "config error: checkpoint.keep=0 must be >= 1"
+
+
+def test_the_exit_without_teardown_runs_the_exit_hooks_and_stops_idle_pool_workers(tmp_path: Path) -> None:
+    """The entry point's exit keeps a normal exit's order (threading's hooks, the joins, atexit) and its status:
+    an idle thread pool's workers (non-daemon, stopped by threading's hook) must not keep the process alive."""
+    script = tmp_path / "exit.py"
+    script.write_text(
+        "import atexit, concurrent.futures, threading, time\n"
+        "from megatron_omni.train import exit_without_teardown\n"
+        "concurrent.futures.ThreadPoolExecutor(2).submit(int).result()\n"
+        "threading.Thread(target=time.sleep, args=(0.5,)).start()\n"
+        "atexit.register(lambda: print('atexit ran', flush=True))\n"
+        "exit_without_teardown(3)\n")
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 3 and done.stdout == "atexit ran\n", (done.returncode, done.stdout, done.stderr)
 
 
 
