@@ -14,7 +14,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -86,10 +86,9 @@ def test_staleness_zero_equals_the_synchronous_colocated_trainer(tmp_path: Path)
     and the final model and optimizer state of the colocated trainer whose engine samples with its own copy."""
     steps = ["--set", "steps=3", "--set", "checkpoint.every=0", "--set", "rollout.transformer=engine"]
     col, dis = tmp_path / "colocated", tmp_path / "disaggregated"
-    p = _train(col, *steps)
-    assert p.returncode == 0, p.stderr[-3000:]
-    p = _train(dis, *steps, *ASYNC, nproc=2)
-    assert p.returncode == 0, p.stderr[-3000:]
+    with _Background(col, *steps) as colocated, _Background(dis, *steps, *ASYNC, nproc=2) as disaggregated:
+        for p in (colocated.result(), disaggregated.result()):
+            assert p.returncode == 0, p.stderr[-3000:]
     a, b = _metrics(col), _metrics(dis)
     assert len(a) == len(b) == 3
     for k, (x, y) in enumerate(zip(a, b)):
@@ -106,10 +105,13 @@ def test_staleness_one_learns_within_the_bound(tmp_path: Path) -> None:
     trainer: +0.077 and +0.159), every step's samples are 0 or 1 update old, and from step 1 on exactly 1
     (version k - 1)."""
     gains = []
-    for seed in (0, 1):
+    with (_Background(tmp_path / "seed0", "--set", "steps=8", "--set", "seed=0", *ASYNC,
+                      "--set", "async.max_staleness=1", nproc=2) as seed0,
+          _Background(tmp_path / "seed1", "--set", "steps=8", "--set", "seed=1", *ASYNC,
+                      "--set", "async.max_staleness=1", nproc=2) as seed1):
+        done = [seed0.result(), seed1.result()]
+    for seed, p in enumerate(done):
         run = tmp_path / f"seed{seed}"
-        p = _train(run, "--set", "steps=8", "--set", f"seed={seed}", *ASYNC, "--set", "async.max_staleness=1",
-                   nproc=2)
         assert p.returncode == 0, p.stderr[-3000:]
         r = _rewards(run)
         print(f"staleness 1, seed {seed}: reward per step", [f"{x:.3f}" for x in r])
@@ -157,21 +159,34 @@ RESUMABLE = ["--set", "steps=5", *ASYNC, "--set", "checkpoint.every=2", "--set",
              "--set", "eval.seeds_per_prompt=1", "--set", "eval.num_steps=4", "--set", "eval.every=2"]
 
 
+class _Reference:
+    """A reference run started in the background (its tests start their own runs beside it) and awaited where a
+    test first reads it."""
+
+    def __init__(self, run: Path, background: _Background) -> None:
+        self.run, self.background = run, background
+
+    def path(self) -> Path:
+        p = self.background.result()
+        assert p.returncode == 0, p.stderr[-3000:]
+        return self.run
+
+
 @pytest.fixture(scope="module")
-def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> Iterator[_Reference]:
     """The reference run of the resume tests (never modified)."""
     run = tmp_path_factory.mktemp("async") / "uninterrupted"
-    p = _train(run, *RESUMABLE, nproc=2)
-    assert p.returncode == 0, p.stderr[-3000:]
-    return run
+    with _Background(run, *RESUMABLE, nproc=2) as background:
+        yield _Reference(run, background)
 
 
-def _assert_resumed_equal(ref: Path, run: Path) -> None:
+def _assert_resumed_equal(reference: _Reference, run: Path) -> None:
     """`run`, resumed with `--resume auto`, ends with the metrics, the evaluations and the final model and
-    optimizer state of `ref`, bit for bit, every step sampled with version k - 1."""
+    optimizer state of the reference, bit for bit, every step sampled with version k - 1."""
     resumed = _train(run, *RESUMABLE, "--resume", "auto", nproc=2)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "resumed from" in resumed.stdout + resumed.stderr
+    ref = reference.path()
     a, b = _metrics(ref), _metrics(run)
     assert len(a) == len(b) == 5
     for k, (x, y) in enumerate(zip(a, b)):
@@ -185,7 +200,7 @@ def _assert_resumed_equal(ref: Path, run: Path) -> None:
 
 
 @pytest.mark.slow
-def test_sigkill_and_resume_equals_the_uninterrupted_run(uninterrupted: Path, tmp_path: Path) -> None:
+def test_sigkill_and_resume_equals_the_uninterrupted_run(uninterrupted: _Reference, tmp_path: Path) -> None:
     """Both ranks SIGKILLed once the step-2 checkpoint is complete (step 2, sampled ahead with version 1, is in it;
     the evaluation after step 2 is not recorded yet and is redone), then `--resume auto`: equal to the
     uninterrupted run, no step lost or sampled again with another version."""
@@ -224,12 +239,13 @@ def test_sigterm_stops_every_rank_with_the_stop_status_and_saves_the_step_ahead(
 
 
 @pytest.mark.slow
-def test_a_resume_with_a_smaller_bound_samples_the_saved_steps_again(uninterrupted: Path, tmp_path: Path) -> None:
+def test_a_resume_with_a_smaller_bound_samples_the_saved_steps_again(uninterrupted: _Reference,
+                                                                    tmp_path: Path) -> None:
     """The staleness-1 run's step-2 checkpoint (step 2 saved, sampled with version 1) resumed with
     `async.max_staleness=0`: that step is sampled again with version 2 (said on the console), and every later step
     is on-policy."""
     run = tmp_path / "smaller_bound"
-    shutil.copytree(uninterrupted, run)
+    shutil.copytree(uninterrupted.path(), run)
     for late in ("step_000004", "step_000005"):
         shutil.rmtree(run / "checkpoints" / late)
     p = _train(run, *RESUMABLE, "--set", "async.max_staleness=0", "--resume", "auto", nproc=2)
@@ -240,12 +256,48 @@ def test_a_resume_with_a_smaller_bound_samples_the_saved_steps_again(uninterrupt
     assert [x["policy_version_min"] for x in m] == [0, 0, 2, 3, 4]
 
 
+# The two-trainer-rank layouts: (the layout's keys, whether its test resumes it), in the tests' order.
+LAYOUTS = {"dp2": (["parallel.tp=1"], True), "tp2-lora": (["parallel.tp=2", "model.lora.rank=4"], False),
+           "pp2": (["parallel.pp=2", "optim.micro_batch_size=4"], False)}
+
+
+def _layout_args(name: str) -> list[str]:
+    return ["--set", "steps=4", *ASYNC, *[a for kv in LAYOUTS[name][0] for a in ("--set", kv)],
+            "--set", "async.max_staleness=1", "--set", "checkpoint.every=2", "--set", "checkpoint.keep=5"]
+
+
+@pytest.fixture(scope="module")
+def layout_runs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable[[str], Path]]:
+    """Each layout's 4-step run (never modified; the dp2 test resumes a copy), two at a time: asking for one
+    starts it and the next layout's, so each test's run overlaps the next test's."""
+    root = tmp_path_factory.mktemp("layouts")
+    started: dict[str, _Background] = {}
+
+    def start(name: str) -> _Background:
+        if name not in started:
+            started[name] = _Background(root / name, *_layout_args(name), nproc=3)
+        return started[name]
+
+    def run(name: str) -> Path:
+        background = start(name)
+        order = list(LAYOUTS)
+        if order.index(name) + 1 < len(order):
+            start(order[order.index(name) + 1])
+        p = background.result()
+        assert p.returncode == 0, p.stderr[-3000:]
+        return root / name
+
+    try:
+        yield run
+    finally:
+        for background in started.values():
+            background.__exit__()
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("layout,resume", [(["parallel.tp=1"], True), (["parallel.tp=2", "model.lora.rank=4"], False),
-                                           (["parallel.pp=2", "optim.micro_batch_size=4"], False)],
-                         ids=["dp2", "tp2-lora", "pp2"])
-def test_two_trainer_ranks_train_and_resume_equal(layout: list[str], resume: bool, uninterrupted: Path,
-                                                  tmp_path: Path) -> None:
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_two_trainer_ranks_train_and_resume_equal(name: str, layout_runs: Callable[[str], Path],
+                                                  uninterrupted: _Reference, tmp_path: Path) -> None:
     """Two trainer ranks (data parallel 2, tensor parallel 2 training LoRA adapters: the push merges them into
     full weights, or pipeline parallel 2: each stage's first rank pushes its blocks) and one rollout rank,
     staleness 1: the root asks for whole steps and scatters each
@@ -254,13 +306,10 @@ def test_two_trainer_ranks_train_and_resume_equal(layout: list[str], resume: boo
     check). dp2 (the in-flight count told to every trainer rank, the push after the resume): a resume from the
     step-2 checkpoint (the later one removed, as a job killed after it would leave) ends with the
     uninterrupted run's metrics and model and optimizer state, bit for bit."""
-    args = ["--set", "steps=4", *ASYNC, *[a for kv in layout for a in ("--set", kv)],
-            "--set", "async.max_staleness=1", "--set", "checkpoint.every=2", "--set", "checkpoint.keep=5"]
-    ref = tmp_path / "ref"
-    p = _train(ref, *args, nproc=3)
-    assert p.returncode == 0, p.stderr[-3000:]
+    args, resume = _layout_args(name), LAYOUTS[name][1]
+    ref = layout_runs(name)
     m = _metrics(ref)
-    one = _metrics(uninterrupted)[0]
+    one = _metrics(uninterrupted.path())[0]
     assert m[0]["reward_mean"] == pytest.approx(one["reward_mean"], abs=1e-6)
     assert m[0]["reward_std"] == pytest.approx(one["reward_std"], abs=1e-6)
     assert [x["policy_version_max"] for x in m] == [x["policy_version_min"] for x in m] == [0, 0, 1, 2]
@@ -278,7 +327,8 @@ def test_two_trainer_ranks_train_and_resume_equal(layout: list[str], resume: boo
 
 
 @pytest.mark.slow
-def test_fp8_rollout_ranks_sample_quantized_and_pass_every_swap_probe(uninterrupted: Path, tmp_path: Path) -> None:
+def test_fp8_rollout_ranks_sample_quantized_and_pass_every_swap_probe(uninterrupted: _Reference,
+                                                                     tmp_path: Path) -> None:
     """`rollout.quantization=fp8` on the rollout rank (staleness 1, `algorithm.is_cap=2`): each swap re-quantizes
     the weights swapped in and passes the quantized probe check (the run fails otherwise); step 0 samples quantized:
     its reward differs from the unquantized run's by little, and the behaviour/trainer gap is > 0 where the
@@ -287,7 +337,7 @@ def test_fp8_rollout_ranks_sample_quantized_and_pass_every_swap_probe(uninterrup
     p = _train(run, "--set", "steps=4", *ASYNC, "--set", "async.max_staleness=1", "--set", "rollout.quantization=fp8",
                "--set", "algorithm.is_cap=2", nproc=2)
     assert p.returncode == 0, p.stderr[-3000:]
-    m, plain = _metrics(run), _metrics(uninterrupted)[0]
+    m, plain = _metrics(run), _metrics(uninterrupted.path())[0]
     assert m[0]["reward_mean"] != plain["reward_mean"] and abs(m[0]["reward_mean"] - plain["reward_mean"]) < 0.05
     assert plain["behaviour_dlogp"] == 0 and all(x["behaviour_dlogp"] > 0 for x in m), m
     assert [x["policy_version_max"] for x in m] == [x["policy_version_min"] for x in m] == [0, 0, 1, 2]
