@@ -9,6 +9,7 @@ checkpoints and its resume are the same for both."""
 from __future__ import annotations
 
 import dataclasses
+import gc
 import importlib
 import json
 from pathlib import Path
@@ -251,6 +252,10 @@ def _run(cfg: JobConfig, overwrite: bool, stops: StopRequests) -> dict:
         loop.start(start, in_flight)
     traits = get_family(cfg.model.family).traits
     panels = traits.sample_panels if traits is not None else None
+    # Everything built so far (the ~5000 modules torch, megatron-core and diffusers import, the model, the engine)
+    # lives to the end of the run: the collector need not walk it again at every full collection (a 6-step tiny
+    # run: 16.0 and 14.7 CPU seconds against 16.8 and 16.7 without).
+    gc.freeze()
     for step in bar:
         try:
             result = trainer.train_step(step) if loop is None else loop.train_step(step)
