@@ -125,7 +125,10 @@ def run(cfg: JobConfig, overwrite: bool = False) -> dict:
     folder before any work). SIGTERM/SIGINT: the step finishes, a checkpoint is written and TrainingStopped
     is raised (on every rank)."""
     with StopRequests() as stops:
-        return _run(cfg, overwrite, stops)
+        try:
+            return _run(cfg, overwrite, stops)
+        finally:
+            gc.unfreeze()  # what the run froze (below) is collectable again for whatever this process does next
 
 
 def build_trainer(cfg: JobConfig, groups, run_dir: Path, job_group=None) -> tuple[object, RewardFunction | None]:
