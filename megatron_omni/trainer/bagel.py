@@ -415,11 +415,10 @@ class BagelTrainer:
 
     def evaluation_weights(self) -> contextlib.AbstractContextManager:
         """Collective over tp: inside, the model and the rollout pipeline hold the EMA weights; on exit the
-        trained weights again, bit for bit (the DiT trainer's `_holding`, on this trainer's model, EMA and sync).
-        Without an EMA nothing changes."""
-        from megatron_omni.trainer.flowgrpo import FlowGRPOTrainer
+        trained weights again, bit for bit. Without an EMA nothing changes."""
+        from megatron_omni.trainer.flowgrpo import holding_weights
 
-        return FlowGRPOTrainer._holding(self, self.ema, sync_in=True, sync_out=True)
+        return holding_weights(self.model, self.ema, self.sync_weights, sync_in=True, sync_out=True)
 
     def _frozen_copy(self, bcfg: dict[str, Any], state: dict[str, torch.Tensor], dtype: torch.dtype) -> Any:
         """A frozen `BagelMoT` of this rank's layout holding `state` in `dtype`; building it leaves the torch and

@@ -27,7 +27,7 @@ samples with (`evaluation_weights`).
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
@@ -87,6 +87,31 @@ from megatron_omni.trainer.skeleton import (
 from megatron_omni.trainer.training_state import OptimizerSettings, build_ddp_and_optimizer, build_scheduler
 from model_providers import ModelFamily, get_family
 
+
+@contextmanager
+def holding_weights(model: torch.nn.Module, source: torch.nn.Module | None, sync: Callable[[], object],
+                    sync_in: bool, sync_out: bool) -> Iterator[None]:
+    """Inside, `model` holds `source`'s weights (same parameter order and shapes; synced into the engine by `sync`
+    when `sync_in`); on exit the trained weights again, bit for bit (synced when `sync_out`). None: nothing
+    changes. Used by every trainer's EMA evaluation and the old-policy recompute."""
+    if source is None:
+        yield
+        return
+    params = list(model.parameters())
+    trained = [p.detach().clone() for p in params]
+    with torch.no_grad():
+        for p, e in zip(params, source.parameters(), strict=True):
+            p.copy_(e)
+    if sync_in:
+        sync()
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for p, t in zip(params, trained, strict=True):
+                p.copy_(t)
+        if sync_out:
+            sync()
 
 class FlowGRPOTrainer:
     """Holds the model, optimizer, rollout engine and reward function of one rank."""
@@ -355,28 +380,9 @@ class FlowGRPOTrainer:
         with self._holding(self.ema, sync_in=not self.shares_model, sync_out=not self.shares_model):
             yield
 
-    @contextmanager
     def _holding(self, source: torch.nn.Module | None, sync_in: bool, sync_out: bool) -> Iterator[None]:
-        """Inside, the model holds `source`'s weights (and the engine too when `sync_in`); on exit the trained
-        weights again, bit for bit (synced into the engine when `sync_out`). None: nothing changes."""
-        if source is None:
-            yield
-            return
-        params = list(self.model.parameters())
-        trained = [p.detach().clone() for p in params]
-        with torch.no_grad():
-            for p, e in zip(params, source.parameters(), strict=True):
-                p.copy_(e)
-        if sync_in:
-            self.sync_weights()
-        try:
-            yield
-        finally:
-            with torch.no_grad():
-                for p, t in zip(params, trained, strict=True):
-                    p.copy_(t)
-            if sync_out:
-                self.sync_weights()
+        """`holding_weights` on this trainer's model and weight sync."""
+        return holding_weights(self.model, source, self.sync_weights, sync_in=sync_in, sync_out=sync_out)
 
     def lagging_old_policy(self) -> torch.nn.Module | None:
         """DiffusionNFT's old-policy copy when it differs from the model now (the decay of the last blend, at the
