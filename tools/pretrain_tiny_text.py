@@ -67,7 +67,6 @@ from model_providers.ocr_miniature.text_dataset import (  # noqa: E402
     render_dataset,
 )
 from model_providers.ocr_miniature.text_miniature import MINIATURE  # noqa: E402
-from model_providers.qwen_image import provider  # noqa: E402
 from model_providers.qwen_image.tiny_pipeline import build_components, save_pipeline_atomically  # noqa: E402
 
 NEGATIVE_PROMPT = " "
@@ -355,6 +354,7 @@ def pretrain_transformer(args: argparse.Namespace, groups, engine, data: dict, w
     from megatron_omni.parallel import platform
     from megatron_omni.trainer.metrics import save_image_grid
     from megatron_omni.trainer.rewards import RewardFunction
+    from model_providers.qwen_image import provider
 
     rank = dist.get_rank()
     keys = [engine.token_ids(p) for p in [prompt_for(w) for w in VOCABULARY] + [NEGATIVE_PROMPT]]
@@ -469,13 +469,13 @@ def _stop_on_signals() -> None:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     _stop_on_signals()
+    out = Path(args.out)
+    if out.exists() and not args.overwrite:  # refused before the heavy imports (Megatron, diffusers): at once
+        print(f"error: {out} exists (pass --overwrite to replace it)", file=sys.stderr)
+        return 2
     from megatron_omni.parallel import ParallelLayout, build_parallel_groups, platform
     from megatron_omni.rollout.diffusers_engines.engine import DiffusersRolloutEngine
 
-    out = Path(args.out)
-    if out.exists() and not args.overwrite:
-        print(f"error: {out} exists (pass --overwrite to replace it)", file=sys.stderr)
-        return 2
     platform.init_distributed()
     rank, started = dist.get_rank(), time.time()
     groups = build_parallel_groups(ParallelLayout(tp=args.tp))

@@ -15,11 +15,9 @@ INSTALL_PLAN_TEST = "tests/e2e/test_container_install_plan.py::test_gpu_install_
 
 def pytest_collection_finish(session: pytest.Session) -> None:
     """Start the GPU install plan's pip resolve (niced, one process that depends on nothing else) now when its
-    test was collected: it soaks up the idle core time of the tests that run before it. Not in a pytest-xdist
-    worker (`make test` runs two): every worker collects every test but only one runs it; there the test starts
-    the resolve itself."""
-    if os.environ.get("PYTEST_XDIST_WORKER"):
-        return
+    test was collected: it soaks up the idle core time of the tests that run before it. Under pytest-xdist
+    (`make test` runs two workers) every worker collects every test: the first one here starts it, in a folder
+    the worker that runs the test finds by the test run's id."""
     if any(item.nodeid == INSTALL_PLAN_TEST for item in session.items):
         from tests.e2e.test_container_install_plan import start_plan
 
@@ -29,7 +27,8 @@ def pytest_collection_finish(session: pytest.Session) -> None:
 def pytest_sessionfinish(session: pytest.Session) -> None:
     from tests.e2e.test_container_install_plan import stop_plan
 
-    stop_plan()
+    # a worker that started the resolve leaves it to the other worker's test unless the run stops early
+    stop_plan(session_failed=bool(session.shouldstop or session.shouldfail))
 
 
 # The fault tests' run: 4 steps, checkpoints after steps 2 and 4 (all kept).
