@@ -1,16 +1,20 @@
 """docs/quick-start.md cannot rot: every CPU command of its sections 2 (train the tiny model on CPU) and 3 (plan a
 20B job) runs as written, in a shell with the venv activated, but for short step counts and a small rollout
 (`--set steps=4` becomes one step of 2 prompts x 2 samples, 4 sampling steps, 32 px), the run folders moved under
-a temp folder and the fixed ports replaced by free ones. Section 1 (`make demo`, the OCR miniature:
-tests/e2e/test_ocr_miniature.py runs its recipe) and section 4 (cluster commands; their dry runs are
-tests/e2e/test_launch_scripts.py's) are not run here. A command added to sections 2 or 3 fails the count below
-until this test runs it."""
+a temp folder and the fixed ports replaced by free ones. The two commands that are one `python -m
+megatron_omni.train` (the one-process run and the planner's dry run) run as that command's `main` in this process,
+in the shell's environment plus the command's own assignments (tests/e2e/in_process.py: no interpreter start
+each). Section 1 (`make demo`, the OCR miniature: tests/e2e/test_ocr_miniature.py runs its recipe) and section 4
+(cluster commands; their dry runs are tests/e2e/test_launch_scripts.py's) are not run here. A command added to
+sections 2 or 3 fails the count below until this test runs it."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -18,6 +22,7 @@ from pathlib import Path
 import pytest
 
 from megatron_omni.parallel.rank_pool import free_port
+from tests.e2e.in_process import call_main
 
 ROOT = Path(__file__).resolve().parents[2]
 PAGE = ROOT / "docs" / "quick-start.md"
@@ -60,6 +65,35 @@ def _start(command: str) -> subprocess.Popen:
         env["MASTER_PORT"] = str(free_port())
     return subprocess.Popen(["bash", "-c", command], cwd=ROOT, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
+
+
+ENTRY = ["python", "-m", "megatron_omni.train"]
+
+
+def _entry_point(command: str) -> tuple[dict[str, str], list[str]] | None:
+    """(the variables the command line assigns, the entry point's arguments) when `command` is one
+    `[VAR=value ...] python -m megatron_omni.train ARGS` (no shell syntax beyond that), else None."""
+    words = shlex.split(command)
+    assigned = {}
+    while words and re.fullmatch(r"[A-Z_][A-Z0-9_]*=.*", words[0]):
+        name, value = words.pop(0).split("=", 1)
+        assigned[name] = value
+    if words[:3] != ENTRY or any(c in command for c in ";&|$`<>"):
+        return None
+    return assigned, words[3:]
+
+
+def _in_process(command: str) -> subprocess.CompletedProcess:
+    """The page's `python -m megatron_omni.train ...` command as its `main` in this process: the environment is
+    the venv shell's plus what the command line assigns, as bash would give it (the run returns its status:
+    nothing to exit)."""
+    from megatron_omni.train import main
+
+    assigned, argv = _entry_point(command)
+    with contextlib.chdir(ROOT):  # where the page's commands run
+        out = call_main(main, argv, {**_env(), **assigned}, args=shlex.split(command))
+    assert out.returncode == 0, f"`{command}` exited {out.returncode}:\n{out.stdout[-2000:]}{out.stderr[-4000:]}"
+    return out
 
 
 def _stop(procs: list[subprocess.Popen]) -> None:
@@ -109,12 +143,16 @@ def test_every_cpu_command_of_the_quick_start_runs(tmp_path: Path) -> None:
     # of one after another: the suite's budget. Each is still checked as the page's command on its own.
     waves = [[(one, "qs-one"), (torchrun, "qs-torchrun"), *((c, None) for c in plans)],
              [(server, "qs-server"), (node0, "qs-2n"), (node1, None)]]
+    assert _entry_point(one) is not None and _entry_point(plans[1]) is not None, (one, plans[1])
+    assert all(_entry_point(c) is None for c in (torchrun, server, node0, node1, plans[0]))  # bash scripts
     for wave in waves:
-        procs = [_start(command) for command, _ in wave]
+        # the launches start first; the entry point's own commands run here meanwhile, one after the other
+        procs = {command: _start(command) for command, _ in wave if _entry_point(command) is None}
         try:
-            outs = [_finish(proc, command) for proc, (command, _) in zip(procs, wave)]
+            done = {command: _in_process(command).stdout for command, _ in wave if command not in procs}
+            outs = [done[command] if command in done else _finish(procs[command], command) for command, _ in wave]
         finally:
-            _stop(procs)
+            _stop(list(procs.values()))
         for (command, folder), out in zip(wave, outs):
             if folder is not None:
                 _one_step(tmp_path / folder)
