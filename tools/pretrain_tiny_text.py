@@ -468,11 +468,11 @@ def _stop_on_signals() -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    _stop_on_signals()
     out = Path(args.out)
     if out.exists() and not args.overwrite:  # refused before the heavy imports (Megatron, diffusers): at once
         print(f"error: {out} exists (pass --overwrite to replace it)", file=sys.stderr)
         return 2
+    _stop_on_signals()  # once there is a run to stop (a refusal leaves the caller's handlers alone)
     from megatron_omni.parallel import ParallelLayout, build_parallel_groups, platform
     from megatron_omni.rollout.diffusers_engines.engine import DiffusersRolloutEngine
 

@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from megatron_omni.parallel.rank_pool import free_port
+from tests.e2e.in_process import call_main
 
 ROOT = Path(__file__).resolve().parents[2]
 TOOL = str(ROOT / "tools" / "pretrain_tiny_text.py")
@@ -55,7 +56,7 @@ def _pretrain_at_once(*runs: tuple[Path, list[str], int]) -> None:
 
 def _assert_refused(argv: list[str], message: str, out: Path) -> None:
     """The tool's argument checks, in this process (no interpreter start per case): exit status 2, `message` on
-    stderr, `out` not created. The command-line exit status itself: test_existing_folder_is_refused_untouched."""
+    stderr, `out` not created."""
     import contextlib
     import io
 
@@ -288,8 +289,12 @@ def test_interrupt_writes_the_model_of_the_last_evaluation(trained: dict) -> Non
 
 
 def test_existing_folder_is_refused_untouched(built: Path) -> None:
+    """The tool's `main` in this process (its refusal comes before any work: no interpreter start for it) exits 2
+    naming the folder, which stays as it was."""
     before = {p: p.stat().st_mtime_ns for p in built.rglob("*")}
-    proc = subprocess.run([sys.executable, TOOL, "--out", str(built), *SHORT], cwd=ROOT, env=_env(),
-                          capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 2 and "exists" in proc.stderr
+    handlers = [signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)]
+    argv = ["--out", str(built), *SHORT]
+    proc = call_main(_tool().main, argv, _env(), args=[sys.executable, TOOL, *argv])
+    assert proc.returncode == 2 and f"{built} exists" in proc.stderr, proc.stderr[-3000:]
+    assert [signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)] == handlers  # a refusal installs none
     assert {p: p.stat().st_mtime_ns for p in built.rglob("*")} == before
