@@ -85,13 +85,21 @@ def _entry_point(command: str) -> tuple[dict[str, str], list[str]] | None:
 
 def _in_process(command: str) -> subprocess.CompletedProcess:
     """The page's `python -m megatron_omni.train ...` command as its `main` in this process: the environment is
-    the venv shell's plus what the command line assigns, as bash would give it (the run returns its status:
-    nothing to exit)."""
+    the venv shell's plus what the command line assigns, as bash would give it, and torch's threads the number
+    OMP_NUM_THREADS gives a new process (the run returns its status: nothing to exit)."""
+    import torch
+
     from megatron_omni.train import main
 
     assigned, argv = _entry_point(command)
-    with contextlib.chdir(ROOT):  # where the page's commands run
-        out = call_main(main, argv, {**_env(), **assigned}, args=shlex.split(command))
+    env = {**_env(), **assigned}
+    threads = torch.get_num_threads()
+    torch.set_num_threads(int(env["OMP_NUM_THREADS"]))
+    try:
+        with contextlib.chdir(ROOT):  # where the page's commands run
+            out = call_main(main, argv, env, args=shlex.split(command))
+    finally:
+        torch.set_num_threads(threads)
     assert out.returncode == 0, f"`{command}` exited {out.returncode}:\n{out.stdout[-2000:]}{out.stderr[-4000:]}"
     return out
 
