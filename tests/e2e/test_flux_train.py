@@ -5,8 +5,8 @@ by the vLLM-Omni engine (`rollout.engine=vllm_omni`, in the trainer's rank: our 
 FLUX pipeline, every step's weights through the bridge's vLLM-Omni plan, probed; the diffusers engine samples the same
 trajectories to ~2e-6, tests/distributed/test_image_vllm_omni.py, and ran these runs before). The reward rises over 6
 steps, the trainer's recompute (Megatron FLUX) equals the rollout's log-probs, and a run SIGKILLed
-after its step-3 checkpoint resumes bit-identically. The uninterrupted run goes on while the other is killed (one core
-each).
+after its step-3 checkpoint resumes bit-identically. The uninterrupted run goes on while the other is killed and
+resumed (one core each).
 
 Margin: the mean reward of the last two of 6 steps minus that of the first two, measured at seed 0: +0.089
 (docs/families-flux.md); the test asserts > 0.02."""
@@ -18,12 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.e2e.test_flowgrpo_train import (
-    _Background,
-    _kill_after_checkpoint,
-    _resumes_bit_identically,
-    _rewards,
-)
+from tests.e2e.test_flowgrpo_train import _assert_resumed_bit_identically, _killed_and_resumed_beside, _rewards
 
 FLUX = ["--recipe", "examples.flux.recipe:tiny", "--set", "seed=0", "--set", "steps=6", "--set", "checkpoint.every=3",
         "--set", "checkpoint.keep=5", "--set", "rollout.engine=vllm_omni", "--set", "rollout.vllm_omni_process=inline"]
@@ -33,13 +28,12 @@ MARGIN = 0.02
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     """(the uninterrupted 6-step run, the run killed after step 3 and resumed); the bit-identity is checked here,
-    where the killed run resumes."""
+    where the killed run resumes. The resume starts while the uninterrupted run is still going (one core each)."""
     root = tmp_path_factory.mktemp("flux")
     ref, killed = root / "uninterrupted", root / "killed"
-    with _Background(ref, *FLUX) as uninterrupted:
-        _kill_after_checkpoint(killed, 3, *FLUX)
-        assert uninterrupted.result().returncode == 0, uninterrupted.result().stderr[-3000:]
-        _resumes_bit_identically(ref, killed, 3, 6, *FLUX, killed=True)
+    proc, resumed = _killed_and_resumed_beside(ref, killed, 3, *FLUX)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    _assert_resumed_bit_identically(ref, killed, 6, resumed)
     return ref, killed
 
 

@@ -62,12 +62,16 @@ def test_edit_run_resumes_bit_identically(edit_runs: tuple) -> None:
     assert _rewards(edit_run) == _rewards(run)
 
 
-def test_edit_trains_on_the_diffusers_engine_with_true_cfg_and_evaluates_guided(tmp_path: Path) -> None:
+def test_edit_trains_on_the_diffusers_engine_with_true_cfg_and_evaluates_guided(edit_run: Path, tmp_path: Path
+                                                                                ) -> None:
     """Rollout (the embedded diffusers engine), recompute and evaluation with true CFG: every step's trainer/rollout
     log-prob gap is float rounding (the recompute runs the negative rows the rollout ran; without them it is about
-    1e-5, see tests/distributed/test_qwen_image_edit_rollout.py), and the guided evaluation scores its samples."""
+    1e-5, see tests/distributed/test_qwen_image_edit_rollout.py), and the guided evaluation scores its samples. On
+    the tiny folder the 8-step run built into its run folder (the recipe's, seed 0: the same folder; building it
+    again is seconds of CPU)."""
     held_out = json.dumps(edit_prompts(TINY_DATA)[:1])
-    proc = _train(tmp_path / "cfg", *EDIT[:2], "--set", "steps=2", "--set", "checkpoint.every=0",
+    proc = _train(tmp_path / "cfg", *EDIT[:2], "--set", f"model.pipeline={edit_run / 'pipeline'}",
+                  "--set", "steps=2", "--set", "checkpoint.every=0",
                   "--set", "rollout.prompts_per_step=2", "--set", "rollout.group_size=2",
                   "--set", "rollout.num_steps=4",
                   "--set", "rollout.guidance_scale=4", "--set", "rollout.negative_prompt= ",
