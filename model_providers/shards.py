@@ -17,7 +17,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from megatron_omni.models.lora import is_adapter_name
 from megatron_omni.parallel.platform import megatron_config_defaults
 from model_providers.qwen_image.mapping import ParamMapping, hf_to_megatron, megatron_to_hf, tp_shard
 
@@ -48,6 +47,8 @@ def layout_config(architecture: dict[str, Any], *, tp: int, pp: int, ulysses: in
 def local_mappings(model: Any, mappings: Sequence[ParamMapping]) -> dict[str, ParamMapping]:
     """Local parameter name -> mapping, for the blocks and projections this stage holds. Raises KeyError naming
     a local tensor the mappings do not cover."""
+    from megatron_omni.models.lora import is_adapter_name  # megatron-core: a built model is at hand here anyway
+
     by_global = {m.megatron: m for m in mappings}
     out = {}
     for name in model.state_dict():

@@ -66,7 +66,8 @@ from megatron_omni.rollout.async_service.channel import ChannelLost, Failed, rec
 from megatron_omni.rollout.base import FinishedSample, Trajectory
 from megatron_omni.rollout.quantization import QuantizationSpec
 from megatron_omni.rollout.registry import EngineSettings, build_engine
-from megatron_omni.trainer.checkpointing import ASYNC_IN_FLIGHT, load_checkpoint, resume_folder, save_checkpoint
+from megatron_omni.trainer.checkpoint_folders import resume_folder
+from megatron_omni.trainer.checkpointing import ASYNC_IN_FLIGHT, load_checkpoint, save_checkpoint
 from megatron_omni.trainer.config import JobConfig, torch_dtype
 from megatron_omni.trainer.preemption import TrainingStopped
 from megatron_omni.trainer.skeleton import StepResult, step_prompts

@@ -21,14 +21,8 @@ from megatron_omni.parallel import ParallelLayout, build_parallel_groups
 from megatron_omni.parallel.placement import build_placement_groups, split_world
 from megatron_omni.rollout.async_service import RolloutRankFailed, RolloutRankLost, StalenessError
 from megatron_omni.trainer import atomic_files
-from megatron_omni.trainer.checkpointing import (
-    ASYNC_IN_FLIGHT,
-    load_checkpoint,
-    read_common,
-    resume_folder,
-    run_id_of,
-    save_checkpoint,
-)
+from megatron_omni.trainer.checkpoint_folders import resume_folder, run_id_of
+from megatron_omni.trainer.checkpointing import ASYNC_IN_FLIGHT, load_checkpoint, read_common, save_checkpoint
 from megatron_omni.trainer.config import ConfigError, JobConfig, to_dict
 from megatron_omni.trainer.evaluation import EvalResult, eval_samples, evaluate, save_before_after_grid, with_peak
 from megatron_omni.trainer.flowgrpo import FlowGRPOTrainer

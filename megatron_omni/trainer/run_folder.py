@@ -9,7 +9,7 @@ import shutil
 import uuid
 from pathlib import Path
 
-from megatron_omni.trainer.checkpointing import COMPLETE, latest_complete
+from megatron_omni.trainer.checkpoint_folders import COMPLETE, latest_complete
 from megatron_omni.trainer.config import ConfigError, JobConfig
 
 # What makes a folder hold a run.

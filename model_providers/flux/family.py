@@ -5,7 +5,6 @@ sampled by `rollout/vllm_omni/image_pipelines.py`)."""
 
 from __future__ import annotations
 
-from megatron_omni.models.dit.flux_model import FluxModel
 from model_providers.flux import presets, provider
 from model_providers.flux.rollout_layouts import QUANTIZED_LINEARS
 from model_providers.qwen_image.mapping import hf_to_megatron, megatron_to_hf
@@ -23,7 +22,7 @@ FAMILY = ModelFamily(
     megatron_config=provider.transformer_config,
     weight_parts=provider.weight_parts,
     megatron_sources=provider.megatron_sources,
-    megatron_module=FluxModel,
+    megatron_module="megatron_omni.models.dit.flux_model:FluxModel",
     tiny_pipeline=TinyPipeline(make=provider.make_tiny_pipeline, transformer_config=provider.tiny_transformer_config),
     # FP8 rollout on both engines (the embedded one fake-quantizes these linears, vLLM-Omni holds them in FP8)
     quantized_linears=QUANTIZED_LINEARS,

@@ -5,18 +5,19 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from megatron_omni.models.dit.flux_config import FluxConfig
-from megatron_omni.models.dit.flux_model import FluxModel
 from model_providers import shards
 from model_providers.flux.mapping import all_mappings
 from model_providers.flux.presets import preset
 from model_providers.flux.rollout_layouts import rollout_layout
-from model_providers.flux.specs import layer_spec
 from model_providers.registry import WeightPart
+
+if TYPE_CHECKING:
+    from megatron_omni.models.dit.flux_config import FluxConfig
+    from megatron_omni.models.dit.flux_model import FluxModel
 
 _HF_KEYS = ("patch_size", "in_channels", "out_channels", "num_layers", "num_single_layers", "attention_head_dim",
             "num_attention_heads", "joint_attention_dim", "pooled_projection_dim", "guidance_embeds",
@@ -44,6 +45,8 @@ def hf_config(name_or_config: str | dict[str, Any]) -> dict[str, Any]:
 def transformer_config(name_or_config: str | dict[str, Any], *, tp: int = 1, pp: int = 1, ulysses: int = 1,
                        ring: int = 1, params_dtype: torch.dtype = torch.float32, **overrides: Any) -> FluxConfig:
     """The Megatron `FluxConfig` of a FLUX.1 transformer for a parallel layout."""
+    from megatron_omni.models.dit.flux_config import FluxConfig  # megatron-core: only where a model is configured
+
     c = hf_config(name_or_config)
     hidden = c["num_attention_heads"] * c["attention_head_dim"]
     return FluxConfig(**shards.layout_config(dict(
@@ -59,7 +62,7 @@ def config_mappings(config: FluxConfig | dict[str, Any] | str) -> list:
     """The diffusers <-> Megatron mappings of a model config (the Megatron `FluxConfig`, or a diffusers config or
     preset name): which tensors the model has depends on more than `num_layers` (the single blocks, the guidance
     embedder), so this family declares `ModelFamily.config_mappings`."""
-    if isinstance(config, FluxConfig):
+    if not isinstance(config, (str, dict)):  # the Megatron config
         return all_mappings(config.num_layers, config.num_single_layers, config.guidance_embeds)
     c = hf_config(config)
     return all_mappings(c["num_layers"], c["num_single_layers"], c["guidance_embeds"])
@@ -96,6 +99,9 @@ def make_tiny_pipeline(folder: Path, seed: int) -> Path:
 def build_model(config: FluxConfig, groups, backend: str = "local") -> FluxModel:
     """This rank's stage of the model, its tensor-parallel shard (`groups`: `megatron_omni.parallel.ParallelGroups`);
     pipeline stages split the double and single blocks together, in model order."""
+    from megatron_omni.models.dit.flux_model import FluxModel
+    from model_providers.flux.specs import layer_spec
+
     groups.layout.validate_model(num_heads=config.num_attention_heads,
                                  num_layers=config.num_layers + config.num_single_layers)
     return FluxModel(config, layer_spec(backend), groups)

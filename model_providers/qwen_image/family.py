@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from megatron_omni.models.dit.model import MMDiTModel
 from model_providers.qwen_image import mapping, presets, provider
 from model_providers.qwen_image.rollout_layouts import QUANTIZED_LINEARS
 from model_providers.registry import DiTTraits, ModelFamily, TinyPipeline
@@ -19,7 +18,7 @@ FAMILY = ModelFamily(
     megatron_config=provider.transformer_config,
     weight_parts=provider.weight_parts,
     megatron_sources=provider.megatron_sources,
-    megatron_module=MMDiTModel,
+    megatron_module="megatron_omni.models.dit.model:MMDiTModel",
     tiny_pipeline=TinyPipeline(make=provider.make_tiny_pipeline, transformer_config=provider.tiny_transformer_config),
     quantized_linears=QUANTIZED_LINEARS,
     # Images: the pipeline packs 2 x 2 latent patches, so the transformer's in_channels is already a token's.

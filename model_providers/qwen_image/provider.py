@@ -5,18 +5,19 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from megatron_omni.models.dit.config import MMDiTConfig
-from megatron_omni.models.dit.model import MMDiTModel
 from model_providers import shards
 from model_providers.qwen_image.mapping import ParamMapping, all_mappings
 from model_providers.qwen_image.presets import preset
 from model_providers.qwen_image.rollout_layouts import rollout_layout
-from model_providers.qwen_image.specs import layer_spec
 from model_providers.registry import WeightPart
+
+if TYPE_CHECKING:
+    from megatron_omni.models.dit.config import MMDiTConfig
+    from megatron_omni.models.dit.model import MMDiTModel
 
 _HF_KEYS = ("patch_size", "in_channels", "out_channels", "num_layers", "attention_head_dim",
             "num_attention_heads", "joint_attention_dim", "axes_dims_rope")
@@ -49,6 +50,8 @@ def transformer_config(
     **overrides: Any,
 ) -> MMDiTConfig:
     """The Megatron `MMDiTConfig` of a Qwen-Image transformer for a parallel layout."""
+    from megatron_omni.models.dit.config import MMDiTConfig  # megatron-core: only where a model is configured
+
     c = hf_config(name_or_config)
     hidden = c["num_attention_heads"] * c["attention_head_dim"]
     return MMDiTConfig(**shards.layout_config(dict(
@@ -69,6 +72,9 @@ def transformer_config(
 
 def build_model(config: MMDiTConfig, groups, backend: str = "local") -> MMDiTModel:
     """This rank's stage of the model (`groups`: `megatron_omni.parallel.ParallelGroups`)."""
+    from megatron_omni.models.dit.model import MMDiTModel
+    from model_providers.qwen_image.specs import layer_spec
+
     groups.layout.validate_model(num_heads=config.num_attention_heads, num_layers=config.num_layers)
     return MMDiTModel(config, layer_spec(backend), groups)
 

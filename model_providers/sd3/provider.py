@@ -5,18 +5,19 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from megatron_omni.models.dit.sd3_config import SD3Config
-from megatron_omni.models.dit.sd3_model import SD3Model
 from model_providers import shards
-from model_providers.qwen_image.specs import layer_spec
 from model_providers.registry import WeightPart
 from model_providers.sd3.mapping import all_mappings
 from model_providers.sd3.presets import preset
 from model_providers.sd3.rollout_layouts import rollout_layout
+
+if TYPE_CHECKING:
+    from megatron_omni.models.dit.sd3_config import SD3Config
+    from megatron_omni.models.dit.sd3_model import SD3Model
 
 _HF_KEYS = ("sample_size", "patch_size", "in_channels", "out_channels", "num_layers", "attention_head_dim",
             "num_attention_heads", "joint_attention_dim", "caption_projection_dim", "pooled_projection_dim",
@@ -44,6 +45,8 @@ def hf_config(name_or_config: str | dict[str, Any]) -> dict[str, Any]:
 def transformer_config(name_or_config: str | dict[str, Any], *, tp: int = 1, pp: int = 1, ulysses: int = 1,
                        ring: int = 1, params_dtype: torch.dtype = torch.float32, **overrides: Any) -> SD3Config:
     """The Megatron `SD3Config` of an SD3.5 transformer for a parallel layout."""
+    from megatron_omni.models.dit.sd3_config import SD3Config  # megatron-core: only where a model is configured
+
     c = hf_config(name_or_config)
     hidden = c["num_attention_heads"] * c["attention_head_dim"]
     return SD3Config(**shards.layout_config(dict(
@@ -60,7 +63,7 @@ def config_mappings(config: SD3Config | dict[str, Any]) -> list:
     """The diffusers <-> Megatron mappings of a model config: the Megatron `SD3Config` or a diffusers config
     (preset name or dict). Which tensors a block has depends on more than the block count (SD3.5-M's
     dual-attention blocks), so this family declares `ModelFamily.config_mappings`."""
-    if isinstance(config, SD3Config):
+    if not isinstance(config, (str, dict)):  # the Megatron config
         return all_mappings(config.num_layers, config.dual_attention_layers)
     c = hf_config(config)
     return all_mappings(c["num_layers"], c["dual_attention_layers"])
@@ -106,6 +109,9 @@ def make_tiny_pipeline(folder: Path, seed: int) -> Path:
 
 def build_model(config: SD3Config, groups, backend: str = "local") -> SD3Model:
     """This rank's stage of the model, its tensor-parallel shard (`groups`: `megatron_omni.parallel.ParallelGroups`)."""
+    from megatron_omni.models.dit.sd3_model import SD3Model
+    from model_providers.qwen_image.specs import layer_spec
+
     groups.layout.validate_model(num_heads=config.num_attention_heads, num_layers=config.num_layers)
     return SD3Model(config, layer_spec(backend), groups)
 

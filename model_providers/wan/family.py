@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import math
 
-from megatron_omni.models.dit.wan_model import WanModel
 from model_providers.qwen_image.mapping import hf_to_megatron, megatron_to_hf
 from model_providers.registry import DiTTraits, ModelFamily, TinyPipeline
 from model_providers.wan import mapping, presets, provider
@@ -21,7 +20,7 @@ FAMILY = ModelFamily(
     megatron_config=provider.transformer_config,
     weight_parts=provider.weight_parts,
     megatron_sources=provider.megatron_sources,
-    megatron_module=WanModel,
+    megatron_module="megatron_omni.models.dit.wan_model:WanModel",
     tiny_pipeline=TinyPipeline(make=provider.make_tiny_pipeline, transformer_config=provider.tiny_transformer_config),
     # Video (4k + 1 frames: Wan's VAE compresses time 4x); true CFG is WanPipeline's plain (unrescaled) guidance,
     # chosen by the engine and recorded in the trajectory; both engines sample it (vLLM-Omni through our SDE class

@@ -6,19 +6,20 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from megatron_omni.models.dit.config import WanConfig
-from megatron_omni.models.dit.wan_model import WanModel
 from model_providers import shards
 from model_providers.qwen_image.mapping import ParamMapping
 from model_providers.registry import WeightPart
 from model_providers.wan.mapping import all_mappings
 from model_providers.wan.presets import preset
 from model_providers.wan.rollout_layouts import rollout_layout
-from model_providers.wan.specs import layer_spec
+
+if TYPE_CHECKING:
+    from megatron_omni.models.dit.config import WanConfig
+    from megatron_omni.models.dit.wan_model import WanModel
 
 _HF_KEYS = ("patch_size", "num_attention_heads", "attention_head_dim", "in_channels", "out_channels", "text_dim",
             "freq_dim", "ffn_dim", "num_layers", "eps", "rope_max_seq_len")
@@ -57,6 +58,8 @@ def transformer_config(
     **overrides: Any,
 ) -> WanConfig:
     """The Megatron `WanConfig` of a Wan transformer for a parallel layout."""
+    from megatron_omni.models.dit.config import WanConfig  # megatron-core: only where a model is configured
+
     c = hf_config(name_or_config)
     return WanConfig(**shards.layout_config(dict(
         num_layers=c["num_layers"],
@@ -76,6 +79,9 @@ def transformer_config(
 
 def build_model(config: WanConfig, groups, backend: str = "local") -> WanModel:
     """This rank's stage of the model (`groups`: `megatron_omni.parallel.ParallelGroups`)."""
+    from megatron_omni.models.dit.wan_model import WanModel
+    from model_providers.wan.specs import layer_spec
+
     groups.layout.validate_model(num_heads=config.num_attention_heads, num_layers=config.num_layers)
     return WanModel(config, layer_spec(backend), groups)
 

@@ -53,7 +53,8 @@ def _run(rank: int, world_size: int, out_dir: str, crash_at: int | None, resume:
 
 
 def test_crash_and_resume_equals_an_uninterrupted_run(tmp_path) -> None:
-    from megatron_omni.trainer.checkpointing import complete_checkpoints, read_checkpoint_tensors
+    from megatron_omni.trainer.checkpoint_folders import complete_checkpoints
+    from megatron_omni.trainer.checkpointing import read_checkpoint_tensors
 
     full, crashed = tmp_path / "full", tmp_path / "crashed"
     assert run_ranks(_run, 2, str(full), None, False, STEPS, timeout_s=300) == ["done"] * 2

@@ -376,7 +376,8 @@ def test_lora_at_tp2_resumes_bit_identically_and_evaluates(tp2_job: tuple[Future
     import json
     from pathlib import Path
 
-    from megatron_omni.trainer.checkpointing import complete_checkpoints, read_checkpoint_tensors
+    from megatron_omni.trainer.checkpoint_folders import complete_checkpoints
+    from megatron_omni.trainer.checkpointing import read_checkpoint_tensors
     from megatron_omni.trainer.evaluation import EvalResult
 
     out = tp2_job[0].result()[0]
@@ -420,7 +421,8 @@ def _equal_to_pp1(out: dict, name: str) -> tuple[dict, dict]:
     tensors (`name`'s, pp 1's)."""
     from pathlib import Path
 
-    from megatron_omni.trainer.checkpointing import complete_checkpoints, read_checkpoint_tensors
+    from megatron_omni.trainer.checkpoint_folders import complete_checkpoints
+    from megatron_omni.trainer.checkpointing import read_checkpoint_tensors
 
     hist = {k: _metrics(out[k]) for k in (name, "pp1")}
     print({k: [{m: h[m] for m in ("reward_mean", "policy_loss", "kl_loss", "grad_norm", "train_rollout_dlogp_max")}

@@ -20,15 +20,8 @@ from megatron.core.distributed import finalize_model_grads
 from megatron_omni.checkpoint.sharded_state import content_metadata, model_layout, read_content_metadata
 from megatron_omni.models.dit.model import DiTBatch
 from megatron_omni.parallel.rank_pool import run_ranks
-from megatron_omni.trainer.checkpointing import (
-    COMPLETE,
-    checkpoint_dir,
-    complete_checkpoints,
-    latest_checkpoint,
-    load_checkpoint,
-    read_checkpoint_tensors,
-    save_checkpoint,
-)
+from megatron_omni.trainer.checkpoint_folders import COMPLETE, checkpoint_dir, complete_checkpoints, latest_checkpoint
+from megatron_omni.trainer.checkpointing import load_checkpoint, read_checkpoint_tensors, save_checkpoint
 from model_providers.qwen_image import provider
 from tests.distributed.tiny_training import build_tiny_training
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from megatron_omni.trainer.checkpointing import COMPLETE, RUN_ID, checkpoint_dir, checkpoints_to_prune
+from megatron_omni.trainer.checkpoint_folders import COMPLETE, RUN_ID, checkpoint_dir, checkpoints_to_prune
 
 
 def _checkpoint(run_dir: Path, step: int, run_id: str | None, complete: bool = True) -> Path:

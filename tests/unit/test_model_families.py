@@ -40,7 +40,8 @@ def test_qwen_image_edit_family_reuses_the_qwen_image_model() -> None:
     edit, qwen = get_family("qwen_image_edit"), get_family("qwen_image")
     assert edit.traits.conditioned and not qwen.traits.conditioned
     assert edit.traits.pipeline_class == "QwenImageEditPlusPipeline"
-    assert edit.build_model is qwen.build_model and edit.megatron_module is MMDiTModel
+    assert edit.build_model is qwen.build_model
+    assert edit.megatron_module == qwen.megatron_module == "megatron_omni.models.dit.model:MMDiTModel"
     assert not edit.convertible and qwen.convertible
     assert family_of_model(MMDiTModel.__new__(MMDiTModel)).name == "qwen_image"
 
@@ -48,7 +49,8 @@ def test_qwen_image_edit_family_reuses_the_qwen_image_model() -> None:
 def test_families_load_lazily_only_the_one_asked_for() -> None:
     """In a fresh interpreter: importing the registry, listing the families and the diffusers classes imports no
     family; finding the family of an SD3.5 diffusers config imports SD3.5's modules (and the Qwen-Image helpers it
-    shares) but no other family's bundle or provider, nor transformers/scipy (Qwen-Image-Edit's processor)."""
+    shares) but no other family's bundle or provider, nor transformers/scipy (Qwen-Image-Edit's processor), nor
+    megatron-core."""
     import subprocess
     import sys
     from pathlib import Path
@@ -75,6 +77,9 @@ def test_families_load_lazily_only_the_one_asked_for() -> None:
                                                                      f"model_providers.{n}.provider"))]
     assert "model_providers.sd3.family" in loaded() and not bundles, bundles
     assert not {"transformers", "scipy"} & set(sys.modules)
+    # a bundle names its Megatron model class (ModelFamily.megatron_module) and its provider imports it when it
+    # builds one: looking a family up, as a launch script's `--check` does, never pays megatron-core's import
+    assert "megatron.core" not in sys.modules
     """
     root = Path(__file__).resolve().parents[2]
     proc = subprocess.run([sys.executable, "-W", "ignore", "-c", script], cwd=root, capture_output=True, text=True,
@@ -84,10 +89,19 @@ def test_families_load_lazily_only_the_one_asked_for() -> None:
 
 def test_registry_lists_every_family_folder() -> None:
     """`FAMILIES` (what the registry knows without importing) names exactly the folders with a family.py, and each
-    bundle agrees with its entry (get_family checks diffusers_class and megatron_module)."""
+    bundle agrees with its entry (get_family checks diffusers_class and megatron_module); each megatron_module
+    names a Megatron model class that exists (the name is all a bundle holds, so a typo would otherwise surface
+    only when a checkpoint looks the family of its model up)."""
+    import importlib
+
+    from megatron.core.transformer.module import MegatronModule
+
     from model_providers.registry import FAMILIES, family_folders
 
     assert sorted(FAMILIES) == family_folders() == family_names()
     for name in family_names():
         fam = get_family(name)
         assert fam.convertible == (FAMILIES[name].diffusers_class is not None), name
+        if fam.megatron_module is not None:
+            module, cls = fam.megatron_module.split(":")
+            assert issubclass(getattr(importlib.import_module(module), cls), MegatronModule), fam.megatron_module
