@@ -24,16 +24,7 @@ from megatron_omni.checkpoint import manifest
 from tests.e2e.conftest import FAULT_STEPS as STEPS
 from tests.e2e.in_process import call_main, script_module
 from tests.e2e.test_faults_runs import _steps
-from tests.e2e.test_flowgrpo_train import (
-    ROOT,
-    SHORT,
-    _assert_same_state,
-    _Background,
-    _env,
-    _final_state,
-    _rewards,
-    _train,
-)
+from tests.e2e.test_flowgrpo_train import ROOT, SHORT, _assert_same_state, _env, _final_state, _rewards, _train
 
 CONVERT = [sys.executable, str(ROOT / "tools" / "checkpoint" / "convert.py")]
 INJECT = Path(__file__).parent / "fault_injection"
@@ -79,7 +70,8 @@ def test_a_damaged_latest_checkpoint_is_named_and_skipped(first_run: Path, tmp_p
     with open(tmp_path / "given" / "common.pt", "r+b") as f:
         f.seek(0)
         f.write(b"XXXX")
-    with _Background(again, "--set", "steps=5", "--resume", str(tmp_path / "given"), timeout=300) as given:
+    with ThreadPoolExecutor(1) as pool:
+        given = pool.submit(_train, again, "--set", "steps=5", "--resume", str(tmp_path / "given"), timeout=300)
         resumed = _train(run, *STEPS, "--resume", "auto")
         proc = given.result()
     assert resumed.returncode == 0, resumed.stderr[-3000:]
