@@ -1,8 +1,8 @@
 """FlowGRPO with LoRA end to end, as users run it (`python -m megatron_omni.train --set model.lora.rank=8`):
 
 - diffusers engine, bf16 base and bf16 engine, adapter-only sync through peft: the reward rises, the probe
-  after every sync is exact, a run resumed with `--resume auto` from the step-2 checkpoint ends bit-identical to
-  the uninterrupted one (adapters, their Adam state, the rewards), its checkpoints hold the adapters only and the
+  after every sync is exact, a SIGKILLed run resumed with `--resume auto` ends bit-identical to an
+  uninterrupted one (adapters, their Adam state, the rewards), its checkpoints hold the adapters only and the
   base's identity, a resume with other LoRA settings is refused naming them, and `convert.py lora-to-hf`
   (adapter file and `--merge` pipeline) exports the final checkpoint;
 - vLLM-Omni's real `Omni` engine (the default `rollout.vllm_omni_process=engine`: worker processes), the adapters
@@ -24,9 +24,9 @@ from tests.e2e.test_flowgrpo_train import (
     ROOT,
     _assert_same_state,
     _Background,
-    _copy_checkpoint_when_complete,
     _env,
     _final_state,
+    _kill_after_checkpoint,
     _rewards,
     _train,
     reward_gain,
@@ -57,12 +57,11 @@ def test_lora_bf16_reward_rises_resumes_bit_identically_and_exports(vllm_lora: t
     steps = [*LORA, "--set", "model.params_dtype=bf16", "--set", "rollout.dtype=bf16",
              "--set", "rollout.transformer=engine", "--set", "steps=4", "--set", "checkpoint.every=2",
              "--set", "checkpoint.keep=5"]
-    ref, run = tmp_path / "uninterrupted", tmp_path / "resumed"
-    # One rank each: the uninterrupted run goes on while its step-2 checkpoint, copied (what a run killed after it
-    # leaves: test_flowgrpo_train.py's SIGKILL test), is refused with other LoRA settings and resumed.
+    ref, run = tmp_path / "uninterrupted", tmp_path / "killed"
+    # One rank each: the uninterrupted run goes on while the other is killed, refused and resumed.
     with _Background(ref, *steps) as uninterrupted:
-        _copy_checkpoint_when_complete(uninterrupted, ref, run, 2)
-        assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step_000002"]
+        _kill_after_checkpoint(run, 2, *steps)
+        assert not (run / "checkpoints" / "step_000004").exists(), "the run finished before it was killed"
         other = _train(run, *steps, "--set", "model.lora.rank=4", "--resume", "auto")
         assert other.returncode == 2 and "its lora is" in other.stderr, other.stderr[-2000:]
         with _Background(run, *steps, "--resume", "auto") as resuming:
