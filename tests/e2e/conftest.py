@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 from pathlib import Path
 
 import pytest
@@ -50,13 +51,29 @@ def _drop_rendezvous() -> None:
 
 
 @pytest.fixture(scope="session")
-def first_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def first_run(tmp_path_factory: pytest.TempPathFactory, worker_id: str) -> Path:
     """An uninterrupted 4-step run with checkpoints after steps 2 and 4 (the reference a fault test compares
-    with); one for the whole session (test_faults_checkpoints.py and test_faults_runs.py each built their own, the
-    same run twice), never modified (tests copy it; test_faults_runs.py checks that a refused start leaves it
-    untouched)."""
+    with); one for the whole test run, never modified (tests copy it; test_faults_runs.py checks that a refused
+    start leaves it untouched). Under pytest-xdist (`make test`: two workers, a module whole in one) the modules
+    that read it can land in both workers: the first worker to need it builds it in the run's shared temporary
+    folder under a file lock, the other waits on the lock and reads the same folder (pytest-xdist's documented
+    recipe for a session fixture built once), so the suite trains it once, not once per worker."""
     _drop_rendezvous()  # a session fixture is set up before the module's autouse one
-    run = tmp_path_factory.mktemp("runs") / "first"
+    if worker_id == "master":  # one process: its own session folder
+        return _build_first_run(tmp_path_factory.mktemp("runs") / "first")
+    from filelock import FileLock
+
+    shared = tmp_path_factory.getbasetemp().parent  # the folder of this test run that every worker's sits in
+    run, built = shared / "first_run", shared / "first_run.built"  # the mark beside it: the run folder stays the run's
+    with FileLock(str(shared / "first_run.lock")):
+        if not built.is_file():
+            shutil.rmtree(run, ignore_errors=True)  # a build that failed in the other worker
+            _build_first_run(run)
+            built.touch()
+    return run
+
+
+def _build_first_run(run: Path) -> Path:
     proc = _train(run, *FAULT_STEPS)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return run

@@ -15,6 +15,7 @@ import signal
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -62,7 +63,17 @@ def test_a_damaged_latest_checkpoint_is_named_and_skipped(first_run: Path, tmp_p
     assert not out.exists() and not list(tmp_path.glob(".hf.partial-*"))
     assert _convert("inspect", str(run / "checkpoints" / "step_000002"))[0].returncode == 0
 
-    resumed = _train(run, *STEPS, "--resume", "auto")
+    # A checkpoint folder given by path is verified the same way before it is loaded: that refusal runs beside the
+    # resume below (independent folders, one core each).
+    again = tmp_path / "again"
+    shutil.copytree(first_run / "checkpoints" / "step_000004", tmp_path / "given")
+    with open(tmp_path / "given" / "common.pt", "r+b") as f:
+        f.seek(0)
+        f.write(b"XXXX")
+    with ThreadPoolExecutor(1) as pool:
+        given = pool.submit(_train, again, "--set", "steps=5", "--resume", str(tmp_path / "given"), timeout=300)
+        resumed = _train(run, *STEPS, "--resume", "auto")
+        proc = given.result()
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     said = resumed.stdout + resumed.stderr
     assert f"skipping damaged checkpoint {bad}: __0_0.distcp" in said
@@ -70,13 +81,6 @@ def test_a_damaged_latest_checkpoint_is_named_and_skipped(first_run: Path, tmp_p
     # Nothing lost: the redone steps give the uninterrupted run's weights, optimizer state and metrics.
     _assert_same_state(_final_state(first_run, 4), _final_state(run, 4))
     assert _rewards(run) == _rewards(first_run) and _steps(run) == [0, 1, 2, 3]
-    # A checkpoint folder given by path is verified the same way before it is loaded.
-    again = tmp_path / "again"
-    shutil.copytree(first_run / "checkpoints" / "step_000004", tmp_path / "given")
-    with open(tmp_path / "given" / "common.pt", "r+b") as f:
-        f.seek(0)
-        f.write(b"XXXX")
-    proc = _train(again, "--set", "steps=5", "--resume", str(tmp_path / "given"), timeout=300)
     assert proc.returncode != 0 and "common.pt does not match its checksum" in proc.stderr, proc.stderr[-2000:]
 
 
@@ -125,10 +129,13 @@ def _sigterm_mid_write(cmd: list[str], folder: Path, name: str) -> tuple[int, st
 
 @pytest.mark.slow
 def test_sigterm_during_conversion_leaves_nothing(first_run: Path, tmp_path: Path) -> None:
-    rc, err = _sigterm_mid_write(["hf-to-mcore", str(first_run / "pipeline"), str(tmp_path / "mcore"), "--no-progress"],
-                                 tmp_path, "mcore")
+    # The two conversions are independent (their own output folders): both run at once, one core each.
+    with ThreadPoolExecutor(2) as pool:
+        into_mcore = pool.submit(_sigterm_mid_write, ["hf-to-mcore", str(first_run / "pipeline"),
+                                                      str(tmp_path / "mcore"), "--no-progress"], tmp_path, "mcore")
+        into_hf = pool.submit(_sigterm_mid_write, ["mcore-to-hf", str(first_run / "checkpoints" / "step_000002"),
+                                                   str(tmp_path / "hf"), "--no-progress"], tmp_path, "hf")
+        (rc, err), (rc2, err2) = into_mcore.result(), into_hf.result()
     assert rc == 143, err[-2000:]
-    rc2, err2 = _sigterm_mid_write(["mcore-to-hf", str(first_run / "checkpoints" / "step_000002"), str(tmp_path / "hf"),
-                                    "--no-progress"], tmp_path, "hf")
     assert rc2 == 143, err2[-2000:]
     assert sorted(p.name for p in tmp_path.iterdir()) == [], "an interrupted conversion left files behind"

@@ -20,6 +20,7 @@ import pytest
 
 from megatron_omni.trainer.preemption import REPEAT_WINDOW_S
 from tests.e2e.conftest import FAULT_STEPS as STEPS
+from tests.e2e.in_process import call_main
 from tests.e2e.test_flowgrpo_train import (
     ROOT,
     SHORT,
@@ -59,9 +60,15 @@ def test_a_second_start_into_a_run_folder_is_refused(first_run: Path, tmp_path: 
     assert str(first_run) in line and "--resume auto" in line and "new run_dir" in line and "--overwrite" in line
     assert seconds < REFUSAL_S
     assert _snapshot(first_run) == before, "a refused start changed the run folder"
-    # --resume auto where there is no checkpoint: refused too, unless auto-or-new.
+    # --resume auto where there is no checkpoint: refused too, unless auto-or-new (the entry point's `main` in this
+    # process: the command line's exit 2 and its time are the refusal's above).
+    from megatron_omni import train
+
     empty = tmp_path / "empty"
-    proc, seconds = _timed(empty, "--resume", "auto", "--set", "steps=1")
+    start = time.monotonic()
+    proc = call_main(train.main, ["--set", f"run_dir={empty}", *SHORT, "--resume", "auto", "--set", "steps=1"],
+                     env=_env())
+    seconds = time.monotonic() - start
     assert proc.returncode == 2 and seconds < REFUSAL_S
     assert "holds no complete checkpoint" in proc.stderr and "--resume auto-or-new" in proc.stderr
     assert not empty.exists()

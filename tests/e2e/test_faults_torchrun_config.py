@@ -14,6 +14,8 @@ import sys
 import time
 from pathlib import Path
 
+from tests.e2e.in_process import call_main
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -34,8 +36,10 @@ def test_torchrun_config_error_prints_once_and_every_rank_exits_2(tmp_path: Path
     assert "2" in codes and set(codes) <= {"2", "-15"}, out[-4000:]
     assert not (tmp_path / "run").exists()
     assert took < 120, took
-    # The same config as one process with the job's world size: exit 2 itself.
-    single = subprocess.run([sys.executable, "-m", "megatron_omni.train", "--dry-run", "--set", "checkpoint.keep=0"],
-                            cwd=ROOT, capture_output=True, text=True, timeout=120,
-                            env={**os.environ, "HF_HUB_OFFLINE": "1", "WORLD_SIZE": "2"})
+    # The same config as one process with the job's world size: exit 2 itself (the entry point's `main` in this
+    # process, with the job's environment; a plain command line's exit 2: test_flowgrpo_train.py).
+    from megatron_omni.train import main
+
+    single = call_main(main, ["--dry-run", "--set", "checkpoint.keep=0"],
+                       env={**os.environ, "HF_HUB_OFFLINE": "1", "WORLD_SIZE": "2"})
     assert single.returncode == 2 and "config error: checkpoint.keep=0" in single.stderr

@@ -155,6 +155,32 @@ def _killed_and_resumed_beside(ref: Path, run: Path, kill_at: int, *args: str) -
         return uninterrupted.result(), resumed
 
 
+def _copy_checkpoint_when_complete(source: _Background, ref: Path, run: Path, at: int) -> None:
+    """Wait until the running `source` (into `ref`) has completed its step-`at` checkpoint, then copy that checkpoint
+    alone into `run`: what a run killed after it leaves to resume from (its later records are dropped on resume,
+    `test_sigkill_and_resume_is_bit_identical`)."""
+    marker = ref / "checkpoints" / f"step_{at:06d}" / "COMPLETE"
+    deadline = time.monotonic() + 600
+    while not marker.exists() and source.proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    if not marker.exists():
+        proc = source.result()
+        pytest.fail(f"the run never reached its step-{at} checkpoint: rc {proc.returncode}\n{proc.stderr[-3000:]}")
+    shutil.copytree(marker.parent, run / "checkpoints" / marker.parent.name)
+
+
+def _resumed_beside(ref: Path, run: Path, at: int, *args: str, nproc: int = 1) -> tuple[subprocess.CompletedProcess,
+                                                                                          subprocess.CompletedProcess]:
+    """The uninterrupted run `ref` and, as soon as its step-`at` checkpoint is complete, a copy of that checkpoint
+    in `run` resumed with `--resume auto` while `ref` goes on: the resumed process reads what a run killed after
+    that checkpoint leaves, at the cost of one run and the resumed steps (not a killed run besides). Returns (ref's
+    run, the resume)."""
+    with _Background(ref, *args, nproc=nproc) as uninterrupted:
+        _copy_checkpoint_when_complete(uninterrupted, ref, run, at)
+        resumed = _train(run, *args, "--resume", "auto", nproc=nproc)
+        return uninterrupted.result(), resumed
+
+
 BF16 = ["--set", "model.params_dtype=bf16", "--set", "rollout.dtype=bf16"]
 
 
@@ -250,12 +276,12 @@ def test_sigkill_and_resume_is_bit_identical(one_rank_runs: dict, tmp_path: Path
 def test_fp8_rollout_reward_rises_and_resumes_bit_identically(tmp_path: Path) -> None:
     """`rollout.quantization=fp8` with the truncated importance weights (cap 2): the engine's own copy samples
     in FP8 (ModelOpt fake quantization), every sync passes the quantized probe check, the rollout/trainer gap
-    is logged > 0 and small, the reward rises as in bf16, and a SIGKILLed run resumes bit-identically (the
-    quantizer's state is rebuilt from the synced weights)."""
+    is logged > 0 and small, the reward rises as in bf16, and a run resumed from its step-4 checkpoint ends
+    bit-identical (the quantizer's state is rebuilt from the synced weights)."""
     steps = ["--set", "steps=8", "--set", "rollout.quantization=fp8", "--set", "algorithm.is_cap=2",
              "--set", "checkpoint.every=4", "--set", "checkpoint.keep=5"]
-    ref, run = tmp_path / "uninterrupted", tmp_path / "killed"
-    proc, resumed = _killed_and_resumed_beside(ref, run, 4, *steps)
+    ref, run = tmp_path / "uninterrupted", tmp_path / "resumed"
+    proc, resumed = _resumed_beside(ref, run, 4, *steps)
     assert proc.returncode == 0, proc.stderr[-3000:]
     r = _rewards(ref)
     records = [json.loads(line) for line in (ref / "metrics.jsonl").read_text().splitlines()]
@@ -392,9 +418,15 @@ def test_bad_config_exits_2_from_the_command_line(tmp_path: Path, args: list[str
     assert not run.exists(), "a bad config must not create the run folder"
 
 
-def test_dry_run_prints_the_plan_without_work(tmp_path: Path) -> None:
+def test_dry_run_prints_the_plan_without_work(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The entry point's `main` in this process (a dry run returns; the command line's exit statuses are
+    `test_bad_config_exits_2_from_the_command_line`'s and the launch scripts')."""
+    from megatron_omni import train
+    from tests.e2e.in_process import call_main
+
+    monkeypatch.chdir(ROOT)
     run = tmp_path / "dry"
-    proc = _train(run, "--dry-run", timeout=300)
+    proc = call_main(train.main, ["--set", f"run_dir={run}", *SHORT, "--dry-run"], env=_env())
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "memory per GPU" in proc.stdout and "images/s/GPU" in proc.stdout
     assert not run.exists()
@@ -420,13 +452,10 @@ def test_bf16_distributed_optimizer_resumes_bit_identically(tmp_path: Path) -> N
     a run resumed from its step-2 checkpoint ends at the uninterrupted run's weights and optimizer state."""
     args = ["--set", "checkpoint.every=1", "--set", "checkpoint.keep=5", "--set", "optim.distributed_optimizer=true",
             *BF16]
-    ref = tmp_path / "uninterrupted"
-    proc = _train(ref, "--set", "steps=3", *args, nproc=2)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    run = tmp_path / "resumed"
-    (run / "checkpoints").mkdir(parents=True)
-    shutil.copytree(ref / "checkpoints" / "step_000002", run / "checkpoints" / "step_000002")
-    proc = _train(run, "--set", "steps=3", *args, "--resume", "auto", nproc=2)
+    ref, run = tmp_path / "uninterrupted", tmp_path / "resumed"
+    # The resume starts from a copy of the step-2 checkpoint while the uninterrupted run does its step 3.
+    done, proc = _resumed_beside(ref, run, 2, "--set", "steps=3", *args, nproc=2)
+    assert done.returncode == 0, done.stderr[-3000:]
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "resumed from" in proc.stdout + proc.stderr
     a, b = _final_state(ref, 3), _final_state(run, 3)
