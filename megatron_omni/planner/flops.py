@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from megatron_omni.models.lora import matches_any
+from megatron_omni.models.patterns import matches_any
 from megatron_omni.planner.arch import DiTArch, arch_of
 from megatron_omni.planner.memory import lora_linears
 

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from megatron_omni.models.lora import matches_any, unmatched_targets
+from megatron_omni.models.patterns import matches_any, unmatched_targets
 from megatron_omni.planner.arch import DiTArch, arch_of
 
 _COLUMN = ("adaln.", "linear_qkv.", "linear_fc1.")

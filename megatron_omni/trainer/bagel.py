@@ -68,7 +68,7 @@ def lora_targets(cfg: JobConfig, bcfg: dict[str, Any]) -> list[str]:
     """The parallel linears (global names) `model.lora` adapts: its patterns (default `BAGEL_LORA_TARGETS`) over
     the model's linears. Raises ValueError naming a pattern that matches none, or a linear outside the
     generation expert (the understanding expert's pass runs without autograd: an adapter there would not train)."""
-    from megatron_omni.models.lora import matches_any, unmatched_targets
+    from megatron_omni.models.patterns import matches_any, unmatched_targets
     from model_providers.bagel.provider import megatron_shapes
 
     patterns = list(BAGEL_LORA_TARGETS) if cfg.model.lora.targets is None else list(cfg.model.lora.targets)
