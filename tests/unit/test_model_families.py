@@ -80,6 +80,9 @@ def test_families_load_lazily_only_the_one_asked_for() -> None:
     # a bundle names its Megatron model class (ModelFamily.megatron_module) and its provider imports it when it
     # builds one: looking a family up, as a launch script's `--check` does, never pays megatron-core's import
     assert "megatron.core" not in sys.modules
+    # nor do the stops before a model exists: --check's run folder and file checks, --dry-run's planner
+    import megatron_omni.trainer.config_checks, megatron_omni.trainer.dry_run, megatron_omni.trainer.run_folder
+    assert "megatron.core" not in sys.modules
     """
     root = Path(__file__).resolve().parents[2]
     proc = subprocess.run([sys.executable, "-W", "ignore", "-c", script], cwd=root, capture_output=True, text=True,
