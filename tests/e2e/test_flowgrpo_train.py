@@ -108,6 +108,16 @@ def _assert_same_state(a: dict, b: dict) -> None:
                 assert torch.equal(t, b["optimizer"]["state"][pid][name]), f"optimizer state {pid}.{name} differs"
 
 
+def _wait_for_checkpoint(proc: subprocess.Popen, run: Path, step: int) -> Path:
+    """Wait (up to 10 minutes) until the running `proc`'s step-`step` checkpoint in `run` is complete or `proc` has
+    ended; returns the checkpoint's COMPLETE marker (which exists only in the first case)."""
+    marker = run / "checkpoints" / f"step_{step:06d}" / "COMPLETE"
+    deadline = time.monotonic() + 600
+    while not marker.exists() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return marker
+
+
 def _kill_after_checkpoint(run: Path, step: int, *args: str) -> None:
     """Start a run and SIGKILL it as soon as its step-`step` checkpoint is complete."""
     cmd = [sys.executable, "-m", "megatron_omni.train", "--set", f"run_dir={run}", *SHORT, *args]
@@ -115,11 +125,8 @@ def _kill_after_checkpoint(run: Path, step: int, *args: str) -> None:
     # a node is lost, and none is left behind idle.
     proc = subprocess.Popen(cmd, cwd=ROOT, env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                             start_new_session=True)
-    marker = run / "checkpoints" / f"step_{step:06d}" / "COMPLETE"
-    deadline = time.monotonic() + 600
     try:
-        while not marker.exists() and proc.poll() is None and time.monotonic() < deadline:
-            time.sleep(0.05)
+        marker = _wait_for_checkpoint(proc, run, step)
     finally:  # also when the wait fails: nothing of the run may outlive the test
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)
@@ -159,10 +166,7 @@ def _copy_checkpoint_when_complete(source: _Background, ref: Path, run: Path, at
     """Wait until the running `source` (into `ref`) has completed its step-`at` checkpoint, then copy that checkpoint
     alone into `run`: what a run killed after it leaves to resume from (its later records are dropped on resume,
     `test_sigkill_and_resume_is_bit_identical`)."""
-    marker = ref / "checkpoints" / f"step_{at:06d}" / "COMPLETE"
-    deadline = time.monotonic() + 600
-    while not marker.exists() and source.proc.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.05)
+    marker = _wait_for_checkpoint(source.proc, ref, at)
     if not marker.exists():
         proc = source.result()
         pytest.fail(f"the run never reached its step-{at} checkpoint: rc {proc.returncode}\n{proc.stderr[-3000:]}")
