@@ -19,6 +19,7 @@ import sys
 import threading
 from typing import NoReturn
 
+from megatron_omni.parallel.job_report import global_rank, report_on_rank0
 from megatron_omni.trainer.config import ConfigError, apply_overrides, load_recipe
 
 
@@ -50,14 +51,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def _is_rank0() -> bool:
     """Whether this process prints job-wide messages: torchrun's global rank 0 (RANK), or a lone process."""
-    return int(os.environ.get("RANK", os.environ.get("LOCAL_RANK", "0"))) == 0
+    return global_rank() == 0
 
 
 def _config_error(exc: Exception) -> int:
-    """One line on rank 0 only (every rank validates the same config and exits 2 at once, before the process
-    group exists, so no rank waits on another)."""
-    if _is_rank0():
-        print(f"config error: {exc}", file=sys.stderr, flush=True)
+    """One line on rank 0 only: every rank validates the same config and exits 2, before the process group
+    exists; under torchrun the other ranks leave only once rank 0 has printed (`report_on_rank0`: torchrun kills
+    the job's other workers when the first exits)."""
+    report_on_rank0(f"config error: {exc}")
     return 2
 
 
