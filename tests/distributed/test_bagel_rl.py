@@ -32,6 +32,9 @@ PP_TOL = 1e-5  # pp 2 against pp 1 (tp 2), relative: loss and grad norm (measure
 # 5.6e-4: Adam's normalisation amplifies the fp32 rounding of near-zero gradient entries
 PP_WEIGHT_TOL = 2e-3
 PP_EMA_TOL = 5e-4  # the EMA (decay 0.9) of those weights, pp 2 against pp 1: measured 1.1e-4
+# pp 2 (or cp 2) against pp 1 after the first update: the reward mean (-kB of JPEG; measured 1e-3 on an AVX2 CPU,
+# 0 on AVX-512) and the loss and grad norm (`_close`: absolute below 1; measured 1.7e-5 of a 0.062 grad norm on AVX2)
+PP_LATER_REWARD, PP_LATER_TOL = 5e-3, 2e-4
 PP_LORA_TOL = 1e-4  # LoRA adapters after 2 updates (lr 2e-2), pp 2 against tp 2: measured 8.1e-6
 
 
@@ -428,10 +431,16 @@ def _equal_to_pp1(out: dict, name: str) -> tuple[dict, dict]:
     print({k: [{m: h[m] for m in ("reward_mean", "policy_loss", "kl_loss", "grad_norm", "train_rollout_dlogp_max")}
                for h in v] for k, v in hist.items()})
     assert len(hist[name]) == len(hist["pp1"]) == PP_STEPS
-    for a, b in zip(hist[name], hist["pp1"], strict=True):
-        assert a["reward_mean"] == b["reward_mean"] and a["grad_norm"] > 0, (a, b)
+    # step 1 rolls out the same initial weights at both layouts: the same rewards, exactly. Later steps roll out
+    # weights that differ by Adam's amplified fp32 rounding (`PP_WEIGHT_TOL`), so a pixel can round the other way and
+    # the JPEG reward move by a byte: `PP_LATER_*`
+    for step, (a, b) in enumerate(zip(hist[name], hist["pp1"], strict=True)):
+        first = step == 0
+        assert a["grad_norm"] > 0, (a, b)
+        assert (a["reward_mean"] == b["reward_mean"] if first
+                else abs(a["reward_mean"] - b["reward_mean"]) <= PP_LATER_REWARD), (a, b)
         for key in ("policy_loss", "grad_norm"):
-            assert _close(a[key], b[key]), (key, a, b)
+            assert _close(a[key], b[key], PP_TOL if first else PP_LATER_TOL), (key, a, b)
         assert a["train_rollout_dlogp_max"] < FP32_TOL and b["train_rollout_dlogp_max"] < FP32_TOL, (a, b)
     # the KL against the initial copy: 0 before the first update, then > 0 and the same at both layouts (relative:
     # measured 3.5e-6 of 2.7e-3 at pp 2)
