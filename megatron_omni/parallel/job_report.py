@@ -15,6 +15,10 @@ import datetime
 import os
 import sys
 from collections.abc import Mapping
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch.distributed as dist
 
 REPORTED_KEY = "megatron_omni/rank0_reported"
 
@@ -24,7 +28,7 @@ def global_rank(env: Mapping[str, str] = os.environ) -> int:
     return int(env.get("RANK", env.get("LOCAL_RANK", "0")))
 
 
-def _agent_store(env: Mapping[str, str], timeout_s: float):
+def _agent_store(env: Mapping[str, str], timeout_s: float) -> dist.TCPStore | None:
     """A client of torchrun's agent store, or None (no agent store in this job, or it cannot be reached)."""
     if env.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or "MASTER_PORT" not in env:
         return None
@@ -47,7 +51,10 @@ def report_on_rank0(line: str, *, wait_s: float = 30.0, env: Mapping[str, str] =
         print(line, file=sys.stderr, flush=True)
         store = _agent_store(env, wait_s)
         if store is not None:
-            store.set(key, "1")
+            try:
+                store.set(key, "1")
+            except RuntimeError:  # the agent went away meanwhile: the others' bounded wait ends on its own
+                pass
         return
     store = _agent_store(env, wait_s)
     if store is None:
