@@ -146,6 +146,8 @@ def _fp8(folder: str, family: str, fam, hf_cfg: dict, trainer, merged, weights: 
     quantized there, one layer-wise reload); the probe against the trainer's, the FP8 engine against the
     fake-quantized diffusers engine and the unquantized one holding the same weights, and the trainer's log-probs
     of its rollout."""
+    from vllm.model_executor.layers.linear import RowParallelLinear
+
     from megatron_omni.algorithms.transition import recompute_log_probs
     from megatron_omni.bridge import WeightSync
     from megatron_omni.bridge.family_sync import family_plans
@@ -154,7 +156,6 @@ def _fp8(folder: str, family: str, fam, hf_cfg: dict, trainer, merged, weights: 
     from megatron_omni.rollout.quantization import QuantizationSpec, probe_relative_tolerance
     from megatron_omni.rollout.registry import EngineSettings, build_engine
     from megatron_omni.rollout.vllm_omni.fp8 import check_quantized_names, fp8_layers
-    from vllm.model_executor.layers.linear import RowParallelLinear
 
     spec = QuantizationSpec("fp8", tuple(fam.quantized_linears))
     traits = fam.traits
@@ -199,21 +200,23 @@ def _fp8(folder: str, family: str, fam, hf_cfg: dict, trainer, merged, weights: 
         traj = engine.generate(PROMPTS, cfg, seeds=[7, 8])
         fields = ("latents", "next_latents", "log_probs", "final_latents", "images")
         # each step of the FP8 engine's own trajectory, teacher-forced: its transition means against those of the
-        # fake-quantized and the unquantized engines at the same inputs
+        # fake-quantized and the unquantized engines at the same inputs (the fake-quantized engine's `probe`, with
+        # its log-probs of those transitions kept for `fake_gap`)
         means = engine.probe(traj)
-        for name, other in (("vs_fake", fake), ("vs_unquantized", ref)):
+        with torch.no_grad():
+            faked = recompute_log_probs(traj, fake.velocity_model, dtype=fake.dtype, return_means=True)
+        for name, other, theirs_means in (("vs_fake", fake, faked.means), ("vs_unquantized", ref, ref.probe(traj))):
             theirs = other.generate(PROMPTS, cfg, seeds=[7, 8])
             out[name] = {f: float((getattr(traj, f) - getattr(theirs, f)).abs().max()) for f in fields}
-            out[name]["step_means"] = float((means - other.probe(traj)).abs().max())
+            out[name]["step_means"] = float((means - theirs_means).abs().max())
     finally:
         engine.close()
     with torch.no_grad():  # the trainer/rollout gap: the trainer's log-probs of the FP8 engine's transitions
         gap = (recompute_log_probs(traj, DiffusersForward(trainer)).log_probs - traj.log_probs).abs()
-        # and the fake-quantized engine's: the FP8 engine sampled (CFG and the SDE included) as it would have
-        # (measured 1.2e-7 for both families, against the unquantized trainer's 7.5e-4 and 6.7e-5)
-        fake_gap = recompute_log_probs(traj, fake.velocity_model, dtype=fake.dtype).log_probs - traj.log_probs
     out["gap"] = (float(gap.mean()), float(gap.max()))
-    out["fake_gap"] = float(fake_gap.abs().max())
+    # and the fake-quantized engine's: the FP8 engine sampled (CFG and the SDE included) as it would have (measured
+    # 1.2e-7 for both families, against the unquantized trainer's 7.5e-4 and 6.7e-5)
+    out["fake_gap"] = float((faked.log_probs - traj.log_probs).abs().max())
     return out
 
 
@@ -425,9 +428,10 @@ FP8_ROW_PARALLEL = {"sd3": 10, "flux": 0}
 def test_fp8_rollout_on_vllm_omni(results: list[dict], family: str, tp: int) -> None:
     for r in results:
         f = r["fp8"][tp]
-        print(f"{family} vllm-omni FP8 tp={tp} ({f['fp8_layers']} FP8 linears, {r['fp8_s'][tp]:.1f} s): probe quantizer "
-              f"move {f['probe'][0]:.2e} (bound {f['probe'][1]:.2e}), vs fake quantization {f['probe_vs_fake']:.1e}; "
-              f"unquantized view vs trainer {f['unquantized_view']:.1e}; rollout vs fake-quantized engine",
+        print(f"{family} vllm-omni FP8 tp={tp} ({f['fp8_layers']} FP8 linears, {r['fp8_s'][tp]:.1f} s): probe "
+              f"quantizer move {f['probe'][0]:.2e} (bound {f['probe'][1]:.2e}), vs fake quantization "
+              f"{f['probe_vs_fake']:.1e}; unquantized view vs trainer {f['unquantized_view']:.1e}; rollout vs "
+              "fake-quantized engine",
               {k: f"{v:.1e}" for k, v in f["vs_fake"].items()}, "vs unquantized",
               {k: f"{v:.1e}" for k, v in f["vs_unquantized"].items()},
               f"trainer/rollout log-prob gap mean {f['gap'][0]:.1e} max {f['gap'][1]:.1e}, fake-quantized/rollout max "
