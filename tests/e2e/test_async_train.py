@@ -12,7 +12,6 @@ import re
 import shutil
 import signal
 import subprocess
-import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -20,11 +19,12 @@ from pathlib import Path
 import pytest
 
 from megatron_omni.parallel.rank_pool import free_port
+from tests.e2e import zygote
 from tests.e2e.test_flowgrpo_train import (
     ROOT,
-    SHORT,
     _assert_same_state,
     _Background,
+    _command,
     _env,
     _final_state,
     _rewards,
@@ -49,7 +49,7 @@ def _start_ranks(run: Path, *args: str, world: int = 2,
     """The ranks of a job started as torchrun starts them (env://), each in its own session (killed whole by the
     caller); `rank_env`: more variables for some ranks."""
     port = free_port()
-    cmd = [sys.executable, "-m", "megatron_omni.train", "--set", f"run_dir={run}", *SHORT, *args]
+    cmd = _command(run, *args)
     procs = []
     for rank in range(world):
         env = {**_env(), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank),
@@ -393,7 +393,7 @@ def test_vllm_omni_rollout_ranks_learn_report_engine_failure_and_resume_equal(tm
             while not marker.exists():
                 assert all(q.poll() is None for q in procs) and time.monotonic() < deadline, "no step-2 checkpoint"
                 time.sleep(0.02)
-            engine = _engine_processes(rollout.pid)
+            engine = _engine_processes(zygote.real_pid(rollout.pid))
             assert engine, "the rollout rank runs no engine process"
             for q in engine:
                 q.kill()

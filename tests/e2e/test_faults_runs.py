@@ -12,7 +12,6 @@ import os
 import shutil
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -26,6 +25,7 @@ from tests.e2e.test_flowgrpo_train import (
     SHORT,
     _assert_same_state,
     _Background,
+    _command,
     _env,
     _final_state,
     _rewards,
@@ -101,9 +101,8 @@ def test_overwrite_and_auto_or_new_start_one_new_run(first_run: Path, tmp_path: 
 
 
 def _start(run: Path, *args: str, env: dict[str, str] | None = None) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "megatron_omni.train", "--set", f"run_dir={run}", *SHORT, *args]
-    return subprocess.Popen(cmd, cwd=ROOT, env=env or _env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, start_new_session=True)
+    return subprocess.Popen(_command(run, *args), cwd=ROOT, env=env or _env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
 
 
 def _wait_for(path: Path, proc: subprocess.Popen, timeout: float = 600) -> None:
@@ -172,12 +171,9 @@ def test_sigterm_to_one_torchrun_rank_stops_every_rank_after_the_same_step(tmp_p
     import psutil
 
     from megatron_omni.checkpoint import manifest
-    from megatron_omni.parallel.rank_pool import free_port
 
     run = tmp_path / "tp2"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()),
-           "-m", "megatron_omni.train", "--set", f"run_dir={run}", *SHORT, "--set", "steps=16",
-           "--set", "parallel.tp=2", "--set", "checkpoint.every=0"]
+    cmd = _command(run, "--set", "steps=16", "--set", "parallel.tp=2", "--set", "checkpoint.every=0", nproc=2)
     proc = subprocess.Popen(cmd, cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)
     _wait_for(run / "metrics.jsonl", proc)

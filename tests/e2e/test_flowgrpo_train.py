@@ -10,7 +10,6 @@ import os
 import shutil
 import signal
 import subprocess
-import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -20,6 +19,7 @@ import pytest
 import torch
 
 from megatron_omni.parallel.rank_pool import free_port
+from tests.e2e import zygote
 
 ROOT = Path(__file__).resolve().parents[2]
 # A short run of the demo recipe: 4 prompts x 4 samples, 6 sampling steps, window 2.
@@ -34,11 +34,10 @@ def _env() -> dict[str, str]:
 
 
 def _command(run_dir: Path, *args: str, nproc: int = 1) -> list[str]:
-    base = [sys.executable, "-m", "megatron_omni.train", "--set", f"run_dir={run_dir}", *SHORT, *args]
-    if nproc > 1:
-        base = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
-                "--master-port", str(free_port()), "-m", "megatron_omni.train", *base[3:]]
-    return base
+    """`python -m megatron_omni.train` (through torchrun for `nproc` > 1), each rank forked from this worker's
+    zygote (tests/e2e/zygote: the same rank without its interpreter's imports)."""
+    rank = [*zygote.python_m("megatron_omni.train"), "--set", f"run_dir={run_dir}", *SHORT, *args]
+    return rank if nproc == 1 else zygote.torchrun(nproc, free_port(), rank)
 
 
 def _train(run_dir: Path, *args: str, nproc: int = 1, timeout: float = 900) -> subprocess.CompletedProcess:
@@ -120,7 +119,7 @@ def _wait_for_checkpoint(proc: subprocess.Popen, run: Path, step: int) -> Path:
 
 def _kill_after_checkpoint(run: Path, step: int, *args: str) -> None:
     """Start a run and SIGKILL it as soon as its step-`step` checkpoint is complete."""
-    cmd = [sys.executable, "-m", "megatron_omni.train", "--set", f"run_dir={run}", *SHORT, *args]
+    cmd = _command(run, *args)
     # Its own process group, killed whole below: the trainer and its helper processes die together, as when
     # a node is lost, and none is left behind idle.
     proc = subprocess.Popen(cmd, cwd=ROOT, env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,

@@ -16,7 +16,6 @@ import os
 import re
 import signal
 import subprocess
-import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -27,9 +26,9 @@ import pytest
 
 from tests.e2e.test_flowgrpo_train import (
     ROOT,
-    SHORT,
     _assert_same_state,
     _Background,
+    _command,
     _env,
     _final_state,
     _rewards,
@@ -77,9 +76,8 @@ def _kill_worker_after_checkpoint(run: Path, step: int, *args: str) -> tuple[int
     """Start a one-rank run, read its engine worker's pid from the trainer's start-up line and SIGKILL that worker
     once the step-`step` checkpoint is complete; returns (worker pid, exit code, stderr, seconds from the kill to
     the exit)."""
-    cmd = [sys.executable, "-m", "megatron_omni.train", "--set", f"run_dir={run}", *SHORT, *args]
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
+    proc = subprocess.Popen(_command(run, *args), cwd=ROOT, env=_env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
         pid = None
         for line in proc.stdout:

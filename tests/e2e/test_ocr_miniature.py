@@ -9,12 +9,12 @@ import json
 import math
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from megatron_omni.reward.launcher import RewardServerProcess
+from tests.e2e import zygote
 
 ROOT = Path(__file__).resolve().parents[2]
 PIPELINE = ROOT / "examples" / "tiny" / "text_pipeline"
@@ -75,7 +75,7 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> dict:
         overrides = [f"run_dir={run_dir}", f"reward.url={srv.url}", "logging.tensorboard=false",
                      f"seed={SEED}", f"steps={STEPS}", "eval.seeds_per_prompt=2", "eval.transfer_prompts=[]",
                      "checkpoint.every=0"]
-        argv = [sys.executable, "-m", "megatron_omni.train", "--recipe", RECIPE]
+        argv = [*zygote.python_m("megatron_omni.train"), "--recipe", RECIPE]
         proc = subprocess.run(argv + [a for o in overrides for a in ("--set", o)], cwd=ROOT, env=env,
                               capture_output=True, text=True, timeout=1500)
         url = srv.url

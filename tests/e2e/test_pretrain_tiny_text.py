@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from megatron_omni.parallel.rank_pool import free_port
+from tests.e2e import zygote
 from tests.e2e.in_process import call_main
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -31,11 +32,9 @@ def _env() -> dict[str, str]:
 
 
 def _command(out: Path, *args: str, nproc: int = 1) -> list[str]:
-    cmd = [sys.executable, TOOL, "--out", str(out), *SHORT, *args]
-    if nproc > 1:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-port",
-               str(free_port()), *cmd[1:]]
-    return cmd
+    """The tool (through torchrun for `nproc` > 1), each rank forked from this worker's zygote (tests/e2e/zygote)."""
+    cmd = [*zygote.python_script(TOOL), "--out", str(out), *SHORT, *args]
+    return cmd if nproc == 1 else zygote.torchrun(nproc, free_port(), cmd)
 
 
 def _pretrain_at_once(*runs: tuple[Path, list[str], int]) -> None:
@@ -173,7 +172,7 @@ def trained(built: Path, pixel_started: tuple, tmp_path_factory) -> dict:
     out, log = root / "interrupted", root / "stderr.txt"
     args = [*SHORT, "--max-steps", "100000", *TRAIN_TEXT, "--vae-from", str(built)]
     with log.open("w") as err:
-        proc = subprocess.Popen([sys.executable, TOOL, "--out", str(out), *args], cwd=ROOT,
+        proc = subprocess.Popen([*zygote.python_script(TOOL), "--out", str(out), *args], cwd=ROOT,
                                 env={**_env(), "PYTHONUNBUFFERED": "1"},
                                 stdout=subprocess.PIPE, stderr=err, text=True)
         try:

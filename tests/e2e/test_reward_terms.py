@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -17,6 +16,7 @@ import pytest
 from megatron_omni.reward.errors import RewardServiceError
 from megatron_omni.reward.launcher import RewardServerProcess
 from megatron_omni.trainer.rewards import RewardPreflightError, preflight
+from tests.e2e import zygote
 from tests.unit.reward_models import save_clip_folder
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -36,7 +36,7 @@ def _server(folder: str, reward: str = SPEC) -> RewardServerProcess:
 
 
 def _train(run_dir: Path, url: str, *extra: str) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "megatron_omni.train", "--recipe", "examples.tiny.recipe:ocr_demo",
+    cmd = [*zygote.python_m("megatron_omni.train"), "--recipe", "examples.tiny.recipe:ocr_demo",
            "--set", f"run_dir={run_dir}", "--set", "steps=2", "--set", "rollout.prompts_per_step=2",
            "--set", "rollout.group_size=2", "--set", "checkpoint.every=0", "--set", "logging.image_every=0",
            "--set", f"reward.url={url}", "--set", f"reward.scorer={SPEC}", *extra]
