@@ -217,10 +217,10 @@ def test_swap_without_tearing_and_bit_identical_regeneration(tiny_pipeline: str)
 
 
 # ------------------------------------------------------------------------------------------ liveness
-def _collect_until_lost(client: RolloutClient, step: int) -> dict:
-    """Collect `step` expecting `RolloutRankLost`: its message, rank, step and the seconds until it was raised
-    ({"error": None} when the step came back instead)."""
-    t0 = time.monotonic()
+def _collect_until_lost(client: RolloutClient, step: int, t0: float | None = None) -> dict:
+    """Collect `step` expecting `RolloutRankLost`: its message, rank, step and the seconds until it was raised,
+    counted from `t0` (default: now) ({"error": None} when the step came back instead)."""
+    t0 = time.monotonic() if t0 is None else t0
     try:
         client.collect(step)
         return {"error": None}
@@ -258,9 +258,10 @@ def _rollout_fault(rank: int, world_size: int, pipeline: str, fault: str, report
             return {"rollout_error": type(e).__name__}
         return {"rollout_error": None}
     client = RolloutClient(pair.groups, STALL_SETTINGS if fault == "stall" else FAULT_SETTINGS)
-    if fault == "stall":
+    if fault == "stall":  # the stall clock starts with the request: a loaded machine may reach collect() late
+        sent = time.monotonic()
         client.request(0, 0, rows, seeds, PARAMS)
-        out = _collect_until_lost(client, 0)
+        out = _collect_until_lost(client, 0, sent)
         client.abandon()
         return out
     if fault in ("error", "sender"):  # the engine refuses the request (texts longer than text_length), or the

@@ -36,13 +36,24 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
 FAULT_STEPS = ["--set", "steps=4", "--set", "checkpoint.every=2", "--set", "checkpoint.keep=5"]
 
 
+# LD_PRELOAD as this process started (conftest is imported before any test runs).
+_STARTED_LD_PRELOAD = os.environ.get("LD_PRELOAD")
+
+
 @pytest.fixture(scope="module", autouse=True)
 def no_inherited_rendezvous() -> None:
     """Drop MASTER_ADDR / MASTER_PORT from this process before each e2e module: tests/distributed runs first and
     leaves them set here (the whole suite shows it, a module alone does not), and a one-rank run that inherits
     MASTER_PORT binds that port instead of a free one, so two runs a test overlaps fail with EADDRINUSE. Tests
-    that need a rendezvous set their own."""
+    that need a rendezvous set their own. LD_PRELOAD too goes back to what this process started with: a test
+    that configured a vLLM engine in this process had vLLM's CPU platform add tcmalloc and torch's libgomp to it,
+    and every run an e2e test started afterwards inherited them (a user's shell does not set them; vLLM sets them
+    in the rank that starts an engine, for its workers), and those runs could not fork from the zygote."""
     _drop_rendezvous()
+    if _STARTED_LD_PRELOAD is None:
+        os.environ.pop("LD_PRELOAD", None)
+    else:
+        os.environ["LD_PRELOAD"] = _STARTED_LD_PRELOAD
 
 
 def _drop_rendezvous() -> None:

@@ -9,6 +9,11 @@ What differs from a fresh interpreter, and how the suite keeps it honest:
 - every rank of a job shares the server's string-hash seed (PYTHONHASHSEED): an order of a set of strings that
   differs between ranks would show in the runs tests/distributed spawns and the launch-script tests (plain
   interpreters), not here;
+- numpy's global generator is reseeded in each rank (a fresh interpreter seeds it from the OS), and the variables
+  the preloaded imports set (cv2's LD_LIBRARY_PATH, say) are set in the rank's environment as its imports would;
+- vLLM and vLLM-Omni are not preloaded (vLLM reads its logging config from the environment at import, and
+  vLLM-Omni patches libraries when imported): a rank that uses them imports them itself, and an engine's worker
+  processes are spawned plain as vLLM-Omni spawns them;
 - a request whose start-up environment differs (PYTHONPATH with a fault-injection sitecustomize, say) runs in a
   plain interpreter, as does every command when MEGATRON_OMNI_TEST_ZYGOTE=0 is set."""
 
