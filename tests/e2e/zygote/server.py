@@ -17,7 +17,6 @@ import socket
 import struct
 import sys
 import threading
-import time
 
 # What a tiny run of each family imports (torch, megatron-core, diffusers' models and loaders, transformers, the
 # reward client, matplotlib for the reward curve). Not vLLM or vLLM-Omni: vLLM configures its logging from the
@@ -214,7 +213,6 @@ def serve(path: str, preload: tuple[str, ...] = PRELOAD) -> None:
             finally:
                 for fd in fds:  # the server keeps no copy of a rank's pipes: the test's reads must see EOF
                     os.close(fd)
-    time.sleep(0)
 
 
 if __name__ == "__main__":
