@@ -1,11 +1,10 @@
 """The zygote client: `python -S client.py -m MODULE ARGS` behaves as `python -m MODULE ARGS` would (`client.py
-SCRIPT.py ARGS` as `python SCRIPT.py ARGS`), with the rank
-forked by the zygote server (server.py) from an interpreter that has imported torch, megatron-core and diffusers
-already. This process passes its stdio, working directory and environment, forwards every signal a test or
-torchrun sends it (SIGTERM, SIGINT, ...) to the rank, exits with the rank's status (a signal's death as that signal)
-and, killed itself (SIGKILL included), takes the rank with it: the rank's watch thread reads this process's end of
-a pipe. Without a server (or one that answers "exec") it becomes the plain interpreter (`os.execv`). Standard
-library only: it starts in milliseconds."""
+SCRIPT.py ARGS` as `python SCRIPT.py ARGS`), with the rank forked by the zygote server (server.py) from an
+interpreter that has imported torch, megatron-core and diffusers already. This process passes its stdio, working
+directory and environment, forwards every signal a test or torchrun sends it (SIGTERM, SIGINT, ...) to the rank,
+exits with the rank's status (a signal's death as that signal) and, killed itself (SIGKILL included), takes the rank
+with it: the rank's watch thread reads this process's end of a pipe. Without a server (or one that answers "exec")
+it becomes the plain interpreter (`os.execv`). Standard library only: it starts in milliseconds."""
 
 from __future__ import annotations
 
@@ -50,13 +49,7 @@ def main(argv: list[str]) -> None:
             f.write(str(child))
     for sig in FORWARDED:
         signal.signal(sig, lambda n, _frame: os.kill(child, n))
-    line = ""
-    while not line:
-        try:
-            line = replies.readline()
-            break
-        except InterruptedError:
-            continue
+    line = replies.readline()  # a forwarded signal interrupts the read; Python retries it (PEP 475)
     if not line:
         print(f"zygote client: the server closed before rank {child} exited", file=sys.stderr, flush=True)
         os._exit(1)
