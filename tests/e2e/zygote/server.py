@@ -38,6 +38,11 @@ def startup_environment(env: dict[str, str]) -> dict[str, str]:
     return {k: v for k, v in env.items() if k.startswith(STARTUP_VARIABLES) and not k.startswith(IGNORED)}
 
 
+def _reply(conn: socket.socket, message: dict) -> None:
+    """One line of JSON to a client (server.py's only message format)."""
+    conn.sendall((json.dumps(message) + "\n").encode())
+
+
 def _recv_exactly(conn: socket.socket, n: int) -> bytes:
     data = b""
     while len(data) < n:
@@ -173,7 +178,7 @@ def serve(path: str, preload: tuple[str, ...] = PRELOAD) -> None:
                 conn = clients.pop(pid, None)
                 if conn is not None:
                     try:
-                        conn.sendall((json.dumps({"exit": os.waitstatus_to_exitcode(status)}) + "\n").encode())
+                        _reply(conn, {"exit": os.waitstatus_to_exitcode(status)})
                     except OSError:
                         pass
                     conn.close()
@@ -185,13 +190,14 @@ def serve(path: str, preload: tuple[str, ...] = PRELOAD) -> None:
                 header, fds, _, _ = socket.recv_fds(conn, 8, 4)
                 request = json.loads(_recv_exactly(conn, struct.unpack("!Q", header)[0]))
                 asked = startup_environment(request["env"])
-                differs = sorted(k for k in {*asked, *expected} if asked.get(k) not in
-                                 (expected.get(k), imported.get(k, (None, expected.get(k)))[1]))
+                # each value as the server had it before its imports, or as they left it
+                accepted = {k: {expected.get(k), imported[k][1] if k in imported else expected.get(k)}
+                            for k in {*asked, *expected}}
+                differs = sorted(k for k, values in accepted.items() if asked.get(k) not in values)
                 if differs or len(fds) != 4:
                     print(f"zygote: plain interpreter for {request['argv'][1:3]}: {differs}", file=sys.stderr,
                           flush=True)
-                    conn.sendall((json.dumps({"exec": f"startup environment differs: {differs[:3]}"}) + "\n")
-                                 .encode())
+                    _reply(conn, {"exec": f"startup environment differs: {differs[:3]}"})
                     conn.close()
                     continue
                 for stream in (sys.stdout, sys.stderr):
@@ -206,7 +212,7 @@ def serve(path: str, preload: tuple[str, ...] = PRELOAD) -> None:
                         other.close()
                     _child(request, fds, default_threads, imported)
                 clients[pid] = conn
-                conn.sendall((json.dumps({"pid": pid}) + "\n").encode())
+                _reply(conn, {"pid": pid})
             except (OSError, ValueError, ConnectionError) as exc:
                 print(f"zygote: a request failed: {exc!r}", file=sys.stderr, flush=True)
                 conn.close()
