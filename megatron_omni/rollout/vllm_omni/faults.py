@@ -25,7 +25,8 @@ class EngineStartError(RuntimeError):
 
 def worker_processes(omni: Any) -> list[Any]:
     """The worker processes (`multiprocessing.Process`, in worker-rank order) of a started `Omni` whose executor
-    spawns them (vLLM-Omni's `mp` executor and ours); [] where the workers run in this process (`uni`, inline)."""
+    starts them (vLLM-Omni's `mp` executor spawns them, ours forks them from a fork server); [] where the workers
+    run in this process (`uni`, inline)."""
     procs: list[Any] = []
     for client in getattr(getattr(omni, "engine", None), "stage_clients", None) or []:
         executor = getattr(getattr(client, "_engine", None), "executor", None)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import importlib
 import importlib.machinery
 import importlib.util
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -70,9 +71,29 @@ def bare_wan_package() -> None:
     sys.modules[name] = importlib.util.module_from_spec(spec)
 
 
-def cpu_worker_main(*args: Any, **kwargs: Any) -> None:
-    """The `mp` executor's worker process entry (`cpu_worker.CpuMultiprocExecutor`): the import shims first, then
-    vLLM-Omni's `WorkerProc.worker_main` with `cpu_worker.CpuWorkerProc` as its worker process class."""
+def release_fork_server() -> None:
+    """Let this forked process's fork server exit with the process that launched it. multiprocessing hands every
+    child of the server the write end of the server's "alive" pipe (the server leaves when no process holds it),
+    so a worker would keep its server up after its launcher died, and the server, its parent, would keep the
+    worker's death signal (SIGTERM when the parent exits, vLLM-Omni's `set_death_signal`) from ever firing: both
+    outlived a killed rank (and held its stdout open) until this closed it. A worker starts no processes of its
+    own through the server. No-op in a process the server did not start."""
+    from multiprocessing import forkserver
+
+    server = forkserver._forkserver
+    if server._forkserver_alive_fd is not None and server.get_inherited_fds() is not None:
+        os.close(server._forkserver_alive_fd)
+        server._forkserver_alive_fd = None
+
+
+def cpu_worker_main(environment: dict[str, str], *args: Any, **kwargs: Any) -> None:
+    """The `mp` executor's worker process entry (`cpu_worker.CpuMultiprocExecutor`): the environment of the process
+    that launched it (a forked worker would otherwise see its fork server's, frozen when that started), its fork
+    server released (`release_fork_server`), the import shims, then vLLM-Omni's `WorkerProc.worker_main` with
+    `cpu_worker.CpuWorkerProc` as its worker process class."""
+    os.environ.clear()
+    os.environ.update(environment)
+    release_fork_server()
     install_import_shims()
     from megatron_omni.rollout.vllm_omni import cpu_worker
 

@@ -13,7 +13,7 @@ What differs from a fresh interpreter, and how the suite keeps it honest:
   the preloaded imports set (cv2's LD_LIBRARY_PATH, say) are set in the rank's environment as its imports would;
 - vLLM and vLLM-Omni are not preloaded (vLLM reads its logging config from the environment at import, and
   vLLM-Omni patches libraries when imported): a rank that uses them imports them itself, and an engine's worker
-  processes are spawned plain as vLLM-Omni spawns them;
+  processes fork from the rank's own fork server as they do outside the suite (`cpu_worker.worker_context`);
 - a request whose start-up environment differs (PYTHONPATH with a fault-injection sitecustomize, say) runs in a
   plain interpreter, as does every command when MEGATRON_OMNI_TEST_ZYGOTE=0 is set."""
 
