@@ -10,6 +10,7 @@ import multiprocessing
 import multiprocessing.context
 import os
 import sys
+import types
 from typing import Any
 
 import torch
@@ -133,21 +134,16 @@ class _WorkerMultiprocessing:
         return getattr(self._context if name == "Process" else multiprocessing, name)
 
 
-class _Launch:
-    """Stands for `WorkerProc` while `CpuMultiprocExecutor` launches: the target is ours, with the environment of
-    this process at the launch (`start_omni` edits it around the engine's start)."""
-
-    worker_main: Any = None
-
-
 class CpuMultiprocExecutor(_mp_executor.MultiprocDiffusionExecutor):
     """vLLM-Omni's `mp` diffusion executor whose worker processes fork from `worker_context()` and start through
     `plugin.cpu_worker_main`."""
 
     def _launch_workers(self, broadcast_handle: Any, wake_events: list[Any]) -> Any:
         original = _mp_executor.WorkerProc, _mp_executor.mp
-        _Launch.worker_main = functools.partial(cpu_worker_main, dict(os.environ))
-        _mp_executor.WorkerProc, _mp_executor.mp = _Launch, _WorkerMultiprocessing(worker_context())
+        # stands for `WorkerProc` while this launches: the target is ours, with this process's environment now
+        # (`start_omni` edits it around the engine's start)
+        launch = types.SimpleNamespace(worker_main=functools.partial(cpu_worker_main, dict(os.environ)))
+        _mp_executor.WorkerProc, _mp_executor.mp = launch, _WorkerMultiprocessing(worker_context())
         try:
             return super()._launch_workers(broadcast_handle, wake_events)
         finally:
