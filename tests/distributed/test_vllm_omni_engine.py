@@ -20,6 +20,7 @@ import torch
 
 from megatron_omni.rollout.base import SamplingParams
 from model_providers.qwen_image.tiny_pipeline import make_tiny_pipeline
+from tests.processes import fork_servers
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -81,13 +82,6 @@ def _start_fork_server() -> None:
         del os.environ[SERVER_ONLY]
 
 
-def _fork_servers() -> list[int]:
-    """The pids of this process's multiprocessing fork servers."""
-    import psutil
-
-    return [c.pid for c in psutil.Process().children() if "multiprocessing.forkserver" in " ".join(c.cmdline())]
-
-
 def _max_diff(a, b) -> dict[str, float]:
     assert a.prompts == b.prompts and a.img_shape == b.img_shape
     for f in ("window_start", "seeds", "group_ids", "sigmas"):
@@ -123,7 +117,7 @@ def test_platform_holds_in_every_worker(engine) -> None:
             assert r["threads"] == (worker_threads(engine.tp) or int(os.environ["OMP_NUM_THREADS"])), r
             assert LAUNCH_ONLY in r["environment"] and SERVER_ONLY not in r["environment"], r
     if engine.tp > 1:
-        servers = _fork_servers()
+        servers = fork_servers(os.getpid())
         assert len(servers) == 1 and {r["parent_pid"] for r in reports} == {servers[0]}, (servers, reports)
 
 

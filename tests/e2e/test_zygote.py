@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from tests.e2e import zygote
+from tests.processes import alive
 
 SCRIPT = '''
 import os, signal, sys, time
@@ -64,14 +65,6 @@ def _ready(proc: subprocess.Popen) -> str:
     return out
 
 
-def _alive(pid: int) -> bool:
-    try:
-        status = Path(f"/proc/{pid}/stat").read_text().split()[2]
-    except OSError:
-        return False
-    return status != "Z"
-
-
 def test_a_forked_rank_has_the_requests_arguments_folder_environment_stdio_and_status(server, tmp_path) -> None:
     script, env = server
     proc = _start(script, {**env, "ZYGOTE_TEST_VAR": "request"}, "exit", "3", cwd=tmp_path)
@@ -107,13 +100,13 @@ def test_a_sigkilled_client_takes_its_rank_with_it(server, tmp_path) -> None:
     proc = _start(script, env, "sleep", cwd=tmp_path)
     _ready(proc)
     rank = zygote.real_pid(proc.pid)
-    assert rank != proc.pid and _alive(rank)
+    assert rank != proc.pid and alive(rank)
     os.killpg(proc.pid, signal.SIGKILL)
     proc.communicate(timeout=60)
     deadline = time.monotonic() + 10
-    while _alive(rank) and time.monotonic() < deadline:
+    while alive(rank) and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert not _alive(rank), f"rank {rank} outlived its SIGKILLed client"
+    assert not alive(rank), f"rank {rank} outlived its SIGKILLed client"
 
 
 def test_a_different_start_up_environment_runs_a_plain_interpreter(server, tmp_path) -> None:

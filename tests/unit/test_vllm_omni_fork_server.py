@@ -13,6 +13,8 @@ from pathlib import Path
 
 import psutil
 
+from tests.processes import alive, fork_servers
+
 LAUNCHER = '''
 import ctypes, multiprocessing, os, signal, sys, time
 from pathlib import Path
@@ -38,13 +40,6 @@ if __name__ == "__main__":
 '''
 
 
-def _alive(pid: int) -> bool:
-    try:
-        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return False
-
-
 def test_a_forked_worker_ends_with_the_process_that_launched_it(tmp_path: Path) -> None:
     """Released, the server and its child are gone within seconds of the launcher's SIGKILL; without the release
     (multiprocessing's default: every child of the server holds the server's "alive" pipe) both outlive it: the
@@ -60,8 +55,7 @@ def test_a_forked_worker_ends_with_the_process_that_launched_it(tmp_path: Path) 
         while len(started) < len(cases):
             for case, marker in cases.items():
                 if case not in started and marker.exists():
-                    servers = [c.pid for c in psutil.Process(launchers[case].pid).children()
-                               if "multiprocessing.forkserver" in " ".join(c.cmdline())]
+                    servers = fork_servers(launchers[case].pid)
                     child = int(marker.read_text())
                     assert len(servers) == 1 and psutil.Process(child).ppid() == servers[0], (case, servers, child)
                     started[case] = (servers[0], child)
@@ -71,15 +65,15 @@ def test_a_forked_worker_ends_with_the_process_that_launched_it(tmp_path: Path) 
             launcher.kill()
             launcher.wait()
         killed = time.monotonic()
-        while any(map(_alive, started["release"])) and time.monotonic() < killed + 15:
+        while any(map(alive, started["release"])) and time.monotonic() < killed + 15:
             time.sleep(0.05)
         gone = time.monotonic() - killed
         time.sleep(max(0.0, 2.0 - gone))  # the kept pair, 2 s on at least
-        alive = {case: tuple(map(_alive, pids)) for case, pids in started.items()}
+        running = {case: tuple(map(alive, pids)) for case, pids in started.items()}
         print(f"released pair gone {gone:.1f} s after the launchers' SIGKILL; (server, child) alive "
-              f"{time.monotonic() - killed:.1f} s after it: {alive}")
-        assert alive == {"release": (False, False), "keep": (True, True)}
+              f"{time.monotonic() - killed:.1f} s after it: {running}")
+        assert running == {"release": (False, False), "keep": (True, True)}
     finally:
         for pid in [*(q.pid for q in launchers.values()), *(p for pids in started.values() for p in pids)]:
-            if _alive(pid):
+            if alive(pid):
                 psutil.Process(pid).kill()
