@@ -3,16 +3,18 @@ tiny offline Wan pipeline built into the run folder, temporal-consistency reward
 `python -m megatron_omni.train`. The reward rises at TP=1 with true CFG (WanPipeline's guidance 5.0 and a negative
 prompt, in rollout, recompute and the held-out evaluation) on image-to-video in Wan2.2-TI2V-5B's layout (the tiny
 folder of that layout, image-record prompts: each clip's first latent frame its image), at CP=2 (Ulysses,
-torchrun, no CFG, text-to-video) and on the vLLM-Omni engine (CFG, text-to-video); the run folder holds the sample
-videos (GIF, MP4) beside the first-frame PNG grids, and a SIGKILLed image-to-video CFG run resumes bit-identically.
+torchrun, no CFG, text-to-video) and on the vLLM-Omni engine (its `Omni` engine in a worker process, CFG,
+text-to-video); the run folder holds the sample videos (GIF, MP4) beside the first-frame PNG grids, and a SIGKILLed
+image-to-video CFG run resumes bit-identically.
 
 Margin: the mean reward of the last two of 8 steps minus that of the first two. Without CFG, measured at TP=1 over
 seeds 0 / 1 / 2: +0.0160 / +0.0076 / +0.0150 (the step's reward std is ~0.001-0.003); CP=2, seed 0: +0.0160: the
 test asserts > 0.005, below the smallest. With CFG 5.0 at TP=1, seeds 0 / 1 / 2: +0.0066 / +0.0070 / +0.0085: the
 test asserts > 0.004 (text-to-video on the tiny folder; image-to-video on the TI2V folder, the run the test makes,
-seeds 0 / 1: +0.0163 / +0.0087; train/rollout |dlogp| 0). With CFG 5.0 on the vLLM-Omni engine (in process, on
-the tiny folder with head dim 12: `wan_pipeline.check_rope_split`), seeds 0 / 1 / 2: +0.0065 / +0.0120 / +0.0121,
-train/rollout |dlogp| <= 3.6e-7: the test asserts > 0.004 and |dlogp| < 1e-5."""
+seeds 0 / 1: +0.0163 / +0.0087; train/rollout |dlogp| 0). With CFG 5.0 on the vLLM-Omni engine (on the tiny folder
+with head dim 12: `wan_pipeline.check_rope_split`), in the rank (`rollout.vllm_omni_process=inline`), seeds 0 / 1 / 2:
++0.0065 / +0.0120 / +0.0121, train/rollout |dlogp| <= 3.6e-7; served by its `Omni` engine from a worker process (the
+default, the run the test makes), seed 0: +0.0069: the test asserts > 0.004 and |dlogp| < 1e-5."""
 
 from __future__ import annotations
 
@@ -127,13 +129,15 @@ def test_video_run_with_cfg_resumes_bit_identically(tp1_runs: tuple) -> None:
 
 @pytest.mark.slow
 def test_video_reward_rises_with_cfg_on_the_vllm_omni_engine(tmp_path: Path) -> None:
-    """rollout.engine=vllm_omni (our FlowGRPOWanPipeline in the trainer's rank), true CFG 5.0: every step's weights
-    reach vLLM-Omni's Wan transformer through the bridge (probed), the Megatron recompute agrees with its
-    trajectories, and the reward rises."""
+    """rollout.engine=vllm_omni as the trainer runs it by default (`rollout.vllm_omni_process=engine`: vLLM-Omni's own
+    `Omni` engine serving our FlowGRPOWanPipeline from a worker process), true CFG 5.0: every step's weights reach
+    the worker's Wan transformer over `collective_rpc` (probed), the Megatron recompute agrees with its trajectories,
+    and the reward rises."""
     run = tmp_path / "vllm"
     proc = _train(run, *WAN, *CFG, "--set", f"model.pipeline={make_folder(tmp_path)}", "--set",
-                  "rollout.engine=vllm_omni", "--set", "rollout.vllm_omni_process=inline")
+                  "rollout.engine=vllm_omni")
     assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "worker processes (rank: pid) {0: " in proc.stdout + proc.stderr  # served, not in the rank
     r = _rewards(run)
     print("wan vllm-omni cfg 5 reward per step:", [f"{x:.4f}" for x in r], f"rise {_rise(r):+.4f}")
     assert len(r) == 8 and _rise(r) > CFG_MARGIN, r

