@@ -64,7 +64,8 @@ def sd35(size: str, reward: str) -> JobConfig:
       EMA keeps a full copy, refused with LoRA);
     - LoRA (base `use_lora=True`): rank 32, alpha 64 as flow_grpo's scripts/train_sd3.py LoraConfig (recalled, not
       re-read in this session); T5 length 128 likewise from its prompt encoding.
-    The trainer samples and trains in bf16 (flow_grpo: `mixed_precision="fp16"` by default)."""
+    The trainer samples and trains in bf16 (flow_grpo: `mixed_precision="fp16"` by default); the VAE decodes in fp32,
+    as flow_grpo's train_sd3.py keeps it (`rollout.vae_dtype=fp32`; the dry run counts its fp32 bytes)."""
     import os
 
     from examples.qwen_image.recipe import load_prompts
@@ -93,6 +94,9 @@ def sd35(size: str, reward: str) -> JobConfig:
     r.prompts_per_step = 48
     r.group_size = 24
     r.dtype = "bf16"
+    # flow_grpo decodes with an fp32 VAE under its half-precision transformer (scripts/train_sd3.py moves
+    # `pipeline.vae` to the device in torch.float32)
+    r.vae_dtype = "fp32"
     cfg.reward.scorer = reward
     a = cfg.algorithm
     a.clip_range = 1e-4

@@ -33,6 +33,22 @@ def is_generation_tensor(name: str) -> bool:
     return name.startswith(_GEN_MODULES) or (name.startswith("decoder.layers.") and "_gen." in name)
 
 
+# What text-to-image never trains: the fixed latent position table, and the understanding expert's head (its final
+# norm and the LM head read no generation step)
+_NEVER_TRAINED = ("latent_pos_embed", "decoder.final_layernorm.", "output_layer.")
+
+
+def is_trained(name: str, experts: str = "generation") -> bool:
+    """Whether Megatron tensor `name` trains when `experts` ("generation" | "both", `model.bagel_experts`) train:
+    the generation expert's (`is_generation_tensor`), or with "both" every tensor the loss can reach (the
+    understanding expert's layers and the token embeddings too: the velocity attends to the prompt's KV cache)."""
+    if experts == "generation":
+        return is_generation_tensor(name)
+    if experts != "both":
+        raise ValueError(f"experts must be 'generation' or 'both', not {experts!r}")
+    return not name.startswith(_NEVER_TRAINED)
+
+
 # LoRA's default targets on BAGEL (fnmatch over Megatron module names): every parallel linear of the generation
 # expert. Column-parallel (q/k/v, the fused SwiGLU fc1): A [r, in] replicated, B [out / tp, r]; row-parallel (o,
 # fc2): A [r, in / tp], B [out, r] replicated (`models.lora`'s tensor-parallel rules).
@@ -68,8 +84,8 @@ def rank_parameter_counts(model: str | dict[str, Any], tp: int, pp: int = 1, tra
                           ) -> list[int]:
     """Parameters one tensor-parallel rank of each pipeline stage holds ([pp] counts).
 
-    `trainable`: None counts every parameter; "gen" only the generation expert's; "both" every trainable one
-    (all but the fixed latent position table)."""
+    `trainable`: None counts every parameter; "gen" only the generation expert's; "both" every one `is_trained`
+    trains with both experts."""
     cfg = bagel_config(model)
     shapes = megatron_shapes(cfg)
     n_layers = cfg["llm_config"]["num_hidden_layers"]
@@ -78,9 +94,7 @@ def rank_parameter_counts(model: str | dict[str, Any], tp: int, pp: int = 1, tra
     per_stage = n_layers // pp
     out = [0] * pp
     for m in all_mappings(n_layers, arch(cfg).qk_norm):
-        if trainable == "gen" and not is_generation_tensor(m.megatron):
-            continue
-        if trainable is not None and m.megatron == "latent_pos_embed":
+        if trainable is not None and not is_trained(m.megatron, "generation" if trainable == "gen" else trainable):
             continue
         numel = 1
         for s in shapes[m.megatron]:

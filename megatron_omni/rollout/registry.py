@@ -28,7 +28,7 @@ class EngineSettings:
     """What every builder is given. tp: the engine's tensor-parallel size; dtype: what its transformer
     computes in; max_batch_size: samples per transformer forward; quantization: what its transformer runs
     quantized (`rollout.quantization` on the family's `quantized_linears`; see `rollout/quantization.py`);
-    vllm_omni_process: where vLLM-Omni runs (`rollout.vllm_omni_process`)."""
+    vllm_omni_process: where vLLM-Omni runs (`rollout.vllm_omni_process`); vae_dtype: what its VAE computes in."""
 
     tp: int = 1
     dtype: torch.dtype = torch.float32
@@ -37,6 +37,8 @@ class EngineSettings:
     # vLLM-Omni only (`rollout.vllm_omni_process`): "engine" (vLLM-Omni's `Omni` with its worker processes) or
     # "inline" (its pipeline class and transformer inside the trainer's ranks).
     vllm_omni_process: str = "engine"
+    # What the engine's VAE computes in; None: `dtype` (`rollout.vae_dtype`).
+    vae_dtype: torch.dtype | None = None
 
 
 def build_engine(name: str, pipeline_dir: str | os.PathLike, settings: EngineSettings) -> RolloutEngine:

@@ -68,7 +68,7 @@ from megatron_omni.rollout.quantization import QuantizationSpec
 from megatron_omni.rollout.registry import EngineSettings, build_engine
 from megatron_omni.trainer.checkpoint_folders import resume_folder
 from megatron_omni.trainer.checkpointing import ASYNC_IN_FLIGHT, load_checkpoint, save_checkpoint
-from megatron_omni.trainer.config import JobConfig, torch_dtype
+from megatron_omni.trainer.config import JobConfig, torch_dtype, vae_dtype
 from megatron_omni.trainer.preemption import TrainingStopped
 from megatron_omni.trainer.skeleton import StepResult, step_prompts
 from model_providers import get_family
@@ -123,7 +123,7 @@ def build_rollout_engine(cfg: JobConfig, pipeline_dir: Path) -> Any:
     # rollout.quantization: the engine samples quantized on the family's linears, as the colocated engine does
     quantization = QuantizationSpec(r.quantization, tuple(get_family(cfg.model.family).quantized_linears))
     settings = EngineSettings(tp=1, dtype=torch_dtype(r.dtype), max_batch_size=r.max_batch_size,
-                              quantization=quantization)
+                              quantization=quantization, vae_dtype=vae_dtype(r))
     if r.engine != "vllm_omni":
         return build_engine(r.engine, pipeline_dir, settings)
     from megatron_omni.rollout.vllm_omni.engine import VllmOmniRolloutEngine, _without_env, start_omni

@@ -14,12 +14,16 @@ recorded t (image-query tokens at RoPE position L), and under text CFG the uncon
 position 0) combined with BAGEL's global renorm (`models.bagel.model.text_cfg`); then `algorithms.sde`'s
 log-prob of the recorded next latents.
 
-What trains: the generation expert and the generation-side modules (`planner.mot.is_generation_tensor`: the
-`_gen` MoT weights, time embedder, vae2llm, llm2vae, the generation final norm); the understanding expert, the
-embeddings and the LM head are frozen (text-to-image never reads the LM head; the frozen text pass then runs
-without autograd). With `model.lora.rank > 0` only adapters on the generation expert's linears train, merged into
-the rollout's modules at each sync. `algorithm.beta > 0` adds the KL of the window transitions against the initial
-model (a frozen copy; with LoRA the adapters off); `optim.ema_decay > 0` keeps a checkpointed EMA of the weights.
+What trains (`model.bagel_experts`, `planner.mot.is_trained`): by default the generation expert and the
+generation-side modules (`planner.mot.is_generation_tensor`: the `_gen` MoT weights, time embedder, vae2llm, llm2vae,
+the generation final norm); the understanding expert, the embeddings and the LM head are frozen (text-to-image never
+reads the LM head; the frozen text pass then runs without autograd). With `both` (pp 1, no LoRA) the understanding
+expert's layers and the token embeddings train too: the prompt's pass runs under autograd, and the window's
+velocities reach it through the KV cache they attend to (the last layer's understanding output projection and MLP
+feed no cached K/V: they get zero gradients, and AdamW's weight decay alone moves them). With `model.lora.rank > 0`
+only adapters on the generation expert's linears train, merged into the rollout's modules at each sync.
+`algorithm.beta > 0` adds the KL of the window transitions against the initial model (a frozen copy; with LoRA the
+adapters off); `optim.ema_decay > 0` keeps a checkpointed EMA of the weights.
 Prompts are token ids or text through the folder's tokenizer (`model_providers.bagel.tokenizer`). Layout: tp, pp,
 dp and at pp 1 cp (`parallel.ulysses` x `ring`: each cp rank computes its shard of every velocity, gathered before
 the CFG and the loss; pp > 1 recomputes and updates through `trainer.bagel_pipeline`, with LoRA, the KL term and the
@@ -45,7 +49,7 @@ from megatron_omni.bridge.family_sync import family_plans
 from megatron_omni.checkpoint.bagel import bagel_sharded_state_dict
 from megatron_omni.models.bagel.model import latent_position_ids, text_cfg
 from megatron_omni.parallel.platform import seed_everything
-from megatron_omni.planner.mot import GEN_LORA_TARGETS, is_generation_tensor
+from megatron_omni.planner.mot import GEN_LORA_TARGETS, is_generation_tensor, is_trained
 from megatron_omni.rollout.base import FinishedSample, SamplingParams
 from megatron_omni.rollout.quantization import QuantizationSpec
 from megatron_omni.rollout.vllm_omni.bagel import BagelSampling, BagelTrajectory, open_bagel_pipeline
@@ -143,11 +147,16 @@ def check_config(cfg: JobConfig, planning: bool = False) -> None:
         (r.vllm_omni_process != "inline", "rollout.vllm_omni_process", "must be inline (the BAGEL pipeline runs "
          "in the trainer's process)"),
         (r.tp != 1, "rollout.tp", "must be 1"),
+        (r.vae_dtype != "auto", "rollout.vae_dtype", "must be auto (BAGEL's autoencoder runs in rollout.dtype)"),
         (a.name != "flowgrpo", "algorithm.name", "must be flowgrpo"),
         (a.is_cap not in (None, 0), "algorithm.is_cap", "must be unset"),
         (cfg.model.lora.enabled and cfg.optim.ema_decay > 0, "optim.ema_decay", "must be 0 with LoRA (the EMA "
          "is a copy of the whole model's weights)"),
         (cfg.model.lora.adaln, "model.lora.adaln", "must be false (BAGEL has no modulation linears)"),
+        (cfg.model.bagel_experts == "both" and cfg.model.lora.enabled, "model.bagel_experts",
+         "must be generation with LoRA (the adapters are on the generation expert's linears)"),
+        (cfg.model.bagel_experts == "both" and p.pp > 1, "model.bagel_experts",
+         "must be generation at pp > 1 (the pipelined schedule runs the prompt's pass without autograd)"),
         (cfg.model.lora.enabled and r.lora_sync not in ("auto", "merge"), "rollout.lora_sync",
          "must be auto or merge (vLLM-Omni's BAGEL modules take merged weights)"),
         (r.height % stride or r.width % stride or max(r.height, r.width) > side, "rollout.height/width",
@@ -237,12 +246,13 @@ def velocity(model: Any, text_kv: Any, prompt_len: int, markers: torch.Tensor, l
 
 
 def window_transitions(model: Any, traj: BagelTrajectory, markers: torch.Tensor,
-                       branches: Callable[[int, int, bool], torch.Tensor] | None = None
+                       branches: Callable[[int, int, bool], torch.Tensor] | None = None, text_grad: bool = False
                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Window log-probs [N, W], transition means [N, W, p, c] and noise coefficients [N, W] of a rollout's
-    trajectory under our `BagelMoT` (pp 1): per sample the prompt's text KV (no autograd: the understanding expert
-    is frozen), then per window step the guided velocity of the recorded latents and `algorithms.sde`'s step
-    (log-prob of the recorded next latents, the mean the KL term compares); differentiable where grad is on.
+    trajectory under our `BagelMoT` (pp 1): per sample the prompt's text KV (without autograd unless `text_grad`:
+    the understanding expert trains too, `model.bagel_experts=both`), then per window step the guided velocity of
+    the recorded latents and `algorithms.sde`'s step (log-prob of the recorded next latents, the mean the KL term
+    compares); differentiable where grad is on.
     `branches(i, j, text)`: the raw velocities [n, p] fp32 of sample i's window step j (text-conditioned, or the
     unconditional branch when `text` is False) computed elsewhere (pp > 1: `trainer.bagel_pipeline`); then
     `model` is not run and only the CFG combination and the SDE step happen here."""
@@ -250,7 +260,7 @@ def window_transitions(model: Any, traj: BagelTrajectory, markers: torch.Tensor,
     for i in range(len(traj)):
         ids = traj.prompt_ids[i]
         if branches is None:
-            with torch.no_grad():
+            with contextlib.nullcontext() if text_grad else torch.no_grad():
                 _, kv, _ = model.stage_text(ids)
         steps, mean, std = [], [], []
         for j in range(traj.window_size):
@@ -333,8 +343,11 @@ class BagelTrainer:
         self.prompts = [(p, self.prompt_ids(p)) for p in cfg.prompts]
         self.model = self.family.build_model(bcfg, groups, params_dtype=torch_dtype(cfg.model.params_dtype))
         self.family.load_state(self.model, state)
+        self.experts = cfg.model.bagel_experts
         for name, p in self.model.named_parameters():
-            p.requires_grad_(is_generation_tensor(name))
+            p.requires_grad_(is_trained(name, self.experts))
+        if self.experts == "both":  # a resume must train the same tensors (their optimizer state)
+            self.checkpoint_identity = {"bagel_experts": self.experts}
         # The KL term's reference (the initial model, frozen) and the EMA of the weights (fp32, checkpointed under
         # `ema.`): each a whole copy of this rank's shards, built as the DiT trainer builds its copies (the RNG
         # streams left where they were, so a run with them samples what a run without them samples).
@@ -518,7 +531,8 @@ class BagelTrainer:
                     return bagel_pipeline.flowgrpo_backward(self.model, self.groups, part, self.markers, old[rows],
                                                             adv[rows], c.algorithm.clip_range, beta, self._reference,
                                                             reuse)
-                new, means, stds = window_transitions(self.model, part, self.markers)
+                new, means, stds = window_transitions(self.model, part, self.markers,
+                                                      text_grad=self.experts == "both")
                 kl = None
                 if beta > 0:
                     with torch.no_grad(), self._reference() as ref:

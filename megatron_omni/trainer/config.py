@@ -25,6 +25,11 @@ MODEL_BACKENDS = ("local", "te")
 ROLLOUT_ENGINES = ("diffusers", "vllm_omni")
 
 
+def vae_dtype(rollout: Any):
+    """The torch dtype of `rollout.vae_dtype`, None for "auto" (the engine's own, `rollout.dtype`)."""
+    return None if rollout.vae_dtype == "auto" else torch_dtype(rollout.vae_dtype)
+
+
 def torch_dtype(name: str):
     """The torch dtype of a config dtype name ('fp32' | 'bf16'); raises ConfigError on any other name."""
     import torch
@@ -90,6 +95,10 @@ class ModelConfig:
     # built from presets alone (ar_dit) the model itself ("tiny").
     preset: str | None = None
     lora: LoRAConfig = field(default_factory=LoRAConfig)
+    # BAGEL (model.family=bagel): which experts of its Mixture-of-Transformers train: "generation" (the generation
+    # expert and its modules; the understanding expert frozen, its prompt pass without autograd) | "both" (the
+    # understanding expert too, through the prompt's KV cache the velocity attends to; `planner.mot.is_trained`).
+    bagel_experts: str = "generation"
 
 
 @dataclass
@@ -140,6 +149,9 @@ class RolloutConfig:
     # write the live weights, zero-copy `direct` mode at rollout tp = trainer tp).
     vllm_omni_process: str = "engine"
     dtype: str = "fp32"  # what the engine samples in: "fp32" | "bf16" (the SDE math and log-probs stay fp32)
+    # What the engine's VAE decodes (and encodes source images) in: "auto" (rollout.dtype, as vLLM-Omni and VeRL-Omni
+    # run it) | "fp32" (flow_grpo keeps its VAE in fp32 whatever the transformer's precision) | "bf16".
+    vae_dtype: str = "auto"
     tp: int = 1  # the rollout engine's tensor-parallel size (vllm_omni; the diffusers engine is tp=1)
     # Pad every prompt's embeddings to this many tokens (>= the longest prompt); None: the longest prompt of
     # each rollout call. A model replica over several ranks (tp/ulysses/ring/pp > 1) rolls out one share of the

@@ -101,11 +101,13 @@ CHOICES: dict[str, tuple[Any, ...]] = {
     "model.backend": ("local", "te"),
     "model.params_dtype": ("fp32", "bf16"),
     "model.recompute": (None, "full", "selective"),
+    "model.bagel_experts": ("generation", "both"),
     "rollout.sde_type": ("sde", "cps", "dance_sde"),
     "rollout.transformer": ("auto", "engine", "trainer"),
     "rollout.engine": ("diffusers", "vllm_omni"),
     "rollout.vllm_omni_process": ("engine", "inline"),
     "rollout.dtype": ("fp32", "bf16"),
+    "rollout.vae_dtype": ("auto", "fp32", "bf16"),
     "rollout.lora_sync": ("auto", "adapter", "merge"),
     "rollout.quantization": QUANTIZATION_MODES,
     "algorithm.is_level": IS_LEVELS,
@@ -127,9 +129,11 @@ AR_DIT_UNSUPPORTED: list[tuple[str, Any, str]] = [
     ("model.params_dtype", "fp32", "the hybrid trains in fp32"),
     ("model.backend", "local", "the hybrid has the local layer spec only"),
     ("model.recompute", None, "the hybrid has no activation recompute"),
+    ("model.bagel_experts", "generation", "the experts are BAGEL's (model.family=bagel)"),
     ("rollout.engine", "diffusers", "the hybrid rolls out with its embedded engine (vLLM halves: Python API)"),
     ("rollout.transformer", "auto", "the hybrid's rollout always samples with its own copy"),
     ("rollout.dtype", "fp32", "the hybrid's rollout samples in fp32"),
+    ("rollout.vae_dtype", "auto", "the hybrid's rollout samples in fp32"),
     ("rollout.tp", 1, "the hybrid's rollout is one process per rank"),
     ("rollout.text_length", None, "the hybrid pads plans itself"),
     ("rollout.num_frames", 1, "the hybrid generates images"),
@@ -503,6 +507,9 @@ def check_dit_traits(cfg: Any) -> None:
     if r.image_guidance_scale != 1.0:
         raise ConfigError(f"rollout.image_guidance_scale={r.image_guidance_scale!r} is not supported with model.family="
                           f"{name}: image CFG is BAGEL's (model.family=bagel)")
+    if cfg.model.bagel_experts != "generation":
+        raise ConfigError(f"model.bagel_experts={cfg.model.bagel_experts!r} is not supported with model.family={name}: "
+                          "the experts are BAGEL's (model.family=bagel)")
     if r.distilled_guidance is not None and traits.guidance_embeds_key is None:
         raise ConfigError(f"rollout.distilled_guidance={r.distilled_guidance!r} is not supported with model.family="
                           f"{name}: its models take no distilled guidance input")

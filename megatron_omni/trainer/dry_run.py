@@ -77,8 +77,13 @@ def job_plan(cfg: JobConfig, world_size: int, gpu: str, gpus_per_node: int = 8, 
     world_size = trainer_world_size(cfg, world_size)
     dp = world_size // (p.tp * p.ulysses * p.ring * p.pp)
     vllm = r.engine == "vllm_omni"
-    rollout = RolloutSpec(tp=r.tp, sleeps=vllm, in_process=not vllm,
-                          extra_params=0 if cfg.model.pipeline == "tiny" else arch.extra_params)
+    # RolloutSpec counts the pipeline's other weights at the rollout's dtype: a VAE in another one
+    # (`rollout.vae_dtype`, e.g. flow_grpo's fp32 under bf16) counts as that many more (or fewer) of them
+    width = {"fp32": 4, "bf16": 2}
+    vae_bytes = width[r.dtype if r.vae_dtype == "auto" else r.vae_dtype]
+    extra = arch.extra_params + arch.vae_params * (vae_bytes - width[r.dtype]) // width[r.dtype]
+    rollout = RolloutSpec(tp=r.tp, sleeps=vllm, in_process=not vllm, extra_params=0 if cfg.model.pipeline == "tiny"
+                          else extra)
     precision = Precision.of(cfg.model.params_dtype, r.dtype, cfg.optim.distributed_optimizer)
     per_replica = r.prompts_per_step * r.group_size // cfg.optim.mini_batches // dp
     workload = Workload(height=r.height, width=r.width, sampling_steps=r.num_steps, window=r.window_size,
@@ -258,7 +263,8 @@ def mot_dry_run(cfg: JobConfig, world_size: int, gpu: str) -> int:
         plans = plan_mot(model, gpu, world_size, r.height, r.width, prompt_tokens=prompt_tokens,
                          samples=r.prompts_per_step * r.group_size, num_steps=r.num_steps, window=r.window_size,
                          cfg=r.guidance_scale > 1, bf16=bf16, distributed_optimizer=o.distributed_optimizer,
-                         rollout_bytes=2 if r.dtype == "bf16" else 4, train="lora" if lora.enabled else "gen",
+                         rollout_bytes=2 if r.dtype == "bf16" else 4,
+                         train="lora" if lora.enabled else "both" if cfg.model.bagel_experts == "both" else "gen",
                          lora_rank=lora.rank, cp=p.ulysses * p.ring)
     except (KeyError, ValueError) as exc:
         raise ConfigError(f"plan: {exc}") from None
@@ -268,7 +274,8 @@ def mot_dry_run(cfg: JobConfig, world_size: int, gpu: str) -> int:
           f"steps, window {r.window_size}, {'text CFG' if r.guidance_scale > 1 else 'no CFG'}, prompts up to "
           f"{prompt_tokens} tokens; model {cfg.model.params_dtype}, rollout {r.dtype}; "
           + (f"LoRA rank {lora.rank} on the generation expert's linears trains (the base frozen, counted once)"
-             if lora.enabled else "the generation expert trains"))
+             if lora.enabled else "both experts train (model.bagel_experts=both)" if cfg.model.bagel_experts == "both"
+             else "the generation expert trains"))
     print("memory per GPU: for each tp, weights (both experts) + grads and optimizer states (the trained share"
           + (", distributed optimizer over dp" if o.distributed_optimizer else "") + ") + activations + the rollout's "
           "copy")

@@ -62,7 +62,7 @@ from megatron_omni.rollout.probe import (
 )
 from megatron_omni.rollout.quantization import QuantizationSpec, check_engine_probe
 from megatron_omni.rollout.registry import EngineSettings, build_engine
-from megatron_omni.trainer.config import JobConfig, ParallelConfig, torch_dtype
+from megatron_omni.trainer.config import JobConfig, ParallelConfig, torch_dtype, vae_dtype
 from megatron_omni.trainer.grad_guard import GradGuard
 from megatron_omni.trainer.lora_setup import attach_lora, lora_identity, lora_sync_mode
 from megatron_omni.trainer.objectives import (
@@ -134,7 +134,8 @@ class FlowGRPOTrainer:
         self.engine = build_engine(r.engine, pipeline_dir, EngineSettings(tp=r.tp, dtype=torch_dtype(r.dtype),
                                                                           max_batch_size=r.max_batch_size,
                                                                           quantization=self.quantization,
-                                                                          vllm_omni_process=r.vllm_omni_process))
+                                                                          vllm_omni_process=r.vllm_omni_process,
+                                                                          vae_dtype=vae_dtype(r)))
         self.hf_config = self.engine.transformer_config()
         if cfg.algorithm.name == "diffusionnft" and getattr(self.engine, "experts", None) is not None:
             raise ValueError("algorithm.name=diffusionnft trains at noise levels over the whole grid, but this "

@@ -167,10 +167,11 @@ def _ours(cfg: dict, state: dict, layout: ParallelLayout, dtype: torch.dtype, la
 
         v = pipeline_run(velocity_stage, groups.pp, (n + 2, 1, h), dtype)
     from megatron_omni.models.lora import adapters, add_lora
-    from megatron_omni.planner.mot import GEN_LORA_TARGETS, is_generation_tensor
+    from megatron_omni.planner.mot import GEN_LORA_TARGETS, is_generation_tensor, is_trained
 
     counts = (sum(p.numel() for p in model.parameters()),
-              sum(p.numel() for n, p in model.named_parameters() if is_generation_tensor(n)))
+              sum(p.numel() for n, p in model.named_parameters() if is_generation_tensor(n)),
+              sum(p.numel() for n, p in model.named_parameters() if is_trained(n, "both")))
     add_lora(model, GEN_LORA_TARGETS, 4, 8.0, seed=0, global_name=model.global_name)
     counts += (sum(p.numel() for a in adapters(model).values() for p in a.parameters()),)
     return (v.float() if groups.is_last_stage else None), exact, len(back), counts
@@ -435,12 +436,15 @@ def test_cp2_generation_step_equals_cp1(figures) -> None:
 @pytest.mark.parametrize("layout,tp,pp", [("tp1", 1, 1), ("tp2", 2, 1), ("pp2", 1, 2)])
 def test_planner_counts_equal_the_built_model(figures, layout: str, tp: int, pp: int) -> None:
     """The planner's MoT cost model counts what each rank of the built model holds: all parameters, the
-    generation expert's share (what trains when the understanding expert is frozen), and LoRA's adapters."""
+    generation expert's share (what trains when the understanding expert is frozen), what trains with both experts
+    (`model.bagel_experts=both`) and LoRA's adapters."""
     from megatron_omni.planner.mot import lora_parameter_counts, rank_parameter_counts
 
     total = rank_parameter_counts("tiny", tp, pp)
     gen = rank_parameter_counts("tiny", tp, pp, trainable="gen")
+    both = rank_parameter_counts("tiny", tp, pp, trainable="both")
     lora = lora_parameter_counts("tiny", tp, pp, rank=4)  # rank-4 adapters on the default generation linears
     for rank, r in enumerate(figures):
         stage = rank if pp > 1 else 0
-        assert r[f"{layout}_numel"] == (total[stage], gen[stage], lora[stage]), (layout, rank, r[f"{layout}_numel"])
+        assert r[f"{layout}_numel"] == (total[stage], gen[stage], both[stage], lora[stage]), (layout, rank,
+                                                                                             r[f"{layout}_numel"])

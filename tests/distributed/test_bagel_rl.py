@@ -101,6 +101,24 @@ def _checks(rank: int, world_size: int, folder: str) -> dict:
         out["kl_self"] = float(window_kl(ref_means, ref_means, ref_stds).abs().max())
         out["kl_trained"] = float(window_kl(means, ref_means, stds).min())
         out["kl_std_equal"] = torch.equal(stds, ref_stds)
+        # `model.bagel_experts=both`: with the prompt's pass under autograd (`text_grad`) the window log-probs reach
+        # the understanding expert through the prompt's KV cache as well as through the image query's two marker
+        # tokens (its tokens too); the gradient equals a central finite difference, the markers' share alone does not
+        w = dict(ref.named_parameters())["decoder.layers.0.self_attention.linear_qkv.weight"]
+        window_transitions(ref, after, markers)[0].sum().backward()
+        markers_only, w.grad = w.grad.clone(), None
+        window_transitions(ref, after, markers, text_grad=True)[0].sum().backward()
+        i, eps = int(w.grad.abs().argmax()), 1e-2
+
+        def window_sum(delta: float) -> float:
+            with torch.no_grad():
+                w.view(-1)[i] += delta
+                total = float(window_transitions(ref, after, markers)[0].double().sum())
+                w.view(-1)[i] -= delta
+            return total
+
+        out["und_grad"] = (float(w.grad.view(-1)[i]), float(markers_only.view(-1)[i]),
+                           (window_sum(eps) - window_sum(-eps)) / (2 * eps))
         out["after_window"] = float((ours_after - after.log_probs).abs().max())
         # refusals, by name, before anything is written
         full = provider.export_bagel_state(model)
@@ -215,6 +233,16 @@ def test_image_cfg_as_vllm_omni_applies_it(figures: dict) -> None:
     assert figures["img_cfg_moved"] > 1e-3 and figures["img_cfg_window"] < FP32_TOL, figures
 
 
+def test_the_understanding_expert_gets_the_gradient_with_both_experts(figures: dict) -> None:
+    """Measured: -3.3695e-2 against the central difference's -3.3671e-2 (eps 1e-2; 3e-3: -3.3677e-2), the markers'
+    share alone +3.6e-3."""
+    grad, markers_only, fd = figures["und_grad"]
+    print(f"understanding expert (layer 0 qkv) gradient {grad:.4e} (without the prompt's pass {markers_only:.4e}), "
+          f"central difference {fd:.4e}")
+    assert abs(grad) > 0 and abs(grad - fd) <= 1e-2 * abs(fd), (grad, fd)
+    assert abs(markers_only - fd) > 0.1 * abs(fd), (markers_only, fd)
+
+
 def test_weight_update_reaches_rollout_through_bridge(figures: dict) -> None:
     assert figures["sync_buckets"] >= 1 and figures["update_moved"] > 1e-3, figures
     assert figures["after_window"] < FP32_TOL, figures
@@ -297,7 +325,8 @@ LORA_BETA = 0.1  # the KL term of the LoRA runs (reference: the adapters off)
 def _pp_runs(rank: int, world_size: int, root: str) -> dict:
     """The tiny recipe's full fine-tuning (2 samples a step, one update, lr 2e-2) with the KL term and the EMA for 2
     steps at pp 2 (the update through 1F1B, `trainer.bagel_pipeline`), at tp 2 (pp 1, plain autograd) and at cp 2
-    (`parallel.ulysses=2`: the image query's token shards, velocities gathered over cp) on the same two ranks; then
+    (`parallel.ulysses=2`: the image query's token shards, velocities gathered over cp) on the same two ranks, and
+    with both experts training (`model.bagel_experts=both`) at tp 2 and cp 2; then
     `_lora_config`'s LoRA run at pp 2 (its tp 2 run is `_lora_runs`' first). Rank 0 returns the folders."""
     from pathlib import Path
 
@@ -305,10 +334,12 @@ def _pp_runs(rank: int, world_size: int, root: str) -> dict:
     from megatron_omni.trainer.run import run
 
     out = {}
-    for name, tp, pp, cp in (("pp2", 1, 2, 1), ("pp1", 2, 1, 1), ("cp2", 1, 1, 2)):
+    for name, tp, pp, cp in (("pp2", 1, 2, 1), ("pp1", 2, 1, 1), ("cp2", 1, 1, 2), ("both_tp2", 2, 1, 1),
+                             ("both_cp2", 1, 1, 2)):
         cfg = tiny()
         cfg.run_dir, cfg.steps, cfg.parallel.tp, cfg.parallel.pp = str(Path(root) / name), PP_STEPS, tp, pp
         cfg.parallel.ulysses = cp
+        cfg.model.bagel_experts = "both" if name.startswith("both") else "generation"
         cfg.rollout.prompts_per_step, cfg.rollout.group_size, cfg.optim.mini_batches = 1, 2, 1
         cfg.optim.lr, cfg.checkpoint.every, cfg.logging.tensorboard = 2e-2, PP_STEPS, False
         cfg.algorithm.beta, cfg.optim.ema_decay = PP_BETA, PP_EMA
@@ -417,24 +448,24 @@ def _close(a: float, b: float, tol: float = PP_TOL) -> bool:
     return abs(a - b) <= tol * max(1.0, abs(b))
 
 
-def _equal_to_pp1(out: dict, name: str) -> tuple[dict, dict]:
-    """`_pp_runs`' run `name` against its pp 1 (tp 2) run, both with the KL term and the EMA: the same rewards, losses
-    (the KL term apart) and grad norms, recompute = rollout in both, the KL 0 before the first update and then the
-    same, and the same weights and EMA weights in the step-`PP_STEPS` checkpoints. Returns those checkpoints' model
-    tensors (`name`'s, pp 1's)."""
+def _equal_to_pp1(out: dict, name: str, ref: str = "pp1") -> tuple[dict, dict]:
+    """`_pp_runs`' run `name` against its pp 1 (tp 2) run `ref`, both with the KL term and the EMA: the same rewards,
+    losses (the KL term apart) and grad norms, recompute = rollout in both, the KL 0 before the first update and then
+    the same, and the same weights and EMA weights in the step-`PP_STEPS` checkpoints. Returns those checkpoints'
+    model tensors (`name`'s, `ref`'s)."""
     from pathlib import Path
 
     from megatron_omni.trainer.checkpoint_folders import complete_checkpoints
     from megatron_omni.trainer.checkpointing import read_checkpoint_tensors
 
-    hist = {k: _metrics(out[k]) for k in (name, "pp1")}
+    hist = {k: _metrics(out[k]) for k in (name, ref)}
     print({k: [{m: h[m] for m in ("reward_mean", "policy_loss", "kl_loss", "grad_norm", "train_rollout_dlogp_max")}
                for h in v] for k, v in hist.items()})
-    assert len(hist[name]) == len(hist["pp1"]) == PP_STEPS
+    assert len(hist[name]) == len(hist[ref]) == PP_STEPS
     # step 1 rolls out the same initial weights at both layouts: the same rewards, exactly. Later steps roll out
     # weights that differ by Adam's amplified fp32 rounding (`PP_WEIGHT_TOL`), so a pixel can round the other way and
     # the JPEG reward move by a byte: `PP_LATER_*`
-    for step, (a, b) in enumerate(zip(hist[name], hist["pp1"], strict=True)):
+    for step, (a, b) in enumerate(zip(hist[name], hist[ref], strict=True)):
         first = step == 0
         assert a["grad_norm"] > 0, (a, b)
         assert (a["reward_mean"] == b["reward_mean"] if first
@@ -444,16 +475,16 @@ def _equal_to_pp1(out: dict, name: str) -> tuple[dict, dict]:
         assert a["train_rollout_dlogp_max"] < FP32_TOL and b["train_rollout_dlogp_max"] < FP32_TOL, (a, b)
     # the KL against the initial copy: 0 before the first update, then > 0 and the same at both layouts (relative:
     # measured 3.5e-6 of 2.7e-3 at pp 2)
-    assert hist[name][0]["kl_loss"] == hist["pp1"][0]["kl_loss"] == 0, hist
-    kl2, kl1 = hist[name][1]["kl_loss"], hist["pp1"][1]["kl_loss"]
+    assert hist[name][0]["kl_loss"] == hist[ref][0]["kl_loss"] == 0, hist
+    kl2, kl1 = hist[name][1]["kl_loss"], hist[ref][1]["kl_loss"]
     assert kl1 > 0 and abs(kl2 - kl1) <= PP_TOL * kl1, (kl2, kl1)
-    a, b = (read_checkpoint_tensors(complete_checkpoints(Path(out[k]))[-1])["model"] for k in (name, "pp1"))
+    a, b = (read_checkpoint_tensors(complete_checkpoints(Path(out[k]))[-1])["model"] for k in (name, ref))
     assert a.keys() == b.keys() and len(a) > 0
     weights = [k for k in a if not k.startswith("ema.")]
     assert sorted(a) == sorted(weights + [f"ema.{k}" for k in weights])  # the EMA checkpointed
     worst = max(float((a[k].float() - b[k].float()).abs().max()) for k in weights)
     worst_ema = max(float((a[f"ema.{k}"].float() - b[f"ema.{k}"].float()).abs().max()) for k in weights)
-    print(f"{name} vs pp1 (tp 2) after {PP_STEPS} steps: weights max |diff| {worst:.2e}, EMA {worst_ema:.2e}")
+    print(f"{name} vs {ref} (tp 2) after {PP_STEPS} steps: weights max |diff| {worst:.2e}, EMA {worst_ema:.2e}")
     assert worst < PP_WEIGHT_TOL, worst
     assert worst_ema < PP_EMA_TOL, worst_ema
     return a, b
@@ -505,3 +536,25 @@ def test_cp2_steps_equal_tp2(tp2_job: tuple[Future, object]) -> None:
     loss; gradients averaged over dp x cp by Megatron-Core's DDP) against tp 2, on the same two ranks:
     `_equal_to_pp1`."""
     _equal_to_pp1(tp2_job[0].result()[0], "cp2")
+
+
+def test_both_experts_train_at_tp2_and_cp2(tp2_job: tuple[Future, object]) -> None:
+    """`model.bagel_experts=both` (the understanding expert trains through the prompt's KV cache): its cp 2 run equals
+    its tp 2 run (`_equal_to_pp1`: the step-2 recompute reproduces a rollout sampled after the sync, so the updated
+    understanding weights reached the rollout); the EMA lags the model on the understanding expert and the token
+    embeddings (they moved) and equals it on what text-to-image never trains (the LM head, the understanding final
+    norm, the latent position table); the generation-only run kept those frozen."""
+    from megatron_omni.planner.mot import is_trained
+
+    out = tp2_job[0].result()[0]
+    both, _ = _equal_to_pp1(out, "both_cp2", ref="both_tp2")
+    gen, _ = _equal_to_pp1(out, "cp2")  # the same layout training the generation expert only
+    weights = [k for k in both if not k.startswith("ema.")]
+    lag = {run: {k: float((a[f"ema.{k}"].float() - a[k].float()).abs().max()) for k in weights}
+           for run, a in (("both", both), ("gen", gen))}
+    und = [k for k in weights if k.startswith("decoder.layers.0.") and "_gen." not in k and "layernorm" not in k]
+    assert und and min(lag["both"][k] for k in [*und, "embedding.word_embeddings.weight"]) > 0, lag["both"]
+    assert max(lag["gen"][k] for k in und) == 0, lag["gen"]
+    never = [k for k in weights if not is_trained(k, "both")]
+    assert sorted(never) == ["decoder.final_layernorm.weight", "latent_pos_embed", "output_layer.weight"], never
+    assert max(lag["both"][k] for k in never) == 0, lag["both"]

@@ -80,15 +80,16 @@ def _folder(root: Path, family: str) -> tuple[Path, list[str]]:
     return Path(get_family(family).tiny_pipeline.make(root / family, 0)), prompts
 
 
-def _start(folder: Path, tp: int, quantization: Any = None):
+def _start(folder: Path, tp: int, quantization: Any = None, vae_dtype: torch.dtype | None = None):
     """The engine as its owning rank starts it: `start_omni` (worker processes, sleep mode on) behind the client,
-    the folder's weights loaded (quantized in when `quantization` asks). Returns (engine, seconds to start)."""
+    the folder's weights loaded (quantized in when `quantization` asks), its VAE in `vae_dtype` (None: fp32, the
+    model's). Returns (engine, seconds to start)."""
     from megatron_omni.rollout.quantization import QuantizationSpec
     from megatron_omni.rollout.vllm_omni.engine import VllmOmniRolloutEngine, pipeline_class_of, start_omni
 
     quantization = quantization or QuantizationSpec()
     started = time.monotonic()
-    omni = start_omni(folder, tp, SimpleNamespace(dtype=torch.float32, quantization=quantization),
+    omni = start_omni(folder, tp, SimpleNamespace(dtype=torch.float32, quantization=quantization, vae_dtype=vae_dtype),
                       pipeline_class_of(folder)[0])
     engine = VllmOmniRolloutEngine(folder, tp, torch.float32, omni=omni, quantization=quantization)
     engine.load_initial_weights()
@@ -162,6 +163,7 @@ def test_the_family_pipeline_serves_from_forked_worker_processes(served: dict) -
         assert r["pipeline"] == CLASSES[served["family"]], r
         assert (r["platform"], r["attention"], r["tp_size"]) == ("CpuOmniPlatform", ["CpuSDPAImpl"], 2), r
         assert r["empty_linear_weights"] == 0 and r["linears"] > 0 and r["fp8_linear_weights"] == 0, r
+        assert r["vae_dtype"] == "torch.float32", r  # `rollout.vae_dtype=auto`: the model's
 
 
 def test_trajectories_equal_the_diffusers_engines(served: dict) -> None:
@@ -184,8 +186,10 @@ def test_a_bucketed_update_reaches_the_next_rollout_and_a_partial_one_is_refused
 
 @pytest.fixture(scope="module", params=["sd3", "flux"])
 def served_fp8(request, tmp_path_factory) -> dict[str, Any]:
-    """One family's FP8 engine at rollout tp 1 (one worker process): its report, and its probe of the fixed probe
-    batch against the unquantized and the fake-quantized diffusers engines, before and after an update."""
+    """One family's FP8 engine at rollout tp 1 (one worker process), its VAE in bf16 (`rollout.vae_dtype=bf16`: what
+    the worker's pipeline class reads from `custom_pipeline_args`; the probe does not decode): its report, and its
+    probe of the fixed probe batch against the unquantized and the fake-quantized diffusers engines, before and after
+    an update."""
     from megatron_omni.rollout.probe import PROBE_DISTILLED_GUIDANCE, probe_trajectory
     from megatron_omni.rollout.quantization import QuantizationSpec
     from megatron_omni.rollout.vllm_omni.plugin import install_import_shims
@@ -202,7 +206,7 @@ def served_fp8(request, tmp_path_factory) -> dict[str, Any]:
                              pooled_dim=int(hf_cfg[traits.pooled_dim_key]),
                              distilled_guidance=PROBE_DISTILLED_GUIDANCE if hf_cfg.get("guidance_embeds") else None)
     ref, fake = _reference(folder), _reference(folder, spec)
-    engine, start_s = _start(folder, tp=1, quantization=spec)
+    engine, start_s = _start(folder, tp=1, quantization=spec, vae_dtype=torch.bfloat16)
     res: dict[str, Any] = {"family": request.param, "spec": spec, "probe": probe, "start_s": start_s}
     try:
         res["reports"] = engine._rpc("platform_report")[0]
@@ -228,6 +232,7 @@ def test_fp8_engine_in_a_worker_process_passes_the_trainers_quantized_probe(serv
 
     (report,) = served_fp8["reports"]
     assert report["fp8_linear_weights"] > 0 and report["pid"] != os.getpid(), report
+    assert report["vae_dtype"] == "torch.bfloat16", report
     m, probe = served_fp8["means"], served_fp8["probe"]
     tol, rel = probe_tolerance(torch.float32, torch.float32), probe_relative_tolerance(served_fp8["spec"])
     checks = {when: check_quantized_probe(m[when], m[unquantized], probe, tol, rel, when)

@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 
 from tests.e2e.test_flowgrpo_train import (
+    FP32_VAE,
     ROOT,
     _assert_same_state,
     _Background,
@@ -54,7 +55,7 @@ def vllm_lora(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path, 
 
 @pytest.mark.slow
 def test_lora_bf16_reward_rises_resumes_bit_identically_and_exports(vllm_lora: tuple, tmp_path: Path) -> None:
-    steps = [*LORA, "--set", "model.params_dtype=bf16", "--set", "rollout.dtype=bf16",
+    steps = [*LORA, "--set", "model.params_dtype=bf16", "--set", "rollout.dtype=bf16", *FP32_VAE,
              "--set", "rollout.transformer=engine", "--set", "steps=4", "--set", "checkpoint.every=2",
              "--set", "checkpoint.keep=5"]
     ref, run = tmp_path / "uninterrupted", tmp_path / "killed"

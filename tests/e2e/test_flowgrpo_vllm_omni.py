@@ -25,6 +25,7 @@ from typing import Any
 import pytest
 
 from tests.e2e.test_flowgrpo_train import (
+    FP32_VAE,
     ROOT,
     _assert_same_state,
     _Background,
@@ -37,9 +38,10 @@ from tests.e2e.test_flowgrpo_train import (
 )
 
 VLLM = ["--set", "rollout.engine=vllm_omni"]
-# The engine samples in bf16 (`rollout.dtype=bf16`, the 20B recipes' setting; the trainer fp32); checkpoints after
-# steps 2, 4, 6 and 8, all kept.
-BF16_STEPS = [*VLLM, "--set", "rollout.dtype=bf16", "--set", "steps=8", "--set", "checkpoint.every=2",
+# The engine samples in bf16 (`rollout.dtype=bf16`, the 20B recipes' setting; the trainer fp32), its VAE in fp32
+# (`rollout.vae_dtype`, flow_grpo's: test_flowgrpo_train.FP32_VAE says why); checkpoints after steps 2, 4, 6 and 8,
+# all kept.
+BF16_STEPS = [*VLLM, "--set", "rollout.dtype=bf16", *FP32_VAE, "--set", "steps=8", "--set", "checkpoint.every=2",
               "--set", "checkpoint.keep=5"]
 
 

@@ -35,6 +35,7 @@ def test_tiny_recipe_validates() -> None:
     ("rollout.window_size", 9, "window"),
     ("eval.prompts", ["7 300"], r"token ids must be in \[0, 128\)"),  # held-out prompts encode like RL prompts
     ("rollout.image_guidance_scale", 0.5, "rollout.image_guidance_scale"),
+    ("rollout.vae_dtype", "fp32", "rollout.vae_dtype: must be auto"),
 ])
 def test_unsupported_settings_refused_by_name(field: str, value, named: str) -> None:
     cfg = tiny()
@@ -45,6 +46,23 @@ def test_unsupported_settings_refused_by_name(field: str, value, named: str) -> 
     setattr(obj, last, value)
     with pytest.raises(ConfigError, match=named):
         cfg.validate(world_size=3 if field == "parallel.pp" else 1)
+
+
+def test_both_experts_validate_at_pp1_without_lora() -> None:
+    """`model.bagel_experts=both` at tp/cp layouts of pp 1; refused with LoRA (the adapters are the generation
+    expert's) and at pp > 1 (the pipelined prompt pass has no autograd), by name."""
+    cfg = tiny()
+    cfg.model.bagel_experts = "both"
+    cfg.validate(world_size=1)
+    cfg.model.lora.rank = 4
+    with pytest.raises(ConfigError, match="model.bagel_experts: must be generation with LoRA"):
+        cfg.validate(world_size=1)
+    cfg.model.lora.rank, cfg.parallel.pp = 0, 2
+    with pytest.raises(ConfigError, match="model.bagel_experts: must be generation at pp > 1"):
+        cfg.validate(world_size=2)
+    cfg.model.bagel_experts = "all"
+    with pytest.raises(ConfigError, match=r"model\.bagel_experts='all' must be generation\|both"):
+        cfg.validate(world_size=2)
 
 
 def test_lora_kl_ema_settings() -> None:

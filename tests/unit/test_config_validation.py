@@ -63,6 +63,12 @@ def test_the_defaults_are_valid() -> None:
     JobConfig().validate(1)
 
 
+def test_a_dit_family_refuses_bagels_experts() -> None:
+    cfg = JobConfig()
+    cfg.model.bagel_experts = "both"
+    assert "the experts are BAGEL's" in _refused(cfg, "model.bagel_experts")
+
+
 def test_tables_cover_every_numeric_and_fixed_set_field() -> None:
     bounded = {row[0] for row in BOUNDS}
     # Fields that are numbers without a bound of their own: checked together with other fields.
@@ -254,6 +260,8 @@ def test_the_ar_dit_recipe_is_valid_and_maps_onto_the_trainer_settings() -> None
     (["ar_dit.freeze=both"], "ar_dit.freeze"),
     (["rollout.quantization=fp8"], "rollout.quantization"),
     (["algorithm.is_cap=2"], "algorithm.is_cap"),
+    (["rollout.vae_dtype=fp32"], "rollout.vae_dtype"),
+    (["model.bagel_experts=both"], "model.bagel_experts"),
 ])
 def test_ar_dit_refuses_what_it_does_not_implement(overrides: list[str], field_name: str) -> None:
     """A setting the hybrid's trainer would not honour is an error naming it, never silently ignored."""

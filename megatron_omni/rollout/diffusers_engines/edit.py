@@ -86,7 +86,7 @@ class EditRolloutEngine(DiffusersRolloutEngine):
             cw, ch = self.areas.condition_size(width, height)
             vw, vh = self.areas.vae_size(width, height)
             conditions.append(pipe.image_processor.resize(image, ch, cw))
-            pixels = pipe.image_processor.preprocess(image, vh, vw).unsqueeze(2).to(self.device, self.dtype)
+            pixels = pipe.image_processor.preprocess(image, vh, vw).unsqueeze(2).to(self.device, pipe.vae.dtype)
             lat = pipe._encode_vae_image(pixels, generator=None)  # [1, z, 1, h, w], normalised
             packed.append(pipe._pack_latents(lat, 1, lat.shape[1], lat.shape[3], lat.shape[4])[0])
             grids.append(condition_grid(vw, vh, pipe.vae_scale_factor))

@@ -119,6 +119,8 @@ class DiffusersRolloutEngine:
         progress: show a progress bar over finished samples.
         quantization: what the transformer runs quantized (ModelOpt fake quantization, re-quantized after every
             `weight_update` and `load_weights`; see `rollout/quantization.py`).
+        vae_dtype: what the VAE decodes (and encodes source images) in; None: `dtype`. flow_grpo keeps its VAE in
+            fp32 under a bf16 transformer; on a CPU without bf16 convolution kernels, fp32 is also many times faster.
     """
 
     # True CFG rescales each token to the conditional velocity's norm (Qwen-Image); a family that guides plainly
@@ -135,6 +137,7 @@ class DiffusersRolloutEngine:
         embed_cache_size: int = 4096,
         progress: bool = False,
         quantization: QuantizationSpec | None = None,
+        vae_dtype: torch.dtype | None = None,
     ) -> None:
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
@@ -149,6 +152,8 @@ class DiffusersRolloutEngine:
         self.collective = False
         self.pipe = self._load_pipeline(model_path, dtype)
         self.pipe.to(self.device)
+        if vae_dtype is not None:  # decodes (and encodes source images) in it; `decode` casts the latents to it
+            self.pipe.vae = vae_in_dtype(self.pipe.vae, model_path, vae_dtype)
         self.pipe.set_progress_bar_config(disable=True)
         self.transformer = self._policy_transformer()
         self.quantization = quantization
@@ -643,6 +648,17 @@ class DiffusersRolloutEngine:
         """Nothing to release (the pipeline goes with the object)."""
 
 
+def vae_in_dtype(vae: torch.nn.Module, folder: str | os.PathLike, dtype: torch.dtype) -> torch.nn.Module:
+    """The pipeline folder's VAE (`vae/`) in `dtype` on `vae`'s device: `vae` itself when it is in `dtype` already,
+    else loaded again from the folder in `dtype` (casting `vae` would keep what the model's dtype rounded away:
+    flow_grpo's fp32 VAE holds the checkpoint's values, not bf16 ones)."""
+    params = list(vae.parameters())
+    if not params or params[0].dtype == dtype:  # a parameter-free VAE (a pixel-space fold) has nothing to cast
+        return vae
+    device = params[0].device
+    return type(vae).from_pretrained(Path(folder) / "vae", torch_dtype=dtype, local_files_only=True).to(device)
+
+
 # The engine class of a pipeline folder by its model_index.json's `_class_name` (imported only when built); any
 # other class: `DiffusersRolloutEngine` (Qwen-Image's).
 ENGINE_CLASSES = {
@@ -668,4 +684,4 @@ def build_diffusers_engine(pipeline_dir: str | os.PathLike, settings: Any) -> Di
         module, attr = ENGINE_CLASSES[name].split(":")
         cls = getattr(importlib.import_module(module), attr)
     return cls(pipeline_dir, max_batch_size=settings.max_batch_size, dtype=settings.dtype,
-               quantization=settings.quantization)
+               quantization=settings.quantization, vae_dtype=getattr(settings, "vae_dtype", None))

