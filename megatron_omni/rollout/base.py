@@ -91,6 +91,9 @@ class SamplingParams(SdeWindowParams):
     # The guidance scale a guidance-distilled model takes as an input (FLUX.1-dev's `guidance`, not true CFG); None:
     # the engine's default for a model that takes one (FLUX: FluxPipeline's 3.5), none for a model that does not.
     distilled_guidance: float | None = None
+    # Wan2.2 A14B: the true-CFG scale of the low-noise expert's steps (`WanPipeline`'s `guidance_scale_2`;
+    # `guidance_scale` guides the high-noise expert's); None: `guidance_scale` on every step. Needs CFG on.
+    guidance_scale_2: float | None = None
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -102,6 +105,9 @@ class SamplingParams(SdeWindowParams):
             raise ValueError(f"guidance_scale must be >= 1 (1 = no CFG), got {self.guidance_scale}")
         if self.guidance_scale > 1 and self.negative_prompt is None:
             raise ValueError("guidance_scale > 1 (true CFG) needs a negative_prompt (may be ' ')")
+        if self.guidance_scale_2 is not None and not (self.guidance_scale > 1 and self.guidance_scale_2 >= 1):
+            raise ValueError(f"guidance_scale_2={self.guidance_scale_2} needs true CFG on (guidance_scale > 1, got "
+                             f"{self.guidance_scale}: WanPipeline guides only then) and must be >= 1")
         if self.distilled_guidance is not None and not self.distilled_guidance > 0:
             raise ValueError(f"distilled_guidance must be positive, got {self.distilled_guidance}")
         if not 1 <= self.max_sequence_length <= 1024:

@@ -148,6 +148,8 @@ def check_config(cfg: JobConfig, planning: bool = False) -> None:
          "in the trainer's process)"),
         (r.tp != 1, "rollout.tp", "must be 1"),
         (r.vae_dtype != "auto", "rollout.vae_dtype", "must be auto (BAGEL's autoencoder runs in rollout.dtype)"),
+        (r.guidance_scale_2 is not None, "rollout.guidance_scale_2", "must be unset (it guides Wan2.2 A14B's "
+         "low-noise expert)"),
         (a.name != "flowgrpo", "algorithm.name", "must be flowgrpo"),
         (a.is_cap not in (None, 0), "algorithm.is_cap", "must be unset"),
         (cfg.model.lora.enabled and cfg.optim.ema_decay > 0, "optim.ema_decay", "must be 0 with LoRA (the EMA "

@@ -124,6 +124,8 @@ class RolloutConfig:
     # [lo, hi) of the window's first step; None: [0, max(window_size, num_steps // 2))
     window_range: list[int] | None = SamplingParams.window_range
     guidance_scale: float = SamplingParams.guidance_scale
+    # Wan2.2 A14B: the low-noise expert's steps' CFG scale (`WanPipeline`'s guidance_scale_2); None: guidance_scale
+    guidance_scale_2: float | None = SamplingParams.guidance_scale_2
     # BAGEL's image CFG scale (its `cfg_img_scale`, applied where text CFG is; 1: none); other families refuse > 1
     image_guidance_scale: float = 1.0
     negative_prompt: str | None = SamplingParams.negative_prompt

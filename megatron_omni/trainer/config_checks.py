@@ -41,6 +41,7 @@ BOUNDS: list[tuple[str, float | None, bool, float | None, bool]] = [
     ("rollout.window_size", 0, True, None, False),
     ("rollout.guidance_scale", 1, True, None, False),
     ("rollout.image_guidance_scale", 1, True, None, False),
+    ("rollout.guidance_scale_2", 1, True, None, False),
     ("rollout.distilled_guidance", 0, False, None, False),
     ("rollout.prompts_per_step", 1, True, None, False),
     ("rollout.group_size", 2, True, None, False),  # group-relative advantages need two samples per prompt
@@ -141,6 +142,7 @@ AR_DIT_UNSUPPORTED: list[tuple[str, Any, str]] = [
     ("rollout.guidance_scale", 1.0, "the hybrid samples without classifier-free guidance"),
     ("rollout.negative_prompt", None, "the hybrid samples without classifier-free guidance"),
     ("rollout.image_guidance_scale", 1.0, "the hybrid samples without classifier-free guidance"),
+    ("rollout.guidance_scale_2", None, "the hybrid samples without classifier-free guidance"),
     ("reward.url", None, "the hybrid's reward scores trajectories in process (ar_dit.reward)"),
     ("reward.scorer", "jpeg_compressibility", "the hybrid's reward is ar_dit.reward (it reads plan tokens too)"),
     ("rollout.height", 64, "the hybrid's image size is ar_dit.grid"),
@@ -507,6 +509,12 @@ def check_dit_traits(cfg: Any) -> None:
     if r.image_guidance_scale != 1.0:
         raise ConfigError(f"rollout.image_guidance_scale={r.image_guidance_scale!r} is not supported with model.family="
                           f"{name}: image CFG is BAGEL's (model.family=bagel)")
+    if r.guidance_scale_2 is not None and not traits.video:
+        raise ConfigError(f"rollout.guidance_scale_2={r.guidance_scale_2!r} is not supported with model.family={name}: "
+                          "it guides Wan2.2 A14B's low-noise expert (model.family=wan)")
+    if r.guidance_scale_2 is not None and r.guidance_scale <= 1:
+        raise ConfigError(f"rollout.guidance_scale_2={r.guidance_scale_2!r} needs true CFG on (rollout.guidance_scale "
+                          f"> 1, got {r.guidance_scale!r}): WanPipeline guides only then")
     if cfg.model.bagel_experts != "generation":
         raise ConfigError(f"model.bagel_experts={cfg.model.bagel_experts!r} is not supported with model.family={name}: "
                           "the experts are BAGEL's (model.family=bagel)")

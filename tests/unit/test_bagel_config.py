@@ -36,6 +36,7 @@ def test_tiny_recipe_validates() -> None:
     ("eval.prompts", ["7 300"], r"token ids must be in \[0, 128\)"),  # held-out prompts encode like RL prompts
     ("rollout.image_guidance_scale", 0.5, "rollout.image_guidance_scale"),
     ("rollout.vae_dtype", "fp32", "rollout.vae_dtype: must be auto"),
+    ("rollout.guidance_scale_2", 2.0, "rollout.guidance_scale_2: must be unset"),
 ])
 def test_unsupported_settings_refused_by_name(field: str, value, named: str) -> None:
     cfg = tiny()

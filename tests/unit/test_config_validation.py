@@ -69,6 +69,22 @@ def test_a_dit_family_refuses_bagels_experts() -> None:
     assert "the experts are BAGEL's" in _refused(cfg, "model.bagel_experts")
 
 
+def test_guidance_scale_2_is_wans_and_needs_cfg() -> None:
+    """`rollout.guidance_scale_2` (Wan2.2 A14B's low-noise guidance) reaches the sampler by name; an image family
+    refuses it, and so does a Wan run without true CFG."""
+    from examples.wan.recipe import wan_video_demo
+    from megatron_omni.rollout.base import SamplingParams
+
+    cfg = apply_overrides(JobConfig(), ["rollout.guidance_scale=4", "rollout.negative_prompt=x",
+                                        "rollout.guidance_scale_2=3"])
+    assert "A14B's low-noise expert" in _refused(cfg, "rollout.guidance_scale_2")
+    cfg = apply_overrides(wan_video_demo(), ["rollout.guidance_scale_2=3"])
+    assert "needs true CFG on" in _refused(cfg, "rollout.guidance_scale_2")
+    cfg = apply_overrides(cfg, ["rollout.guidance_scale=5", "rollout.negative_prompt=blurry"])
+    cfg.validate(1)
+    assert SamplingParams.from_config(cfg.rollout).guidance_scale_2 == 3.0
+
+
 def test_tables_cover_every_numeric_and_fixed_set_field() -> None:
     bounded = {row[0] for row in BOUNDS}
     # Fields that are numbers without a bound of their own: checked together with other fields.
@@ -262,6 +278,7 @@ def test_the_ar_dit_recipe_is_valid_and_maps_onto_the_trainer_settings() -> None
     (["algorithm.is_cap=2"], "algorithm.is_cap"),
     (["rollout.vae_dtype=fp32"], "rollout.vae_dtype"),
     (["model.bagel_experts=both"], "model.bagel_experts"),
+    (["rollout.guidance_scale_2=3"], "rollout.guidance_scale_2"),
 ])
 def test_ar_dit_refuses_what_it_does_not_implement(overrides: list[str], field_name: str) -> None:
     """A setting the hybrid's trainer would not honour is an error naming it, never silently ignored."""

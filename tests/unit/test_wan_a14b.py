@@ -170,6 +170,36 @@ def test_the_low_noise_expert_recomputes_the_window(folder: str, engine: WanRoll
         assert float((again.images - ode.images).abs().max()) < 1e-5
 
 
+def test_guidance_scale_2_guides_the_low_noise_experts_steps(folder: str, engine: WanRolloutEngine, one_rank) -> None:
+    """`guidance_scale_2` as `WanPipeline` applies it: `guidance_scale` (5.0) on the high-noise expert's step,
+    `guidance_scale_2` (2.0) on the low-noise expert's: the ODE video equals the pipeline's and moves from the one
+    guided by 5.0 throughout; the trajectory records 2.0 (its window lies in the low-noise steps) and the low-noise
+    expert recomputes the window's log-probs with it. A one-transformer folder refuses it by name."""
+    pipe = WanPipeline.from_pretrained(folder, local_files_only=True)
+    pipe.set_progress_bar_config(disable=True)
+    want = pipe(prompt=PROMPTS, negative_prompt=CFG["negative_prompt"], height=32, width=32, num_frames=5,
+                num_inference_steps=4, guidance_scale=5.0, guidance_scale_2=2.0, max_sequence_length=16,
+                generator=[torch.Generator().manual_seed(s) for s in (3, 4)], output_type="pt").frames
+    params = replace(SDE, **CFG, guidance_scale_2=2.0)
+    got = engine.generate(PROMPTS, params.ode(), seeds=[3, 4])
+    one_scale = engine.generate(PROMPTS, replace(SDE, **CFG).ode(), seeds=[3, 4])
+    err, moved = (float((got.images - x).abs().max()) for x in (want, one_scale.images))
+    print(f"A14B ODE rollout (CFG 5.0 / 2.0) vs WanPipeline: max |diff| {err:.2e}; moved from CFG 5.0 by {moved:.2e}")
+    assert err < 1e-5 and moved > 1e-3
+    traj = engine.generate(PROMPTS, params, group_size=2, seeds=[1, 2, 3, 4])
+    assert traj.guidance_scale.tolist() == [2.0] * 4
+    with torch.no_grad():
+        dlogp = (recompute_log_probs(traj, DiffusersForward(_megatron_expert(folder, "transformer_2", one_rank)))
+                 .log_probs - traj.log_probs).abs()
+    assert float(dlogp.max()) <= 1e-6, dlogp
+    from model_providers.wan.tiny_pipeline import make_tiny_pipeline
+
+    one = build_diffusers_engine(make_tiny_pipeline(Path(folder).parent / "one-expert", seed=0),
+                                 EngineSettings(max_batch_size=4))
+    with pytest.raises(ValueError, match="guidance_scale_2=2.0 guides a low-noise expert: it needs a two-expert"):
+        one.generate(PROMPTS, params)
+
+
 def test_what_the_two_expert_folder_refuses(folder: str, engine: WanRolloutEngine, one_rank) -> None:
     with pytest.raises(ValueError, match=r"step 0, a high-noise step .* start at 1"):
         engine.generate(PROMPTS, replace(SDE, window_range=(0, 2)))

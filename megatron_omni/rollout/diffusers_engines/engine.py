@@ -338,6 +338,15 @@ class DiffusersRolloutEngine:
                 params.max_sequence_length, max(text.shape[0], 0 if neg_text is None else neg_text.shape[0])),
         )
 
+    def _step_guidance(self, s: _Sample) -> float:
+        """The true-CFG scale of sample `s`'s current step (a family whose guidance changes over the grid, Wan2.2
+        A14B's per expert, overrides it)."""
+        return s.params.guidance_scale
+
+    def _window_guidance(self, s: _Sample) -> float:
+        """The scale the trajectory records for sample `s`: its window steps' (what the recompute guides with)."""
+        return s.params.guidance_scale
+
     @torch.no_grad()
     def _denoise_step(self, batch: list[_Sample]) -> None:
         """One transformer forward and one SDE step for every sample of `batch` (same batch_key)."""
@@ -350,7 +359,7 @@ class DiffusersRolloutEngine:
         latents = torch.stack([s.latents for s in batch])
         length = max(s.text_length for s in batch)
         text, mask = pad_text([s.text for s in batch], length)
-        guidance = torch.tensor([s.params.guidance_scale for s in batch], device=dev)
+        guidance = torch.tensor([self._step_guidance(s) for s in batch], device=dev)
         neg_text = neg_mask = None
         if any(s.neg_text is not None for s in batch):
             # rows without CFG get a placeholder that the guided batch never reads
@@ -477,6 +486,9 @@ class DiffusersRolloutEngine:
     ) -> Trajectory:
         """`group_size` samples of each prompt; sample k of prompt p is row p * group_size + k, with
         seed `seeds[row]` (default: the row number). See `RolloutEngine.generate`."""
+        if params.guidance_scale_2 is not None and getattr(self, "experts", None) is None:
+            raise ValueError(f"guidance_scale_2={params.guidance_scale_2} guides a low-noise expert: it needs a "
+                             "two-expert (Wan2.2 A14B) folder, and this one has one transformer")
         seeds = sample_seeds(len(prompts), group_size, seeds)
         n = len(seeds)
         texts = self.encode_prompts(list(prompts), params.max_sequence_length)
@@ -527,7 +539,7 @@ class DiffusersRolloutEngine:
             prompt_embeds_mask=mask,
             negative_prompt_embeds=neg_text,
             negative_prompt_embeds_mask=neg_mask,
-            guidance_scale=torch.tensor([s.params.guidance_scale for s in samples], dtype=torch.float32),
+            guidance_scale=torch.tensor([self._window_guidance(s) for s in samples], dtype=torch.float32),
             latents=torch.stack([_stack(s.rec_latents, empty) for s in samples]),
             next_latents=torch.stack([_stack(s.rec_next, empty) for s in samples]),
             log_probs=torch.stack([_stack(s.rec_log_probs, s0.latents.new_zeros(0)) for s in samples]),

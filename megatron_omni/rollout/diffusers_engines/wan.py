@@ -225,6 +225,20 @@ class WanRolloutEngine(DiffusersRolloutEngine):
         sample.clean_tokens = cond.shape[0]
         return sample
 
+    def _step_guidance(self, s: _Sample) -> float:
+        """`WanPipeline`'s per-step guidance: `guidance_scale` on the high-noise expert's steps, `guidance_scale_2`
+        (None: the same) on the low-noise expert's (A14B; a one-transformer folder: `guidance_scale`)."""
+        g2 = s.params.guidance_scale_2
+        if g2 is None or self.experts is None or bool(self.experts.high_noise(s.sigmas[s.step: s.step + 1])[0]):
+            return s.params.guidance_scale
+        return g2
+
+    def _window_guidance(self, s: _Sample) -> float:
+        """The low-noise expert's scale on an A14B folder: its SDE window lies in that expert's steps
+        (`TwoExperts.check_window`), where the rollout guided with `guidance_scale_2`."""
+        g2 = s.params.guidance_scale_2
+        return s.params.guidance_scale if g2 is None or self.experts is None else g2
+
     def clear_prompt_cache(self) -> None:
         super().clear_prompt_cache()
         getattr(self, "_conditions", {}).clear()

@@ -204,6 +204,9 @@ class VllmOmniRolloutEngine:
         With peers, collective: their shares run together; an empty share returns None."""
         if self._asleep:
             raise RuntimeError("engine is asleep; call wake_up() first")
+        if params.guidance_scale_2 is not None:  # vLLM-Omni's engine serves no two-expert (A14B) folder here
+            raise ValueError(f"guidance_scale_2={params.guidance_scale_2} guides a Wan2.2 A14B low-noise expert, "
+                             "which the vLLM-Omni engine does not serve: sample that folder with the diffusers engine")
         if self.peers is None or prompts:
             seeds = sample_seeds(len(prompts), group_size, seeds)
         requests = [sample_prompt(prompts[p], seeds[p * group_size + k], p * group_size + k, p)
