@@ -3,15 +3,16 @@
 forked from this process's one fork server), as an engine's owning rank starts it (`engine.start_omni` behind
 `VllmOmniRolloutEngine`).
 
-SD3.5 (true CFG 4.5, pooled CLIP embeddings), FLUX.1 (distilled guidance 2.0), Wan2.2 (text-to-video, CFG 5.0) and
-Qwen-Image-Edit (source-image records, CFG 3.0), each at rollout tp 2 (two worker processes, the transformer
-sharded): the workers report our platform and the family's pipeline class; the trajectories (every record crossing
-the workers' message queues) equal the family's diffusers engine's for the same seeds; a bucketed weight update over
-`collective_rpc` reaches the next rollout, equal to the diffusers engine holding the same weights; a partial update
-is refused by name. Then FP8 (`rollout.quantization=fp8`) for SD3.5 and FLUX.1 at rollout tp 1 and 2: the workers'
-linears hold FP8 weights, and the probe before and after an update passes or fails the trainer's quantized check as
-it should. (The same classes in the trainer's ranks, `rollout.vllm_omni_process=inline`, with the bridge's plans:
-test_image_vllm_omni.py, test_wan_vllm_omni.py, test_qwen_image_edit_vllm_omni.py.)
+SD3.5 (true CFG 4.5, pooled CLIP embeddings), FLUX.1 (distilled guidance 2.0), Wan2.2 (text-to-video, CFG 5.0),
+Wan2.2-TI2V's layout (image-to-video records, the first frame's tokens clean) and Qwen-Image-Edit (source-image
+records, CFG 3.0), each at rollout tp 2 (two worker processes, the transformer sharded): the workers report our
+platform and the family's pipeline class; the trajectories (every record crossing the workers' message queues) equal
+the family's diffusers engine's for the same seeds; a bucketed weight update over `collective_rpc` reaches the next
+rollout, equal to the diffusers engine holding the same weights; a partial update is refused by name. Then FP8
+(`rollout.quantization=fp8`) for SD3.5 and FLUX.1 at rollout tp 1 and 2: the workers' linears hold FP8 weights, and
+the probe before and after an update passes or fails the trainer's quantized check as it should. (The same classes in
+the trainer's ranks, `rollout.vllm_omni_process=inline`, with the bridge's plans: test_image_vllm_omni.py,
+test_wan_vllm_omni.py, test_qwen_image_edit_vllm_omni.py.)
 
 Only the first engine of the module pays vLLM-Omni's imports (in the fork server, about 20 s); each next one starts in
 a few seconds."""
@@ -42,9 +43,11 @@ VIDEO = SamplingParams(height=32, width=32, num_frames=5, num_steps=4, noise_lev
 PARAMS = {"sd3": replace(IMAGE, guidance_scale=4.5, negative_prompt="blurry"),
           "flux": replace(IMAGE, distilled_guidance=2.0),
           "wan": VIDEO,
+          # Wan2.2-TI2V's layout: image-to-video records, 9 frames at 64 x 64, each clip's first latent frame its image
+          "wan_ti2v": replace(VIDEO, height=64, width=64, num_frames=9),
           "qwen_image_edit": replace(IMAGE, guidance_scale=3.0, negative_prompt=" ")}
 CLASSES = {"sd3": "FlowGRPOSD3Pipeline", "flux": "FlowGRPOFluxPipeline", "wan": "FlowGRPOWanPipeline",
-           "qwen_image_edit": "FlowGRPOQwenImageEditPipeline"}
+           "wan_ti2v": "FlowGRPOWanPipeline", "qwen_image_edit": "FlowGRPOQwenImageEditPipeline"}
 SEEDS = [3, 4, 5, 6]
 FIELDS = ("images", "latents", "next_latents", "log_probs", "prompt_embeds", "sigmas", "window_start", "seeds")
 OPTIONAL = ("negative_prompt_embeds", "pooled_embeds", "negative_pooled_embeds", "distilled_guidance", "cond_latents")
@@ -62,6 +65,10 @@ def _folder(root: Path, family: str) -> tuple[Path, list[str]]:
         from tests.distributed.test_wan_vllm_omni import make_folder
 
         return make_folder(root), prompts
+    if family == "wan_ti2v":  # the TI2V folder with head dim 12, two image records (a gradient, a checkerboard)
+        from tests.distributed.test_wan_vllm_omni import image_records, make_ti2v_folder
+
+        return make_ti2v_folder(root), image_records(root)
     if family == "qwen_image_edit":
         import numpy as np
         from PIL import Image
@@ -135,6 +142,7 @@ def served(request, tmp_path_factory) -> dict[str, Any]:
         got = engine.generate(prompts, params, group_size=2, seeds=SEEDS, on_sample=seen.append)
         res["seen"] = sorted(s.index for s in seen)
         res["shape"] = (tuple(got.images.shape), tuple(got.log_probs.shape))
+        res["clean_tokens"] = got.clean_tokens
         res["parity"] = _diff(got, ref.generate(prompts, params, group_size=2, seeds=SEEDS))
         weights = perturbed({k: v.detach().clone() for k, v in ref._policy_transformer().named_parameters()}, 100)
         engine.bucket_bytes = 64 * 1024  # several buckets
@@ -168,10 +176,12 @@ def test_the_family_pipeline_serves_from_forked_worker_processes(served: dict) -
 
 def test_trajectories_equal_the_diffusers_engines(served: dict) -> None:
     assert served["seen"] == [0, 1, 2, 3]  # every sample reported as it finished
-    frames = (5,) if served["family"] == "wan" else ()  # [N, F, C, H, W] for a video
-    size = PARAMS[served["family"]].height
-    assert served["shape"] == ((4, *frames, 3, size, size), (4, 2)), served["shape"]
+    params = PARAMS[served["family"]]
+    frames = (params.num_frames,) if params.num_frames > 1 else ()  # [N, F, C, H, W] for a video
+    assert served["shape"] == ((4, *frames, 3, params.height, params.height), (4, 2)), served["shape"]
     assert max(served["parity"].values()) <= TOL, served["parity"]
+    if served["family"] == "wan_ti2v":  # the first latent frame's 4 tokens clean on both engines (meta: equal)
+        assert served["clean_tokens"] == 4, served["clean_tokens"]
 
 
 def test_a_bucketed_update_reaches_the_next_rollout_and_a_partial_one_is_refused(served: dict) -> None:
