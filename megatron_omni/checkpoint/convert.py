@@ -180,10 +180,11 @@ def _checkpoint_config(checkpoint: str, config_path: str | Path | None) -> tuple
     return fam, cfg
 
 
-def copy_pipeline_components(pipeline_dir: Path, out: Path) -> None:
-    """Copy every component of a diffusers pipeline folder but its transformer into `out`."""
+def copy_pipeline_components(pipeline_dir: Path, out: Path, component: str = "transformer") -> None:
+    """Copy every component of a diffusers pipeline folder but `component` (the transformer the conversion writes)
+    into `out`."""
     for item in sorted(pipeline_dir.iterdir()):
-        if item.name != "transformer":
+        if item.name != component:
             dst = out / item.name
             shutil.copytree(item, dst) if item.is_dir() else shutil.copy2(item, dst)
 
@@ -244,7 +245,7 @@ def mcore_to_hf(
         plan.append(f"{prefix + m.megatron}  ->  {', '.join(m.hf)}  [{m.kind}, {shape}, "
                     f"{str(out_dtype).removeprefix('torch.')}]")
 
-    pipeline_dir = None
+    pipeline_dir, component = None, "transformer"
     if pipeline_source is not None:
         pipe = resolve_diffusers_folder(pipeline_source)
         if pipe.pipeline_dir is None:
@@ -252,7 +253,7 @@ def mcore_to_hf(
         if pipe.family.name != fam.name or fam.arch_config(pipe.config) != fam.arch_config(cfg):
             raise CheckpointError(f"the transformer of pipeline {pipe.pipeline_dir} ({fam.arch_config(pipe.config)})"
                                   f" differs from the checkpoint's ({fam.arch_config(cfg)})")
-        pipeline_dir = pipe.pipeline_dir
+        pipeline_dir, component = pipe.pipeline_dir, pipe.component
     total = sum(t.nbytes for t in planned)
     out = check_output(output)
     result = ConversionResult(out, fam.name, len(planned), total, dry_run=dry_run, plan=plan)
@@ -265,8 +266,8 @@ def mcore_to_hf(
     with _progress(total, "mcore-to-hf", progress) as bar, staged_output(out) as tmp, single_process_group():
         transformer_dir = tmp
         if pipeline_dir is not None:
-            copy_pipeline_components(pipeline_dir, tmp)
-            transformer_dir = tmp / "transformer"
+            copy_pipeline_components(pipeline_dir, tmp, component)
+            transformer_dir = tmp / component
             transformer_dir.mkdir()
         (transformer_dir / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
         writer = ShardedSafetensorsWriter(transformer_dir, planned, max_shard_bytes)

@@ -55,17 +55,36 @@ def read_json(path: Path) -> dict[str, Any]:
 
 @dataclass(frozen=True)
 class DiffusersSource:
-    """A diffusers transformer folder, possibly inside a pipeline folder."""
+    """A diffusers transformer folder, possibly inside a pipeline folder (as its `component`: `transformer`, or a
+    Wan2.2 A14B pipeline's trained low-noise expert `transformer_2`)."""
 
     transformer_dir: Path
     pipeline_dir: Path | None
     config: dict[str, Any]
     family: ModelFamily
+    component: str = "transformer"
+
+
+def trained_component(pipeline_dir: str | Path) -> str:
+    """The pipeline component the trainer's transformer is: `transformer`, or a two-expert (Wan2.2 A14B) pipeline's
+    low-noise expert (`model_providers.wan.experts.TRAINED_EXPERT`; a half-declared pair is refused by name)."""
+    index = read_json(Path(pipeline_dir) / "model_index.json")
+    if (index.get("transformer_2") or [None])[0] is None:
+        return "transformer"
+    from model_providers.wan.experts import TRAINED_EXPERT, read_two_experts
+
+    try:
+        read_two_experts(pipeline_dir)
+    except ValueError as exc:
+        raise CheckpointError(str(exc)) from None
+    return TRAINED_EXPERT
 
 
 def resolve_diffusers_folder(path: str | Path) -> DiffusersSource:
     """Find the transformer of a diffusers transformer folder (config.json) or pipeline folder
-    (model_index.json with a `transformer` entry) and its family."""
+    (model_index.json with a `transformer` entry) and its family. A two-expert (Wan2.2 A14B) pipeline's is its
+    trained expert, the low-noise `transformer_2` (`model_providers.wan.experts.TRAINED_EXPERT`): what the trainer's
+    checkpoints hold, and the slot an exported one goes back into."""
     root = Path(path)
     if not root.is_dir():
         raise CheckpointError(f"{root} is not a folder")
@@ -75,14 +94,10 @@ def resolve_diffusers_folder(path: str | Path) -> DiffusersSource:
         entry = index.get("transformer")
         if not entry:
             raise CheckpointError(f"{root / 'model_index.json'} lists no 'transformer' component")
-        if (index.get("transformer_2") or [None])[0] is not None:
-            # Wan2.2 A14B: the pipeline's `transformer` is only its high-noise expert (written back there, a trained
-            # low-noise expert would take the wrong slot)
-            raise CheckpointError(f"{root} is a two-expert (Wan2.2 A14B) pipeline: convert one expert's folder, "
-                                  f"{root / 'transformer'} (high noise) or {root / 'transformer_2'} (low noise)")
-        pipeline_dir, root = root, root / "transformer"
+        pipeline_dir, root = root, root / trained_component(root)
     cfg_path = root / "config.json"
     if not cfg_path.is_file():
         raise CheckpointError(f"{root} has neither config.json (a transformer) nor model_index.json (a pipeline)")
     config = read_json(cfg_path)
-    return DiffusersSource(root, pipeline_dir, config, family_of_config(config, str(cfg_path)))
+    return DiffusersSource(root, pipeline_dir, config, family_of_config(config, str(cfg_path)),
+                           root.name if pipeline_dir is not None else "transformer")

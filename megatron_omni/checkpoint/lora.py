@@ -69,16 +69,22 @@ def lora_sharded_state_dict(model: torch.nn.Module) -> ShardedStateDict:
 
 def base_identity(pipeline_dir: str | Path) -> dict[str, Any]:
     """What a LoRA checkpoint records about its base: the pipeline folder's resolved path, and the size and a
-    CRC-32 over the (sorted) files of its transformer folder (the weights the adapters were trained on)."""
-    folder = Path(pipeline_dir).resolve() / "transformer"
+    CRC-32 over the (sorted) files of its trained transformer's folder (the weights the adapters were trained on:
+    `transformer`, or a Wan2.2 A14B pipeline's `transformer_2`, then named under `component`)."""
+    from megatron_omni.checkpoint.families import trained_component
+
+    root = Path(pipeline_dir).resolve()
+    component = trained_component(root) if (root / "model_index.json").is_file() else "transformer"
+    folder = root / component
     if not folder.is_dir():
-        raise CheckpointError(f"{pipeline_dir} has no transformer folder: not a diffusers pipeline")
+        raise CheckpointError(f"{pipeline_dir} has no {component} folder: not a diffusers pipeline")
     crc, size = 0, 0
     for name in manifest.content_files(folder):
         entry = manifest.file_entry(folder / name)
         crc = zlib.crc32(f"{name}:{entry['size']}:{entry['crc32']};".encode(), crc)
         size += entry["size"]
-    return {"path": str(folder.parent), "transformer_crc32": crc, "transformer_bytes": size}
+    return {"path": str(folder.parent), "transformer_crc32": crc, "transformer_bytes": size,
+            **({} if component == "transformer" else {"component": component})}
 
 
 @dataclass(frozen=True)
@@ -168,6 +174,7 @@ class LoRAExport:
     bytes: int
     merged: bool
     seconds: float
+    component: str = "transformer"  # the pipeline component the adapters are for (A14B: `transformer_2`)
 
 
 def lora_to_hf(checkpoint: str | Path, output: str | Path, *, merge: bool = False,
@@ -189,6 +196,10 @@ def lora_to_hf(checkpoint: str | Path, output: str | Path, *, merge: bool = Fals
     if not (base / "model_index.json").is_file():
         raise CheckpointError(f"base pipeline {base} is not a diffusers pipeline folder (pass --pipeline-source)")
     found = base_identity(base)
+    component = found.get("component", "transformer")
+    if component != lora["base"].get("component", "transformer"):
+        raise CheckpointError(f"base pipeline {base}: its trained transformer is {component}, the adapters were "
+                              f"trained on {lora['base'].get('component', 'transformer')}")
     if found["transformer_crc32"] != lora["base"]["transformer_crc32"]:
         raise CheckpointError(f"base pipeline {base}: its transformer's checksum {found['transformer_crc32']} is not "
                               f"the one the adapters were trained on ({lora['base']['transformer_crc32']}, "
@@ -211,24 +222,25 @@ def lora_to_hf(checkpoint: str | Path, output: str | Path, *, merge: bool = Fals
                                                    "target_modules": modules, "lora_dropout": 0.0})
             written = sum(t.numel() * t.element_size() for t in state.values())
         else:
-            written = _write_merged_pipeline(base, tmp, state, lora["rank"], lora["alpha"], cast)
-    return LoRAExport(out, len(modules), written, merge, time.perf_counter() - t0)
+            written = _write_merged_pipeline(base, tmp, state, lora["rank"], lora["alpha"], cast, component)
+    return LoRAExport(out, len(modules), written, merge, time.perf_counter() - t0, component)
 
 
 def _write_merged_pipeline(base: Path, tmp: Path, state: dict[str, torch.Tensor], rank: int, alpha: float,
-                           cast: torch.dtype | None) -> int:
-    """Copy the base pipeline's components except the transformer into `tmp`, and write its transformer with
-    every adapted weight merged (fp32 product, stored in the weight's dtype or `cast`). Returns bytes written."""
+                           cast: torch.dtype | None, component: str = "transformer") -> int:
+    """Copy the base pipeline's components except the trained transformer (`component`) into `tmp`, and write that
+    transformer with every adapted weight merged (fp32 product, stored in the weight's dtype or `cast`). Returns
+    bytes written."""
     from megatron_omni.checkpoint.convert import copy_pipeline_components
 
-    copy_pipeline_components(base, tmp)
-    src = SafetensorsFolder(base / "transformer")
-    (tmp / "transformer").mkdir()
-    shutil.copy2(base / "transformer" / "config.json", tmp / "transformer" / "config.json")
+    copy_pipeline_components(base, tmp, component)
+    src = SafetensorsFolder(base / component)
+    (tmp / component).mkdir()
+    shutil.copy2(base / component / "config.json", tmp / component / "config.json")
     scale = alpha / rank
     names = sorted(src.entries)
     planned = [PlannedTensor(n, cast or src.entries[n].dtype, tuple(src.entries[n].shape)) for n in names]
-    writer = ShardedSafetensorsWriter(tmp / "transformer", planned, 10 * 10**9)
+    writer = ShardedSafetensorsWriter(tmp / component, planned, 10 * 10**9)
     written = 0
     try:
         for name in names:

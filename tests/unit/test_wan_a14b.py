@@ -1,6 +1,6 @@
 """Wan2.2 A14B two-expert folders on the tiny offline folder in the published layout (`transformer` the high-noise
 expert, `transformer_2` the low-noise one, `boundary_ratio` 0.875): each expert converts diffusers -> Megatron ->
-diffusers byte-exact (the pipeline folder, which names no one transformer, is refused by name); the embedded
+diffusers byte-exact, and the pipeline folder converts (and is exported into) its trained low-noise expert; the embedded
 engine's ODE rollout with true CFG is `WanPipeline`'s video for the same seeds, each step on the expert the pipeline
 runs at that timestep (rows of both kinds in one forward too); the policy is the low-noise expert: an SDE window in
 its steps is recomputed by the Megatron model built from `transformer_2` to |dlogp| <= 1e-6 (and not by the
@@ -66,13 +66,22 @@ def test_each_expert_converts_byte_exact(folder: str, tmp_path: Path, capsys) ->
         assert main(["mcore-to-hf", str(tmp_path / name / "mcore"), str(tmp_path / name / "back"),
                      "--no-progress"]) == 0
         assert tensor_hashes(tmp_path / name / "back") == tensor_hashes(src)
-    # the pipeline folder itself names no one transformer: refused, nothing written
-    capsys.readouterr()
-    assert main(["hf-to-mcore", folder, str(tmp_path / "pipe"), "--no-progress"]) == 2
-    assert "two-expert (Wan2.2 A14B) pipeline" in capsys.readouterr().err and not (tmp_path / "pipe").exists()
-    assert main(["mcore-to-hf", str(tmp_path / "transformer_2" / "mcore"), str(tmp_path / "pipe"),
-                 "--pipeline-source", folder, "--no-progress"]) == 2
-    assert "transformer_2" in capsys.readouterr().err and not (tmp_path / "pipe").exists()
+    # the pipeline folder converts its trained expert, the low-noise `transformer_2`, and a checkpoint exported into
+    # a pipeline goes into that slot, the high-noise expert copied as it is (exporting the high-noise expert's
+    # checkpoint shows the slot: it lands in `transformer_2`)
+    assert main(["hf-to-mcore", folder, str(tmp_path / "pipe_mcore"), "--no-progress"]) == 0
+    for ckpt, out in (("pipe_mcore", "pipe_back"), ("transformer/mcore", "pipe_slot")):
+        assert main(["mcore-to-hf", str(tmp_path / ckpt), str(tmp_path / out), "--pipeline-source", folder,
+                     "--no-progress"]) == 0
+        assert tensor_hashes(tmp_path / out / "transformer") == tensor_hashes(experts["transformer"])
+    assert tensor_hashes(tmp_path / "pipe_back" / "transformer_2") == tensor_hashes(experts["transformer_2"])
+    assert tensor_hashes(tmp_path / "pipe_slot" / "transformer_2") == tensor_hashes(experts["transformer"])
+    # a LoRA checkpoint's base identity is the trained expert's files, named
+    from megatron_omni.checkpoint.lora import base_identity
+
+    identity = base_identity(folder)
+    assert identity["component"] == "transformer_2"
+    assert identity["transformer_bytes"] == sum(f.stat().st_size for f in experts["transformer_2"].iterdir())
 
 
 def _timesteps_seen(*modules: torch.nn.Module) -> tuple[list[list[float]], list]:

@@ -81,6 +81,9 @@ def main(argv: list[str] | None = None) -> int:
             what = "merged pipeline" if done.merged else "LoRA weights"
             print(f"wrote {done.output} ({what}): {done.modules} adapted modules, {done.bytes / 2**20:.1f} MiB in "
                   f"{done.seconds:.1f} s")
+            if done.component != "transformer" and not done.merged:  # diffusers loads into `transformer` by default
+                print(f"the adapters are the pipeline's {done.component}'s: load them with "
+                      f"load_lora_weights(..., load_into_{done.component}=True)")
             return 0
         from megatron_omni.checkpoint import bagel
 
