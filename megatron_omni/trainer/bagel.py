@@ -42,6 +42,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_omni.algorithms.advantages import group_advantages
+from megatron_omni.algorithms.grpo_guard import grpo_guard_loss
 from megatron_omni.algorithms.loss import flowgrpo_loss, kl_penalty
 from megatron_omni.algorithms.sde import sde_step
 from megatron_omni.bridge import DistributedTransport, WeightSync
@@ -150,7 +151,9 @@ def check_config(cfg: JobConfig, planning: bool = False) -> None:
         (r.vae_dtype != "auto", "rollout.vae_dtype", "must be auto (BAGEL's autoencoder runs in rollout.dtype)"),
         (r.guidance_scale_2 is not None, "rollout.guidance_scale_2", "must be unset (it guides Wan2.2 A14B's "
          "low-noise expert)"),
-        (a.name != "flowgrpo", "algorithm.name", "must be flowgrpo"),
+        (a.name not in ("flowgrpo", "grpo_guard"), "algorithm.name", "must be flowgrpo or grpo_guard"),
+        (a.name == "grpo_guard" and p.pp > 1, "algorithm.name", "must be flowgrpo at pp > 1 (the pipelined update "
+         "is FlowGRPO's; grpo_guard runs at pp 1)"),
         (a.is_cap not in (None, 0), "algorithm.is_cap", "must be unset"),
         (cfg.model.lora.enabled and cfg.optim.ema_decay > 0, "optim.ema_decay", "must be 0 with LoRA (the EMA "
          "is a copy of the whole model's weights)"),
@@ -496,18 +499,22 @@ class BagelTrainer:
         advantages = adv.advantages[offset: offset + len(traj)]
         t0 = time.perf_counter()
         forwards: list[bagel_pipeline.Forward] = []  # pp > 1: the recompute's forward, reused by the first update
-        if c.algorithm.old_logprob == "recompute":
+        old_means = None  # GRPO-Guard: the old transition means, its ratio normalisation's drift term
+        if c.algorithm.old_logprob == "recompute" or c.algorithm.name == "grpo_guard":
             if g.layout.pp > 1:
                 old = bagel_pipeline.window_log_probs(self.model, g, traj, self.markers, forwards)
             else:
                 with torch.no_grad():
-                    old = window_log_probs(self.model, traj, self.markers)
+                    old, old_means, _ = window_transitions(self.model, traj, self.markers)
+            if c.algorithm.old_logprob != "recompute":
+                old = traj.log_probs
         else:
             old = traj.log_probs
         t["old_logprob"] = time.perf_counter() - t0
         gap = (old - traj.log_probs).abs()
         t0 = time.perf_counter()
-        metrics = self._update(traj, old, advantages, step, forwards[0] if forwards else None)
+        metrics = self._update(traj, old, advantages, step, forwards[0] if forwards else None,
+                               old_means if c.algorithm.name == "grpo_guard" else None)
         t["train"] = time.perf_counter() - t0
         t["sync"] = self.sync_weights()
         metrics.update(step_metrics(all_r, adv.zero_std_ratio, float(gap.mean()), t, g.layout.world_size))
@@ -515,9 +522,10 @@ class BagelTrainer:
         return StepResult(metrics, traj, rewards, traj.images, texts)
 
     def _update(self, traj: BagelTrajectory, old: torch.Tensor, adv: torch.Tensor, step: int,
-                forward: bagel_pipeline.Forward | None = None) -> dict[str, float]:
+                forward: bagel_pipeline.Forward | None = None, old_means: torch.Tensor | None = None
+                ) -> dict[str, float]:
         """The step's mini-batch updates; `forward` (pp > 1): the old log-probs' forward at the weights the first
-        mini-batch starts from."""
+        mini-batch starts from; `old_means` [N, W, p, c]: GRPO-Guard's (None: FlowGRPO's clipped surrogate)."""
         c = self.cfg
         sums: dict[str, float] = {}
         tally = UpdateTally()
@@ -540,7 +548,16 @@ class BagelTrainer:
                     with torch.no_grad(), self._reference() as ref:
                         ref_means = window_transitions(ref, part, self.markers)[1]
                     kl = window_kl(means, ref_means, stds)
-                loss = flowgrpo_loss(new, old[rows], adv[rows], c.algorithm.clip_range, beta, kl)
+                if old_means is None:
+                    loss = flowgrpo_loss(new, old[rows], adv[rows], c.algorithm.clip_range, beta, kl)
+                else:  # one row per (sample, window step), each with its own transition scale and step
+                    w = new.shape[1]
+                    dt = (part.sigmas_next - part.sigmas).float().to(new.device)
+                    scale = stds * torch.sqrt(-dt)  # the sde step's std of x_{i+1} (`algorithms.sde`; guard: sde only)
+                    loss = grpo_guard_loss(new.flatten(), old[rows].flatten(), adv[rows].repeat_interleave(w),
+                                           means.flatten(0, 1), old_means[rows].flatten(0, 1), scale.flatten(),
+                                           dt.flatten(), c.algorithm.clip_range, beta,
+                                           None if kl is None else kl.flatten())
                 loss.loss.backward()
                 return loss.metrics
 

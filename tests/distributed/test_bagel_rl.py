@@ -234,8 +234,8 @@ def test_image_cfg_as_vllm_omni_applies_it(figures: dict) -> None:
 
 
 def test_the_understanding_expert_gets_the_gradient_with_both_experts(figures: dict) -> None:
-    """Measured: -3.3695e-2 against the central difference's -3.3671e-2 (eps 1e-2; 3e-3: -3.3677e-2), the markers'
-    share alone +3.6e-3."""
+    """Measured: -3.8244e-2 against the central difference's -3.8236e-2 (eps 1e-2), the markers' share alone
+    +3.5e-3."""
     grad, markers_only, fd = figures["und_grad"]
     print(f"understanding expert (layer 0 qkv) gradient {grad:.4e} (without the prompt's pass {markers_only:.4e}), "
           f"central difference {fd:.4e}")
@@ -326,7 +326,7 @@ def _pp_runs(rank: int, world_size: int, root: str) -> dict:
     """The tiny recipe's full fine-tuning (2 samples a step, one update, lr 2e-2) with the KL term and the EMA for 2
     steps at pp 2 (the update through 1F1B, `trainer.bagel_pipeline`), at tp 2 (pp 1, plain autograd) and at cp 2
     (`parallel.ulysses=2`: the image query's token shards, velocities gathered over cp) on the same two ranks, and
-    with both experts training (`model.bagel_experts=both`) at tp 2 and cp 2; then
+    with both experts training (`model.bagel_experts=both`) and with GRPO-Guard's update, each at tp 2 and cp 2; then
     `_lora_config`'s LoRA run at pp 2 (its tp 2 run is `_lora_runs`' first). Rank 0 returns the folders."""
     from pathlib import Path
 
@@ -335,11 +335,12 @@ def _pp_runs(rank: int, world_size: int, root: str) -> dict:
 
     out = {}
     for name, tp, pp, cp in (("pp2", 1, 2, 1), ("pp1", 2, 1, 1), ("cp2", 1, 1, 2), ("both_tp2", 2, 1, 1),
-                             ("both_cp2", 1, 1, 2)):
+                             ("both_cp2", 1, 1, 2), ("guard_tp2", 2, 1, 1), ("guard_cp2", 1, 1, 2)):
         cfg = tiny()
         cfg.run_dir, cfg.steps, cfg.parallel.tp, cfg.parallel.pp = str(Path(root) / name), PP_STEPS, tp, pp
         cfg.parallel.ulysses = cp
         cfg.model.bagel_experts = "both" if name.startswith("both") else "generation"
+        cfg.algorithm.name = "grpo_guard" if name.startswith("guard") else "flowgrpo"
         cfg.rollout.prompts_per_step, cfg.rollout.group_size, cfg.optim.mini_batches = 1, 2, 1
         cfg.optim.lr, cfg.checkpoint.every, cfg.logging.tensorboard = 2e-2, PP_STEPS, False
         cfg.algorithm.beta, cfg.optim.ema_decay = PP_BETA, PP_EMA
@@ -558,3 +559,18 @@ def test_both_experts_train_at_tp2_and_cp2(tp2_job: tuple[Future, object]) -> No
     never = [k for k in weights if not is_trained(k, "both")]
     assert sorted(never) == ["decoder.final_layernorm.weight", "latent_pos_embed", "output_layer.weight"], never
     assert max(lag["both"][k] for k in never) == 0, lag["both"]
+
+
+def test_grpo_guard_at_tp2_and_cp2(tp2_job: tuple[Future, object]) -> None:
+    """`algorithm.name=grpo_guard` on BAGEL (pp 1): the ratio normalised by each window step's transition scale and
+    the loss reweighted by its |dt| (`algorithms.grpo_guard`, the old transition means from the recompute). Its cp 2
+    run equals its tp 2 run (`_equal_to_pp1`); its metrics carry the normalised ratio's bias; its first step rolls
+    out what FlowGRPO's does (the same initial weights and seeds) and takes another gradient (the scaled ratio and
+    the |dt| reweighting; both losses are 0 there: ratio 1, a group's advantages summing to 0)."""
+    out = tp2_job[0].result()[0]
+    _equal_to_pp1(out, "guard_cp2", ref="guard_tp2")
+    guard, plain = _metrics(out["guard_tp2"]), _metrics(out["pp1"])
+    print("grpo_guard vs flowgrpo, step 1:", {k: (guard[0][k], plain[0][k]) for k in ("reward_mean", "grad_norm")})
+    assert all("ratio_mean_bias" in m for m in guard) and not any("ratio_mean_bias" in m for m in plain)
+    assert guard[0]["reward_mean"] == plain[0]["reward_mean"]
+    assert abs(guard[0]["grad_norm"] - plain[0]["grad_norm"]) > 0.1 * plain[0]["grad_norm"], (guard[0], plain[0])

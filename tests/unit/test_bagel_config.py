@@ -49,6 +49,15 @@ def test_unsupported_settings_refused_by_name(field: str, value, named: str) -> 
         cfg.validate(world_size=3 if field == "parallel.pp" else 1)
 
 
+def test_grpo_guard_validates_at_pp1_only() -> None:
+    cfg = tiny()
+    cfg.algorithm.name = "grpo_guard"
+    cfg.validate(world_size=1)
+    cfg.parallel.pp = 2
+    with pytest.raises(ConfigError, match="algorithm.name: must be flowgrpo at pp > 1"):
+        cfg.validate(world_size=2)
+
+
 def test_both_experts_validate_at_pp1_without_lora() -> None:
     """`model.bagel_experts=both` at tp/cp layouts of pp 1; refused with LoRA (the adapters are the generation
     expert's) and at pp > 1 (the pipelined prompt pass has no autograd), by name."""
