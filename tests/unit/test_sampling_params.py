@@ -44,12 +44,12 @@ def test_the_rollout_section_takes_its_sampling_defaults_and_values_from_the_rec
     shared = {f.name for f in fields(RolloutConfig)} & {f.name for f in fields(SamplingParams)}
     assert shared == {"height", "width", "num_steps", "noise_level", "sde_type", "window_size", "window_range",
                       "guidance_scale", "negative_prompt", "text_length", "num_frames", "max_sequence_length",
-                      "distilled_guidance"}
+                      "distilled_guidance", "guidance_scale_2"}
     assert RolloutConfig().sampling_params() == SamplingParams()
     section = RolloutConfig(height=32, width=48, num_steps=6, noise_level=0.7, sde_type="cps", window_size=1,
                             window_range=[1, 3], guidance_scale=4.0, negative_prompt=" ", text_length=9, num_frames=5,
-                            max_sequence_length=64, distilled_guidance=3.5)
+                            max_sequence_length=64, distilled_guidance=3.5, guidance_scale_2=2.0)
     got = section.sampling_params()
     assert got == SamplingParams(height=32, width=48, num_steps=6, noise_level=0.7, sde_type="cps", window_size=1,
                                  window_range=(1, 3), guidance_scale=4.0, negative_prompt=" ", text_length=9,
-                                 num_frames=5, max_sequence_length=64, distilled_guidance=3.5)
+                                 num_frames=5, max_sequence_length=64, distilled_guidance=3.5, guidance_scale_2=2.0)
