@@ -13,6 +13,7 @@ from megatron_omni.planner.plan import plan, validate
 from megatron_omni.planner.report import PlanReport, TimeReport, measured_mfu, reference_implied_mfu
 from megatron_omni.planner.specs import (
     DEFAULT_MFU,
+    DTYPE_BYTES,
     GPUS,
     REFERENCE_GPUS,
     REFERENCE_IMAGES_PER_S_PER_GPU,
@@ -24,6 +25,6 @@ from megatron_omni.planner.specs import (
     Workload,
 )
 
-__all__ = ["DEFAULT_MFU", "GPUS", "REFERENCE_GPUS", "REFERENCE_IMAGES_PER_S_PER_GPU", "REFERENCE_STEP_S",
+__all__ = ["DEFAULT_MFU", "DTYPE_BYTES", "GPUS", "REFERENCE_GPUS", "REFERENCE_IMAGES_PER_S_PER_GPU", "REFERENCE_STEP_S",
            "GPUSpec", "JobPlan", "LoRASpec", "PlanReport", "Precision", "RolloutSpec", "StateCopy",
            "TimeReport", "Workload", "measured_mfu", "plan", "plan_job", "reference_implied_mfu", "validate"]

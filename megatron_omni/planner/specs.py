@@ -18,6 +18,8 @@ QWEN_IMAGE_TEXT_ENCODER_PARAMS = 8_290_000_000
 QWEN_IMAGE_VAE_PARAMS = 127_000_000
 
 DEFAULT_MFU = 0.35
+# Bytes per element of the config's dtype names (`model.params_dtype`, `rollout.dtype`, `rollout.vae_dtype`)
+DTYPE_BYTES = {"fp32": 4, "bf16": 2}
 
 
 @dataclass(frozen=True)
@@ -123,11 +125,10 @@ class Precision:
         """What Megatron-Core allocates for `model.params_dtype` ('fp32' | 'bf16'): in bf16, 2-byte weights and
         activations and fp32 main params + Adam m, v (12 bytes); in fp32 the weights are the main params, so
         the optimizer holds m, v only (8 bytes). Grads are fp32 either way (grad_reduce_in_fp32)."""
-        width = {"fp32": 4, "bf16": 2}
         for field_name, name in (("model.params_dtype", params_dtype), ("rollout.dtype", rollout_dtype)):
-            if name not in width:
+            if name not in DTYPE_BYTES:
                 raise LayoutError(f"{field_name}={name!r}: expected fp32 or bf16")
         bf16 = params_dtype == "bf16"
-        return cls(param_bytes=width[params_dtype], grad_bytes=4, optimizer_bytes=12 if bf16 else 8,
-                   distributed_optimizer=distributed_optimizer, activation_bytes=width[params_dtype],
-                   rollout_param_bytes=width[rollout_dtype])
+        return cls(param_bytes=DTYPE_BYTES[params_dtype], grad_bytes=4, optimizer_bytes=12 if bf16 else 8,
+                   distributed_optimizer=distributed_optimizer, activation_bytes=DTYPE_BYTES[params_dtype],
+                   rollout_param_bytes=DTYPE_BYTES[rollout_dtype])

@@ -499,17 +499,17 @@ class BagelTrainer:
         advantages = adv.advantages[offset: offset + len(traj)]
         t0 = time.perf_counter()
         forwards: list[bagel_pipeline.Forward] = []  # pp > 1: the recompute's forward, reused by the first update
-        old_means = None  # GRPO-Guard: the old transition means, its ratio normalisation's drift term
+        # the rollout's log-probs (bypass) or the recompute's; GRPO-Guard also takes the recompute's transition means
+        # (its ratio normalisation's drift term), under bypass too
+        old, old_means = traj.log_probs, None
         if c.algorithm.old_logprob == "recompute" or c.algorithm.name == "grpo_guard":
             if g.layout.pp > 1:
-                old = bagel_pipeline.window_log_probs(self.model, g, traj, self.markers, forwards)
+                recomputed = bagel_pipeline.window_log_probs(self.model, g, traj, self.markers, forwards)
             else:
                 with torch.no_grad():
-                    old, old_means, _ = window_transitions(self.model, traj, self.markers)
-            if c.algorithm.old_logprob != "recompute":
-                old = traj.log_probs
-        else:
-            old = traj.log_probs
+                    recomputed, old_means, _ = window_transitions(self.model, traj, self.markers)
+            if c.algorithm.old_logprob == "recompute":
+                old = recomputed
         t["old_logprob"] = time.perf_counter() - t0
         gap = (old - traj.log_probs).abs()
         t0 = time.perf_counter()

@@ -15,6 +15,7 @@ from typing import Any
 from megatron_omni.parallel.layout import LayoutError, ParallelLayout
 from megatron_omni.planner import (
     DEFAULT_MFU,
+    DTYPE_BYTES,
     JobPlan,
     LoRASpec,
     Precision,
@@ -79,9 +80,8 @@ def job_plan(cfg: JobConfig, world_size: int, gpu: str, gpus_per_node: int = 8, 
     vllm = r.engine == "vllm_omni"
     # RolloutSpec counts the pipeline's other weights at the rollout's dtype: a VAE in another one
     # (`rollout.vae_dtype`, e.g. flow_grpo's fp32 under bf16) counts as that many more (or fewer) of them
-    width = {"fp32": 4, "bf16": 2}
-    vae_bytes = width[r.dtype if r.vae_dtype == "auto" else r.vae_dtype]
-    extra = arch.extra_params + arch.vae_params * (vae_bytes - width[r.dtype]) // width[r.dtype]
+    vae_bytes = DTYPE_BYTES[r.dtype if r.vae_dtype == "auto" else r.vae_dtype]
+    extra = arch.extra_params + arch.vae_params * (vae_bytes - DTYPE_BYTES[r.dtype]) // DTYPE_BYTES[r.dtype]
     rollout = RolloutSpec(tp=r.tp, sleeps=vllm, in_process=not vllm, extra_params=0 if cfg.model.pipeline == "tiny"
                           else extra)
     precision = Precision.of(cfg.model.params_dtype, r.dtype, cfg.optim.distributed_optimizer)
