@@ -1,5 +1,6 @@
-"""FlowGRPO on BAGEL's text-to-image generation (`model.family=bagel`, the family's own trainer: its
-`ModelFamily.trainer` names this module).
+"""RL on BAGEL's text-to-image generation (`model.family=bagel`, the family's own trainer: its
+`ModelFamily.trainer` names this module): FlowGRPO, and MixGRPO, GRPO-Guard and DiffusionNFT
+(`trainer.bagel_objectives`).
 
 rollout (vLLM-Omni's BAGEL pipeline with our SDE window, `rollout.vllm_omni.bagel`, in this process) -> rewards
 (the reward function of `reward.*`, in process or a server) -> group advantages -> old log-probs (recomputed by
@@ -44,6 +45,7 @@ import torch.distributed as dist
 from megatron_omni.algorithms.advantages import group_advantages
 from megatron_omni.algorithms.grpo_guard import grpo_guard_loss
 from megatron_omni.algorithms.loss import flowgrpo_loss, kl_penalty
+from megatron_omni.algorithms.nft import old_policy_decay
 from megatron_omni.algorithms.sde import sde_step
 from megatron_omni.bridge import DistributedTransport, WeightSync
 from megatron_omni.bridge.family_sync import family_plans
@@ -55,8 +57,10 @@ from megatron_omni.rollout.base import FinishedSample, SamplingParams
 from megatron_omni.rollout.quantization import QuantizationSpec
 from megatron_omni.rollout.vllm_omni.bagel import BagelSampling, BagelTrajectory, open_bagel_pipeline
 from megatron_omni.trainer import bagel_pipeline
+from megatron_omni.trainer.bagel_objectives import BagelNftStep, nft_points, nft_velocities, step_sampling
 from megatron_omni.trainer.config import JobConfig, torch_dtype
 from megatron_omni.trainer.grad_guard import GradGuard
+from megatron_omni.trainer.objectives import nft_reward_weight
 from megatron_omni.trainer.rewards import RewardFunction, gather_rewards
 from megatron_omni.trainer.skeleton import StepResult, UpdateTally, mini_batch_rows, step_metrics, step_prompts, update
 from megatron_omni.trainer.training_state import OptimizerSettings, build_ddp_and_optimizer, build_scheduler
@@ -123,7 +127,7 @@ def check_config(cfg: JobConfig, planning: bool = False) -> None:
     """The settings this trainer reads, against what it supports; raises ValueError naming the setting.
     `planning` (a dry run): a BAGEL folder that is not at hand is planned from `model.preset` (its prompts are
     then checked as far as they can be without its tokenizer)."""
-    from megatron_omni.trainer.config_checks import check_reward
+    from megatron_omni.trainer.config_checks import check_algorithm, check_reward
 
     family = get_family(cfg.model.family)
     if cfg.model.preset not in family.presets:
@@ -151,9 +155,10 @@ def check_config(cfg: JobConfig, planning: bool = False) -> None:
         (r.vae_dtype != "auto", "rollout.vae_dtype", "must be auto (BAGEL's autoencoder runs in rollout.dtype)"),
         (r.guidance_scale_2 is not None, "rollout.guidance_scale_2", "must be unset (it guides Wan2.2 A14B's "
          "low-noise expert)"),
-        (a.name not in ("flowgrpo", "grpo_guard"), "algorithm.name", "must be flowgrpo or grpo_guard"),
-        (a.name == "grpo_guard" and p.pp > 1, "algorithm.name", "must be flowgrpo at pp > 1 (the pipelined update "
-         "is FlowGRPO's; grpo_guard runs at pp 1)"),
+        (a.name in ("grpo_guard", "diffusionnft") and p.pp > 1, "algorithm.name", "must be flowgrpo or mixgrpo at "
+         "pp > 1 (the pipelined update is FlowGRPO's clipped surrogate; grpo_guard and diffusionnft run at pp 1)"),
+        (a.mixgrpo.flash_ratio is not None, "algorithm.mixgrpo.flash_ratio", "must be unset (vLLM-Omni's BAGEL "
+         "steps its own schedule: no compressed ODE tail, MixGRPO-Flash)"),
         (a.is_cap not in (None, 0), "algorithm.is_cap", "must be unset"),
         (cfg.model.lora.enabled and cfg.optim.ema_decay > 0, "optim.ema_decay", "must be 0 with LoRA (the EMA "
          "is a copy of the whole model's weights)"),
@@ -184,6 +189,7 @@ def check_config(cfg: JobConfig, planning: bool = False) -> None:
         if tokenizer is not None or is_token_ids(prompt):
             encode_prompt(prompt, vocab, tokenizer)
     sampling(cfg, bcfg)  # the window against the steps
+    check_algorithm(cfg)  # what each update rule combines with (the DiT families' checks)
     if cfg.model.lora.enabled:
         lora_targets(cfg, bcfg)
     check_reward(cfg)
@@ -373,6 +379,14 @@ class BagelTrainer:
         self.reference = (self._frozen_copy(bcfg, state, dtype) if cfg.algorithm.beta > 0 and not self.lora.enabled
                           else None)
         self.ema = self._frozen_copy(bcfg, state, torch.float32) if cfg.optim.ema_decay > 0 else None
+        # DiffusionNFT's old (sampling) policy, when its decay schedule lets it lag the model within this run: a
+        # frozen fp32 copy, checkpointed under `nft_old.`, that the rollout samples with (the DiT trainer's). Without
+        # one (or while the schedule is 0) the old policy is the model as the step starts.
+        n = cfg.algorithm.nft
+        lagging = old_policy_decay(cfg.steps * cfg.optim.mini_batches, n.decay_flat, n.decay_rate, n.decay_cap) > 0
+        self.nft_old = (self._frozen_copy(bcfg, state, torch.float32)
+                        if cfg.algorithm.name == "diffusionnft" and lagging else None)
+        self.extra_copies = {} if self.nft_old is None else {"nft_old": self.nft_old}
         self.markers = torch.tensor([tok["start_of_image"], tok["end_of_image"]])
         self._stack = contextlib.ExitStack()
         self.pipeline = self._stack.enter_context(open_bagel_pipeline(bcfg, folder, torch_dtype(cfg.rollout.dtype)))
@@ -471,13 +485,34 @@ class BagelTrainer:
         for e, p in zip(self.ema.parameters(), self.model.parameters(), strict=True):
             e.lerp_(p.detach().to(e.dtype), weight)
 
+    def lagging_old_policy(self) -> torch.nn.Module | None:
+        """DiffusionNFT's old-policy copy when it differs from the model now (the schedule's decay at the optimizer
+        updates done is > 0); None: the old policy is the model itself."""
+        n = self.cfg.algorithm.nft
+        if self.nft_old is None or old_policy_decay(self.scheduler.num_steps, n.decay_flat, n.decay_rate,
+                                                    n.decay_cap) == 0:
+            return None
+        return self.nft_old
+
+    def update_old_policy(self) -> float:
+        """After a step's updates: old <- decay old + (1 - decay) model, decay from the schedule at the optimizer
+        updates done. Returns the decay."""
+        n = self.cfg.algorithm.nft
+        decay = old_policy_decay(self.scheduler.num_steps, n.decay_flat, n.decay_rate, n.decay_cap)
+        for o, p in zip(self.nft_old.parameters(), self.model.parameters(), strict=True):
+            o.lerp_(p.detach().to(o.dtype), 1.0 - decay)
+        return decay
+
     def close(self) -> None:
         """Leave vLLM-Omni's parallel state (the rollout pipeline's)."""
         self._stack.close()
 
     # ------------------------------------------------------------------------------------------ a step
     def train_step(self, step: int) -> StepResult:
-        """One RL step: rollout, rewards, advantages, old log-probs, mini-batch updates, weight sync."""
+        """One RL step: rollout, rewards, advantages, old log-probs (DiffusionNFT: the old policy's velocities at
+        the step's noised points), mini-batch updates, weight sync."""
+        from megatron_omni.trainer.flowgrpo import holding_weights, logp_gap
+
         c, r, g = self.cfg, self.cfg.rollout, self.groups
         t: dict[str, float] = {}
         prompts, gids, seeds = step_prompts(self.prompts, c.seed, step, r.prompts_per_step, r.group_size,
@@ -485,8 +520,12 @@ class BagelTrainer:
         ids = [torch.tensor(prompts[k // r.group_size][1]) for k in range(len(seeds))]
         texts = [prompts[k // r.group_size][0] for k in range(len(seeds))]
         group_ids = [gids[k // r.group_size] for k in range(len(seeds))]
+        sampling = step_sampling(c.algorithm, self.sampling, step)
+        # DiffusionNFT with a lagging old policy samples with it (the update's sync brings the trained weights back)
+        old_policy = self.lagging_old_policy()
         t0 = time.perf_counter()
-        traj = self.pipeline.generate(ids, self.sampling, seeds, group_ids)
+        with holding_weights(self.model, old_policy, self.sync_weights, sync_in=True, sync_out=False):
+            traj = self.pipeline.generate(ids, sampling, seeds, group_ids)
         t["rollout"] = time.perf_counter() - t0
         t0 = time.perf_counter()
         self.reward_fn.begin(len(traj))
@@ -501,8 +540,10 @@ class BagelTrainer:
         forwards: list[bagel_pipeline.Forward] = []  # pp > 1: the recompute's forward, reused by the first update
         # the rollout's log-probs (bypass) or the recompute's; GRPO-Guard also takes the recompute's transition means
         # (its ratio normalisation's drift term), under bypass too
-        old, old_means = traj.log_probs, None
-        if c.algorithm.old_logprob == "recompute" or c.algorithm.name == "grpo_guard":
+        old, old_means, nft = traj.log_probs, None, None
+        if c.algorithm.name == "diffusionnft":
+            nft = self._nft_step(traj, sampling, advantages, old_policy)
+        elif c.algorithm.old_logprob == "recompute" or c.algorithm.name == "grpo_guard":
             if g.layout.pp > 1:
                 recomputed = bagel_pipeline.window_log_probs(self.model, g, traj, self.markers, forwards)
             else:
@@ -511,21 +552,47 @@ class BagelTrainer:
             if c.algorithm.old_logprob == "recompute":
                 old = recomputed
         t["old_logprob"] = time.perf_counter() - t0
-        gap = (old - traj.log_probs).abs()
         t0 = time.perf_counter()
         metrics = self._update(traj, old, advantages, step, forwards[0] if forwards else None,
-                               old_means if c.algorithm.name == "grpo_guard" else None)
+                               old_means if c.algorithm.name == "grpo_guard" else None, nft)
         t["train"] = time.perf_counter() - t0
+        if self.nft_old is not None:
+            metrics["old_policy_decay"] = self.update_old_policy()
         t["sync"] = self.sync_weights()
-        metrics.update(step_metrics(all_r, adv.zero_std_ratio, float(gap.mean()), t, g.layout.world_size))
-        metrics["train_rollout_dlogp_max"] = float(gap.max())
+        gap_mean = float("nan")  # an ODE rollout (DiffusionNFT) records no log-probs
+        if nft is None:
+            gap_mean, metrics["train_rollout_dlogp_max"] = logp_gap(old, traj.log_probs, step, g.dp,
+                                                                   c.algorithm.max_logp_gap)
+        if sampling.window_start is not None:
+            metrics["window_start"] = float(sampling.window_start)
+        metrics.update(step_metrics(all_r, adv.zero_std_ratio, gap_mean, t, g.layout.world_size))
         return StepResult(metrics, traj, rewards, traj.images, texts)
 
+    def _nft_step(self, traj: BagelTrajectory, sampling: BagelSampling, advantages: torch.Tensor,
+                  old_policy: torch.nn.Module | None) -> BagelNftStep:
+        """DiffusionNFT's data of the step (pp 1): each sample's `int(T timestep_fraction)` noised points, the old
+        policy's velocities there (the model as the step starts, or the lagging copy's weights) and, with
+        `algorithm.beta > 0`, the reference's."""
+        from megatron_omni.trainer.flowgrpo import holding_weights
+
+        a = self.cfg.algorithm
+        points = nft_points(traj, sampling, max(1, int(sampling.num_steps * a.nft.timestep_fraction)))
+        rows = range(len(traj))
+        with torch.no_grad():
+            with holding_weights(self.model, old_policy, self.sync_weights, sync_in=False, sync_out=False):
+                old_v = nft_velocities(self.model, traj, points, self.markers, sampling, rows)
+            ref_v = None
+            if a.beta > 0:
+                with self._reference() as ref:
+                    ref_v = nft_velocities(ref, traj, points, self.markers, sampling, rows)
+        return BagelNftStep(points, sampling, old_v, nft_reward_weight(a, advantages), a, ref_v)
+
     def _update(self, traj: BagelTrajectory, old: torch.Tensor, adv: torch.Tensor, step: int,
-                forward: bagel_pipeline.Forward | None = None, old_means: torch.Tensor | None = None
-                ) -> dict[str, float]:
+                forward: bagel_pipeline.Forward | None = None, old_means: torch.Tensor | None = None,
+                nft: BagelNftStep | None = None) -> dict[str, float]:
         """The step's mini-batch updates; `forward` (pp > 1): the old log-probs' forward at the weights the first
-        mini-batch starts from; `old_means` [N, W, p, c]: GRPO-Guard's (None: FlowGRPO's clipped surrogate)."""
+        mini-batch starts from; `old_means` [N, W, p, c]: GRPO-Guard's (None: FlowGRPO's clipped surrogate);
+        `nft`: DiffusionNFT's loss over the noised points instead."""
         c = self.cfg
         sums: dict[str, float] = {}
         tally = UpdateTally()
@@ -536,6 +603,10 @@ class BagelTrainer:
             reuse = forward.rows(rows.tolist()) if forward is not None and n == 0 else None
 
             def backward(rows: torch.Tensor = rows, reuse: bagel_pipeline.Forward | None = reuse) -> dict[str, Any]:
+                if nft is not None:
+                    out = nft.loss(self.model, traj, self.markers, rows, text_grad=self.experts == "both")
+                    out.loss.backward()
+                    return out.metrics
                 part = traj.select(rows)
                 if self.groups.layout.pp > 1:
                     return bagel_pipeline.flowgrpo_backward(self.model, self.groups, part, self.markers, old[rows],

@@ -567,20 +567,8 @@ class FlowGRPOTrainer:
                             a.nft.weight_min, kl_beta=a.beta, ref_velocity=ref_v)
 
     def logp_gap(self, old: torch.Tensor, rollout: torch.Tensor, step: int) -> tuple[float, float]:
-        """Mean and max |old - rollout| over the step's samples of every data-parallel rank (old, rollout
-        [N, W] log-probs of this rank's trajectory). Raises LogpGapError on every rank when the mean exceeds
-        `algorithm.max_logp_gap`. Collective over data parallel."""
-        gap = (old - rollout).abs().double()
-        sums = torch.stack([gap.sum(), torch.tensor(float(gap.numel()), dtype=torch.float64)])
-        peak = gap.max() if gap.numel() else torch.zeros((), dtype=torch.float64)
-        if self.groups.dp.size() > 1:
-            dist.all_reduce(sums, group=self.groups.dp)
-            dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=self.groups.dp)
-        mean, peak = float(sums[0] / sums[1]), float(peak)
-        bound = self.cfg.algorithm.max_logp_gap
-        if bound is not None and mean > bound:
-            raise LogpGapError(step, mean, peak, bound)
-        return mean, peak
+        """`logp_gap` of this trainer's data-parallel group and `algorithm.max_logp_gap`."""
+        return logp_gap(old, rollout, step, self.groups.dp, self.cfg.algorithm.max_logp_gap)
 
     def rollout(self, prompts: list[str], seeds: list[int],
                 params: SamplingParams | None = None) -> tuple[Trajectory, torch.Tensor, float]:
@@ -655,6 +643,23 @@ class FlowGRPOTrainer:
                 self.update_ema()
         sums = {k: sum(m[k] for m in per_micro) / len(per_micro) for k in per_micro[0]}
         return {**sums, **tally.metrics(self.optimizer)}
+
+
+def logp_gap(old: torch.Tensor, rollout: torch.Tensor, step: int, dp: Any, bound: float | None
+             ) -> tuple[float, float]:
+    """Mean and max |old - rollout| over RL step `step`'s samples of every rank of the data-parallel group `dp`
+    (old, rollout [N, W] log-probs of this rank's trajectory). Raises LogpGapError on every rank when the mean
+    exceeds `bound` (`algorithm.max_logp_gap`; None: never). Collective over `dp`."""
+    gap = (old - rollout).abs().double()
+    sums = torch.stack([gap.sum(), torch.tensor(float(gap.numel()), dtype=torch.float64)])
+    peak = gap.max() if gap.numel() else torch.zeros((), dtype=torch.float64)
+    if dp.size() > 1:
+        dist.all_reduce(sums, group=dp)
+        dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=dp)
+    mean, peak = float(sums[0] / sums[1]), float(peak)
+    if bound is not None and mean > bound:
+        raise LogpGapError(step, mean, peak, bound)
+    return mean, peak
 
 
 class LogpGapError(RuntimeError):

@@ -120,12 +120,18 @@ class NftPoints:
         a generator seeded NFT_NOISE_SEED + its seed."""
         if traj.final_latents is None:
             raise ValueError("DiffusionNFT trains on the samples' clean latents; this engine's trajectory has none")
+        return cls.of(traj.final_latents, traj.sigmas, traj.seeds.tolist(), count)
+
+    @classmethod
+    def of(cls, final_latents: torch.Tensor, grids: torch.Tensor, seeds: list[int], count: int) -> NftPoints:
+        """`count` noise levels of each sample's sampling grid and noise of its clean latents' shape.
+        final_latents [N, ...]; grids [N, T + 1] (decreasing to 0); seeds: N ints."""
         sigmas, noise = [], []
-        for i, seed in enumerate(traj.seeds.tolist()):
+        for i, seed in enumerate(seeds):
             g = torch.Generator().manual_seed(NFT_NOISE_SEED + int(seed))
-            sigmas.append(training_sigmas(traj.sigmas[i: i + 1].cpu(), count, g)[0])
-            noise.append(torch.randn((count, *traj.final_latents.shape[1:]), generator=g))
-        dev = traj.final_latents.device
+            sigmas.append(training_sigmas(grids[i: i + 1].cpu(), count, g)[0])
+            noise.append(torch.randn((count, *final_latents.shape[1:]), generator=g))
+        dev = final_latents.device
         return cls(sigmas=torch.stack(sigmas).to(dev), noise=torch.stack(noise).to(dev))
 
 

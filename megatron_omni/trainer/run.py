@@ -25,7 +25,7 @@ from megatron_omni.trainer.checkpoint_folders import resume_folder, run_id_of
 from megatron_omni.trainer.checkpointing import ASYNC_IN_FLIGHT, load_checkpoint, read_common, save_checkpoint
 from megatron_omni.trainer.config import ConfigError, JobConfig, to_dict
 from megatron_omni.trainer.evaluation import EvalResult, eval_samples, evaluate, save_before_after_grid, with_peak
-from megatron_omni.trainer.flowgrpo import FlowGRPOTrainer
+from megatron_omni.trainer.flowgrpo import FlowGRPOTrainer, LogpGapError
 from megatron_omni.trainer.metrics import (
     MetricsWriter,
     read_history,
@@ -123,6 +123,17 @@ def run(cfg: JobConfig, overwrite: bool = False) -> dict:
             return _run(cfg, overwrite, stops)
         finally:
             gc.unfreeze()  # what the run froze (below) is collectable again for whatever this process does next
+
+
+def _close_run(bar: tqdm, writer: MetricsWriter | None, reward_fn: RewardFunction | None, trainer: object) -> None:
+    """Close what a run opened (progress bar, metrics writer, reward client, the trainer's engine) before it ends
+    early. Collective (the trainer's engine)."""
+    bar.close()
+    if writer is not None:
+        writer.close()
+    if reward_fn is not None:
+        reward_fn.close()
+    trainer.close()
 
 
 def build_trainer(cfg: JobConfig, groups, run_dir: Path, job_group=None) -> tuple[object, RewardFunction | None]:
@@ -259,6 +270,10 @@ def _run(cfg: JobConfig, overwrite: bool, stops: StopRequests) -> dict:
         except (RolloutRankLost, RolloutRankFailed, StalenessError):
             loop.abandon()
             raise
+        except LogpGapError:
+            if loop is None:  # raised on every rank at once (its mean is all-reduced): they close together, leaving
+                _close_run(bar, writer, reward_fn, trainer)  # no engine behind in a process that runs again
+            raise
         if rank == 0:
             writer.log(step, result.metrics)
             bar.set_postfix({k: f"{result.metrics[k]:.3g}" for k in SHOWN if k in result.metrics})
@@ -290,12 +305,7 @@ def _run(cfg: JobConfig, overwrite: bool, stops: StopRequests) -> dict:
         if loop is not None and (stopped or done == cfg.steps):
             loop.finish(stopped)  # the rollout ranks stop (with the trainer's stop, when it stops on a signal)
         if stopped:  # a signal during the last step: the run is complete anyway
-            bar.close()
-            if writer is not None:
-                writer.close()
-            if reward_fn is not None:
-                reward_fn.close()
-            trainer.close()
+            _close_run(bar, writer, reward_fn, trainer)
             raise TrainingStopped(*stopped)
         if evaluation_due(done):
             evaluation(done)

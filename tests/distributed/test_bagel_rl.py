@@ -69,6 +69,38 @@ def _checks(rank: int, world_size: int, folder: str) -> dict:
         # the same seeds sample the same trajectory
         again = pipe.generate(ids, params, SEEDS, [0, 1])
         out["repeat_equal"] = torch.equal(again.next_latents, traj.next_latents)
+        # MixGRPO's fixed window (`window_start`): every sample steps the SDE on steps 2, 3 (the last two), the
+        # recompute reproduces it, and its last next latents are the clean latents recorded for DiffusionNFT;
+        # DiffusionNFT's ODE rollout (noise 0) records no window, and its clean latents are the Euler integral of our
+        # model's guided velocity from the sample's initial noise (the CFG interval as the rollout applies it)
+        import dataclasses
+
+        from megatron_omni.algorithms.window import sample_window_start
+        from megatron_omni.rollout.vllm_omni.bagel import flow_schedule
+        from megatron_omni.trainer.bagel import velocity
+
+        fixed = pipe.generate(ids, dataclasses.replace(params, window_start=2, window_range=(0, 4)), SEEDS, [0, 1])
+        sched = flow_schedule(params.num_timesteps, params.timestep_shift)
+        with torch.no_grad():
+            out["fixed_window"] = float((window_log_probs(model, fixed, markers) - fixed.log_probs).abs().max())
+        out["fixed_sigmas"] = torch.equal(fixed.sigmas, sched[2:4].expand(2, -1))
+        out["fixed_final"] = torch.equal(fixed.next_latents[:, -1], fixed.final_latents)
+        ode = pipe.generate(ids, dataclasses.replace(params, noise_level=0.0), SEEDS, [0, 1])
+        out["ode_window"] = tuple(ode.log_probs.shape)
+        euler = []
+        with torch.no_grad():
+            for i, seed in enumerate(SEEDS):
+                gen = torch.Generator().manual_seed(seed)
+                sample_window_start(params.num_steps, params.window_size, params.window_bounds(), gen)
+                x = torch.randn(ode.final_latents.shape[1:], generator=gen)
+                _, kv, _ = model.stage_text(ids[i])
+                for k in range(params.num_steps):
+                    t = float(sched[k])
+                    scale = params.cfg_text_scale if params.cfg_interval[0] < t <= params.cfg_interval[1] else 1.0
+                    v = velocity(model, kv, ids[i].shape[0], markers, x, ode.grid, t, scale, 0.0)
+                    x = x + (float(sched[k + 1]) - t) * v
+                euler.append(x)
+        out["ode_euler"] = float((torch.stack(euler) - ode.final_latents).abs().max())
         # a weight update of the generation expert reaches the rollout; the recompute agrees with the new rollout
         with torch.no_grad():
             for name, p in model.named_parameters():
@@ -189,8 +221,6 @@ def _checks(rank: int, world_size: int, folder: str) -> dict:
         out["img_cfg_equal"] = float((text_cfg(vc, vu, 4.0, 0.0, 1.5, vc) - ref_img).abs().max())
         # image CFG 1.5 (vLLM-Omni's default cfg_img_scale) through its generate_image (the image branch's KV: the
         # prompt's): the rollout moves, and the recompute (no third forward) reproduces its log-probs
-        import dataclasses
-
         img = pipe.generate(ids[:1], dataclasses.replace(params, cfg_img_scale=1.5), SEEDS[:1], [0])
         with torch.no_grad():
             out["img_cfg_window"] = float((window_log_probs(model, img, markers) - img.log_probs).abs().max())
@@ -226,6 +256,15 @@ def test_recompute_reproduces_rollout_log_probs(figures: dict) -> None:
     assert figures["first_step"] < FP32_TOL and figures["window"] < FP32_TOL, figures
     assert figures["repeat_equal"]
     assert figures["cfg_equal"] < 1e-6 and figures["img_cfg_equal"] < 1e-6, figures
+
+
+def test_fixed_window_and_clean_latents(figures: dict) -> None:
+    """MixGRPO's window of the step (`BagelSampling.window_start`) is every sample's and the recompute reproduces
+    it; the clean latents DiffusionNFT trains on are the last window step's output and, for its ODE rollout, the
+    Euler integral of our model's guided velocity (measured 0 and 1.4e-6)."""
+    assert figures["fixed_sigmas"] and figures["fixed_final"], figures
+    assert figures["fixed_window"] < FP32_TOL and figures["ode_euler"] < FP32_TOL, figures
+    assert figures["ode_window"] == (2, 0), figures
 
 
 def test_image_cfg_as_vllm_omni_applies_it(figures: dict) -> None:
@@ -318,6 +357,7 @@ def _tp2_job(rank: int, world_size: int, root: str) -> dict:
 
 
 PP_STEPS = 2
+NFT_DECAY = 0.25  # DiffusionNFT's old-policy decay after the first update (rate = cap)
 PP_BETA, PP_EMA = 0.1, 0.9  # the KL term and the EMA of the pp 2 / pp 1 pair
 LORA_BETA = 0.1  # the KL term of the LoRA runs (reference: the adapters off)
 
@@ -326,26 +366,45 @@ def _pp_runs(rank: int, world_size: int, root: str) -> dict:
     """The tiny recipe's full fine-tuning (2 samples a step, one update, lr 2e-2) with the KL term and the EMA for 2
     steps at pp 2 (the update through 1F1B, `trainer.bagel_pipeline`), at tp 2 (pp 1, plain autograd) and at cp 2
     (`parallel.ulysses=2`: the image query's token shards, velocities gathered over cp) on the same two ranks, and
-    with both experts training (`model.bagel_experts=both`) and with GRPO-Guard's update, each at tp 2 and cp 2; then
-    `_lora_config`'s LoRA run at pp 2 (its tp 2 run is `_lora_runs`' first). Rank 0 returns the folders."""
+    with both experts training (`model.bagel_experts=both`), with GRPO-Guard's update and with DiffusionNFT's, each at
+    tp 2 and cp 2, and MixGRPO at pp 2 and tp 2; then `_lora_config`'s LoRA run at pp 2 (its tp 2 run is
+    `_lora_runs`' first). Rank 0 returns the folders."""
     from pathlib import Path
 
     from examples.bagel.recipe import tiny
     from megatron_omni.trainer.run import run
 
     out = {}
+    names = {"guard": "grpo_guard", "mix": "mixgrpo", "nft": "diffusionnft"}
     for name, tp, pp, cp in (("pp2", 1, 2, 1), ("pp1", 2, 1, 1), ("cp2", 1, 1, 2), ("both_tp2", 2, 1, 1),
-                             ("both_cp2", 1, 1, 2), ("guard_tp2", 2, 1, 1), ("guard_cp2", 1, 1, 2)):
+                             ("both_cp2", 1, 1, 2), ("guard_tp2", 2, 1, 1), ("guard_cp2", 1, 1, 2),
+                             ("mix_pp2", 1, 2, 1), ("mix_tp2", 2, 1, 1), ("nft_tp2", 2, 1, 1), ("nft_cp2", 1, 1, 2)):
         cfg = tiny()
         cfg.run_dir, cfg.steps, cfg.parallel.tp, cfg.parallel.pp = str(Path(root) / name), PP_STEPS, tp, pp
         cfg.parallel.ulysses = cp
         cfg.model.bagel_experts = "both" if name.startswith("both") else "generation"
-        cfg.algorithm.name = "grpo_guard" if name.startswith("guard") else "flowgrpo"
+        cfg.algorithm.name = names.get(name.split("_")[0], "flowgrpo")
+        if cfg.algorithm.name == "mixgrpo":  # the window moves every step: starts 0, 1 of [0, 3)
+            cfg.algorithm.mixgrpo.steps_per_move, cfg.rollout.window_range = 1, [0, 4]
+        if cfg.algorithm.name == "diffusionnft":  # the old policy lags from the second step on (decay 0.25)
+            cfg.algorithm.nft.decay_rate, cfg.algorithm.nft.decay_cap = NFT_DECAY, NFT_DECAY
         cfg.rollout.prompts_per_step, cfg.rollout.group_size, cfg.optim.mini_batches = 1, 2, 1
         cfg.optim.lr, cfg.checkpoint.every, cfg.logging.tensorboard = 2e-2, PP_STEPS, False
         cfg.algorithm.beta, cfg.optim.ema_decay = PP_BETA, PP_EMA
         run(cfg)
         out[name] = cfg.run_dir
+    # `algorithm.max_logp_gap`: a bf16 rollout against the fp32 recompute (|dlogp| ~1e-3) stops the run at step 0
+    from megatron_omni.trainer.flowgrpo import LogpGapError
+
+    cfg = tiny()
+    cfg.run_dir, cfg.steps, cfg.parallel.tp, cfg.logging.tensorboard = str(Path(root) / "gap"), 1, 2, False
+    cfg.rollout.prompts_per_step, cfg.rollout.group_size, cfg.optim.mini_batches = 1, 2, 1
+    cfg.rollout.dtype, cfg.algorithm.max_logp_gap = "bf16", 1e-5
+    try:
+        run(cfg)
+        out["gap_error"] = None
+    except LogpGapError as exc:
+        out["gap_error"] = str(exc)
     cfg = _lora_config(str(Path(root) / "lora_pp2"))
     cfg.parallel.tp, cfg.parallel.pp, cfg.eval.prompts = 1, 2, []  # the evaluation is tp 2's test (~1 s here)
     run(cfg)
@@ -474,11 +533,12 @@ def _equal_to_pp1(out: dict, name: str, ref: str = "pp1") -> tuple[dict, dict]:
         for key in ("policy_loss", "grad_norm"):
             assert _close(a[key], b[key], PP_TOL if first else PP_LATER_TOL), (key, a, b)
         assert a["train_rollout_dlogp_max"] < FP32_TOL and b["train_rollout_dlogp_max"] < FP32_TOL, (a, b)
-    # the KL against the initial copy: 0 before the first update, then > 0 and the same at both layouts (relative:
-    # measured 3.5e-6 of 2.7e-3 at pp 2)
+    # the KL against the initial copy: 0 before the first update, then > 0 and the same at both layouts, relative
+    # `PP_LATER_TOL`: the step-2 rollouts differ by the weights' fp32 rounding (measured 3.5e-6 of 2.7e-3 at pp 2;
+    # GRPO-Guard at cp 2 1.2e-5 on an AVX2 CPU, where one pixel of its step-2 rollout rounded the other way)
     assert hist[name][0]["kl_loss"] == hist[ref][0]["kl_loss"] == 0, hist
     kl2, kl1 = hist[name][1]["kl_loss"], hist[ref][1]["kl_loss"]
-    assert kl1 > 0 and abs(kl2 - kl1) <= PP_TOL * kl1, (kl2, kl1)
+    assert kl1 > 0 and abs(kl2 - kl1) <= PP_LATER_TOL * kl1, (kl2, kl1)
     a, b = (read_checkpoint_tensors(complete_checkpoints(Path(out[k]))[-1])["model"] for k in (name, ref))
     assert a.keys() == b.keys() and len(a) > 0
     weights = [k for k in a if not k.startswith("ema.")]
@@ -574,3 +634,57 @@ def test_grpo_guard_at_tp2_and_cp2(tp2_job: tuple[Future, object]) -> None:
     assert all("ratio_mean_bias" in m for m in guard) and not any("ratio_mean_bias" in m for m in plain)
     assert guard[0]["reward_mean"] == plain[0]["reward_mean"]
     assert abs(guard[0]["grad_norm"] - plain[0]["grad_norm"]) > 0.1 * plain[0]["grad_norm"], (guard[0], plain[0])
+
+
+def test_mixgrpo_window_slides_and_pp2_equals_tp2(tp2_job: tuple[Future, object]) -> None:
+    """`algorithm.name=mixgrpo` on BAGEL: every sample of step k shares the window starting at k (moved every step),
+    its FlowGRPO update runs through the pipelined schedule at pp 2 as at tp 2 (`_equal_to_pp1`: recompute = rollout
+    on the fixed window too)."""
+    out = tp2_job[0].result()[0]
+    _equal_to_pp1(out, "mix_pp2", ref="mix_tp2")
+    for run in ("mix_pp2", "mix_tp2"):
+        assert [m["window_start"] for m in _metrics(out[run])] == [0.0, 1.0], _metrics(out[run])
+    assert not any("window_start" in m for m in _metrics(out["pp1"]))
+
+
+def test_diffusionnft_cp2_equals_tp2_with_a_lagging_old_policy(tp2_job: tuple[Future, object]) -> None:
+    """`algorithm.name=diffusionnft` on BAGEL (ODE rollout, `nft_loss` over each sample's noised clean latents, the KL
+    on velocities against the initial copy, the EMA): its cp 2 run equals its tp 2 run (rewards, losses, grad norms,
+    the step-2 weights and EMA); the first step's old policy is the model itself (the old velocities equal the
+    trained ones before the update: `old_deviate` 0, KL 0); after it the old policy is the lagging copy (decay
+    `NFT_DECAY`), checkpointed under `nft_old.`, which the step-2 rollout sampled with (`old_deviate` > 0)."""
+    from pathlib import Path
+
+    from megatron_omni.trainer.checkpoint_folders import complete_checkpoints
+    from megatron_omni.trainer.checkpointing import read_checkpoint_tensors
+
+    out = tp2_job[0].result()[0]
+    hist = {k: _metrics(out[k]) for k in ("nft_tp2", "nft_cp2")}
+    keys = ("reward_mean", "policy_loss", "kl_loss", "grad_norm", "old_deviate", "old_policy_decay")
+    print({k: [{m: h[m] for m in keys} for h in v] for k, v in hist.items()})
+    for step, (a, b) in enumerate(zip(hist["nft_cp2"], hist["nft_tp2"], strict=True)):
+        assert a["grad_norm"] > 0 and "train_rollout_dlogp_max" not in a, a
+        assert (a["reward_mean"] == b["reward_mean"] if step == 0
+                else abs(a["reward_mean"] - b["reward_mean"]) <= PP_LATER_REWARD), (a, b)
+        for key in ("policy_loss", "grad_norm", "kl_loss", "old_deviate"):
+            assert _close(a[key], b[key], PP_TOL if step == 0 else PP_LATER_TOL), (key, a, b)
+        assert a["old_policy_decay"] == b["old_policy_decay"] == NFT_DECAY, (a, b)
+    first, second = hist["nft_tp2"]
+    assert first["old_deviate"] == 0 and first["kl_loss"] == 0, first
+    assert second["old_deviate"] > 0 and second["kl_loss"] > 0, second
+    a, b = (read_checkpoint_tensors(complete_checkpoints(Path(out[k]))[-1])["model"] for k in ("nft_cp2", "nft_tp2"))
+    weights = [k for k in a if not k.startswith(("ema.", "nft_old."))]
+    assert sorted(a) == sorted(weights + [f"{c}.{k}" for c in ("ema", "nft_old") for k in weights]), sorted(a)[:6]
+    worst = max(float((a[k].float() - b[k].float()).abs().max()) for k in a)
+    assert worst < PP_WEIGHT_TOL, worst
+    # the old policy lags the model on the trained tensors: old = 0.25 old + 0.75 model after each update
+    lag = max(float((a[f"nft_old.{k}"].float() - a[k].float()).abs().max()) for k in weights)
+    assert lag > 0, lag
+
+
+def test_max_logp_gap_stops_the_run_naming_the_step(tp2_job: tuple[Future, object]) -> None:
+    """`algorithm.max_logp_gap` on BAGEL (as the DiT trainer's, `trainer.flowgrpo.logp_gap`): a bf16 rollout against
+    the fp32 recompute exceeds a 1e-5 bound and the run stops on every rank, naming the step and the bound."""
+    msg = tp2_job[0].result()[0]["gap_error"]
+    assert msg is not None and msg.startswith("step 0: mean |logp_trainer - logp_rollout| ="), msg
+    assert "exceeds algorithm.max_logp_gap = 1.000e-05" in msg, msg

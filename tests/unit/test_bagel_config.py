@@ -27,7 +27,8 @@ def test_tiny_recipe_validates() -> None:
     ("rollout.engine", "diffusers", "rollout.engine"),
     ("parallel.pp", 3, "parallel.pp: must divide BAGEL's 2 layers"),
     ("model.lora.adaln", True, "model.lora.adaln"),
-    ("algorithm.name", "mixgrpo", "algorithm.name"),
+    ("algorithm.mixgrpo.flash_ratio", 0.4, "algorithm.mixgrpo.flash_ratio: must be unset"),
+    ("algorithm.max_logp_gap", -1.0, "algorithm.max_logp_gap"),
     ("rollout.height", 40, "rollout.height"),
     ("model.preset", "huge", "model.preset"),
     ("prompts", ["a red caf\u00e9"], "does not encode it exactly"),  # outside the tiny tokenizer's ASCII
@@ -49,13 +50,33 @@ def test_unsupported_settings_refused_by_name(field: str, value, named: str) -> 
         cfg.validate(world_size=3 if field == "parallel.pp" else 1)
 
 
-def test_grpo_guard_validates_at_pp1_only() -> None:
+@pytest.mark.parametrize("name", ["grpo_guard", "diffusionnft"])
+def test_grpo_guard_and_nft_validate_at_pp1_only(name: str) -> None:
     cfg = tiny()
-    cfg.algorithm.name = "grpo_guard"
+    cfg.algorithm.name = name
     cfg.validate(world_size=1)
     cfg.parallel.pp = 2
-    with pytest.raises(ConfigError, match="algorithm.name: must be flowgrpo at pp > 1"):
+    with pytest.raises(ConfigError, match="algorithm.name: must be flowgrpo or mixgrpo at pp > 1"):
         cfg.validate(world_size=2)
+
+
+def test_mixgrpo_validates_at_pp2_and_the_shared_algorithm_checks_apply() -> None:
+    """MixGRPO's update is FlowGRPO's (pp 2 too); the DiT families' algorithm checks hold for BAGEL: another rule's
+    section left at its defaults, an SDE window for the policy-gradient rules, DiffusionNFT's lagging old policy
+    not with LoRA."""
+    cfg = tiny()
+    cfg.algorithm.name, cfg.parallel.pp = "mixgrpo", 2
+    cfg.validate(world_size=2)
+    cfg.rollout.noise_level = 0.0
+    with pytest.raises(ConfigError, match="rollout.noise_level=0.0 with algorithm.name=mixgrpo"):
+        cfg.validate(world_size=2)
+    cfg = tiny()
+    cfg.algorithm.nft.mix_beta = 0.5
+    with pytest.raises(ConfigError, match="applies to algorithm.name=diffusionnft only"):
+        cfg.validate(world_size=1)
+    cfg.algorithm.name, cfg.model.lora.rank = "diffusionnft", 4
+    with pytest.raises(ConfigError, match="algorithm.nft.decay_cap"):
+        cfg.validate(world_size=1)
 
 
 def test_both_experts_validate_at_pp1_without_lora() -> None:

@@ -58,6 +58,8 @@ class BagelSampling:
     num_timesteps: BAGEL's schedule points (num_timesteps - 1 denoising steps, as BAGEL drops t = 0);
     timestep_shift: BAGEL's shift of the linear schedule (3.0 for t2i); noise_level, window_size, window_range
     ([lo, hi) of the window's first step; None: [0, max(window, steps // 2))), sde_type: the FlowGRPO window;
+    window_start: every sample's window begins at this step (MixGRPO's window of the RL step); None: each sample
+    draws its own from `window_range` with its generator;
     cfg_text_scale, cfg_interval (t in (lo, hi] gets CFG), cfg_renorm_min: BAGEL's text CFG (scale 1: none);
     cfg_img_scale: BAGEL's image CFG (applied only where text CFG is: `Bagel.generate_image`; the image-free
     branch of a text-to-image request is the text-conditioned context, as vLLM-Omni's pipeline builds it);
@@ -68,6 +70,7 @@ class BagelSampling:
     noise_level: float = 0.7
     window_size: int = 2
     window_range: tuple[int, int] | None = None
+    window_start: int | None = None
     sde_type: str = "sde"
     cfg_text_scale: float = 1.0
     cfg_img_scale: float = 1.0
@@ -104,7 +107,8 @@ class BagelTrajectory:
     used, 1: none); log_probs [N, W] fp32; noise_level, sde_type, cfg_renorm_min, cfg_img_scale (applied where the
     text scale is > 1): the call's; sigma_after_one
     [N] (the schedule's second entry: the `sde` step at t = 1 needs it); grid (h, w) latent tokens; images
-    [N, 3, H, W] in [0, 1]; group_ids [N]; seeds [N]."""
+    [N, 3, H, W] in [0, 1]; group_ids [N]; seeds [N]; final_latents [N, n, p] fp32 (the clean latents the images
+    decode from: DiffusionNFT's training points noise them)."""
 
     prompt_ids: list[torch.Tensor]
     latents: torch.Tensor
@@ -122,6 +126,7 @@ class BagelTrajectory:
     images: torch.Tensor
     group_ids: torch.Tensor
     seeds: list[int]
+    final_latents: torch.Tensor
 
     def __len__(self) -> int:
         return len(self.prompt_ids)
@@ -331,8 +336,9 @@ def _pipeline_class() -> type:
             with ctx:
                 for ids, seed in zip(prompt_ids, seeds):
                     gen = torch.Generator().manual_seed(int(seed))
-                    start = sample_window_start(sampling.num_steps, sampling.window_size, sampling.window_bounds(),
-                                                gen)
+                    start = (sampling.window_start if sampling.window_start is not None else
+                             sample_window_start(sampling.num_steps, sampling.window_size, sampling.window_bounds(),
+                                                 gen))
                     levels = (window_noise_levels(sampling.num_steps, start, sampling.window_size,
                                                   sampling.noise_level) if sampling.noise_level > 0
                               else torch.zeros(sampling.num_steps))  # the ODE: Euler everywhere, nothing recorded
@@ -354,8 +360,8 @@ def _pipeline_class() -> type:
                         cfg_renorm_type="global", **inp, cfg_text_packed_position_ids=cfg_pids,
                         cfg_img_packed_position_ids=inp["packed_position_ids"], scheduler=window)
                     image = self._decode_image_from_latent(self.bagel, self.vae, latents[0], shape)
-                    per.append((window.record, image))
-            rec = [[r for r in record] for record, _ in per]
+                    per.append((window.record, image, latents[0].float()))
+            rec = [[r for r in record] for record, *_ in per]
             n_tok, width = latents[0].shape  # the last sample's final latents [n, p]: every sample's shape
 
             def stack(k: int) -> torch.Tensor:  # [N, W, n, p]; W = 0 for the ODE (noise 0: nothing recorded)
@@ -365,7 +371,7 @@ def _pipeline_class() -> type:
 
             scalars = lambda k: torch.tensor([[r[k] for r in rs] for rs in rec],  # noqa: E731
                                              dtype=torch.float32).reshape(len(rec), -1)
-            images = torch.stack([torch.from_numpy(np.array(im)).permute(2, 0, 1).float() / 255 for _, im in per])
+            images = torch.stack([torch.from_numpy(np.array(im)).permute(2, 0, 1).float() / 255 for _, im, _ in per])
             d = self.bagel.latent_downsample
             return BagelTrajectory(
                 prompt_ids=[ids.long().clone() for ids in prompt_ids], latents=stack(0), next_latents=stack(1),
@@ -375,7 +381,7 @@ def _pipeline_class() -> type:
                 cfg_img_scale=sampling.cfg_img_scale,
                 grid=(sampling.height // d, sampling.width // d), images=images,
                 group_ids=torch.tensor(list(group_ids) if group_ids is not None else [0] * len(per)),
-                seeds=[int(s) for s in seeds])
+                seeds=[int(s) for s in seeds], final_latents=torch.stack([x for *_, x in per]))
 
     return FlowGRPOBagelPipeline
 

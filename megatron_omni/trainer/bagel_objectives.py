@@ -1,0 +1,114 @@
+"""What `algorithm.name` changes in BAGEL's trainer (`trainer.bagel`), as `trainer.objectives` does for the DiT
+families.
+
+| name | rollout | trained points | loss |
+|---|---|---|---|
+| flowgrpo, grpo_guard | SDE window drawn per sample | the window's transitions | `trainer.bagel._update`'s |
+| mixgrpo | one window per RL step, sliding (`window_start_at`) | the same | FlowGRPO's |
+| diffusionnft | the ODE over BAGEL's schedule | noised points of each clean sample | `algorithms.nft.nft_loss` |
+
+DiffusionNFT's points are those of the DiT families (`trainer.objectives.NftPoints`: noise levels drawn from the
+sample's sampling grid, here BAGEL's shifted schedule, and noise, both from the sample's seed); the velocity at a
+point is our `BagelMoT`'s guided velocity (`trainer.bagel.velocity`: the prompt's text KV, BAGEL's text CFG where
+the rollout applied it, `t` in the CFG interval, and its image CFG), so the policy the loss trains is the one the
+ODE rollout sampled with.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from megatron_omni.algorithms.mixgrpo import window_start_at
+from megatron_omni.algorithms.nft import NftLoss, nft_loss, noised_latents
+from megatron_omni.rollout.vllm_omni.bagel import BagelSampling, BagelTrajectory, flow_schedule
+from megatron_omni.trainer.config import AlgorithmConfig
+from megatron_omni.trainer.objectives import NftPoints
+
+
+def step_sampling(algorithm: AlgorithmConfig, sampling: BagelSampling, step: int) -> BagelSampling:
+    """The sampler of RL step `step` (0-based) under `algorithm`: MixGRPO fixes every sample's window start at
+    `window_start_at(step, ...)` inside the window range; DiffusionNFT samples with the ODE (noise 0, nothing
+    recorded); the others as given."""
+    if algorithm.name == "diffusionnft":
+        return dataclasses.replace(sampling, noise_level=0.0)
+    if algorithm.name != "mixgrpo":
+        return sampling
+    m = algorithm.mixgrpo
+    start = window_start_at(step, sampling.window_size, sampling.window_bounds(), m.steps_per_move, m.shift,
+                            m.roll_back)
+    return dataclasses.replace(sampling, window_start=start)
+
+
+def nft_points(traj: BagelTrajectory, sampling: BagelSampling, count: int) -> NftPoints:
+    """Each sample's `count` training points: noise levels of BAGEL's schedule (`flow_schedule`, the grid the
+    rollout stepped over, without its final 0) and noise [N, count, n, p], from the sample's seed."""
+    grid = flow_schedule(sampling.num_timesteps, sampling.timestep_shift)
+    return NftPoints.of(traj.final_latents, grid.expand(len(traj), -1), traj.seeds, count)
+
+
+def noised_points(traj: BagelTrajectory, points: NftPoints, rows: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x0, x_t) [B, J, n, p] fp32 of samples `rows`: their clean latents and the forward process
+    `x_t = (1 - t) x0 + t eps` at their points."""
+    idx = torch.as_tensor(list(rows), dtype=torch.long)
+    j = points.sigmas.shape[1]
+    x0 = traj.final_latents[idx][:, None].expand(-1, j, -1, -1).float()
+    xt = noised_latents(x0.flatten(0, 1), points.sigmas[idx].flatten(), points.noise[idx].flatten(0, 1))
+    return x0, xt.view(x0.shape)
+
+
+def nft_velocities(model: Any, traj: BagelTrajectory, points: NftPoints, markers: torch.Tensor,
+                   sampling: BagelSampling, rows: Sequence[int], text_grad: bool = False) -> torch.Tensor:
+    """[B, J, n, p] fp32: our `BagelMoT`'s (pp 1) guided velocity at each noised point of samples `rows`, conditioned
+    as the rollout was (the prompt's text KV; text CFG at `sampling.cfg_text_scale` where the point's t lies in the
+    CFG interval, 1 elsewhere; the trajectory's image CFG and renorm). Differentiable where grad is on; the prompt's
+    pass under autograd only with `text_grad` (`model.bagel_experts=both`)."""
+    from megatron_omni.trainer.bagel import velocity
+
+    _, xt = noised_points(traj, points, rows)
+    lo, hi = sampling.cfg_interval
+    out = []
+    for b, i in enumerate(rows):
+        ids = traj.prompt_ids[i]
+        with contextlib.nullcontext() if text_grad else torch.no_grad():
+            _, kv, _ = model.stage_text(ids)
+        per = []
+        for j in range(points.sigmas.shape[1]):
+            t = float(points.sigmas[i, j])
+            scale = sampling.cfg_text_scale if lo < t <= hi else 1.0
+            per.append(velocity(model, kv, ids.shape[0], markers, xt[b, j], traj.grid, t, scale,
+                                traj.cfg_renorm_min, traj.cfg_img_scale))
+        out.append(torch.stack(per))
+    return torch.stack(out)
+
+
+@dataclass
+class BagelNftStep:
+    """One RL step's DiffusionNFT data: the points (`nft_points`), the old policy's velocities there and, with
+    `algorithm.beta > 0`, the reference's (both [N, J, n, p] fp32, no grad), the reward weights [N]
+    (`algorithms.nft.optimality_probability` of the advantages) and the step's sampler."""
+
+    points: NftPoints
+    sampling: BagelSampling
+    old_velocity: torch.Tensor
+    reward_weight: torch.Tensor
+    algorithm: AlgorithmConfig
+    ref_velocity: torch.Tensor | None = None
+
+    def loss(self, model: Any, traj: BagelTrajectory, markers: torch.Tensor, rows: torch.Tensor,
+             text_grad: bool = False) -> NftLoss:
+        """`nft_loss` over the points of samples `rows` (a mini-batch), the current velocities through `model`."""
+        a, idx = self.algorithm, rows.tolist()
+        v = nft_velocities(model, traj, self.points, markers, self.sampling, idx, text_grad)
+        x0, xt = noised_points(traj, self.points, idx)
+        j = v.shape[1]
+        ref = None if self.ref_velocity is None else self.ref_velocity[rows].flatten(0, 1)
+        weight = self.reward_weight[rows].repeat_interleave(j)
+        return nft_loss(v.flatten(0, 1), self.old_velocity[rows].flatten(0, 1), x0.flatten(0, 1),
+                        xt.flatten(0, 1), self.points.sigmas[rows].flatten(), weight,
+                        a.nft.mix_beta, a.adv_clip, a.nft.weight_min, kl_beta=a.beta, ref_velocity=ref)
