@@ -209,8 +209,9 @@ RESERVED_BYTES = 6 * GIB
 class MoTPlan:
     """One BAGEL RL layout on one GPU kind: tp (dp = gpus / tp), the trainer's memory (`MoTMemory`), the activations
     of one sample's window step (forward + backward, both CFG branches), the rollout's own bf16 copy of the model
-    (vLLM-Omni's BAGEL pipeline in the trainer's process at rollout tp 1: both experts, the ViT and VAE left out as
-    small), the total against the GPU's memory, and the step's forward FLOPs per GPU."""
+    (vLLM-Omni's BAGEL pipeline in the trainer's process, whole at rollout tp 1 or a rank's shard at rollout tp = tp:
+    both experts, the ViT and VAE left out as small), the total against the GPU's memory, and the step's forward
+    FLOPs per GPU."""
 
     gpu: str
     tp: int
@@ -227,6 +228,7 @@ class MoTPlan:
     cp: int = 1
     kv_gather_bytes: int = 0  # received per rank in one layer's k/v all-gather, one sample and branch
     cp_comm_s: float = 0.0  # the step's k/v all-gathers and reduce-scatters (in step_s)
+    sync_bytes: int = 0  # what each rollout rank receives per sync: every tensor whole (its loader keeps its shard)
 
     @property
     def total(self) -> int:
@@ -256,7 +258,8 @@ class MoTPlan:
 def plan_mot(model: str | dict[str, Any], gpu: str, gpus: int = 8, height: int = 1024, width: int = 1024,
              prompt_tokens: int = 64, samples: int = 64, num_steps: int = 10, window: int = 2, cfg: bool = True,
              train: str = "gen", mfu: float = 0.3, bf16: bool = True, distributed_optimizer: bool = True,
-             rollout_bytes: int = 2, lora_rank: int = 64, cp: int = 1) -> list[MoTPlan]:
+             rollout_bytes: int = 2, lora_rank: int = 64, cp: int = 1, rollout_sharded: bool = False
+             ) -> list[MoTPlan]:
     """Every tensor-parallel size BAGEL's query groups and the GPU count admit, planned for FlowGRPO on
     text-to-image: `samples` images per step of `num_steps` denoising steps (the rollout: every step, one forward
     per CFG branch), `window` of them trained (recompute + forward + backward: 4 forwards' worth) per sample.
@@ -266,7 +269,8 @@ def plan_mot(model: str | dict[str, Any], gpu: str, gpus: int = 8, height: int =
     parallelism of the trainer (dp = gpus / (tp x cp)): the generation tokens' activations / cp plus the gathered
     k/v (`mot_activation_bytes`), and per trained sample and branch three k/v collectives per layer (the old
     log-probs' forward and the training forward all-gather, the backward reduce-scatters; not overlapped, at the
-    NVLink bandwidth x `LINK_EFFICIENCY`) added to the step; the rollout (vLLM-Omni at tp 1) is not split."""
+    NVLink bandwidth x `LINK_EFFICIENCY`) added to the step. The rollout's copy is whole (vLLM-Omni at rollout tp 1),
+    or with `rollout_sharded` (rollout tp = the plan's tp) a rank's shard, counted as the trainer's."""
     from megatron_omni.planner.specs import GPUS
 
     if gpu not in GPUS:
@@ -299,9 +303,11 @@ def plan_mot(model: str | dict[str, Any], gpu: str, gpus: int = 8, height: int =
         flops = samples * branches * step * (num_steps + 4 * window) / gpus
         kv = cp_kv_gather_bytes(c, image_tokens, cp, tp)
         cp_s = samples / dp * branches * window * 3 * n_layers * kv / (spec.link_bytes_per_s * LINK_EFFICIENCY)
-        plans.append(MoTPlan(gpu, tp, dp, mem, act, total_params * rollout_bytes, RESERVED_BYTES, spec.memory_bytes,
+        copy = max(rank_parameter_counts(c, tp, 1)) if rollout_sharded else total_params
+        plans.append(MoTPlan(gpu, tp, dp, mem, act, copy * rollout_bytes, RESERVED_BYTES, spec.memory_bytes,
                              flops, flops / (spec.peak_bf16_flops * mfu) + cp_s,
-                             max(trained), max(rank_parameter_counts(c, tp, 1)), cp, kv, cp_s))
+                             max(trained), max(rank_parameter_counts(c, tp, 1)), cp, kv, cp_s,
+                             total_params * rollout_bytes))
     return plans
 
 

@@ -151,7 +151,9 @@ def check_config(cfg: JobConfig, planning: bool = False) -> None:
         (r.engine != "vllm_omni", "rollout.engine", "must be vllm_omni (vLLM-Omni's BAGEL pipeline)"),
         (r.vllm_omni_process != "inline", "rollout.vllm_omni_process", "must be inline (the BAGEL pipeline runs "
          "in the trainer's process)"),
-        (r.tp != 1, "rollout.tp", "must be 1"),
+        (r.tp not in (1, p.tp) or (r.tp > 1 and p.pp > 1), "rollout.tp", "must be 1 or parallel.tp at pp 1 (each "
+         "tensor-parallel group of the trainer holds one rollout pipeline's shards: its ranks roll out the same "
+         "samples)"),
         (r.vae_dtype != "auto", "rollout.vae_dtype", "must be auto (BAGEL's autoencoder runs in rollout.dtype)"),
         (r.guidance_scale_2 is not None, "rollout.guidance_scale_2", "must be unset (it guides Wan2.2 A14B's "
          "low-noise expert)"),
@@ -389,16 +391,18 @@ class BagelTrainer:
         self.extra_copies = {} if self.nft_old is None else {"nft_old": self.nft_old}
         self.markers = torch.tensor([tok["start_of_image"], tok["end_of_image"]])
         self._stack = contextlib.ExitStack()
-        self.pipeline = self._stack.enter_context(open_bagel_pipeline(bcfg, folder, torch_dtype(cfg.rollout.dtype)))
+        self.pipeline = self._stack.enter_context(open_bagel_pipeline(bcfg, folder, torch_dtype(cfg.rollout.dtype),
+                                                                      tp=cfg.rollout.tp))
         # The held-out evaluation's view of the pipeline (`trainer.run.run_evaluation`, the DiT families' path)
         self.engine = BagelEvalEngine(self)
         self.quantization = QuantizationSpec()
-        # The bridge into the rollout pipeline: the family's plan at rollout tp 1 (full tensors gathered over the
-        # trainer's tp, bucketed), every BAGEL tensor checked written once by the coverage ledger.
+        # The bridge into the rollout pipeline: the family's plan at the rollout's tp (full tensors gathered over the
+        # trainer's tp, bucketed; at rollout tp > 1 vLLM's loaders keep each rank's shard), every BAGEL tensor
+        # checked written once by the coverage ledger.
         # pp > 1: every rank's pipeline gets every stage's tensors from the stage's first rank (as the DiT trainer).
         pp = groups.layout.pp
         (part, plan), = family_plans(self.family, bcfg, trainer_tp=groups.tp.size(), trainer_pp=pp,
-                                     rollout_kind="vllm_omni", rollout_tp=1, mode="full").items()
+                                     rollout_kind="vllm_omni", rollout_tp=cfg.rollout.tp, mode="full").items()
         transport = None
         if pp > 1:
             first = groups.first_rank
@@ -643,28 +647,46 @@ class BagelTrainer:
 
 class BagelEvalEngine:
     """The rollout pipeline as the held-out evaluation calls an engine (`trainer.evaluation.evaluate`: text
-    prompts, `SamplingParams`, seeds, a per-sample callback), on this rank alone (`collective` False: every rank
-    holds a whole pipeline, rank 0 samples). The params become BAGEL's sampler: `num_steps + 1` schedule points
-    with the folder's shift, `guidance_scale` as the text CFG scale, the run's image CFG scale and CFG interval,
-    noise 0 for the ODE (Euler over the whole schedule, nothing recorded). `negative_prompt` is not read: BAGEL's
-    text-unconditional branch is the empty text cache (what vLLM-Omni's pipeline keeps for an empty negative
-    prompt), so the " " the evaluation passes under CFG changes nothing."""
-
-    collective = False
+    prompts, `SamplingParams`, seeds, a per-sample callback). The params become BAGEL's sampler: `num_steps + 1`
+    schedule points with the folder's shift, `guidance_scale` as the text CFG scale, the run's image CFG scale and
+    CFG interval, noise 0 for the ODE (Euler over the whole schedule, nothing recorded). `negative_prompt` is not
+    read: BAGEL's text-unconditional branch is the empty text cache (what vLLM-Omni's pipeline keeps for an empty
+    negative prompt), so the " " the evaluation passes under CFG changes nothing.
+    At rollout tp 1 every rank holds a whole pipeline and rank 0 samples alone (`collective` False); at rollout
+    tp > 1 the ranks of a tensor-parallel group hold one pipeline's shards, so each call is collective over the
+    job: every rank passes its own share (rank 0 the prompts, the others none), each group samples the union of its
+    ranks' shares with the params they passed and each rank gets its own rows back."""
 
     def __init__(self, trainer: BagelTrainer) -> None:
         self.trainer = trainer
+        self.collective = trainer.cfg.rollout.tp > 1
 
     def generate(self, prompts: list[str], params: SamplingParams, group_size: int = 1,
-                 seeds: list[int] | None = None, on_sample: Any = None) -> BagelTrajectory:
+                 seeds: list[int] | None = None, on_sample: Any = None) -> BagelTrajectory | None:
         """One image per (prompt, seed) (`group_size` 1); images [N, 3, H, W] in the returned trajectory, each
-        also passed to `on_sample` as a `FinishedSample`."""
+        also passed to `on_sample` as a `FinishedSample`. None when this rank's group has nothing to sample."""
         import dataclasses
 
+        seeds = [] if seeds is None and not prompts else seeds
         if group_size != 1 or seeds is None or len(seeds) != len(prompts):
             raise ValueError(f"BAGEL evaluation samples one image per (prompt, seed): group_size {group_size}, "
                              f"{len(prompts)} prompts, seeds {seeds}")
         t = self.trainer
+        mine = len(prompts)
+        if self.collective:  # the group's union in rank order, sampled with the params of the ranks that have some
+            shares: list[Any] = [None] * t.groups.tp.size()
+            dist.all_gather_object(shares, (list(prompts), [int(s) for s in seeds], params), group=t.groups.tp)
+            offset = sum(len(p) for p, _, _ in shares[: t.groups.tp.rank()])
+            prompts, seeds = [p for ps, _, _ in shares for p in ps], [s for _, ss, _ in shares for s in ss]
+            given = [q for ps, _, q in shares if ps]
+            if any(q != given[0] for q in given):
+                raise ValueError("BAGEL evaluation at rollout tp > 1: the ranks of a group asked for different "
+                                 "sampling params")
+            params = given[0] if given else params
+        else:
+            offset = 0
+        if not prompts:
+            return None
         ode = params.noise_level == 0  # then no window: any placement is all Euler steps
         s = dataclasses.replace(t.sampling, num_timesteps=params.num_steps + 1, noise_level=params.noise_level,
                                 window_size=1 if ode else params.window_size,
@@ -673,7 +695,10 @@ class BagelEvalEngine:
                                 height=params.height, width=params.width)
         ids = [torch.tensor(t.prompt_ids(p)) for p in prompts]
         traj = t.pipeline.generate(ids, s, seeds, list(range(len(prompts))))
+        if mine == 0:
+            return None
+        traj = traj.select(torch.arange(offset, offset + mine))
         for k in range(len(traj)):
             if on_sample is not None:
-                on_sample(FinishedSample(k, prompts[k], k, int(seeds[k]), traj.images[k]))
+                on_sample(FinishedSample(k, prompts[offset + k], k, int(seeds[offset + k]), traj.images[k]))
         return traj

@@ -265,7 +265,7 @@ def mot_dry_run(cfg: JobConfig, world_size: int, gpu: str) -> int:
                          cfg=r.guidance_scale > 1, bf16=bf16, distributed_optimizer=o.distributed_optimizer,
                          rollout_bytes=2 if r.dtype == "bf16" else 4,
                          train="lora" if lora.enabled else "both" if cfg.model.bagel_experts == "both" else "gen",
-                         lora_rank=lora.rank, cp=p.ulysses * p.ring)
+                         lora_rank=lora.rank, cp=p.ulysses * p.ring, rollout_sharded=r.tp > 1)
     except (KeyError, ValueError) as exc:
         raise ConfigError(f"plan: {exc}") from None
     print(f"dry run: world size {world_size} trainer ranks (the rollout runs in the trainer's processes), model "
@@ -303,8 +303,8 @@ def mot_dry_run(cfg: JobConfig, world_size: int, gpu: str) -> int:
         raise ConfigError(f"layout: parallel.tp={p.tp} is not one the model admits on {world_size} GPUs (tp x cp must "
                           f"divide the world size and tp the key/value heads): {[q.tp for q in plans]}")
     plan, fits = mine
-    print(f"bridge: full tensors gathered over the trainer's tp into vLLM-Omni's BAGEL pipeline at rollout tp 1, "
-          f"{plan.rollout_copy / GIB:.1f} GiB per sync, coverage-checked")
+    print(f"bridge: full tensors gathered over the trainer's tp into vLLM-Omni's BAGEL pipeline at rollout tp {r.tp}, "
+          f"{plan.sync_bytes / GIB:.1f} GiB per sync, coverage-checked")
     if plan.cp > 1:
         print(f"layout: tp={plan.tp} cp={plan.cp} dp={plan.dp} (parallel.tp, parallel.ulysses x ring)")
         print(f"context parallelism: cp {plan.cp} splits the generation tokens (activations / {plan.cp}) and "

@@ -118,11 +118,12 @@ def export_bagel_state(model: BagelMoT, tensors: dict[str, torch.Tensor] | None 
 
 
 def _rollout_layout(kind: str) -> SameNameLayout:
-    """BAGEL's rollout layout: vLLM-Omni's BAGEL pipeline takes BAGEL-named full tensors through its own loader at
-    rollout tp 1 (`rollout.vllm_omni.bagel.BagelWeightTarget`)."""
+    """BAGEL's rollout layout: vLLM-Omni's BAGEL pipeline takes BAGEL-named full tensors through its own loader
+    (`rollout.vllm_omni.bagel.BagelWeightTarget`), at rollout tp > 1 on every rank of the group, whose vLLM weight
+    loaders keep the rank's shard."""
     if kind != "vllm_omni":
         raise KeyError(f"BAGEL has no {kind!r} rollout layout (its rollout is vLLM-Omni's BAGEL pipeline)")
-    return SameNameLayout(kind="vllm_omni", max_tp=1)
+    return SameNameLayout(kind="vllm_omni", max_tp=None)
 
 
 def weight_parts(name_or_config: str | dict[str, Any]) -> dict[str, WeightPart]:

@@ -38,6 +38,7 @@ def test_tiny_recipe_validates() -> None:
     ("rollout.image_guidance_scale", 0.5, "rollout.image_guidance_scale"),
     ("rollout.vae_dtype", "fp32", "rollout.vae_dtype: must be auto"),
     ("rollout.guidance_scale_2", 2.0, "rollout.guidance_scale_2: must be unset"),
+    ("rollout.tp", 2, "rollout.tp: must be 1 or parallel.tp at pp 1"),
 ])
 def test_unsupported_settings_refused_by_name(field: str, value, named: str) -> None:
     cfg = tiny()
@@ -179,3 +180,14 @@ def test_data_parallel_ranks_need_prompts_and_cp_runs_at_pp1() -> None:
     cfg.parallel.pp = 2
     with pytest.raises(ConfigError, match=r"parallel.ulysses/ring: context parallelism runs at pp 1 only"):
         cfg.validate(world_size=4)
+
+
+def test_rollout_tp_equal_to_trainer_tp_validates() -> None:
+    """`rollout.tp` = `parallel.tp` (the trainer's tp group holds one rollout pipeline's shards) at pp 1; refused at
+    pp > 1 by name."""
+    cfg = tiny()
+    cfg.parallel.tp = cfg.rollout.tp = 2
+    cfg.validate(world_size=2)
+    cfg.parallel.tp, cfg.parallel.pp = 1, 2
+    with pytest.raises(ConfigError, match="rollout.tp: must be 1 or parallel.tp at pp 1"):
+        cfg.validate(world_size=2)

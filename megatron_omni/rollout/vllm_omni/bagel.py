@@ -40,6 +40,7 @@ from typing import Any
 
 import numpy as np
 import torch
+import torch.distributed as dist
 
 from megatron_omni.algorithms.sde import sde_step
 from megatron_omni.algorithms.window import sample_window_start, window_noise_levels
@@ -302,7 +303,7 @@ def _pipeline_class() -> type:
             return loaded
 
         def weight_target(self) -> BagelWeightTarget:
-            """The bridge's rollout target for this pipeline (rollout tp 1)."""
+            """The bridge's rollout target for this pipeline (full tensors at any rollout tp)."""
             return BagelWeightTarget(self)
 
         def load_folder(self, folder: str | Path) -> None:
@@ -387,20 +388,21 @@ def _pipeline_class() -> type:
 
 
 class BagelWeightTarget:
-    """The bridge's view of a `FlowGRPOBagelPipeline` (`bridge.targets.RolloutTarget`, rollout tp 1): its
+    """The bridge's view of a `FlowGRPOBagelPipeline` (`bridge.targets.RolloutTarget`, at its rollout tp): its
     parameters by their BAGEL (`ema.safetensors`) names, as shape-only meta tensors (the vLLM-Omni modules fuse
     q/k/v and gate/up under other names; the family's layout keeps BAGEL's names, `SameNameLayout`), so the
     bridge's coverage ledger checks every BAGEL tensor written exactly once; `load_full` is the pipeline's
     `load_partial`. Full mode only (nothing is written in place)."""
 
     kind = "vllm_omni"
-    tp_rank = 0
-    tp_size = 1
 
     def __init__(self, pipeline: Any) -> None:
         from model_providers.bagel.provider import bagel_shapes
 
         self.pipeline = pipeline
+        # at rollout tp > 1 every rank of the group receives the full tensors too: vLLM's weight loaders keep the
+        # rank's shard (`load_partial`)
+        self.tp_rank, self.tp_size = getattr(pipeline, "tp_rank", 0), getattr(pipeline, "tp_size", 1)
         self._params = {n: torch.empty(s, device="meta") for n, s in bagel_shapes(pipeline.cfg).items()}
 
     def parameters(self) -> dict[str, torch.Tensor]:
@@ -417,12 +419,17 @@ def __getattr__(name: str) -> Any:
 
 
 @contextlib.contextmanager
-def open_bagel_pipeline(cfg: dict[str, Any], folder: str | Path, dtype: torch.dtype = torch.float32) -> Iterator[Any]:
-    """`FlowGRPOBagelPipeline` of a BAGEL folder inside vLLM-Omni's parallel state at rollout tp 1 (collective over
-    the job: every rank builds its own)."""
+def open_bagel_pipeline(cfg: dict[str, Any], folder: str | Path, dtype: torch.dtype = torch.float32,
+                        tp: int = 1) -> Iterator[Any]:
+    """`FlowGRPOBagelPipeline` of a BAGEL folder inside vLLM-Omni's parallel state at rollout tp `tp` (collective
+    over the job: every rank builds its own; at tp > 1 each group of `tp` consecutive ranks holds one pipeline's
+    shards, vLLM's parallel linears and vocab-parallel embedding and head, and every rank of a group must make
+    the same `generate` calls)."""
     from megatron_omni.rollout.vllm_omni.inline import vllm_omni_parallel
 
-    with vllm_omni_parallel(1):
+    with vllm_omni_parallel(tp):
         pipe = _pipeline_class()(cfg, dtype)
+        pipe.tp_size = tp
+        pipe.tp_rank = dist.get_rank() % tp
         pipe.load_folder(folder)
         yield pipe
