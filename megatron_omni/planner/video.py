@@ -184,10 +184,11 @@ class VideoPlan:
 def plan_video(model: str | dict[str, Any], layout: ParallelLayout, world_size: int, workload: VideoWorkload,
                gpu: str = "H200", precision: Precision | None = None, recompute: str = "none",
                mfu: float = DEFAULT_MFU, reserve_bytes: int = 4 * 1024**3, link_efficiency: float = 0.7,
-               gpus_per_node: int = 8, rollout_experts: int = 1) -> VideoPlan:
+               gpus_per_node: int = 8, rollout_experts: int = 1, vae_bytes: int | None = None) -> VideoPlan:
     """Per-GPU memory and step time of FlowGRPO on Wan at `layout` (see the module docstring); `rollout_experts`
     transformers of `model`'s shape are resident in the rollout engine (Wan2.2 A14B: 2, one running per step, one
-    trained), which changes only the rollout's weights. Raises
+    trained), which changes only the rollout's weights; `vae_bytes`: per parameter of the resident VAE
+    (`rollout.vae_dtype`, e.g. flow_grpo's fp32 under a bf16 rollout; None: the rollout's dtype). Raises
     LayoutError naming what does not divide (heads, blocks, video tokens over cp, clips over dp) or an unknown
     GPU or recompute mode."""
     w, precision = workload, precision or Precision()
@@ -237,8 +238,8 @@ def plan_video(model: str | dict[str, Any], layout: ParallelLayout, world_size: 
         parameters=precision.param_bytes * params, gradients=precision.grad_bytes * params,
         optimizer_states=-(-precision.optimizer_bytes * params // shard), activations=acts(recompute),
         activations_no_recompute=acts("none"), activations_full_recompute=acts("full"),
-        rollout_weights=precision.rollout_param_bytes * (rollout_experts * parameter_count(cfg) + UMT5_XXL_PARAMS
-                                                         + vae.params),
+        rollout_weights=precision.rollout_param_bytes * (rollout_experts * parameter_count(cfg) + UMT5_XXL_PARAMS)
+        + (precision.rollout_param_bytes if vae_bytes is None else vae_bytes) * vae.params,
         rollout_activations=precision.activation_bytes * cfg_x * (tokens + w.text_tokens) * 11 * hidden,
         reserve=reserve_bytes, capacity=GPUS[gpu].memory_bytes)
     flops = wan_forward_flops(cfg, tokens, w.text_tokens)
@@ -286,7 +287,8 @@ def _alltoall_s(nbytes: float, n: int, bw: float) -> float:
 
 def choose_cp(model: str | dict[str, Any], world_size: int, workload: VideoWorkload, *, tp: int = 1, pp: int = 1,
               gpu: str = "H200", precision: Precision | None = None, recompute: str = "none",
-              mfu: float = DEFAULT_MFU, max_cp: int = 8, rollout_experts: int = 1) -> VideoPlan:
+              mfu: float = DEFAULT_MFU, max_cp: int = 8, rollout_experts: int = 1,
+              vae_bytes: int | None = None) -> VideoPlan:
     """The plan at the smallest Ulysses degree (context parallelism over the video tokens, within `max_cp`: one
     node's GPUs) at which the job fits in the GPU's memory; layouts that cannot run are skipped. Raises
     LayoutError naming the largest tried when none fits."""
@@ -294,7 +296,7 @@ def choose_cp(model: str | dict[str, Any], world_size: int, workload: VideoWorkl
     for cp in range(1, max_cp + 1):
         try:
             got = plan_video(model, ParallelLayout(tp=tp, ulysses=cp, pp=pp), world_size, workload, gpu, precision,
-                             recompute, mfu, rollout_experts=rollout_experts)
+                             recompute, mfu, rollout_experts=rollout_experts, vae_bytes=vae_bytes)
         except LayoutError as exc:
             tried.append(f"cp={cp}: {exc}")
             continue

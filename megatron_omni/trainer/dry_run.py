@@ -185,6 +185,11 @@ def video_workload(cfg: JobConfig, world_size: int) -> VideoWorkload:
                          cfg=r.guidance_scale > 1)
 
 
+def _vae_bytes(cfg: JobConfig) -> int | None:
+    """Bytes per VAE parameter of `rollout.vae_dtype` (None for auto: the rollout's dtype)."""
+    return None if cfg.rollout.vae_dtype == "auto" else DTYPE_BYTES[cfg.rollout.vae_dtype]
+
+
 def planner_cp(cfg: JobConfig, world_size: int, gpu: str = "H200", max_cp: int = 8, mfu: float = DEFAULT_MFU,
                model: dict[str, Any] | str | None = None):
     """The planner's plan (`planner.video.choose_cp`) at the smallest Ulysses degree that fits a video job's clip
@@ -195,7 +200,7 @@ def planner_cp(cfg: JobConfig, world_size: int, gpu: str = "H200", max_cp: int =
                      video_workload(cfg, world_size), tp=p.tp, pp=p.pp, gpu=gpu,
                      precision=Precision.of(cfg.model.params_dtype, r.dtype, cfg.optim.distributed_optimizer),
                      recompute=cfg.model.recompute or "none", mfu=mfu, max_cp=max_cp,
-                     rollout_experts=rollout_experts(cfg))
+                     rollout_experts=rollout_experts(cfg), vae_bytes=_vae_bytes(cfg))
 
 
 def video_dry_run(cfg: JobConfig, world_size: int, gpu: str, gpus_per_node: int, reward_gpus: int,
@@ -210,7 +215,8 @@ def video_dry_run(cfg: JobConfig, world_size: int, gpu: str, gpus_per_node: int,
     work = video_workload(cfg, world_size)
     try:
         got = plan_video(model, ParallelLayout(tp=p.tp, ulysses=p.ulysses, ring=p.ring, pp=p.pp), world_size, work,
-                         gpu, precision, recompute, mfu, rollout_experts=rollout_experts(cfg))
+                         gpu, precision, recompute, mfu, rollout_experts=rollout_experts(cfg),
+                         vae_bytes=_vae_bytes(cfg))
     except LayoutError as exc:
         raise ConfigError(f"layout: {exc}") from exc
     try:

@@ -131,3 +131,6 @@ def test_video_plan_counts_cfg_text_encoder_and_vae() -> None:
     assert guided.memory.activations > 1.9 * plain.memory.activations
     assert plain.memory.rollout_weights == 2 * (parameter_count("wan2.2-ti2v-5b") + UMT5_XXL_PARAMS
                                                 + WAN_VAES[48].params)
+    # `rollout.vae_dtype=fp32` under a bf16 rollout (flow_grpo's): the resident VAE at 4 bytes a parameter
+    fp32_vae = plan_video("wan2.2-ti2v-5b", ParallelLayout(), 8, work, precision=prec, vae_bytes=4)
+    assert fp32_vae.memory.rollout_weights - plain.memory.rollout_weights == 2 * WAN_VAES[48].params
