@@ -137,11 +137,6 @@ class FlowGRPOTrainer:
                                                                           vllm_omni_process=r.vllm_omni_process,
                                                                           vae_dtype=vae_dtype(r)))
         self.hf_config = self.engine.transformer_config()
-        if cfg.algorithm.name == "diffusionnft" and getattr(self.engine, "experts", None) is not None:
-            raise ValueError("algorithm.name=diffusionnft trains at noise levels over the whole grid, but this "
-                             "two-expert (Wan2.2 A14B) folder's policy is its low-noise expert only (the high-noise "
-                             "steps sample a frozen expert): train it with a policy-gradient rule and "
-                             "rollout.window_range in the low-noise steps")
         p = cfg.parallel
         # batched p2p on gloo gave wrong results (docs/design.md section 5)
         overrides: dict = {"batch_p2p_comm": False}
@@ -445,6 +440,7 @@ class FlowGRPOTrainer:
         else:
             objective = self.nft_objective(traj, advantages, step, t, old_policy)
             dlogp_mean = float("nan")  # an ODE rollout records no log-probs
+            gap = {"nft_sigma_max": float(objective.draws.sigmas.max())}  # this rank's highest training noise level
         t0 = time.perf_counter()
         train_metrics = self.run_updates(objective, step)
         t["train"] = time.perf_counter() - t0
@@ -542,8 +538,9 @@ class FlowGRPOTrainer:
         `algorithm.beta > 0`, under the reference. Adds the phases' seconds to `t` (`old_logprob`: the old
         policy's pass)."""
         a = self.cfg.algorithm
-        count = max(1, int(self.cfg.rollout.num_steps * a.nft.timestep_fraction))
-        draws = NftPoints.draw(traj, count)
+        grids = nft_grids(traj.sigmas, getattr(self.engine, "experts", None))
+        count = max(1, int((grids.shape[1] - 1) * a.nft.timestep_fraction))
+        draws = NftPoints.draw(traj, count, grids)
         flat = [mb for mini in self.micro_batches(len(traj), count, step) for mb in mini]
         shape = (len(traj), count, *traj.final_latents.shape[1:])
 
@@ -643,6 +640,20 @@ class FlowGRPOTrainer:
                 self.update_ema()
         sums = {k: sum(m[k] for m in per_micro) / len(per_micro) for k in per_micro[0]}
         return {**sums, **tally.metrics(self.optimizer)}
+
+
+def nft_grids(sigmas: torch.Tensor, experts: Any | None) -> torch.Tensor:
+    """The sampling grids [N, T' + 1] DiffusionNFT draws its noise levels from: the rollout's grids [N, T + 1], or
+    on a two-expert (Wan2.2 A14B) folder the low-noise expert's part of them (the steps from the first one it runs,
+    to 0): the policy is that expert, so it trains where it samples. Raises ValueError when it runs no step."""
+    if experts is None:
+        return sigmas
+    first = experts.high_noise(sigmas[:, :-1]).sum(1)
+    if bool((first != first[0]).any()) or int(first[0]) >= sigmas.shape[1] - 1:
+        raise ValueError(f"algorithm.name=diffusionnft on a two-expert folder trains the low-noise expert at its "
+                         f"noise levels, but the grid's high-noise steps are {first.tolist()} of {sigmas.shape[1] - 1}"
+                         ": sample with more steps (rollout.num_steps) or a folder whose boundary leaves it steps")
+    return sigmas[:, int(first[0]):]
 
 
 def logp_gap(old: torch.Tensor, rollout: torch.Tensor, step: int, dp: Any, bound: float | None

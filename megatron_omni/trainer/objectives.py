@@ -115,12 +115,13 @@ class NftPoints:
     noise: torch.Tensor
 
     @classmethod
-    def draw(cls, traj: Trajectory, count: int) -> NftPoints:
-        """`count` noise levels of each sample's grid (`training_sigmas`) and their noise, sample by sample from
-        a generator seeded NFT_NOISE_SEED + its seed."""
+    def draw(cls, traj: Trajectory, count: int, grids: torch.Tensor | None = None) -> NftPoints:
+        """`count` noise levels of each sample's grid (`training_sigmas`; `grids` [N, T' + 1], default the
+        trajectory's sampling grids) and their noise, sample by sample from a generator seeded NFT_NOISE_SEED + its
+        seed."""
         if traj.final_latents is None:
             raise ValueError("DiffusionNFT trains on the samples' clean latents; this engine's trajectory has none")
-        return cls.of(traj.final_latents, traj.sigmas, traj.seeds.tolist(), count)
+        return cls.of(traj.final_latents, traj.sigmas if grids is None else grids, traj.seeds.tolist(), count)
 
     @classmethod
     def of(cls, final_latents: torch.Tensor, grids: torch.Tensor, seeds: list[int], count: int) -> NftPoints:

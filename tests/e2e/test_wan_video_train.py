@@ -164,3 +164,23 @@ def test_a14b_two_experts_reward_rises_with_low_noise_guidance(tmp_path: Path) -
     gaps = [json.loads(line)["train_rollout_dlogp_max"] for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert max(gaps) < 1e-5, gaps
     assert json.loads((run / "config.json").read_text())["rollout"]["guidance_scale_2"] == 2.0
+
+
+@pytest.mark.slow
+def test_a14b_diffusionnft_trains_the_low_noise_expert_at_its_levels(tmp_path: Path) -> None:
+    """DiffusionNFT on the tiny Wan2.2-A14B folder: the ODE rollout runs both experts (CFG 5.0 / 2.0), and the policy,
+    the low-noise expert, trains at the grid's low-noise levels only (`trainer.flowgrpo.nft_grids`: every drawn
+    level below the boundary 0.875), 2 steps with a non-zero gradient."""
+    from model_providers.wan.tiny_pipeline import make_tiny_a14b_pipeline
+
+    folder = make_tiny_a14b_pipeline(tmp_path / "a14b", seed=0)
+    run = tmp_path / "a14b_nft"
+    proc = _train(run, *WAN, *CFG, "--set", "steps=2", "--set", f"model.pipeline={folder}",
+                  "--set", "rollout.guidance_scale_2=2", "--set", "algorithm.name=diffusionnft",
+                  "--set", "rollout.noise_level=0")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    hist = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    print("wan a14b nft:", [{k: h[k] for k in ("reward_mean", "grad_norm", "nft_sigma_max", "policy_loss")}
+                            for h in hist])
+    assert len(hist) == 2 and all(h["grad_norm"] > 0 for h in hist), hist
+    assert all(0 < h["nft_sigma_max"] < 0.875 for h in hist), hist

@@ -28,7 +28,7 @@ from megatron_omni.rollout.diffusers_engines.engine import build_diffusers_engin
 from megatron_omni.rollout.diffusers_engines.wan import ExpertRouter, WanRolloutEngine
 from megatron_omni.rollout.registry import EngineSettings
 from megatron_omni.rollout.vllm_omni.wan_pipeline import require_one_expert
-from megatron_omni.trainer.flowgrpo import FlowGRPOTrainer, _initial_weights
+from megatron_omni.trainer.flowgrpo import _initial_weights
 from model_providers.wan import provider
 from model_providers.wan.experts import expert_dirs, read_two_experts
 from model_providers.wan.tiny_pipeline import make_tiny_a14b_pipeline
@@ -209,14 +209,17 @@ def test_guidance_scale_2_guides_the_low_noise_experts_steps(folder: str, engine
         one.generate(PROMPTS, params)
 
 
-def test_what_the_two_expert_folder_refuses(folder: str, engine: WanRolloutEngine, one_rank) -> None:
+def test_what_the_two_expert_folder_refuses(folder: str, engine: WanRolloutEngine) -> None:
     with pytest.raises(ValueError, match=r"step 0, a high-noise step .* start at 1"):
         engine.generate(PROMPTS, replace(SDE, window_range=(0, 2)))
-    # DiffusionNFT would train the low-noise expert at high-noise levels too: refused when the trainer is built
-    cfg = wan_video_demo()
-    cfg.algorithm.name = "diffusionnft"
-    with pytest.raises(ValueError, match="diffusionnft trains at noise levels over the whole grid"):
-        FlowGRPOTrainer(cfg, one_rank, folder, reward_fn=None)
+    # DiffusionNFT trains the low-noise expert at its levels only: the grids from the first low-noise step; a grid
+    # all of whose steps are high-noise leaves it none
+    from megatron_omni.trainer.flowgrpo import nft_grids
+
+    grid = torch.tensor([[1.0, 0.9, 0.875, 0.8, 0.5, 0.0]]).expand(2, -1)
+    assert torch.equal(nft_grids(grid, engine.experts), grid[:, 3:]) and nft_grids(grid, None) is grid
+    with pytest.raises(ValueError, match=r"high-noise steps are \[2, 2\] of 2"):
+        nft_grids(grid[:, :3], engine.experts)
     with pytest.raises(ValueError, match="not supported by the vLLM-Omni Wan pipeline yet"):
         require_one_expert(folder)
 
