@@ -67,17 +67,16 @@ class DiffusersSource:
 
 def trained_component(pipeline_dir: str | Path) -> str:
     """The pipeline component the trainer's transformer is: `transformer`, or a two-expert (Wan2.2 A14B) pipeline's
-    low-noise expert (`model_providers.wan.experts.TRAINED_EXPERT`; a half-declared pair is refused by name)."""
-    index = read_json(Path(pipeline_dir) / "model_index.json")
-    if (index.get("transformer_2") or [None])[0] is None:
-        return "transformer"
+    low-noise expert (`model_providers.wan.experts.TRAINED_EXPERT`). A half-declared pair (a second transformer
+    without `boundary_ratio`, or the reverse) is refused by name, as the rollout engine refuses it."""
     from model_providers.wan.experts import TRAINED_EXPERT, read_two_experts
 
+    read_json(Path(pipeline_dir) / "model_index.json")  # a missing or malformed index named as the converter names it
     try:
-        read_two_experts(pipeline_dir)
+        experts = read_two_experts(pipeline_dir)
     except ValueError as exc:
         raise CheckpointError(str(exc)) from None
-    return TRAINED_EXPERT
+    return "transformer" if experts is None else TRAINED_EXPERT
 
 
 def resolve_diffusers_folder(path: str | Path) -> DiffusersSource:

@@ -2,6 +2,7 @@
 config names picks the registered bundle that declares it, and an unknown class names the known families."""
 
 import json
+import re
 
 import pytest
 
@@ -55,3 +56,18 @@ def test_a_config_the_family_cannot_hold_names_the_file() -> None:
     bad = {**_tiny_config("QwenImageTransformer2DModel"), "guidance_embeds": True}
     with pytest.raises(CheckpointError, match="config.json: Qwen-Image variant options not supported"):
         family_of_config(bad, "config.json")
+
+
+@pytest.mark.parametrize("index, named", [
+    ({"transformer_2": ["diffusers", "WanTransformer3DModel"]}, "boundary_ratio=None"),
+    ({"boundary_ratio": 0.875}, "transformer_2=None"),
+    ({"transformer_2": [None, None], "boundary_ratio": 0.875}, "transformer_2=[None, None]"),
+])
+def test_a_half_declared_expert_pair_is_refused_by_the_converter(tmp_path, index: dict, named: str) -> None:
+    """A pipeline folder naming a second transformer without `boundary_ratio`, or a boundary without the second
+    transformer, is refused naming both keys (as the rollout engine refuses it), not converted as one expert."""
+    (tmp_path / "transformer").mkdir()
+    (tmp_path / "model_index.json").write_text(json.dumps({"transformer": ["diffusers", "WanTransformer3DModel"],
+                                                          **index}))
+    with pytest.raises(CheckpointError, match=f"names both transformer_2 and boundary_ratio.*{re.escape(named)}"):
+        resolve_diffusers_folder(tmp_path)
