@@ -64,6 +64,9 @@ from megatron_omni.rollout.vllm_omni.pipeline import (
 from megatron_omni.rollout.vllm_omni.worker import WORKER_EXTENSION
 
 DEFAULT_BUCKET_BYTES = 512 * 1024 * 1024
+# After a failed call, how long to look for a worker's death before calling the failure something else: a surviving
+# worker can report its peer's reset connection (failing the call) before the killed worker has exited.
+WORKER_EXIT_SETTLE_S = 3.0
 # Our pipeline class for a folder whose model_index.json names another pipeline than Qwen-Image's (default
 # `PIPELINE_CLASS`), and the `module:function(folder, prompts) -> [int]` that counts a prompt's text tokens for it.
 PIPELINE_CLASSES = {
@@ -249,7 +252,7 @@ class VllmOmniRolloutEngine:
         try:
             yield
         except Exception as exc:
-            dead = dead_workers(self._workers)
+            dead = dead_workers(self._workers, settle_s=WORKER_EXIT_SETTLE_S)
             if not dead:
                 raise
             self._failure = worker_died_message(dead, what, self.step)

@@ -12,6 +12,7 @@ the engine starts (`worker_processes`), and read here when a call fails.
 from __future__ import annotations
 
 import signal
+import time
 from typing import Any
 
 
@@ -45,14 +46,18 @@ def _exit_text(code: int | None) -> str:
     return f"exit code {code}"
 
 
-def dead_workers(procs: list[Any], wait_s: float = 2.0) -> list[str]:
+def dead_workers(procs: list[Any], wait_s: float = 2.0, settle_s: float = 0.0) -> list[str]:
     """'rank R (pid P, killed by SIGKILL, exit code -9)' for each of `procs` that is no longer alive (joined up to
-    `wait_s` so its exit code is known)."""
-    gone = []
-    for rank, p in enumerate(procs):
-        if not p.is_alive():
-            p.join(wait_s)
-            gone.append((rank, p))
+    `wait_s` so its exit code is known). `settle_s`: while none is found dead, look again for up to this long (a
+    call can fail on a surviving worker, its peer's connection reset, a moment before the killed worker has exited)."""
+    deadline = time.monotonic() + settle_s
+    while True:
+        gone = [(rank, p) for rank, p in enumerate(procs) if not p.is_alive()]
+        if gone or not procs or time.monotonic() >= deadline:
+            break
+        time.sleep(0.05)
+    for _, p in gone:
+        p.join(wait_s)
     # the executor stops the others after a death: those that exited cleanly are not the cause
     failed = [(rank, p) for rank, p in gone if p.exitcode != 0] or gone
     return [f"rank {rank} (pid {p.pid}, {_exit_text(p.exitcode)})" for rank, p in failed]
