@@ -5,12 +5,13 @@ forked from this process's one fork server), as an engine's owning rank starts i
 
 SD3.5 (true CFG 4.5, pooled CLIP embeddings), FLUX.1 (distilled guidance 2.0), Wan2.2 (text-to-video, CFG 5.0),
 Wan2.2-TI2V's layout (image-to-video records, the first frame's tokens clean) and Qwen-Image-Edit (source-image
-records, CFG 3.0), each at rollout tp 2 (two worker processes, the transformer sharded): the workers report our
-platform and the family's pipeline class; the trajectories (every record crossing the workers' message queues) equal
-the family's diffusers engine's for the same seeds; a bucketed weight update over `collective_rpc` reaches the next
-rollout, equal to the diffusers engine holding the same weights; a partial update is refused by name. Then FP8
-(`rollout.quantization=fp8`) for SD3.5 and FLUX.1 at rollout tp 1 and 2: the workers' linears hold FP8 weights, and
-the probe before and after an update passes or fails the trainer's quantized check as it should. (The same classes in
+records, CFG 3.0), each at rollout tp 2 (two worker processes, the transformer sharded; SD3.5 at tp 4 too): the
+workers report our platform and the family's pipeline class; the trajectories (every record crossing the workers'
+message queues) equal the family's diffusers engine's for the same seeds; a bucketed weight update over
+`collective_rpc` reaches the next rollout, equal to the diffusers engine holding the same weights; a partial update is
+refused by name. Then FP8 (`rollout.quantization=fp8`) for SD3.5 and FLUX.1 at rollout tp 1 and 2: the workers'
+linears hold FP8 weights, and the probe before and after an update passes or fails the trainer's quantized check as it
+should. (The same classes in
 the trainer's ranks, `rollout.vllm_omni_process=inline`, with the bridge's plans: test_image_vllm_omni.py,
 test_wan_vllm_omni.py, test_qwen_image_edit_vllm_omni.py.)
 
@@ -124,18 +125,25 @@ def _error(fn, *args) -> str:
     return "no error"
 
 
-@pytest.fixture(scope="module", params=list(PARAMS))
+# Every family at rollout tp 2; SD3.5 also at tp 4 (four worker processes, the tiny transformer's 4 heads one per
+# rank, as SD3.5-Medium's 24 split 4 and 8 ways). The tiny FLUX.1 cannot: vLLM-Omni shards its text encoder too,
+# whose tiny config has 2 heads (the workers refuse tp 4 at start-up: "num_heads (2) must be divisible by tp_size").
+SERVED = [*((family, 2) for family in PARAMS), ("sd3", 4)]
+
+
+@pytest.fixture(scope="module", params=SERVED, ids=[f"{family}-tp{tp}" for family, tp in SERVED])
 def served(request, tmp_path_factory) -> dict[str, Any]:
-    """One family's tp-2 engine, used and closed: its workers' reports, its trajectories against the diffusers
-    engine before and after a bucketed update of perturbed weights, and what a partial update raised."""
+    """One family's engine at rollout tp 2 (or 4), used and closed: its workers' reports, its trajectories against
+    the diffusers engine before and after a bucketed update of perturbed weights, and what a partial update
+    raised."""
     from megatron_omni.rollout.vllm_omni.plugin import install_import_shims
 
     install_import_shims()
-    family = request.param
-    folder, prompts = _folder(tmp_path_factory.mktemp(f"served_{family}"), family)
+    family, tp = request.param
+    folder, prompts = _folder(tmp_path_factory.mktemp(f"served_{family}_tp{tp}"), family)
     params, ref = PARAMS[family], _reference(folder)
-    engine, start_s = _start(folder, tp=2)
-    res: dict[str, Any] = {"family": family, "start_s": start_s}
+    engine, start_s = _start(folder, tp=tp)
+    res: dict[str, Any] = {"family": family, "tp": tp, "start_s": start_s}
     try:
         res["reports"] = engine._rpc("platform_report")[0]
         seen: list = []
@@ -156,20 +164,20 @@ def served(request, tmp_path_factory) -> dict[str, Any]:
         res["n_tensors"] = len(weights)
     finally:
         engine.close()
-    print(f"{family}: served engine (tp 2, worker processes) started in {start_s:.1f} s; vs diffusers max |diff|",
+    print(f"{family}: served engine (tp {tp}, worker processes) started in {start_s:.1f} s; vs diffusers max |diff|",
           {k: f"{v:.1e}" for k, v in res["parity"].items()}, "after the update",
           {k: f"{v:.1e}" for k, v in res["updated"].items()})
     return res
 
 
 def test_the_family_pipeline_serves_from_forked_worker_processes(served: dict) -> None:
-    reports = served["reports"]
-    assert len(reports) == 2 and len({r["pid"] for r in reports}) == 2, reports
+    reports, tp = served["reports"], served["tp"]
+    assert len(reports) == tp and len({r["pid"] for r in reports}) == tp, reports
     servers = fork_servers(os.getpid())
     assert len(servers) == 1 and {r["parent_pid"] for r in reports} == {servers[0]}, (servers, reports)
     for r in reports:
         assert r["pipeline"] == CLASSES[served["family"]], r
-        assert (r["platform"], r["attention"], r["tp_size"]) == ("CpuOmniPlatform", ["CpuSDPAImpl"], 2), r
+        assert (r["platform"], r["attention"], r["tp_size"]) == ("CpuOmniPlatform", ["CpuSDPAImpl"], tp), r
         assert r["empty_linear_weights"] == 0 and r["linears"] > 0 and r["fp8_linear_weights"] == 0, r
         assert r["vae_dtype"] == "torch.float32", r  # `rollout.vae_dtype=auto`: the model's
 
@@ -191,7 +199,7 @@ def test_a_bucketed_update_reaches_the_next_rollout_and_a_partial_one_is_refused
     # refused by the workers (vLLM-Omni's RPC error names each rank's), naming the tensor that was not sent
     partial = served["partial"]
     assert f"partial weight update: 1 of {served['n_tensors']} transformer tensors were not sent" in partial, partial
-    assert served["missing"] in partial and "rank 0" in partial and "rank 1" in partial, partial
+    assert served["missing"] in partial and all(f"rank {r}" in partial for r in range(served["tp"])), partial
 
 
 @pytest.fixture(scope="module", params=[("sd3", 1), ("flux", 1), ("sd3", 2), ("flux", 2)],
