@@ -146,6 +146,26 @@ def test_video_reward_rises_with_cfg_on_the_vllm_omni_engine(tmp_path: Path) -> 
 
 
 @pytest.mark.slow
+def test_two_trainer_ranks_share_a_served_engine_at_rollout_tp2(tmp_path: Path) -> None:
+    """rollout.tp=2 on the served engine under torchrun (2 trainer ranks, dp 2, CFG 5.0): the first rank owns one
+    `Omni` engine with two worker processes (the transformer sharded), the other sends it its share of every step;
+    the weights reach both workers after each update (probed) and both ranks' recomputes agree with their
+    trajectories. 3 steps."""
+    run = tmp_path / "vllm_tp2"
+    proc = _train(run, *WAN, *CFG, "--set", "steps=3", "--set", "checkpoint.every=0", "--set",
+                  f"model.pipeline={make_folder(tmp_path)}", "--set", "rollout.engine=vllm_omni", "--set",
+                  "rollout.tp=2", nproc=2)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = proc.stdout + proc.stderr
+    assert "vLLM-Omni engine of trainer ranks [0, 1]: worker processes (rank: pid) {0: " in out and ", 1: " in out
+    metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    probes, gaps = [m["sync_probe_max_diff"] for m in metrics], [m["train_rollout_dlogp_max"] for m in metrics]
+    print(f"wan served rollout tp 2, 2 trainer ranks: reward per step {[f'{x:.4f}' for x in _rewards(run)]}, probe "
+          f"{max(probes):.1e}, |dlogp| {max(gaps):.1e}")
+    assert len(metrics) == 3 and max(probes) < 1e-5 and max(gaps) < 1e-5, (probes, gaps)
+
+
+@pytest.mark.slow
 def test_a14b_two_experts_reward_rises_with_low_noise_guidance(tmp_path: Path) -> None:
     """The tiny Wan2.2-A14B folder (`--family wan-a14b`: a high-noise and a low-noise expert, boundary 0.875): the
     low-noise expert trains (the window on steps 2-4, its steps), true CFG 5.0 on the high-noise expert's steps and
