@@ -123,6 +123,19 @@ def is_bagel_source(path: str | Path) -> bool:
         return False
 
 
+def bagel_base_identity(folder: str | Path) -> dict[str, Any]:
+    """What a LoRA checkpoint of a BAGEL run records about its base: the size and CRC-32 of the folder's
+    `ema.safetensors` (the weights the adapters were trained on; the folder's path is not part of it, so a moved or
+    copied folder still resumes, as a changed file does not)."""
+    from megatron_omni.checkpoint import manifest
+
+    weights = Path(folder) / "ema.safetensors"
+    if not weights.is_file():
+        raise CheckpointError(f"{folder} has no ema.safetensors: not a BAGEL folder")
+    entry = manifest.file_entry(weights)
+    return {"weights": "ema.safetensors", "crc32": entry["crc32"], "bytes": entry["size"]}
+
+
 def read_bagel_configs(checkpoint: str | Path) -> dict[str, Any]:
     """The BAGEL config files ({'config', 'llm_config', 'vit_config'}) a converted checkpoint records."""
     meta = read_content_metadata(checkpoint)

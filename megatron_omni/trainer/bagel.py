@@ -330,7 +330,7 @@ class BagelTrainer:
     """Model, optimizer, rollout pipeline and reward function of one rank."""
 
     sharded_state = staticmethod(bagel_sharded_state_dict)
-    checkpoint_identity: dict = {}  # nothing beyond the model config a resume must match (no LoRA base)
+    checkpoint_identity: dict = {}  # beyond the model config: `bagel_experts` when both train, LoRA's settings and base
     extra_copies: dict = {}
 
     def __init__(self, cfg: JobConfig, groups: Any, run_dir: str | Path) -> None:
@@ -370,13 +370,20 @@ class BagelTrainer:
         # merged weights `W + scale B A` through the same bridge plan (`bridge.lora_sync.MergedSources`).
         self.lora = cfg.model.lora
         if self.lora.enabled:
+            from megatron_omni.checkpoint.bagel import bagel_base_identity
             from megatron_omni.checkpoint.lora import lora_sharded_state_dict
             from megatron_omni.models.lora import add_lora
+            from megatron_omni.trainer.lora_setup import lora_identity
 
             # At pp > 1 a stage holds some of the layers: `lora_targets` checked the patterns on the whole model
-            add_lora(self.model, lora_targets(cfg, bcfg), self.lora.rank, self.lora.alpha, self.lora.dropout,
+            linears = lora_targets(cfg, bcfg)
+            add_lora(self.model, linears, self.lora.rank, self.lora.alpha, self.lora.dropout,
                      seed=cfg.seed, global_name=self.model.global_name, require_match=groups.layout.pp == 1)
             self.sharded_state = lora_sharded_state_dict
+            # a resume must find the same adapters on the same base weights (`ema.safetensors`' checksum)
+            patterns = list(BAGEL_LORA_TARGETS) if self.lora.targets is None else list(self.lora.targets)
+            self.checkpoint_identity = {"lora": lora_identity(self.lora, linears, folder, identify=bagel_base_identity,
+                                                              targets=patterns)}
         dtype = torch_dtype(cfg.model.params_dtype)
         self.reference = (self._frozen_copy(bcfg, state, dtype) if cfg.algorithm.beta > 0 and not self.lora.enabled
                           else None)

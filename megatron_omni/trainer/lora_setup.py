@@ -5,6 +5,7 @@ resume must match: `checkpointing.check_identity`)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -56,13 +57,17 @@ def lora_sync_mode(lora_sync: str, engine: str, quantized: bool = False, vllm_om
 
 
 def lora_identity(lora: LoRAConfig, linears: list[str], pipeline_dir: str | Path,
-                  group: dist.ProcessGroup | None = None) -> dict[str, Any]:
+                  group: dist.ProcessGroup | None = None,
+                  identify: Callable[[str | Path], dict[str, Any]] = base_identity,
+                  targets: list[str] | None = None) -> dict[str, Any]:
     """What a LoRA checkpoint records (content metadata `lora`, and the identity a resume checks): the
-    settings, the number of adapted linears and the base pipeline's identity (`base_identity`). Reads the
-    base's transformer files once, on the first rank of `group` (the trainer's ranks; None: the job), and shares
-    the result. Collective over `group`."""
+    settings (`targets`: the patterns the adapters went on, default `lora.target_patterns()`, the DiT's), the
+    number of adapted linears and the base's identity (`identify(pipeline_dir)`: a diffusers pipeline's
+    `base_identity` by default). Reads the base's files once, on the first rank of `group` (the trainer's ranks;
+    None: the job), and shares the result. Collective over `group`."""
     root = 0 if group is None else dist.get_global_rank(group, 0)
-    found = [base_identity(pipeline_dir) if dist.get_rank() == root else None]
+    found = [identify(pipeline_dir) if dist.get_rank() == root else None]
     dist.broadcast_object_list(found, src=root, group=group)
-    return {"rank": lora.rank, "alpha": lora.alpha, "dropout": lora.dropout, "targets": lora.target_patterns(),
+    return {"rank": lora.rank, "alpha": lora.alpha, "dropout": lora.dropout,
+            "targets": lora.target_patterns() if targets is None else list(targets),
             "modules": len(linears), "base": found[0]}

@@ -125,10 +125,12 @@ def run(cfg: JobConfig, overwrite: bool = False) -> dict:
             gc.unfreeze()  # what the run froze (below) is collectable again for whatever this process does next
 
 
-def _close_run(bar: tqdm, writer: MetricsWriter | None, reward_fn: RewardFunction | None, trainer: object) -> None:
+def _close_run(bar: tqdm | None, writer: MetricsWriter | None, reward_fn: RewardFunction | None,
+               trainer: object) -> None:
     """Close what a run opened (progress bar, metrics writer, reward client, the trainer's engine) before it ends
     early. Collective (the trainer's engine)."""
-    bar.close()
+    if bar is not None:
+        bar.close()
     if writer is not None:
         writer.close()
     if reward_fn is not None:
@@ -206,9 +208,15 @@ def _run(cfg: JobConfig, overwrite: bool, stops: StopRequests) -> dict:
         # An asynchronous run's root reads the steps its checkpoint saved ahead (when it saved any).
         ahead = ((ASYNC_IN_FLIGHT,) if loop is not None and rank == loop.root
                  and read_common(folder)["data"].get("in_flight") else ())
-        common = load_checkpoint(folder, trainer.model, trainer.optimizer, trainer.scheduler,
-                                 sharded_state=trainer.sharded_state, ema=trainer.ema,
-                                 identity=trainer.checkpoint_identity, copies=trainer.extra_copies, objects=ahead)
+        try:
+            common = load_checkpoint(folder, trainer.model, trainer.optimizer, trainer.scheduler,
+                                     sharded_state=trainer.sharded_state, ema=trainer.ema,
+                                     identity=trainer.checkpoint_identity, copies=trainer.extra_copies,
+                                     objects=ahead)
+        except ConfigError:
+            if loop is None:  # every rank read the same recorded identity and refused it: they close together
+                _close_run(None, None, reward_fn, trainer)
+            raise
         start = common["step"]
         in_flight = common.get("objects", {}).get(ASYNC_IN_FLIGHT, {})
         trainer.guard.bad_steps = int(common.get("bad_steps", 0))

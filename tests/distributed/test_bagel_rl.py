@@ -457,7 +457,25 @@ def _lora_runs(rank: int, world_size: int, root: str) -> dict:
     cfg = _lora_config(str(resumed))
     cfg.checkpoint.resume = "auto"
     run(cfg)
-    return {"full": str(full), "resumed": str(resumed)}
+    # the same checkpoint resumed on other base weights (another seed's tiny folder) is refused, naming the LoRA
+    # identity (`checkpoint.bagel.bagel_base_identity`: the CRC-32 of ema.safetensors)
+    from megatron_omni.trainer.config import ConfigError
+    from model_providers.bagel.provider import write_bagel_folder
+
+    other = Path(root) / "other_base"
+    if rank == 0:
+        (other / "checkpoints").mkdir(parents=True)
+        write_bagel_folder(other / "bagel", "tiny", seed=11)
+        shutil.copytree(full / "checkpoints" / "step_000001", other / "checkpoints" / "step_000001")
+    dist.barrier()
+    cfg = _lora_config(str(other))
+    cfg.checkpoint.resume = "auto"
+    try:
+        run(cfg)
+        refused = None
+    except ConfigError as exc:
+        refused = str(exc)
+    return {"full": str(full), "resumed": str(resumed), "other_base": refused}
 
 
 def test_tp2_update_keeps_replicated_tensors_equal(tp2_job: tuple[Future, object]) -> None:
@@ -494,6 +512,8 @@ def test_lora_at_tp2_resumes_bit_identically_and_evaluates(tp2_job: tuple[Future
     evals = {r: [json.loads(x) for x in (r / "eval.jsonl").read_text().splitlines()] for r in (full, resumed)}
     assert [e["step"] for e in evals[full]] == [0, LORA_STEPS] == [e["step"] for e in evals[resumed]], evals
     assert evals[full][-1] == evals[resumed][-1], evals
+    refused = out["other_base"]
+    assert refused is not None and "its lora is" in refused and "'crc32'" in refused, refused
     before, after = (EvalResult.load(full / "eval" / f"step_{s:04d}.npz") for s in (0, LORA_STEPS))
     assert before.images.shape == (2, 3, 32, 32) and before.prompts == ["17 42 99 7", "8 9 10"]
     assert not torch.equal(before.images, after.images)  # the trained adapters reached the evaluation's sampler
