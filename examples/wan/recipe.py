@@ -76,6 +76,7 @@ def wan_video(size: str) -> JobConfig:
     import os
 
     from examples.qwen_image.recipe import load_prompts
+    from megatron_omni.parallel.layout import LayoutError
     from megatron_omni.trainer.dry_run import planner_cp
 
     shape = SIZES[size]
@@ -126,11 +127,18 @@ def wan_video(size: str) -> JobConfig:
     if size == "a14b":
         # the trained expert is the low-noise one: the window starts at its first step (the engine refuses earlier)
         r.window_range = low_noise_window_range(cfg.model.pipeline, r.num_steps) or r.window_range
+        # Wan2.2-T2V-A14B's published guidance pair (its t2v_A14B config's `sample_guide_scale = (3.0, 4.0)`, low and
+        # high noise; diffusers' WanPipeline takes them as guidance_scale_2 and guidance_scale), WanPipeline's default
+        # negative prompt "": two rows per clip, which the planner's Ulysses choice below counts
+        r.guidance_scale, r.guidance_scale_2, r.negative_prompt = 4.0, 3.0, ""
         # the rollout holds both experts (64 GiB in bf16 with umT5-XXL and the VAE): at tp 1 no Ulysses degree fits
         # the 81 x 480 x 832 clip in an H200 (161 GiB at 8), so the trained expert is split over tp 2
         cfg.parallel.tp = 2
-    chosen = planner_cp(cfg, int(os.environ.get("WORLD_SIZE", "1")), os.environ.get("GPU_KIND") or "H200")
-    cfg.parallel.ulysses = chosen.layout.ulysses
+    try:
+        chosen = planner_cp(cfg, int(os.environ.get("WORLD_SIZE", "1")), os.environ.get("GPU_KIND") or "H200")
+        cfg.parallel.ulysses = chosen.layout.ulysses
+    except LayoutError:
+        pass  # no Ulysses degree fits this GPU at the recipe's tp: the dry run says so, with what it tried (exit 3)
     return cfg
 
 
@@ -141,7 +149,7 @@ def wan_14b() -> JobConfig:
 
 def wan_a14b() -> JobConfig:
     """Wan2.2-T2V-A14B (two experts; the low-noise `transformer_2` trained, the SDE window in its steps): 81-frame
-    480p clips."""
+    480p clips, true CFG 4.0 / 3.0 (high- / low-noise expert's steps)."""
     return wan_video("a14b")
 
 
