@@ -257,7 +257,10 @@ def _rollout_fault(rank: int, world_size: int, pipeline: str, fault: str, report
         except Exception as e:  # noqa: BLE001 - the trainer gave up on this rank: its channels are closed
             return {"rollout_error": type(e).__name__}
         return {"rollout_error": None}
-    client = RolloutClient(pair.groups, STALL_SETTINGS if fault == "stall" else FAULT_SETTINGS)
+    # an engine's or sender's error comes back with its cause however long a loaded machine delays it: those faults
+    # wait with the 30 s bound (the 3 s one, the lost-rank cases', once expired before the rank's report was sent)
+    client = RolloutClient(pair.groups, STALL_SETTINGS if fault == "stall"
+                           else SETTINGS if fault in ("error", "sender") else FAULT_SETTINGS)
     if fault == "stall":  # the stall clock starts with the request: a loaded machine may reach collect() late
         sent = time.monotonic()
         client.request(0, 0, rows, seeds, PARAMS)
