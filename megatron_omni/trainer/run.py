@@ -279,8 +279,10 @@ def _run(cfg: JobConfig, overwrite: bool, stops: StopRequests) -> dict:
             loop.abandon()
             raise
         except LogpGapError:
-            if loop is None:  # raised on every rank at once (its mean is all-reduced): they close together, leaving
-                _close_run(bar, writer, reward_fn, trainer)  # no engine behind in a process that runs again
+            # raised on every rank at once (its mean is all-reduced): they close together, leaving no engine behind
+            # in a process that runs again (a rank pool, a notebook)
+            if loop is None:
+                _close_run(bar, writer, reward_fn, trainer)
             raise
         if rank == 0:
             writer.log(step, result.metrics)
