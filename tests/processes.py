@@ -17,5 +17,13 @@ def alive(pid: int) -> bool:
 
 
 def fork_servers(pid: int) -> list[int]:
-    """The pids of the multiprocessing fork servers among `pid`'s children."""
-    return [c.pid for c in psutil.Process(pid).children() if "multiprocessing.forkserver" in " ".join(c.cmdline())]
+    """The pids of the multiprocessing fork servers among `pid`'s children (a child that exited and was not reaped
+    yet, or is gone by the time its command line is read, is none of them)."""
+    found = []
+    for child in psutil.Process(pid).children():
+        try:
+            if "multiprocessing.forkserver" in " ".join(child.cmdline()):
+                found.append(child.pid)
+        except (psutil.ZombieProcess, psutil.NoSuchProcess):
+            continue
+    return found
