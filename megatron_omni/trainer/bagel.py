@@ -45,7 +45,6 @@ import torch.distributed as dist
 from megatron_omni.algorithms.advantages import group_advantages
 from megatron_omni.algorithms.grpo_guard import grpo_guard_loss
 from megatron_omni.algorithms.loss import flowgrpo_loss, kl_penalty
-from megatron_omni.algorithms.nft import old_policy_decay
 from megatron_omni.algorithms.sde import sde_step
 from megatron_omni.bridge import DistributedTransport, WeightSync
 from megatron_omni.bridge.family_sync import family_plans
@@ -60,7 +59,7 @@ from megatron_omni.trainer import bagel_pipeline
 from megatron_omni.trainer.bagel_objectives import BagelNftStep, nft_points, nft_velocities, step_sampling
 from megatron_omni.trainer.config import JobConfig, torch_dtype
 from megatron_omni.trainer.grad_guard import GradGuard
-from megatron_omni.trainer.objectives import nft_reward_weight
+from megatron_omni.trainer.objectives import blend_old_policy, lagging_old_policy, nft_reward_weight, old_policy_lags
 from megatron_omni.trainer.rewards import RewardFunction, gather_rewards
 from megatron_omni.trainer.skeleton import StepResult, UpdateTally, mini_batch_rows, step_metrics, step_prompts, update
 from megatron_omni.trainer.training_state import OptimizerSettings, build_ddp_and_optimizer, build_scheduler
@@ -391,10 +390,8 @@ class BagelTrainer:
         # DiffusionNFT's old (sampling) policy, when its decay schedule lets it lag the model within this run: a
         # frozen fp32 copy, checkpointed under `nft_old.`, that the rollout samples with (the DiT trainer's). Without
         # one (or while the schedule is 0) the old policy is the model as the step starts.
-        n = cfg.algorithm.nft
-        lagging = old_policy_decay(cfg.steps * cfg.optim.mini_batches, n.decay_flat, n.decay_rate, n.decay_cap) > 0
         self.nft_old = (self._frozen_copy(bcfg, state, torch.float32)
-                        if cfg.algorithm.name == "diffusionnft" and lagging else None)
+                        if old_policy_lags(cfg.algorithm, cfg.steps * cfg.optim.mini_batches) else None)
         self.extra_copies = {} if self.nft_old is None else {"nft_old": self.nft_old}
         self.markers = torch.tensor([tok["start_of_image"], tok["end_of_image"]])
         self._stack = contextlib.ExitStack()
@@ -499,20 +496,12 @@ class BagelTrainer:
     def lagging_old_policy(self) -> torch.nn.Module | None:
         """DiffusionNFT's old-policy copy when it differs from the model now (the schedule's decay at the optimizer
         updates done is > 0); None: the old policy is the model itself."""
-        n = self.cfg.algorithm.nft
-        if self.nft_old is None or old_policy_decay(self.scheduler.num_steps, n.decay_flat, n.decay_rate,
-                                                    n.decay_cap) == 0:
-            return None
-        return self.nft_old
+        return lagging_old_policy(self.nft_old, self.cfg.algorithm, self.scheduler.num_steps)
 
     def update_old_policy(self) -> float:
         """After a step's updates: old <- decay old + (1 - decay) model, decay from the schedule at the optimizer
-        updates done. Returns the decay."""
-        n = self.cfg.algorithm.nft
-        decay = old_policy_decay(self.scheduler.num_steps, n.decay_flat, n.decay_rate, n.decay_cap)
-        for o, p in zip(self.nft_old.parameters(), self.model.parameters(), strict=True):
-            o.lerp_(p.detach().to(o.dtype), 1.0 - decay)
-        return decay
+        updates done (`trainer.objectives.blend_old_policy`). Returns the decay."""
+        return blend_old_policy(self.nft_old, self.model, self.cfg.algorithm, self.scheduler.num_steps)
 
     def close(self) -> None:
         """Leave vLLM-Omni's parallel state (the rollout pipeline's)."""

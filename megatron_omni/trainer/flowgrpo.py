@@ -39,7 +39,6 @@ from megatron.core import tensor_parallel
 
 from megatron_omni.algorithms.advantages import Advantages, group_advantages, term_advantages
 from megatron_omni.algorithms.importance import ImportanceWeights, truncated_importance_weights
-from megatron_omni.algorithms.nft import old_policy_decay
 from megatron_omni.bridge import DistributedTransport, WeightSync
 from megatron_omni.bridge.family_sync import family_plans, sync_mode
 from megatron_omni.bridge.lora_sync import LoRAAdapterSync, MergedSources, merged_linears
@@ -69,8 +68,11 @@ from megatron_omni.trainer.objectives import (
     FlowGRPOObjective,
     NftObjective,
     NftPoints,
+    blend_old_policy,
+    lagging_old_policy,
     nft_inputs,
     nft_reward_weight,
+    old_policy_lags,
     step_sampling_params,
     uses_log_probs,
 )
@@ -177,10 +179,8 @@ class FlowGRPOTrainer:
         # DiffusionNFT's old (sampling) policy, when its decay schedule lets it lag the model within this run: a
         # frozen fp32 copy (as the EMA's), checkpointed under `nft_old.`. Without one (or while the schedule is
         # 0) the old policy is the model as the step starts.
-        a = cfg.algorithm
         self.nft_old = None
-        if a.name == "diffusionnft" and old_policy_decay(cfg.steps * cfg.optim.mini_batches, a.nft.decay_flat,
-                                                         a.nft.decay_rate, a.nft.decay_cap) > 0:
+        if old_policy_lags(cfg.algorithm, cfg.steps * cfg.optim.mini_batches):
             self.nft_old = _frozen_copy(self.family, mcfg, groups, cfg.model.backend, hf_state).float()
         self.extra_copies = {} if self.nft_old is None else {"nft_old": self.nft_old}
         o = cfg.optim
@@ -383,23 +383,14 @@ class FlowGRPOTrainer:
     def lagging_old_policy(self) -> torch.nn.Module | None:
         """DiffusionNFT's old-policy copy when it differs from the model now (the decay of the last blend, at the
         optimizer updates done, was > 0), else None: the model itself is the old policy."""
-        n = self.cfg.algorithm.nft
-        if self.nft_old is None or old_policy_decay(self.scheduler.num_steps, n.decay_flat, n.decay_rate,
-                                                    n.decay_cap) == 0:
-            return None
-        return self.nft_old
+        return lagging_old_policy(self.nft_old, self.cfg.algorithm, self.scheduler.num_steps)
 
-    @torch.no_grad()
     def update_old_policy(self) -> float:
         """After a step's updates: old <- decay old + (1 - decay) model (DiffusionNFT's old policy), decay from the
         schedule at the optimizer updates done. Returns the decay (0 without a lagging copy)."""
         if self.nft_old is None:
             return 0.0
-        n = self.cfg.algorithm.nft
-        decay = old_policy_decay(self.scheduler.num_steps, n.decay_flat, n.decay_rate, n.decay_cap)
-        for o, p in zip(self.nft_old.parameters(), self.model.parameters(), strict=True):
-            o.lerp_(p.detach().to(o.dtype), 1.0 - decay)
-        return decay
+        return blend_old_policy(self.nft_old, self.model, self.cfg.algorithm, self.scheduler.num_steps)
 
     # ------------------------------------------------------------------------------------------- a step
 

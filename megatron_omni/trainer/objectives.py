@@ -25,6 +25,7 @@ from megatron_omni.algorithms.mixgrpo import flash_tail_steps, window_start_at
 from megatron_omni.algorithms.nft import (
     nft_loss,
     noised_latents,
+    old_policy_decay,
     optimality_probability,
     training_sigmas,
 )
@@ -202,6 +203,31 @@ class NftObjective:
         metrics = {k: float(v) for k, v in out.metrics.items()}
         metrics["loss"] = float(out.loss.detach())
         return out.loss, metrics
+
+
+def old_policy_lags(algorithm: AlgorithmConfig, updates: int) -> bool:
+    """Whether DiffusionNFT's old (sampling) policy lags the model after `updates` optimizer updates (its decay
+    schedule is > 0 there): a trainer keeps a frozen fp32 copy of it for a run whose last update lags."""
+    n = algorithm.nft
+    return algorithm.name == "diffusionnft" and old_policy_decay(updates, n.decay_flat, n.decay_rate, n.decay_cap) > 0
+
+
+def lagging_old_policy(copy: torch.nn.Module | None, algorithm: AlgorithmConfig,
+                       updates: int) -> torch.nn.Module | None:
+    """The old-policy `copy` when it differs from the model after `updates` optimizer updates, else None (the model
+    itself is the old policy)."""
+    return copy if copy is not None and old_policy_lags(algorithm, updates) else None
+
+
+@torch.no_grad()
+def blend_old_policy(copy: torch.nn.Module, model: torch.nn.Module, algorithm: AlgorithmConfig, updates: int) -> float:
+    """After a step's updates: copy <- decay copy + (1 - decay) model, the decay from the schedule at `updates`
+    optimizer updates done (same parameter order and shapes). Returns the decay."""
+    n = algorithm.nft
+    decay = old_policy_decay(updates, n.decay_flat, n.decay_rate, n.decay_cap)
+    for o, p in zip(copy.parameters(), model.parameters(), strict=True):
+        o.lerp_(p.detach().to(o.dtype), 1.0 - decay)
+    return decay
 
 
 def nft_reward_weight(algorithm: AlgorithmConfig, advantages: torch.Tensor) -> torch.Tensor:
