@@ -303,11 +303,11 @@ def plan_mot(model: str | dict[str, Any], gpu: str, gpus: int = 8, height: int =
         flops = samples * branches * step * (num_steps + 4 * window) / gpus
         kv = cp_kv_gather_bytes(c, image_tokens, cp, tp)
         cp_s = samples / dp * branches * window * 3 * n_layers * kv / (spec.link_bytes_per_s * LINK_EFFICIENCY)
-        copy = max(rank_parameter_counts(c, tp, 1)) if rollout_sharded else total_params
+        rank_params = max(rank_parameter_counts(c, tp, 1))
+        copy = rank_params if rollout_sharded else total_params
         plans.append(MoTPlan(gpu, tp, dp, mem, act, copy * rollout_bytes, RESERVED_BYTES, spec.memory_bytes,
                              flops, flops / (spec.peak_bf16_flops * mfu) + cp_s,
-                             max(trained), max(rank_parameter_counts(c, tp, 1)), cp, kv, cp_s,
-                             total_params * rollout_bytes))
+                             max(trained), rank_params, cp, kv, cp_s, total_params * rollout_bytes))
     return plans
 
 

@@ -56,7 +56,13 @@ from megatron_omni.rollout.base import FinishedSample, SamplingParams
 from megatron_omni.rollout.quantization import QuantizationSpec
 from megatron_omni.rollout.vllm_omni.bagel import BagelSampling, BagelTrajectory, open_bagel_pipeline
 from megatron_omni.trainer import bagel_pipeline
-from megatron_omni.trainer.bagel_objectives import BagelNftStep, nft_points, nft_velocities, step_sampling
+from megatron_omni.trainer.bagel_objectives import (
+    BagelNftStep,
+    nft_points,
+    nft_velocities,
+    noised_points,
+    step_sampling,
+)
 from megatron_omni.trainer.config import JobConfig, torch_dtype
 from megatron_omni.trainer.grad_guard import GradGuard
 from megatron_omni.trainer.objectives import blend_old_policy, lagging_old_policy, nft_reward_weight, old_policy_lags
@@ -578,13 +584,14 @@ class BagelTrainer:
         a = self.cfg.algorithm
         points = nft_points(traj, sampling, max(1, int(sampling.num_steps * a.nft.timestep_fraction)))
         rows = range(len(traj))
+        _, xt = noised_points(traj, points, rows)
         with torch.no_grad():
             with holding_weights(self.model, old_policy, self.sync_weights, sync_in=False, sync_out=False):
-                old_v = nft_velocities(self.model, traj, points, self.markers, sampling, rows)
+                old_v = nft_velocities(self.model, traj, points, xt, self.markers, sampling, rows)
             ref_v = None
             if a.beta > 0:
                 with self._reference() as ref:
-                    ref_v = nft_velocities(ref, traj, points, self.markers, sampling, rows)
+                    ref_v = nft_velocities(ref, traj, points, xt, self.markers, sampling, rows)
         return BagelNftStep(points, sampling, old_v, nft_reward_weight(a, advantages), a, ref_v)
 
     def _update(self, traj: BagelTrajectory, old: torch.Tensor, adv: torch.Tensor, step: int,

@@ -62,15 +62,15 @@ def noised_points(traj: BagelTrajectory, points: NftPoints, rows: Sequence[int])
     return x0, xt.view(x0.shape)
 
 
-def nft_velocities(model: Any, traj: BagelTrajectory, points: NftPoints, markers: torch.Tensor,
+def nft_velocities(model: Any, traj: BagelTrajectory, points: NftPoints, xt: torch.Tensor, markers: torch.Tensor,
                    sampling: BagelSampling, rows: Sequence[int], text_grad: bool = False) -> torch.Tensor:
-    """[B, J, n, p] fp32: our `BagelMoT`'s (pp 1) guided velocity at each noised point of samples `rows`, conditioned
-    as the rollout was (the prompt's text KV; text CFG at `sampling.cfg_text_scale` where the point's t lies in the
-    CFG interval, 1 elsewhere; the trajectory's image CFG and renorm). Differentiable where grad is on; the prompt's
-    pass under autograd only with `text_grad` (`model.bagel_experts=both`)."""
+    """[B, J, n, p] fp32: our `BagelMoT`'s (pp 1) guided velocity at the noised points xt [B, J, n, p]
+    (`noised_points`) of samples `rows`, conditioned as the rollout was (the prompt's text KV; text CFG at
+    `sampling.cfg_text_scale` where the point's t lies in the CFG interval, 1 elsewhere; the trajectory's image CFG
+    and renorm). Differentiable where grad is on; the prompt's pass under autograd only with `text_grad`
+    (`model.bagel_experts=both`)."""
     from megatron_omni.trainer.bagel import velocity
 
-    _, xt = noised_points(traj, points, rows)
     lo, hi = sampling.cfg_interval
     out = []
     for b, i in enumerate(rows):
@@ -104,8 +104,8 @@ class BagelNftStep:
              text_grad: bool = False) -> NftLoss:
         """`nft_loss` over the points of samples `rows` (a mini-batch), the current velocities through `model`."""
         a, idx = self.algorithm, rows.tolist()
-        v = nft_velocities(model, traj, self.points, markers, self.sampling, idx, text_grad)
         x0, xt = noised_points(traj, self.points, idx)
+        v = nft_velocities(model, traj, self.points, xt, markers, self.sampling, idx, text_grad)
         j = v.shape[1]
         ref = None if self.ref_velocity is None else self.ref_velocity[rows].flatten(0, 1)
         weight = self.reward_weight[rows].repeat_interleave(j)

@@ -40,7 +40,6 @@ from typing import Any
 
 import numpy as np
 import torch
-import torch.distributed as dist
 
 from megatron_omni.algorithms.sde import sde_step
 from megatron_omni.algorithms.window import sample_window_start, window_noise_levels
@@ -232,6 +231,10 @@ def _pipeline_class() -> type:
             finally:
                 torch.set_default_dtype(old)
             self.vae = AutoEncoder(AutoEncoderParams(**cfg["ae"])).eval()
+            # this rank's place in vLLM-Omni's tensor-parallel group (built by `open_bagel_pipeline`)
+            from vllm.distributed import get_tp_group
+
+            self.tp_rank, self.tp_size = get_tp_group().rank_in_group, get_tp_group().world_size
             self.new_token_ids = dict(cfg["tokens"])
             self.scheduler = None
             self.scheduler_kwargs = {}
@@ -402,7 +405,7 @@ class BagelWeightTarget:
         self.pipeline = pipeline
         # at rollout tp > 1 every rank of the group receives the full tensors too: vLLM's weight loaders keep the
         # rank's shard (`load_partial`)
-        self.tp_rank, self.tp_size = getattr(pipeline, "tp_rank", 0), getattr(pipeline, "tp_size", 1)
+        self.tp_rank, self.tp_size = pipeline.tp_rank, pipeline.tp_size
         self._params = {n: torch.empty(s, device="meta") for n, s in bagel_shapes(pipeline.cfg).items()}
 
     def parameters(self) -> dict[str, torch.Tensor]:
@@ -429,7 +432,5 @@ def open_bagel_pipeline(cfg: dict[str, Any], folder: str | Path, dtype: torch.dt
 
     with vllm_omni_parallel(tp):
         pipe = _pipeline_class()(cfg, dtype)
-        pipe.tp_size = tp
-        pipe.tp_rank = dist.get_rank() % tp
         pipe.load_folder(folder)
         yield pipe
