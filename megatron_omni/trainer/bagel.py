@@ -78,6 +78,11 @@ BAGEL_LORA_TARGETS = GEN_LORA_TARGETS
 _LINEARS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2", "output_layer")
 
 
+def lora_patterns(cfg: JobConfig) -> list[str]:
+    """The patterns `model.lora` adapts: its `targets`, default `BAGEL_LORA_TARGETS`."""
+    return list(BAGEL_LORA_TARGETS) if cfg.model.lora.targets is None else list(cfg.model.lora.targets)
+
+
 def lora_targets(cfg: JobConfig, bcfg: dict[str, Any]) -> list[str]:
     """The parallel linears (global names) `model.lora` adapts: its patterns (default `BAGEL_LORA_TARGETS`) over
     the model's linears. Raises ValueError naming a pattern that matches none, or a linear outside the
@@ -85,7 +90,7 @@ def lora_targets(cfg: JobConfig, bcfg: dict[str, Any]) -> list[str]:
     from megatron_omni.models.patterns import matches_any, unmatched_targets
     from model_providers.bagel.provider import megatron_shapes
 
-    patterns = list(BAGEL_LORA_TARGETS) if cfg.model.lora.targets is None else list(cfg.model.lora.targets)
+    patterns = lora_patterns(cfg)
     linears = [n.removesuffix(".weight") for n in megatron_shapes(bcfg)
                if n.endswith(".weight") and n.removesuffix(".weight").rsplit(".", 1)[-1].removesuffix("_gen")
                in _LINEARS]
@@ -386,9 +391,8 @@ class BagelTrainer:
                      seed=cfg.seed, global_name=self.model.global_name, require_match=groups.layout.pp == 1)
             self.sharded_state = lora_sharded_state_dict
             # a resume must find the same adapters on the same base weights (`ema.safetensors`' checksum)
-            patterns = list(BAGEL_LORA_TARGETS) if self.lora.targets is None else list(self.lora.targets)
             self.checkpoint_identity = {"lora": lora_identity(self.lora, linears, folder, identify=bagel_base_identity,
-                                                              targets=patterns)}
+                                                              targets=lora_patterns(cfg))}
         dtype = torch_dtype(cfg.model.params_dtype)
         self.reference = (self._frozen_copy(bcfg, state, dtype) if cfg.algorithm.beta > 0 and not self.lora.enabled
                           else None)

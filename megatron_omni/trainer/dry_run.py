@@ -80,7 +80,7 @@ def job_plan(cfg: JobConfig, world_size: int, gpu: str, gpus_per_node: int = 8, 
     vllm = r.engine == "vllm_omni"
     # RolloutSpec counts the pipeline's other weights at the rollout's dtype: a VAE in another one
     # (`rollout.vae_dtype`, e.g. flow_grpo's fp32 under bf16) counts as that many more (or fewer) of them
-    vae_bytes = DTYPE_BYTES[r.dtype if r.vae_dtype == "auto" else r.vae_dtype]
+    vae_bytes = _vae_bytes(cfg) or DTYPE_BYTES[r.dtype]
     extra = arch.extra_params + arch.vae_params * (vae_bytes - DTYPE_BYTES[r.dtype]) // DTYPE_BYTES[r.dtype]
     rollout = RolloutSpec(tp=r.tp, sleeps=vllm, in_process=not vllm, extra_params=0 if cfg.model.pipeline == "tiny"
                           else extra)
