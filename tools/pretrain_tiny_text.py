@@ -395,6 +395,8 @@ def pretrain_transformer(args: argparse.Namespace, groups, engine, data: dict, w
     bar = tqdm(total=args.max_steps, desc="transformer", unit="step", disable=rank != 0, dynamic_ncols=True)
     try:
         while step < args.max_steps:
+            if _SIGNALLED:
+                raise KeyboardInterrupt(f"signal {_SIGNALLED[0]}")
             # Every rank draws the whole batch (same generator) and keeps its data-parallel slice.
             idx = torch.randint(0, len(latents), (args.batch_size,), generator=gen)
             drop = torch.rand(args.batch_size, generator=gen) < args.drop_prompt
@@ -456,10 +458,16 @@ def write_pipeline(engine, out: Path, work: Path, record: dict) -> None:
     save_pipeline_atomically(engine.pipe, out, extra)
 
 
+_SIGNALLED: list[int] = []  # the signals seen; the training loop re-raises at its next step while one is here
+
+
 def _stop_on_signals() -> None:
     """SIGINT and SIGTERM raise KeyboardInterrupt, so both keep the last evaluated model (a shell starts
-    background jobs with SIGINT ignored, and schedulers stop jobs with SIGTERM)."""
+    background jobs with SIGINT ignored, and schedulers stop jobs with SIGTERM). The signal is also recorded:
+    a handler's exception that lands while Python runs a finalizer is printed and dropped ("Exception ignored
+    in ..."), and the run would then train on past the signal; the loop checks the record at every step."""
     def _raise(signum, frame):
+        _SIGNALLED.append(signum)
         raise KeyboardInterrupt(f"signal {signum}")
 
     signal.signal(signal.SIGINT, _raise)
