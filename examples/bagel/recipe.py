@@ -18,7 +18,7 @@ def tiny() -> JobConfig:
     cfg.prompts = ["17 42 99 7", "5 6", "20 21 22 23", "60 61 62"]
     r = cfg.rollout
     r.engine = "vllm_omni"
-    r.vllm_omni_process = "inline"
+    r.vllm_omni_process = "engine"
     r.height = r.width = 32
     r.num_steps = 4
     r.noise_level = 1.0

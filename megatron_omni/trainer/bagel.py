@@ -159,8 +159,6 @@ def check_config(cfg: JobConfig, planning: bool = False) -> None:
         (p.pp > 1 and bcfg["llm_config"]["num_hidden_layers"] % p.pp, "parallel.pp",
          f"must divide BAGEL's {bcfg['llm_config']['num_hidden_layers']} layers"),
         (r.engine != "vllm_omni", "rollout.engine", "must be vllm_omni (vLLM-Omni's BAGEL pipeline)"),
-        (r.vllm_omni_process != "inline", "rollout.vllm_omni_process", "must be inline (the BAGEL pipeline runs "
-         "in the trainer's process)"),
         (r.tp not in (1, p.tp) or (r.tp > 1 and p.pp > 1), "rollout.tp", "must be 1 or parallel.tp at pp 1 (each "
          "tensor-parallel group of the trainer holds one rollout pipeline's shards: its ranks roll out the same "
          "samples)"),
@@ -405,8 +403,18 @@ class BagelTrainer:
         self.extra_copies = {} if self.nft_old is None else {"nft_old": self.nft_old}
         self.markers = torch.tensor([tok["start_of_image"], tok["end_of_image"]])
         self._stack = contextlib.ExitStack()
-        self.pipeline = self._stack.enter_context(open_bagel_pipeline(bcfg, folder, torch_dtype(cfg.rollout.dtype),
-                                                                      tp=cfg.rollout.tp))
+        r = cfg.rollout
+        if r.vllm_omni_process == "engine":
+            # vLLM-Omni's own engine with worker processes; at rollout tp > 1 the trainer's tensor-parallel group
+            # shares one (its ranks roll out the same samples), owned by the group's first rank
+            from megatron_omni.rollout.vllm_omni.bagel_served import ServedBagelPipeline
+
+            self.pipeline = ServedBagelPipeline(folder, bcfg, torch_dtype(r.dtype), tp=r.tp,
+                                                group=groups.tp if r.tp > 1 else None)
+            self._stack.callback(self.pipeline.close)
+        else:
+            self.pipeline = self._stack.enter_context(open_bagel_pipeline(bcfg, folder, torch_dtype(r.dtype),
+                                                                          tp=r.tp))
         # The held-out evaluation's view of the pipeline (`trainer.run.run_evaluation`, the DiT families' path)
         self.engine = BagelEvalEngine(self)
         self.quantization = QuantizationSpec()
@@ -453,7 +461,8 @@ class BagelTrainer:
         """Load the trained weights into the rollout's vLLM-Omni modules through the bridge (buckets of full
         tensors gathered over tp; a tensor the rollout refuses or leaves unloaded raises naming it); returns the
         seconds. Collective over tp."""
-        seconds = self.weight_sync.sync().seconds
+        with self.pipeline.weight_update():
+            seconds = self.weight_sync.sync().seconds
         if self.lora.enabled:
             self.sources.forget()  # the next sync merges the updated adapters
         return seconds
@@ -543,6 +552,7 @@ class BagelTrainer:
             self.reward_fn.on_sample(FinishedSample(k, texts[k], group_ids[k], seeds[k], traj.images[k]))
         rewards = self.reward_fn.collect().float()
         t["reward"] = time.perf_counter() - t0
+        self.pipeline.sleep()  # a served engine's memory is the update's until the sync
         all_r, all_g, offset = gather_rewards(g.dp, rewards, traj.group_ids)
         adv = group_advantages(all_r, all_g, std_mode=c.algorithm.std_mode, clip=c.algorithm.adv_clip)
         advantages = adv.advantages[offset: offset + len(traj)]
@@ -568,6 +578,7 @@ class BagelTrainer:
         t["train"] = time.perf_counter() - t0
         if self.nft_old is not None:
             metrics["old_policy_decay"] = self.update_old_policy()
+        self.pipeline.wake_up()
         t["sync"] = self.sync_weights()
         gap_mean = float("nan")  # an ODE rollout (DiffusionNFT) records no log-probs
         if nft is None:

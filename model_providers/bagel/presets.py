@@ -18,7 +18,8 @@ parameters (`ae.safetensors` holds FLUX's autoencoder) and the special token ids
 
 `tiny` is for CPU tests: the same structure at width 64, 2 layers (pp=2 gives one per stage), 4 heads in 2 query
 groups (tp=2 splits them), a 128-token vocabulary, a 4-channel FLUX-layout VAE with 32 channels (GroupNorm's 32
-groups) and an 8 x 8 latent table.
+groups) and a 32 x 32 latent table (512 px: vLLM-Omni's engine warms up at 512 x 512 and refuses a BAGEL whose
+table is smaller; the table is fixed sin-cos, so a position's entry is the same at any table size).
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ BAGEL_PRESETS: dict[str, dict[str, Any]] = {
             model_type="siglip_vision_model",
         ),
         bagel=dict(
-            visual_gen=True, visual_und=True, latent_patch_size=2, max_latent_size=8, vit_max_num_patch_per_side=4,
+            visual_gen=True, visual_und=True, latent_patch_size=2, max_latent_size=32, vit_max_num_patch_per_side=4,
             connector_act="gelu_pytorch_tanh", interpolate_pos=False, timestep_shift=3.0,
             vae_config=dict(downsample=8, z_channels=4),
         ),

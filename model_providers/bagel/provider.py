@@ -219,6 +219,11 @@ def random_bagel_state(name_or_config: str | dict[str, Any], seed: int = 0,
     return state
 
 
+# The published `config.json`'s model identity: vLLM-Omni picks its BAGEL pipeline by it (`model_type` "bagel" or
+# the architecture), as transformers-style loaders do.
+PUBLISHED_IDENTITY = {"model_type": "bagel", "architectures": ["BagelForConditionalGeneration"]}
+
+
 def write_bagel_folder(folder: str | Path, name_or_config: str | dict[str, Any], seed: int = 0) -> Path:
     """Write an offline BAGEL folder in the published layout: `config.json`, `llm_config.json`,
     `vit_config.json`, `ema.safetensors` (seeded random weights, `random_bagel_state`), `ae.safetensors`
@@ -233,9 +238,9 @@ def write_bagel_folder(folder: str | Path, name_or_config: str | dict[str, Any],
         raise FileExistsError(f"{folder} exists and is not empty")
     tmp = Path(tempfile.mkdtemp(prefix=".bagel-", dir=folder.parent if folder.parent.exists() else None))
     try:
-        (tmp / "config.json").write_text(json.dumps(dict(cfg["bagel"], new_token_ids=cfg["tokens"],
-                                                         vit_config={k: cfg["vit_config"][k] for k in
-                                                                     ("hidden_size", "patch_size")}), indent=2))
+        top = dict(PUBLISHED_IDENTITY, **cfg["bagel"], new_token_ids=cfg["tokens"],
+                   vit_config={k: cfg["vit_config"][k] for k in ("hidden_size", "patch_size")})
+        (tmp / "config.json").write_text(json.dumps(top, indent=2))
         (tmp / "llm_config.json").write_text(json.dumps(cfg["llm_config"], indent=2))
         (tmp / "vit_config.json").write_text(json.dumps(cfg["vit_config"], indent=2))
         save_file({k: v.contiguous() for k, v in random_bagel_state(cfg, seed).items()}, str(tmp / "ema.safetensors"))
@@ -280,6 +285,8 @@ def read_bagel_config(folder: str | Path) -> dict[str, Any]:
         if not (folder / f).exists():
             raise FileNotFoundError(f"{folder} is not a BAGEL folder: {f} is missing")
     bagel = json.loads((folder / "config.json").read_text())
+    for key in PUBLISHED_IDENTITY:  # what names the model to loaders (vLLM-Omni's), not part of its geometry
+        bagel.pop(key, None)
     tokens = bagel.pop("new_token_ids", None)
     if tokens is None:
         raise ValueError(f"{folder}/config.json lacks new_token_ids (bos/eos/start/end of image token ids)")

@@ -118,6 +118,7 @@ def _checks(rank: int, world_size: int, folder: str) -> dict:
         stats = WeightSync(plan, sources=sources, target=pipe.weight_target(), tp_group=groups.tp, tp_rank=0).sync()
         out["sync_buckets"] = stats.buckets
         after = pipe.generate(ids, params, SEEDS, [0, 1])
+        out["served"] = _served_checks(folder, cfg, state, ids, params, traj, after, plan, sources, groups)
         with torch.no_grad():
             ours_after = window_log_probs(model, after, markers)
         out["update_moved"] = float((after.next_latents - traj.next_latents).abs().max())
@@ -232,6 +233,49 @@ def _checks(rank: int, world_size: int, folder: str) -> dict:
     return out
 
 
+def _served_checks(folder: str, cfg: dict, state: dict, ids: list, params, before, after, plan, sources,
+                   groups) -> dict:
+    """vLLM-Omni's own engine serving our BAGEL class from a worker process (`rollout.vllm_omni_process=engine`,
+    `bagel_served.ServedBagelPipeline`), against the in-process pipeline: the trajectory of the same seeds, before
+    and after the same bridge sync (here through the workers' bucketed update), a partial update refused by name,
+    sleep and wake-up keeping the weights."""
+    import os
+
+    from megatron_omni.bridge import WeightSync
+    from megatron_omni.rollout.vllm_omni.bagel_served import ServedBagelPipeline
+    from model_providers.bagel import provider
+
+    fields = ("latents", "next_latents", "log_probs", "sigmas", "cfg_scales", "images", "final_latents")
+
+    def diff(a, b) -> float:
+        return max(float((getattr(a, f) - getattr(b, f)).abs().max()) for f in fields)
+
+    out: dict = {}
+    served = ServedBagelPipeline(folder, cfg, torch.float32, tp=1)
+    try:
+        out["report"] = {k: v for k, v in served._rpc("platform_report")[0][0].items()
+                         if k in ("platform", "pipeline", "tp_size", "pid")}
+        out["own_pid"] = os.getpid()
+        out["before"] = diff(served.generate(ids, params, SEEDS, [0, 1]), before)
+        with served.weight_update():
+            WeightSync(plan, sources=sources, target=served.weight_target(), tp_group=groups.tp, tp_rank=0).sync()
+        updated = served.generate(ids, params, SEEDS, [0, 1])
+        out["after"], out["meta_equal"] = diff(updated, after), (updated.seeds, updated.grid) == (after.seeds,
+                                                                                                    after.grid)
+        served.sleep()
+        served.wake_up()
+        out["after_wake"] = diff(served.generate(ids, params, SEEDS, [0, 1]), after)
+        try:  # the rollout's tensors of the folder but one
+            held = set(provider.bagel_shapes(cfg))
+            served.load_partial([(k, v) for k, v in state.items() if k in held and k != "llm2vae.bias"])
+            out["partial"] = None
+        except RuntimeError as exc:
+            out["partial"] = str(exc)
+    finally:
+        served.close()
+    return out
+
+
 @pytest.fixture(scope="module")
 def tp2_job(tmp_path_factory) -> Iterator[Future]:
     """The two-rank job (`_tp2_job`: `_tp2_update`, then `_lora_runs`), started now in a thread; its tests read
@@ -279,6 +323,21 @@ def test_the_understanding_expert_gets_the_gradient_with_both_experts(figures: d
           f"central difference {fd:.4e}")
     assert abs(grad) > 0 and abs(grad - fd) <= 1e-2 * abs(fd), (grad, fd)
     assert abs(markers_only - fd) > 0.1 * abs(fd), (markers_only, fd)
+
+
+def test_the_served_engine_samples_what_the_in_process_pipeline_samples(figures: dict) -> None:
+    """`rollout.vllm_omni_process=engine` (the tiny recipe's): vLLM-Omni's engine runs our BAGEL class in a worker
+    process on our CPU platform, its trajectories equal the in-process pipeline's for the same seeds and weights,
+    bit for bit, before and after a bridge sync through the workers' bucketed update; an update that misses tensors
+    is refused naming one; sleep and wake-up keep the weights."""
+    served = figures["served"]
+    report = served["report"]
+    assert report["platform"] == "CpuOmniPlatform" and report["pipeline"] == "ServedFlowGRPOBagelPipeline", report
+    assert report["tp_size"] == 1 and report["pid"] != served["own_pid"], report
+    assert served["before"] == 0.0 and served["after"] == 0.0 and served["meta_equal"], served
+    assert served["after_wake"] == 0.0, served
+    assert served["partial"] is not None and "partial weight update" in served["partial"], served["partial"]
+    assert "['llm2vae.bias']" in served["partial"], served["partial"]
 
 
 def test_weight_update_reaches_rollout_through_bridge(figures: dict) -> None:
@@ -380,6 +439,7 @@ def _pp_runs(rank: int, world_size: int, root: str) -> dict:
                              ("mix_pp2", 1, 2, 1), ("mix_tp2", 2, 1, 1), ("nft_tp2", 2, 1, 1), ("nft_cp2", 1, 1, 2),
                              ("rtp2", 2, 1, 1)):
         cfg = tiny()
+        cfg.rollout.vllm_omni_process = "inline"  # the update rules' math; rtp2 below: the served engine
         cfg.run_dir, cfg.steps, cfg.parallel.tp, cfg.parallel.pp = str(Path(root) / name), PP_STEPS, tp, pp
         cfg.parallel.ulysses = cp
         cfg.model.bagel_experts = "both" if name.startswith("both") else "generation"
@@ -388,8 +448,8 @@ def _pp_runs(rank: int, world_size: int, root: str) -> dict:
             cfg.algorithm.mixgrpo.steps_per_move, cfg.rollout.window_range = 1, [0, 4]
         if cfg.algorithm.name == "diffusionnft":  # the old policy lags from the second step on (decay 0.25)
             cfg.algorithm.nft.decay_rate, cfg.algorithm.nft.decay_cap = NFT_DECAY, NFT_DECAY
-        if name == "rtp2":  # one rollout pipeline sharded over the tp group, and the evaluation collective over it
-            cfg.rollout.tp = 2
+        if name == "rtp2":  # vLLM-Omni's engine with 2 workers, shared by the tp group; the evaluation through it
+            cfg.rollout.tp, cfg.rollout.vllm_omni_process = 2, "engine"
             cfg.eval.prompts, cfg.eval.seeds_per_prompt, cfg.eval.num_steps = ["17 42 99 7", "8 9 10"], 1, 3
         cfg.rollout.prompts_per_step, cfg.rollout.group_size, cfg.optim.mini_batches = 1, 2, 1
         cfg.optim.lr, cfg.checkpoint.every, cfg.logging.tensorboard = 2e-2, PP_STEPS, False
@@ -399,6 +459,7 @@ def _pp_runs(rank: int, world_size: int, root: str) -> dict:
     # `algorithm.max_logp_gap`: a bf16 rollout against the fp32 recompute (|dlogp| ~1e-3) stops the run at step 0
     from megatron_omni.trainer.flowgrpo import LogpGapError
 
+    # (through the recipe's served engine in bf16, one per rank: `run` closes both when the run stops)
     cfg = tiny()
     cfg.run_dir, cfg.steps, cfg.parallel.tp, cfg.logging.tensorboard = str(Path(root) / "gap"), 1, 2, False
     cfg.rollout.prompts_per_step, cfg.rollout.group_size, cfg.optim.mini_batches = 1, 2, 1

@@ -309,6 +309,16 @@ def _pipeline_class() -> type:
             """The bridge's rollout target for this pipeline (full tensors at any rollout tp)."""
             return BagelWeightTarget(self)
 
+        def weight_update(self) -> contextlib.AbstractContextManager:
+            """Around a sync: nothing to open or close in process (the served client's brackets the workers')."""
+            return contextlib.nullcontext()
+
+        def sleep(self) -> None:
+            """Nothing: in process, the rollout's weights are the trainer rank's own memory."""
+
+        def wake_up(self) -> None:
+            """Nothing (see `sleep`)."""
+
         def load_folder(self, folder: str | Path) -> None:
             """Load a BAGEL folder's `ema.safetensors` and `ae.safetensors`."""
             from safetensors.torch import load_file

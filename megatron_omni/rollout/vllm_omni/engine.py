@@ -250,13 +250,11 @@ class VllmOmniRolloutEngine:
         if self._failure is not None:
             raise EngineWorkerDied(self._failure)
         try:
-            yield
-        except Exception as exc:
-            dead = dead_workers(self._workers, settle_s=WORKER_EXIT_SETTLE_S)
-            if not dead:
-                raise
-            self._failure = worker_died_message(dead, what, self.step)
-            raise EngineWorkerDied(self._failure) from exc
+            with guarded(self._workers, what, self.step):
+                yield
+        except EngineWorkerDied as exc:
+            self._failure = str(exc)
+            raise
 
     def _shared(self, compute: Callable[[], Any]) -> Any:
         """`compute()` on the owner (the others get its result over the peers' group); a failure on the owner is
@@ -523,6 +521,19 @@ class RpcTarget:
         return {n for n, _ in items}
 
 
+@contextlib.contextmanager
+def guarded(workers: Sequence[Any], what: str, step: int | None) -> Iterator[None]:
+    """Around a call into an engine with worker processes `workers`: a failure while one of them is found dead
+    becomes `EngineWorkerDied` naming it, `what` and the training `step`; any other failure passes through."""
+    try:
+        yield
+    except Exception as exc:
+        dead = dead_workers(workers, settle_s=WORKER_EXIT_SETTLE_S)
+        if not dead:
+            raise
+        raise EngineWorkerDied(worker_died_message(dead, what, step)) from exc
+
+
 def stage_replies(result: Any, method: str = "rpc") -> list[Any]:
     """The worker replies in what `Omni.engine.collective_rpc` returns: one entry per stage, a list of one reply per
     replying worker (`[[reply]]`); our engines have one stage. A worker's exception does NOT propagate through it:
@@ -677,13 +688,22 @@ def start_omni(pipeline_dir: str | os.PathLike, tp: int, settings: Any, pipeline
         getattr(importlib.import_module(module), name)
     except (ImportError, AttributeError) as exc:
         raise ImportError(f"pipeline class {pipeline_class} does not import: {exc}") from None
+    return start_engine(omni_kwargs(pipeline_dir, tp, str(settings.dtype).removeprefix("torch."),
+                                    pipeline_class=pipeline_class, enable_sleep_mode=True,
+                                    vae_dtype=getattr(settings, "vae_dtype", None),
+                                    distributed_executor_backend=executor_backend(),
+                                    quantization_config=vllm_quantization_config(settings.quantization)), tp)
+
+
+def start_engine(kwargs: dict[str, Any], tp: int) -> Any:
+    """`Omni(**kwargs)` with its `tp` workers on this node's devices from LOCAL_RANK (or the host), outside the
+    trainer's rendezvous variables (`_without_env`), our import shims installed."""
+    from megatron_omni.rollout.vllm_omni.plugin import install_import_shims
+
+    install_import_shims()
     from vllm_omni import Omni
 
     local = int(os.environ.get("LOCAL_RANK", "0"))
     workers_env = _without_env("MASTER_PORT", "TORCHELASTIC_USE_AGENT_STORE")
     with platform.devices_for_workers(range(local, local + tp)), workers_env:
-        return Omni(**omni_kwargs(pipeline_dir, tp, str(settings.dtype).removeprefix("torch."),
-                                  pipeline_class=pipeline_class, enable_sleep_mode=True,
-                                  vae_dtype=getattr(settings, "vae_dtype", None),
-                                  distributed_executor_backend=executor_backend(),
-                                  quantization_config=vllm_quantization_config(settings.quantization)))
+        return Omni(**kwargs)

@@ -198,6 +198,13 @@ def warm_up_side(asked: Any, multiple: int) -> int:
     return max(multiple, side // multiple * multiple)
 
 
+def single_stage_devices(tp: int) -> dict[str, dict[str, str]]:
+    """The `stage_overrides` that give a bundled one-stage deploy config pinned to `devices: "0"` (vLLM-Omni's
+    Wan2.2 and BAGEL ones) devices 0..tp-1 of the engine's owner (numbered from 0); without it, rollout tp > 1 is
+    refused at stage set-up ("requires 2 device(s) ... 1 device(s) are available")."""
+    return {"0": {"devices": ",".join(str(i) for i in range(tp))}}
+
+
 def sampling_extra(params: SamplingParams) -> dict[str, Any]:
     """What the call's `OmniDiffusionSamplingParams.extra_args[EXTRA_KEY]` carries (plain Python values)."""
     return {"params": dataclasses.asdict(params)}

@@ -53,6 +53,7 @@ from megatron_omni.rollout.vllm_omni.pipeline import (
     lazy_classes,
     parse_request,
     sample_record,
+    single_stage_devices,
     warm_up_side,
 )
 
@@ -121,7 +122,7 @@ def stage_overrides(tp: int) -> dict[str, dict[str, str]]:
     """vLLM-Omni 0.30 deploys a Wan2.2 folder with its bundled `deploy/wan2_2_ti2v.yaml`, which pins stage 0 to
     `devices: "0"`: at rollout tp > 1 its stage set-up then refuses ("requires 2 device(s) ... 1 device(s) are
     available"). The stage takes devices 0..tp-1 (of the GPUs the engine's owner was given, numbered from 0)."""
-    return {"0": {"devices": ",".join(str(i) for i in range(tp))}}
+    return single_stage_devices(tp)
 
 
 def check_folder(folder: str | os.PathLike) -> None:

@@ -49,7 +49,9 @@ class WeightUpdateError(RuntimeError):
 class WeightReceiver:
     """Applies bucketed full-tensor updates to the transformer of a FlowGRPO pipeline (`FlowGRPOQwenImagePipeline`,
     `FlowGRPOHybridDiTPipeline`: anything with `transformer` and `full_shapes`) and checks that
-    an update covers every transformer tensor exactly once."""
+    an update covers every transformer tensor exactly once. A pipeline with `load_bucket(items)` and
+    `weight_shapes()` (BAGEL's, whose update names are its checkpoint's, not its modules') loads and shows its
+    own."""
 
     def __init__(self, pipeline: Any) -> None:
         full_shapes = getattr(pipeline, "full_shapes", None)
@@ -88,8 +90,12 @@ class WeightReceiver:
         if again:
             raise WeightUpdateError(f"weight update sends {again[:3]} more than once")
         try:
-            load_transformer_weights(self.pipeline.transformer, items, self.full_shapes, self.reloader,
-                                     renames=getattr(self.pipeline, "weight_renames", None))
+            own = getattr(self.pipeline, "load_bucket", None)  # a pipeline that loads its own names (BAGEL's)
+            if own is not None:
+                own(items)
+            else:
+                load_transformer_weights(self.pipeline.transformer, items, self.full_shapes, self.reloader,
+                                         renames=getattr(self.pipeline, "weight_renames", None))
         except (KeyError, ValueError, RuntimeError) as e:
             raise WeightUpdateError(f"malformed weight bucket: {e}") from e
         self._seen.update(names)
@@ -127,6 +133,8 @@ class WeightReceiver:
         """This rank's transformer parameters as an update fills them: name -> local (tp-sliced) shape."""
         if self.reloader is not None:
             return self.reloader.checkpoint_shapes()
+        if hasattr(self.pipeline, "weight_shapes"):  # a pipeline whose update names are not its parameters'
+            return self.pipeline.weight_shapes()
         return {n: tuple(p.shape) for n, p in self.pipeline.transformer.named_parameters()}
 
 
