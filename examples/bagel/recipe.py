@@ -1,5 +1,6 @@
-"""BAGEL recipes: FlowGRPO on BAGEL's text-to-image generation with vLLM-Omni's BAGEL pipeline as the rollout
-(`model.family=bagel`; docs/families-bagel.md has what the family's RL covers and the figures)."""
+"""BAGEL recipes: FlowGRPO on BAGEL's text-to-image generation with vLLM-Omni's own engine serving its BAGEL pipeline
+(with our SDE window) as the rollout (`model.family=bagel`, `rollout.vllm_omni_process=engine`; docs/families-bagel.md
+has what the family's RL covers and the figures)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,8 @@ from megatron_omni.trainer.config import JobConfig
 
 def tiny() -> JobConfig:
     """FlowGRPO on the tiny offline BAGEL (`model.pipeline=tiny`: the preset's seeded folder in the published
-    layout, written into the run folder) toward JPEG compressibility, on CPU: 32 x 32 images (a 2 x 2
+    layout, written into the run folder, served by vLLM-Omni's engine from a worker process on our CPU platform)
+    toward JPEG compressibility, on CPU: 32 x 32 images (a 2 x 2
     latent-token grid), BAGEL's schedule with 4 steps (shift 3.0), a 2-step SDE window at noise 1.0, BAGEL's
     text CFG at 4.0 (its default scale; the unconditional branch is the empty text cache), 8 RL steps of 8 images
     (2 prompts x 4). Prompts are token ids (the tiny BAGEL has no tokenizer)."""
@@ -67,7 +69,7 @@ def bagel_7b(gpu: str = "H200") -> JobConfig:
     cfg.prompts = list(OCR_PROMPTS)
     r = cfg.rollout
     r.engine = "vllm_omni"
-    r.vllm_omni_process = "inline"
+    r.vllm_omni_process = "engine"  # vLLM-Omni's engine, its worker on the rank's GPU, asleep while the rank trains
     r.dtype = "bf16"
     r.height = r.width = 1024
     r.num_steps = 10

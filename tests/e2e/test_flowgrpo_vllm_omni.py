@@ -49,6 +49,14 @@ def _probe_diffs(run_dir: Path) -> list[float]:
     return [json.loads(line)["sync_probe_max_diff"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
+def assert_served(proc: Any, run_dir: Path) -> None:
+    """An fp32 run `run_dir` (its process `proc`) sampled on vLLM-Omni's served engine: its config says so, the
+    engine's worker process (not the rank) was named at start-up, and every sync's probe is within fp32 rounding."""
+    assert "worker processes (rank: pid) {0: " in proc.stdout + proc.stderr, proc.stderr[-2000:]
+    assert json.loads((run_dir / "config.json").read_text())["rollout"]["vllm_omni_process"] == "engine"
+    assert max(_probe_diffs(run_dir)) < 1e-5, _probe_diffs(run_dir)
+
+
 @pytest.fixture(scope="module")
 def background(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     """The module's independent one-rank runs, started together when the first test needs one: the uninterrupted

@@ -1,15 +1,15 @@
 """FlowGRPO on FLUX.1 end to end, as users run it: the tiny recipe (`examples.flux.recipe:tiny`, the offline tiny
 guidance-distilled FLUX.1 pipeline built into the run folder, the distilled guidance 3.5 as a model input carried in
 the trajectory with the pooled CLIP embeddings, JPEG compressibility) through `python -m megatron_omni.train`, sampled
-by the vLLM-Omni engine (`rollout.engine=vllm_omni`, in the trainer's rank: our `FlowGRPOFluxPipeline` over vLLM-Omni's
-FLUX pipeline, every step's weights through the bridge's vLLM-Omni plan, probed; the diffusers engine samples the same
-trajectories to ~2e-6, tests/distributed/test_image_vllm_omni.py, and ran these runs before). The reward rises over 6
-steps, the trainer's recompute (Megatron FLUX) equals the rollout's log-probs, and a run SIGKILLed
-after its step-3 checkpoint resumes bit-identically. The uninterrupted run goes on while the other is killed and
-resumed (one core each).
+by vLLM-Omni's own engine as users run `rollout.engine=vllm_omni` by default (`rollout.vllm_omni_process=engine`: our
+`FlowGRPOFluxPipeline` over vLLM-Omni's FLUX pipeline in the engine's worker process; every step's weights over
+`collective_rpc`, probed; the diffusers engine samples the same trajectories to ~2e-6,
+tests/distributed/test_image_vllm_omni.py). The reward rises over 6 steps, the trainer's recompute (Megatron FLUX)
+equals the rollout's log-probs, and a run SIGKILLed after its step-3 checkpoint resumes bit-identically. The
+uninterrupted run goes on while the other is killed and resumed (one core each).
 
-Margin: the mean reward of the last two of 6 steps minus that of the first two, measured at seed 0: +0.089
-(docs/families-flux.md); the test asserts > 0.02."""
+Margin: the mean reward of the last two of 6 steps minus that of the first two, measured at seed 0: +0.089 with the
+pipeline in the trainer's rank (`inline`, docs/families-flux.md), +0.091 served; the test asserts > 0.02."""
 
 from __future__ import annotations
 
@@ -19,9 +19,10 @@ from pathlib import Path
 import pytest
 
 from tests.e2e.test_flowgrpo_train import _assert_resumed_bit_identically, _killed_and_resumed_beside, _rewards
+from tests.e2e.test_flowgrpo_vllm_omni import assert_served
 
 FLUX = ["--recipe", "examples.flux.recipe:tiny", "--set", "seed=0", "--set", "steps=6", "--set", "checkpoint.every=3",
-        "--set", "checkpoint.keep=5", "--set", "rollout.engine=vllm_omni", "--set", "rollout.vllm_omni_process=inline"]
+        "--set", "checkpoint.keep=5", "--set", "rollout.engine=vllm_omni"]
 MARGIN = 0.02
 
 
@@ -33,6 +34,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     ref, killed = root / "uninterrupted", root / "killed"
     proc, resumed = _killed_and_resumed_beside(ref, killed, 3, *FLUX)
     assert proc.returncode == 0, proc.stderr[-3000:]
+    assert_served(proc, ref)
     _assert_resumed_bit_identically(ref, killed, 6, resumed)
     return ref, killed
 

@@ -1,9 +1,10 @@
 """Image-editing RL end to end, as users run it: `--recipe examples.qwen_image_edit.recipe:tiny` (the tiny offline
 edit pipeline built into the run folder, the shipped "write W on this image" records, the `edit_text` reward)
-through `python -m megatron_omni.train`, sampled by the vLLM-Omni engine (`rollout.engine=vllm_omni`, our edit
-pipeline class inside the trainer's rank: `rollout.vllm_omni_process=inline`; every step's weights through the
-Qwen-Image bridge). One 8-step run is shared: the reward rises, the sample grid is written, and a run SIGKILLed after
-its step-4 checkpoint resumes (`--resume auto`) to the same state, bit for bit.
+through `python -m megatron_omni.train`, sampled by vLLM-Omni's own engine as users run `rollout.engine=vllm_omni` by
+default (`rollout.vllm_omni_process=engine`: our edit pipeline class in the engine's worker process; every step's
+weights through the Qwen-Image bridge over `collective_rpc`, probed). One 8-step run is shared: the reward rises, the
+sample grid is written, and a run SIGKILLed after its step-4 checkpoint resumes (`--resume auto`) to the same state,
+bit for bit.
 
 A 2-step run on the embedded diffusers engine (the recipe's default) with true CFG (`rollout.guidance_scale=4`,
 negative prompt " ", as QwenImageEditPlusPipeline's `true_cfg_scale`) and a guided held-out evaluation: the trainer's
@@ -12,9 +13,9 @@ source tokens): its trainer/rollout log-prob gap stays at float rounding. (The t
 trajectories, CFG and two-source records included: tests/distributed/test_qwen_image_edit_vllm_omni.py; the 8-step
 curve is the same on both to 4 decimals, measured by hand; the suite's budget runs the learning run on one.)
 
-Margin: mean reward of the last two steps minus the first two, measured +0.0017 at seed 0 on either engine (per-step
-sample std about 0.0004; a random tiny model writes nothing legible, so the rise is the keep term's); asserted
-> 0.0008.
+Margin: mean reward of the last two steps minus the first two, measured +0.0017 at seed 0 on either engine with the
+pipeline in the trainer's rank (`inline`), +0.0018 served (per-step sample std about 0.0004; a random tiny model
+writes nothing legible, so the rise is the keep term's); asserted > 0.0008.
 """
 
 from __future__ import annotations
@@ -27,9 +28,10 @@ import pytest
 
 from examples.qwen_image_edit.recipe import TINY_DATA, edit_prompts
 from tests.e2e.test_flowgrpo_train import _assert_resumed_bit_identically, _killed_and_resumed_beside, _rewards, _train
+from tests.e2e.test_flowgrpo_vllm_omni import assert_served
 
 EDIT = ["--recipe", "examples.qwen_image_edit.recipe:tiny", "--set", "steps=8", "--set", "checkpoint.every=4",
-        "--set", "checkpoint.keep=5", "--set", "rollout.engine=vllm_omni", "--set", "rollout.vllm_omni_process=inline"]
+        "--set", "checkpoint.keep=5", "--set", "rollout.engine=vllm_omni"]
 MARGIN = 0.0008
 
 
@@ -40,6 +42,7 @@ def edit_runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, sub
     root = tmp_path_factory.mktemp("edit")
     proc, resumed = _killed_and_resumed_beside(root / "tp1", root / "killed", 4, *EDIT)
     assert proc.returncode == 0, proc.stderr[-3000:]
+    assert_served(proc, root / "tp1")
     return root / "tp1", root / "killed", resumed
 
 

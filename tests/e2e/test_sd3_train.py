@@ -1,16 +1,17 @@
 """FlowGRPO on SD3.5 end to end, as users run it: the tiny recipe (`examples.sd3.recipe:tiny`, the offline tiny
 SD3.5 pipeline built into the run folder, true CFG 4.5 with the pooled CLIP embeddings carried in the trajectory,
-JPEG compressibility) through `python -m megatron_omni.train`, sampled by the vLLM-Omni engine
-(`rollout.engine=vllm_omni`, in the trainer's rank: our `FlowGRPOSD3Pipeline` over vLLM-Omni's SD3 pipeline, every
-step's weights through the bridge's vLLM-Omni plan, probed). The reward rises over 8 steps, the trainer's recompute
-agrees with the rollout, and a SIGKILLed run resumes bit-identically. One uninterrupted run serves the module; the
-killed run and its resume run beside it. (The diffusers engine samples the same trajectories to ~5e-6:
-tests/distributed/test_image_vllm_omni.py; its own e2e runs were these, before the vLLM-Omni engine, with the same
-rises, the suite's budget keeping one engine per family here.)
+JPEG compressibility) through `python -m megatron_omni.train`, sampled by vLLM-Omni's own engine as users run
+`rollout.engine=vllm_omni` by default (`rollout.vllm_omni_process=engine`: our `FlowGRPOSD3Pipeline` over vLLM-Omni's
+SD3 pipeline in the engine's worker process, on our CPU platform plugin; every step's weights over `collective_rpc`,
+probed). The reward rises over 8 steps, the trainer's recompute (Megatron SD3 with the trajectory's conditioning,
+carried back from the worker) agrees with the rollout, and a SIGKILLed run (its worker going with it) resumes
+bit-identically. One uninterrupted run serves the module; the killed run and its resume run beside it. (The
+diffusers engine samples the same trajectories to ~5e-6: tests/distributed/test_image_vllm_omni.py; the served
+engine, the diffusers engine's: tests/distributed/test_family_engines_served.py.)
 
-Margin: the mean reward of the last two of 8 steps minus that of the first two, measured at seeds 0 / 1 / 2:
-+0.049 / -0.154 / +0.056 (the recipe's docstring: the tiny random model learns at two of three seeds); the test
-runs seed 0 and asserts > 0.02."""
+Margin: the mean reward of the last two of 8 steps minus that of the first two, measured at seeds 0 / 1 / 2 with the
+pipeline in the trainer's rank (`inline`): +0.049 / -0.154 / +0.056 (the recipe's docstring: the tiny random model
+learns at two of three seeds); served, seed 0: +0.047. The test runs seed 0 and asserts > 0.02."""
 
 from __future__ import annotations
 
@@ -21,9 +22,10 @@ from pathlib import Path
 import pytest
 
 from tests.e2e.test_flowgrpo_train import _assert_resumed_bit_identically, _killed_and_resumed_beside, _rewards
+from tests.e2e.test_flowgrpo_vllm_omni import assert_served
 
 SD3 = ["--recipe", "examples.sd3.recipe:tiny", "--set", "seed=0", "--set", "checkpoint.every=4",
-       "--set", "checkpoint.keep=5", "--set", "rollout.engine=vllm_omni", "--set", "rollout.vllm_omni_process=inline"]
+       "--set", "checkpoint.keep=5", "--set", "rollout.engine=vllm_omni"]
 MARGIN = 0.02
 
 
@@ -34,6 +36,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, subproce
     root = tmp_path_factory.mktemp("sd3")
     proc, resumed = _killed_and_resumed_beside(root / "tp1", root / "killed", 4, *SD3)
     assert proc.returncode == 0, proc.stderr[-3000:]
+    assert_served(proc, root / "tp1")
     return root / "tp1", root / "killed", resumed
 
 
