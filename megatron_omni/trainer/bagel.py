@@ -43,8 +43,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_omni.algorithms.advantages import group_advantages
-from megatron_omni.algorithms.grpo_guard import grpo_guard_loss
-from megatron_omni.algorithms.loss import flowgrpo_loss, kl_penalty
+from megatron_omni.algorithms.loss import kl_penalty
 from megatron_omni.algorithms.sde import sde_step
 from megatron_omni.bridge import DistributedTransport, WeightSync
 from megatron_omni.bridge.family_sync import family_plans
@@ -58,10 +57,12 @@ from megatron_omni.rollout.vllm_omni.bagel import BagelSampling, BagelTrajectory
 from megatron_omni.trainer import bagel_pipeline
 from megatron_omni.trainer.bagel_objectives import (
     BagelNftStep,
+    nft_point_inputs,
     nft_points,
     nft_velocities,
     noised_points,
     step_sampling,
+    window_policy_loss,
 )
 from megatron_omni.trainer.config import JobConfig, torch_dtype
 from megatron_omni.trainer.grad_guard import GradGuard
@@ -165,8 +166,6 @@ def check_config(cfg: JobConfig, planning: bool = False) -> None:
         (r.vae_dtype != "auto", "rollout.vae_dtype", "must be auto (BAGEL's autoencoder runs in rollout.dtype)"),
         (r.guidance_scale_2 is not None, "rollout.guidance_scale_2", "must be unset (it guides Wan2.2 A14B's "
          "low-noise expert)"),
-        (a.name in ("grpo_guard", "diffusionnft") and p.pp > 1, "algorithm.name", "must be flowgrpo or mixgrpo at "
-         "pp > 1 (the pipelined update is FlowGRPO's clipped surrogate; grpo_guard and diffusionnft run at pp 1)"),
         (a.mixgrpo.flash_ratio is not None, "algorithm.mixgrpo.flash_ratio", "must be unset (vLLM-Omni's BAGEL "
          "steps its own schedule: no compressed ODE tail, MixGRPO-Flash)"),
         (a.is_cap not in (None, 0), "algorithm.is_cap", "must be unset"),
@@ -564,8 +563,9 @@ class BagelTrainer:
         if c.algorithm.name == "diffusionnft":
             nft = self._nft_step(traj, sampling, advantages, old_policy)
         elif c.algorithm.old_logprob == "recompute" or c.algorithm.name == "grpo_guard":
-            if g.layout.pp > 1:
-                recomputed = bagel_pipeline.window_log_probs(self.model, g, traj, self.markers, forwards)
+            if g.layout.pp > 1:  # the means on the last stage (the loss is computed there), None before it
+                recomputed, old_means = bagel_pipeline.window_log_probs(self.model, g, traj, self.markers, forwards,
+                                                                        with_means=True)
             else:
                 with torch.no_grad():
                     recomputed, old_means, _ = window_transitions(self.model, traj, self.markers)
@@ -591,22 +591,30 @@ class BagelTrainer:
 
     def _nft_step(self, traj: BagelTrajectory, sampling: BagelSampling, advantages: torch.Tensor,
                   old_policy: torch.nn.Module | None) -> BagelNftStep:
-        """DiffusionNFT's data of the step (pp 1): each sample's `int(T timestep_fraction)` noised points, the old
-        policy's velocities there (the model as the step starts, or the lagging copy's weights) and, with
-        `algorithm.beta > 0`, the reference's."""
+        """DiffusionNFT's data of the step: each sample's `int(T timestep_fraction)` noised points, the old policy's
+        velocities there (the model as the step starts, or the lagging copy's weights) and, with `algorithm.beta >
+        0`, the reference's (at pp > 1 through the pipeline, on the last stage)."""
         from megatron_omni.trainer.flowgrpo import holding_weights
 
-        a = self.cfg.algorithm
+        a, g = self.cfg.algorithm, self.groups
         points = nft_points(traj, sampling, max(1, int(sampling.num_steps * a.nft.timestep_fraction)))
-        rows = range(len(traj))
+        rows = list(range(len(traj)))
         _, xt = noised_points(traj, points, rows)
+        if g.layout.pp > 1:
+            inputs = nft_point_inputs(points, xt, sampling, rows)
+
+            def velocities(model: Any) -> torch.Tensor | None:
+                return bagel_pipeline.nft_velocities(model, g, traj, self.markers, inputs)
+        else:
+            def velocities(model: Any) -> torch.Tensor | None:
+                return nft_velocities(model, traj, points, xt, self.markers, sampling, rows)
         with torch.no_grad():
             with holding_weights(self.model, old_policy, self.sync_weights, sync_in=False, sync_out=False):
-                old_v = nft_velocities(self.model, traj, points, xt, self.markers, sampling, rows)
+                old_v = velocities(self.model)
             ref_v = None
             if a.beta > 0:
                 with self._reference() as ref:
-                    ref_v = nft_velocities(ref, traj, points, xt, self.markers, sampling, rows)
+                    ref_v = velocities(ref)
         return BagelNftStep(points, sampling, old_v, nft_reward_weight(a, advantages), a, ref_v)
 
     def _update(self, traj: BagelTrajectory, old: torch.Tensor, adv: torch.Tensor, step: int,
@@ -625,15 +633,19 @@ class BagelTrainer:
             reuse = forward.rows(rows.tolist()) if forward is not None and n == 0 else None
 
             def backward(rows: torch.Tensor = rows, reuse: bagel_pipeline.Forward | None = reuse) -> dict[str, Any]:
+                if nft is not None and self.groups.layout.pp > 1:
+                    return bagel_pipeline.nft_backward(self.model, self.groups, traj.select(rows), self.markers,
+                                                       nft.point_inputs(traj, rows),
+                                                       lambda vel, rows=rows: nft.loss_of(vel, traj, rows))
                 if nft is not None:
                     out = nft.loss(self.model, traj, self.markers, rows, text_grad=self.experts == "both")
                     out.loss.backward()
                     return out.metrics
                 part = traj.select(rows)
                 if self.groups.layout.pp > 1:
-                    return bagel_pipeline.flowgrpo_backward(self.model, self.groups, part, self.markers, old[rows],
-                                                            adv[rows], c.algorithm.clip_range, beta, self._reference,
-                                                            reuse)
+                    return bagel_pipeline.policy_backward(self.model, self.groups, part, self.markers, old[rows],
+                                                          adv[rows], c.algorithm.clip_range, beta, self._reference,
+                                                          reuse, None if old_means is None else old_means[rows])
                 new, means, stds = window_transitions(self.model, part, self.markers,
                                                       text_grad=self.experts == "both")
                 kl = None
@@ -641,16 +653,8 @@ class BagelTrainer:
                     with torch.no_grad(), self._reference() as ref:
                         ref_means = window_transitions(ref, part, self.markers)[1]
                     kl = window_kl(means, ref_means, stds)
-                if old_means is None:
-                    loss = flowgrpo_loss(new, old[rows], adv[rows], c.algorithm.clip_range, beta, kl)
-                else:  # one row per (sample, window step), each with its own transition scale and step
-                    w = new.shape[1]
-                    dt = (part.sigmas_next - part.sigmas).float().to(new.device)
-                    scale = stds * torch.sqrt(-dt)  # the sde step's std of x_{i+1} (`algorithms.sde`; guard: sde only)
-                    loss = grpo_guard_loss(new.flatten(), old[rows].flatten(), adv[rows].repeat_interleave(w),
-                                           means.flatten(0, 1), old_means[rows].flatten(0, 1), scale.flatten(),
-                                           dt.flatten(), c.algorithm.clip_range, beta,
-                                           None if kl is None else kl.flatten())
+                loss = window_policy_loss(new, means, stds, part, old[rows], adv[rows], c.algorithm.clip_range, beta,
+                                          kl, None if old_means is None else old_means[rows])
                 loss.loss.backward()
                 return loss.metrics
 

@@ -24,11 +24,31 @@ from typing import Any
 
 import torch
 
+from megatron_omni.algorithms.grpo_guard import grpo_guard_loss
+from megatron_omni.algorithms.loss import flowgrpo_loss
 from megatron_omni.algorithms.mixgrpo import window_start_at
 from megatron_omni.algorithms.nft import NftLoss, nft_loss, noised_latents
 from megatron_omni.rollout.vllm_omni.bagel import BagelSampling, BagelTrajectory, flow_schedule
 from megatron_omni.trainer.config import AlgorithmConfig
 from megatron_omni.trainer.objectives import NftPoints
+
+
+def window_policy_loss(new: torch.Tensor, means: torch.Tensor, stds: torch.Tensor, traj: BagelTrajectory,
+                       old: torch.Tensor, adv: torch.Tensor, clip_range: float | tuple[float, float], beta: float,
+                       kl: torch.Tensor | None, old_means: torch.Tensor | None = None) -> Any:
+    """The policy-gradient loss over `traj`'s window transitions: log-probs `new` [N, W], transition means
+    [N, W, n, p] and noise coefficients `stds` [N, W] under the model; old log-probs [N, W], advantages [N], the KL
+    per transition [N, W] or None. FlowGRPO's clipped surrogate (MixGRPO's too), or with `old_means` [N, W, n, p]
+    (the recompute's) GRPO-Guard's normalised ratio, one row per (sample, window step), each with its own
+    transition scale and step. The same at pp 1 and on the last stage of pp > 1 (`trainer.bagel_pipeline`)."""
+    if old_means is None:
+        return flowgrpo_loss(new, old, adv, clip_range, beta, kl)
+    w = new.shape[1]
+    dt = (traj.sigmas_next - traj.sigmas).float().to(new.device)
+    scale = stds * torch.sqrt(-dt)  # the sde step's std of x_{i+1} (`algorithms.sde`; guard: sde only)
+    return grpo_guard_loss(new.flatten(), old.flatten(), adv.repeat_interleave(w), means.flatten(0, 1),
+                           old_means.flatten(0, 1), scale.flatten(), dt.flatten(), clip_range, beta,
+                           None if kl is None else kl.flatten())
 
 
 def step_sampling(algorithm: AlgorithmConfig, sampling: BagelSampling, step: int) -> BagelSampling:
@@ -62,50 +82,69 @@ def noised_points(traj: BagelTrajectory, points: NftPoints, rows: Sequence[int])
     return x0, xt.view(x0.shape)
 
 
+def nft_point_inputs(points: NftPoints, xt: torch.Tensor, sampling: BagelSampling, rows: Sequence[int]
+                     ) -> list[tuple[torch.Tensor, torch.Tensor, list[float]]]:
+    """Samples `rows`' noised points as velocity inputs, in the order of `rows`: x_t [J, n, p] (`noised_points`),
+    t [J] and the text CFG scale each is guided with (`sampling.cfg_text_scale` where t lies in the CFG interval, as
+    the rollout applied it; 1 elsewhere). The pipelined update's `trainer.bagel_pipeline.Points`."""
+    lo, hi = sampling.cfg_interval
+    return [(xt[b], points.sigmas[i].float(), [sampling.cfg_text_scale if lo < float(t) <= hi else 1.0
+                                               for t in points.sigmas[i]])
+            for b, i in enumerate(rows)]
+
+
 def nft_velocities(model: Any, traj: BagelTrajectory, points: NftPoints, xt: torch.Tensor, markers: torch.Tensor,
                    sampling: BagelSampling, rows: Sequence[int], text_grad: bool = False) -> torch.Tensor:
     """[B, J, n, p] fp32: our `BagelMoT`'s (pp 1) guided velocity at the noised points xt [B, J, n, p]
-    (`noised_points`) of samples `rows`, conditioned as the rollout was (the prompt's text KV; text CFG at
-    `sampling.cfg_text_scale` where the point's t lies in the CFG interval, 1 elsewhere; the trajectory's image CFG
-    and renorm). Differentiable where grad is on; the prompt's pass under autograd only with `text_grad`
-    (`model.bagel_experts=both`)."""
+    (`noised_points`) of samples `rows`, conditioned as the rollout was (the prompt's text KV; text CFG as
+    `nft_point_inputs` gives it; the trajectory's image CFG and renorm). Differentiable where grad is on; the
+    prompt's pass under autograd only with `text_grad` (`model.bagel_experts=both`)."""
     from megatron_omni.trainer.bagel import velocity
 
-    lo, hi = sampling.cfg_interval
     out = []
-    for b, i in enumerate(rows):
+    for (x, ts, scales), i in zip(nft_point_inputs(points, xt, sampling, rows), rows, strict=True):
         ids = traj.prompt_ids[i]
         with contextlib.nullcontext() if text_grad else torch.no_grad():
             _, kv, _ = model.stage_text(ids)
-        per = []
-        for j in range(points.sigmas.shape[1]):
-            t = float(points.sigmas[i, j])
-            scale = sampling.cfg_text_scale if lo < t <= hi else 1.0
-            per.append(velocity(model, kv, ids.shape[0], markers, xt[b, j], traj.grid, t, scale,
-                                traj.cfg_renorm_min, traj.cfg_img_scale))
-        out.append(torch.stack(per))
+        out.append(torch.stack([velocity(model, kv, ids.shape[0], markers, x[j], traj.grid, float(ts[j]), scale,
+                                         traj.cfg_renorm_min, traj.cfg_img_scale)
+                                for j, scale in enumerate(scales)]))
     return torch.stack(out)
 
 
 @dataclass
 class BagelNftStep:
     """One RL step's DiffusionNFT data: the points (`nft_points`), the old policy's velocities there and, with
-    `algorithm.beta > 0`, the reference's (both [N, J, n, p] fp32, no grad), the reward weights [N]
-    (`algorithms.nft.optimality_probability` of the advantages) and the step's sampler."""
+    `algorithm.beta > 0`, the reference's (both [N, J, n, p] fp32, no grad; at pp > 1 on the last stage only, where
+    the loss is computed, None before it), the reward weights [N] (`algorithms.nft.optimality_probability` of the
+    advantages) and the step's sampler."""
 
     points: NftPoints
     sampling: BagelSampling
-    old_velocity: torch.Tensor
+    old_velocity: torch.Tensor | None
     reward_weight: torch.Tensor
     algorithm: AlgorithmConfig
     ref_velocity: torch.Tensor | None = None
 
     def loss(self, model: Any, traj: BagelTrajectory, markers: torch.Tensor, rows: torch.Tensor,
              text_grad: bool = False) -> NftLoss:
-        """`nft_loss` over the points of samples `rows` (a mini-batch), the current velocities through `model`."""
+        """`nft_loss` over the points of samples `rows` (a mini-batch), the current velocities through `model`
+        (pp 1)."""
+        _, xt = noised_points(traj, self.points, rows.tolist())
+        v = nft_velocities(model, traj, self.points, xt, markers, self.sampling, rows.tolist(), text_grad)
+        return self.loss_of(v, traj, rows)
+
+    def point_inputs(self, traj: BagelTrajectory, rows: torch.Tensor
+                     ) -> list[tuple[torch.Tensor, torch.Tensor, list[float]]]:
+        """Samples `rows`' points as the pipelined update takes them (`nft_point_inputs`)."""
+        return nft_point_inputs(self.points, noised_points(traj, self.points, rows.tolist())[1], self.sampling,
+                                rows.tolist())
+
+    def loss_of(self, v: torch.Tensor, traj: BagelTrajectory, rows: torch.Tensor) -> NftLoss:
+        """`nft_loss` over the points of samples `rows` given their current velocities v [B, J, n, p] (pp 1's, or
+        the last stage's at pp > 1)."""
         a, idx = self.algorithm, rows.tolist()
         x0, xt = noised_points(traj, self.points, idx)
-        v = nft_velocities(model, traj, self.points, xt, markers, self.sampling, idx, text_grad)
         j = v.shape[1]
         ref = None if self.ref_velocity is None else self.ref_velocity[rows].flatten(0, 1)
         weight = self.reward_weight[rows].repeat_interleave(j)

@@ -436,8 +436,8 @@ def _pp_runs(rank: int, world_size: int, root: str) -> dict:
     names = {"guard": "grpo_guard", "mix": "mixgrpo", "nft": "diffusionnft"}
     for name, tp, pp, cp in (("pp2", 1, 2, 1), ("pp1", 2, 1, 1), ("cp2", 1, 1, 2), ("both_tp2", 2, 1, 1),
                              ("both_cp2", 1, 1, 2), ("guard_tp2", 2, 1, 1), ("guard_cp2", 1, 1, 2),
-                             ("mix_pp2", 1, 2, 1), ("mix_tp2", 2, 1, 1), ("nft_tp2", 2, 1, 1), ("nft_cp2", 1, 1, 2),
-                             ("rtp2", 2, 1, 1)):
+                             ("guard_pp2", 1, 2, 1), ("mix_pp2", 1, 2, 1), ("mix_tp2", 2, 1, 1), ("nft_tp2", 2, 1, 1),
+                             ("nft_cp2", 1, 1, 2), ("nft_pp2", 1, 2, 1), ("rtp2", 2, 1, 1)):
         cfg = tiny()
         cfg.rollout.vllm_omni_process = "inline"  # the update rules' math; rtp2 below: the served engine
         cfg.run_dir, cfg.steps, cfg.parallel.tp, cfg.parallel.pp = str(Path(root) / name), PP_STEPS, tp, pp
@@ -705,14 +705,17 @@ def test_both_experts_train_at_tp2_and_cp2(tp2_job: tuple[Future, object]) -> No
     assert max(lag["both"][k] for k in never) == 0, lag["both"]
 
 
-def test_grpo_guard_at_tp2_and_cp2(tp2_job: tuple[Future, object]) -> None:
-    """`algorithm.name=grpo_guard` on BAGEL (pp 1): the ratio normalised by each window step's transition scale and
-    the loss reweighted by its |dt| (`algorithms.grpo_guard`, the old transition means from the recompute). Its cp 2
-    run equals its tp 2 run (`_equal_to_pp1`); its metrics carry the normalised ratio's bias; its first step rolls
-    out what FlowGRPO's does (the same initial weights and seeds) and takes another gradient (the scaled ratio and
-    the |dt| reweighting; both losses are 0 there: ratio 1, a group's advantages summing to 0)."""
+def test_grpo_guard_at_tp2_cp2_and_pp2(tp2_job: tuple[Future, object]) -> None:
+    """`algorithm.name=grpo_guard` on BAGEL: the ratio normalised by each window step's transition scale and the loss
+    reweighted by its |dt| (`algorithms.grpo_guard`, the old transition means from the recompute). Its cp 2 run and
+    its pp 2 run (the pipelined update, the loss and the old means on the last stage) equal its tp 2 run
+    (`_equal_to_pp1`); its metrics carry the normalised ratio's bias; its first step rolls out what FlowGRPO's does
+    (the same initial weights and seeds) and takes another gradient (the scaled ratio and the |dt| reweighting; both
+    losses are 0 there: ratio 1, a group's advantages summing to 0)."""
     out = tp2_job[0].result()[0]
     _equal_to_pp1(out, "guard_cp2", ref="guard_tp2")
+    _equal_to_pp1(out, "guard_pp2", ref="guard_tp2")
+    assert all("ratio_mean_bias" in m for m in _metrics(out["guard_pp2"]))
     guard, plain = _metrics(out["guard_tp2"]), _metrics(out["pp1"])
     print("grpo_guard vs flowgrpo, step 1:", {k: (guard[0][k], plain[0][k]) for k in ("reward_mean", "grad_norm")})
     assert all("ratio_mean_bias" in m for m in guard) and not any("ratio_mean_bias" in m for m in plain)
@@ -731,22 +734,26 @@ def test_mixgrpo_window_slides_and_pp2_equals_tp2(tp2_job: tuple[Future, object]
     assert not any("window_start" in m for m in _metrics(out["pp1"]))
 
 
-def test_diffusionnft_cp2_equals_tp2_with_a_lagging_old_policy(tp2_job: tuple[Future, object]) -> None:
+@pytest.mark.parametrize("layout", ["cp2", "pp2"])
+def test_diffusionnft_equals_tp2_with_a_lagging_old_policy(tp2_job: tuple[Future, object], layout: str) -> None:
     """`algorithm.name=diffusionnft` on BAGEL (ODE rollout, `nft_loss` over each sample's noised clean latents, the KL
-    on velocities against the initial copy, the EMA): its cp 2 run equals its tp 2 run (rewards, losses, grad norms,
-    the step-2 weights and EMA); the first step's old policy is the model itself (the old velocities equal the
-    trained ones before the update: `old_deviate` 0, KL 0); after it the old policy is the lagging copy (decay
-    `NFT_DECAY`), checkpointed under `nft_old.`, which the step-2 rollout sampled with (`old_deviate` > 0)."""
+    on velocities against the initial copy, the EMA): its cp 2 run and its pp 2 run (the old, reference and current
+    velocities through the pipeline, the loss on the last stage, `trainer.bagel_pipeline.nft_backward`) equal its
+    tp 2 run (rewards, losses, grad norms, the step-2 weights and EMA); the first step's old policy is the model
+    itself (the old velocities equal the trained ones before the update: `old_deviate` 0, KL 0); after it the old
+    policy is the lagging copy (decay `NFT_DECAY`), checkpointed under `nft_old.`, which the step-2 rollout sampled
+    with (`old_deviate` > 0)."""
     from pathlib import Path
 
     from megatron_omni.trainer.checkpoint_folders import complete_checkpoints
     from megatron_omni.trainer.checkpointing import read_checkpoint_tensors
 
     out = tp2_job[0].result()[0]
-    hist = {k: _metrics(out[k]) for k in ("nft_tp2", "nft_cp2")}
+    name = f"nft_{layout}"
+    hist = {k: _metrics(out[k]) for k in ("nft_tp2", name)}
     keys = ("reward_mean", "policy_loss", "kl_loss", "grad_norm", "old_deviate", "old_policy_decay")
     print({k: [{m: h[m] for m in keys} for h in v] for k, v in hist.items()})
-    for step, (a, b) in enumerate(zip(hist["nft_cp2"], hist["nft_tp2"], strict=True)):
+    for step, (a, b) in enumerate(zip(hist[name], hist["nft_tp2"], strict=True)):
         assert a["grad_norm"] > 0 and "train_rollout_dlogp_max" not in a, a
         assert (a["reward_mean"] == b["reward_mean"] if step == 0
                 else abs(a["reward_mean"] - b["reward_mean"]) <= PP_LATER_REWARD), (a, b)
@@ -756,7 +763,7 @@ def test_diffusionnft_cp2_equals_tp2_with_a_lagging_old_policy(tp2_job: tuple[Fu
     first, second = hist["nft_tp2"]
     assert first["old_deviate"] == 0 and first["kl_loss"] == 0, first
     assert second["old_deviate"] > 0 and second["kl_loss"] > 0, second
-    a, b = (read_checkpoint_tensors(complete_checkpoints(Path(out[k]))[-1])["model"] for k in ("nft_cp2", "nft_tp2"))
+    a, b = (read_checkpoint_tensors(complete_checkpoints(Path(out[k]))[-1])["model"] for k in (name, "nft_tp2"))
     weights = [k for k in a if not k.startswith(("ema.", "nft_old."))]
     assert sorted(a) == sorted(weights + [f"{c}.{k}" for c in ("ema", "nft_old") for k in weights]), sorted(a)[:6]
     worst = max(float((a[k].float() - b[k].float()).abs().max()) for k in a)

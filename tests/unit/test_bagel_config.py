@@ -52,13 +52,10 @@ def test_unsupported_settings_refused_by_name(field: str, value, named: str) -> 
 
 
 @pytest.mark.parametrize("name", ["grpo_guard", "diffusionnft"])
-def test_grpo_guard_and_nft_validate_at_pp1_only(name: str) -> None:
+def test_grpo_guard_and_nft_validate_at_pp2(name: str) -> None:
     cfg = tiny()
-    cfg.algorithm.name = name
-    cfg.validate(world_size=1)
-    cfg.parallel.pp = 2
-    with pytest.raises(ConfigError, match="algorithm.name: must be flowgrpo or mixgrpo at pp > 1"):
-        cfg.validate(world_size=2)
+    cfg.algorithm.name, cfg.parallel.pp = name, 2
+    cfg.validate(world_size=2)
 
 
 def test_mixgrpo_validates_at_pp2_and_the_shared_algorithm_checks_apply() -> None:
