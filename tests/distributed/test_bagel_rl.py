@@ -267,7 +267,7 @@ def _served_checks(folder: str, cfg: dict, state: dict, ids: list, params, befor
         out["after_wake"] = diff(served.generate(ids, params, SEEDS, [0, 1]), after)
         try:  # the rollout's tensors of the folder but one
             held = set(provider.bagel_shapes(cfg))
-            served.load_partial([(k, v) for k, v in state.items() if k in held and k != "llm2vae.bias"])
+            served.update_weights([(k, v) for k, v in state.items() if k in held and k != "llm2vae.bias"])
             out["partial"] = None
         except RuntimeError as exc:
             out["partial"] = str(exc)

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from types import SimpleNamespace
@@ -199,6 +200,7 @@ def fp32_bagel() -> Iterator[None]:
         bt.torch = saved
 
 
+@functools.cache
 def _pipeline_class() -> type:
     from vllm_omni.diffusion.models.bagel import bagel_transformer as bt
     from vllm_omni.diffusion.models.bagel.autoencoder import AutoEncoder, AutoEncoderParams

@@ -29,7 +29,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from megatron_omni.rollout.vllm_omni.bagel import BagelSampling, BagelTrajectory, _pipeline_class
+from megatron_omni.rollout.vllm_omni.bagel import BagelSampling, BagelTrajectory
 from megatron_omni.rollout.vllm_omni.pipeline import EXTRA_KEY, lazy_classes
 
 SERVED_BAGEL_PIPELINE_CLASS = "megatron_omni.rollout.vllm_omni.bagel_served.ServedFlowGRPOBagelPipeline"
@@ -116,9 +116,10 @@ def concat_records(records: Sequence[dict[str, Any]]) -> BagelTrajectory:
 def _build_served_class() -> type:
     from vllm_omni.diffusion.data import DiffusionOutput
 
+    from megatron_omni.rollout.vllm_omni.bagel import FlowGRPOBagelPipeline
     from model_providers.bagel.provider import bagel_shapes, read_bagel_config
 
-    class ServedFlowGRPOBagelPipeline(_pipeline_class()):
+    class ServedFlowGRPOBagelPipeline(FlowGRPOBagelPipeline):
         """`FlowGRPOBagelPipeline` as a vLLM-Omni worker builds it (see the module docstring)."""
 
         supports_step_execution = False  # each request carries its own seed, window and record
@@ -162,7 +163,7 @@ def _build_served_class() -> type:
         @torch.no_grad()
         def forward(self, req: Any) -> list[Any]:
             """One sample per request; vLLM-Omni's start-up warm-up request (no FlowGRPO extras) is answered with
-            a one-step ODE image of the smallest size."""
+            a two-step ODE image of the smallest size (2 x 2 latent tokens)."""
             if req.is_dummy_run():
                 return [self._warm_up() for _ in req.prompts]
             outputs = []
@@ -325,8 +326,9 @@ class ServedBagelPipeline:
         if self.owns:
             self._rpc("finish_weight_update")
 
-    def load_partial(self, items: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        """A complete update in one call (owner only): begin, one bucket, finish."""
+    def update_weights(self, items: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """A complete update in one call (owner only): begin, one bucket, finish (the workers refuse one that
+        misses a tensor, naming it). Returns the names sent."""
         items = [(n, t.detach().cpu().contiguous()) for n, t in items]
         with self.weight_update():
             self._rpc("load_weight_bucket", items)
