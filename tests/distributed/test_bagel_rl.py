@@ -486,6 +486,7 @@ def _lora_config(run_dir: str):
     from examples.bagel.recipe import tiny
 
     cfg = tiny()
+    cfg.rollout.vllm_omni_process = "inline"  # the adapters' math and resume; the served engine: rtp2, the gap run
     cfg.run_dir, cfg.steps, cfg.parallel.tp = run_dir, LORA_STEPS, 2
     cfg.rollout.prompts_per_step, cfg.rollout.group_size, cfg.optim.mini_batches = 1, 2, 1
     cfg.model.lora.rank, cfg.model.lora.alpha, cfg.optim.lr, cfg.algorithm.beta = 4, 8.0, 2e-2, LORA_BETA
