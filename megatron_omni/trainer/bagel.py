@@ -402,53 +402,57 @@ class BagelTrainer:
         self.extra_copies = {} if self.nft_old is None else {"nft_old": self.nft_old}
         self.markers = torch.tensor([tok["start_of_image"], tok["end_of_image"]])
         self._stack = contextlib.ExitStack()
-        r = cfg.rollout
-        if r.vllm_omni_process == "engine":
-            # vLLM-Omni's own engine with worker processes; at rollout tp > 1 the trainer's tensor-parallel group
-            # shares one (its ranks roll out the same samples), owned by the group's first rank
-            from megatron_omni.rollout.vllm_omni.bagel_served import ServedBagelPipeline
+        try:
+            r = cfg.rollout
+            if r.vllm_omni_process == "engine":
+                # vLLM-Omni's own engine with worker processes; at rollout tp > 1 the trainer's tensor-parallel group
+                # shares one (its ranks roll out the same samples), owned by the group's first rank
+                from megatron_omni.rollout.vllm_omni.bagel_served import ServedBagelPipeline
 
-            self.pipeline = ServedBagelPipeline(folder, bcfg, torch_dtype(r.dtype), tp=r.tp,
-                                                group=groups.tp if r.tp > 1 else None)
-            self._stack.callback(self.pipeline.close)
-        else:
-            self.pipeline = self._stack.enter_context(open_bagel_pipeline(bcfg, folder, torch_dtype(r.dtype),
-                                                                          tp=r.tp))
-        # The held-out evaluation's view of the pipeline (`trainer.run.run_evaluation`, the DiT families' path)
-        self.engine = BagelEvalEngine(self)
-        self.quantization = QuantizationSpec()
-        # The bridge into the rollout pipeline: the family's plan at the rollout's tp (full tensors gathered over the
-        # trainer's tp, bucketed; at rollout tp > 1 vLLM's loaders keep each rank's shard), every BAGEL tensor
-        # checked written once by the coverage ledger.
-        # pp > 1: every rank's pipeline gets every stage's tensors from the stage's first rank (as the DiT trainer).
-        pp = groups.layout.pp
-        (part, plan), = family_plans(self.family, bcfg, trainer_tp=groups.tp.size(), trainer_pp=pp,
-                                     rollout_kind="vllm_omni", rollout_tp=cfg.rollout.tp, mode="full").items()
-        transport = None
-        if pp > 1:
-            first = groups.first_rank
-            transport = DistributedTransport(sources=groups.layout.stage_roots(first),
-                                             rollout_ranks=range(first, first + groups.layout.world_size),
-                                             dtype=self.model.config.params_dtype)
-        sources = self.family.megatron_sources(self.model)[part]
-        if self.lora.enabled:
-            from megatron_omni.bridge.lora_sync import MergedSources, merged_linears
+                self.pipeline = ServedBagelPipeline(folder, bcfg, torch_dtype(r.dtype), tp=r.tp,
+                                                    group=groups.tp if r.tp > 1 else None)
+                self._stack.callback(self.pipeline.close)
+            else:
+                self.pipeline = self._stack.enter_context(open_bagel_pipeline(bcfg, folder, torch_dtype(r.dtype),
+                                                                              tp=r.tp))
+            # The held-out evaluation's view of the pipeline (`trainer.run.run_evaluation`, the DiT families' path)
+            self.engine = BagelEvalEngine(self)
+            self.quantization = QuantizationSpec()
+            # The bridge into the rollout pipeline: the family's plan at the rollout's tp (full tensors gathered over
+            # the trainer's tp, bucketed; at rollout tp > 1 vLLM's loaders keep each rank's shard), every BAGEL
+            # tensor checked written once by the coverage ledger.
+            # pp > 1: every rank's pipeline gets every stage's tensors from the stage's first rank (as the DiT trainer).
+            pp = groups.layout.pp
+            (part, plan), = family_plans(self.family, bcfg, trainer_tp=groups.tp.size(), trainer_pp=pp,
+                                         rollout_kind="vllm_omni", rollout_tp=cfg.rollout.tp, mode="full").items()
+            transport = None
+            if pp > 1:
+                first = groups.first_rank
+                transport = DistributedTransport(sources=groups.layout.stage_roots(first),
+                                                 rollout_ranks=range(first, first + groups.layout.world_size),
+                                                 dtype=self.model.config.params_dtype)
+            sources = self.family.megatron_sources(self.model)[part]
+            if self.lora.enabled:
+                from megatron_omni.bridge.lora_sync import MergedSources, merged_linears
 
-            sources = MergedSources(sources, merged_linears(self.model, self.model.global_name))
-        self.sources = sources
-        self.weight_sync = WeightSync(plan, sources=sources,
-                                      target=self.pipeline.weight_target(), tp_group=groups.tp,
-                                      tp_rank=groups.tp.rank(), stage=groups.coords["pp"], transport=transport)
-        o = cfg.optim
-        self.ddp, self.optimizer = build_ddp_and_optimizer(
-            self.model, self.model.config, groups.mcore,
-            OptimizerSettings(lr=o.lr, weight_decay=o.weight_decay, adam_beta1=o.adam_beta1,
-                              adam_beta2=o.adam_beta2, adam_eps=o.adam_eps, clip_grad=o.clip_grad))
-        self.scheduler = build_scheduler(self.optimizer, o.lr, o.weight_decay, o.warmup_steps,
-                                         cfg.steps * o.mini_batches)
-        self.guard = GradGuard(o.max_bad_steps)
-        self.reward_fn = RewardFunction(cfg.reward.scorer, cfg.reward.url, cfg.reward.timeout_s, None,
-                                        cfg.reward.options)
+                sources = MergedSources(sources, merged_linears(self.model, self.model.global_name))
+            self.sources = sources
+            self.weight_sync = WeightSync(plan, sources=sources,
+                                          target=self.pipeline.weight_target(), tp_group=groups.tp,
+                                          tp_rank=groups.tp.rank(), stage=groups.coords["pp"], transport=transport)
+            o = cfg.optim
+            self.ddp, self.optimizer = build_ddp_and_optimizer(
+                self.model, self.model.config, groups.mcore,
+                OptimizerSettings(lr=o.lr, weight_decay=o.weight_decay, adam_beta1=o.adam_beta1,
+                                  adam_beta2=o.adam_beta2, adam_eps=o.adam_eps, clip_grad=o.clip_grad))
+            self.scheduler = build_scheduler(self.optimizer, o.lr, o.weight_decay, o.warmup_steps,
+                                             cfg.steps * o.mini_batches)
+            self.guard = GradGuard(o.max_bad_steps)
+            self.reward_fn = RewardFunction(cfg.reward.scorer, cfg.reward.url, cfg.reward.timeout_s, None,
+                                            cfg.reward.options)
+        except BaseException:
+            self._stack.close()  # a served engine started above goes with the failure, not at the process's exit
+            raise
 
     # ----------------------------------------------------------------------------------- checkpoints
     def content_metadata(self, step: int) -> dict[str, Any]:
