@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_omni.rollout.vllm_omni.bagel import BagelSampling, BagelTrajectory
-from megatron_omni.rollout.vllm_omni.pipeline import EXTRA_KEY, lazy_classes
+from megatron_omni.rollout.vllm_omni.pipeline import EXTRA_KEY, lazy_classes, request_params, request_sample
 
 SERVED_BAGEL_PIPELINE_CLASS = "megatron_omni.rollout.vllm_omni.bagel_served.ServedFlowGRPOBagelPipeline"
 DEPLOY_CONFIG = "bagel_single_stage.yaml"  # vLLM-Omni's BAGEL topology with one (diffusion) stage
@@ -73,19 +73,10 @@ def sampling_extra(sampling: BagelSampling) -> dict[str, Any]:
 
 def parse_request(prompt: Any, sp: Any) -> tuple[torch.Tensor, BagelSampling, int, int, int]:
     """(ids [L], sampling, seed, index, group_id) of one request; raises naming what is missing."""
-    extra = (getattr(sp, "extra_args", None) or {}).get(EXTRA_KEY)
-    if not isinstance(extra, dict) or "bagel" not in extra:
-        raise ValueError(f"BAGEL FlowGRPO pipeline: sampling_params.extra_args[{EXTRA_KEY!r}] with 'bagel' is required "
-                         "(see bagel_served.sampling_extra)")
-    sample = ((prompt.get("additional_information") if isinstance(prompt, dict) else None) or {}).get(EXTRA_KEY)
-    missing = {"prompt_ids", "seed", "index", "group_id"} - set(sample or {})
-    if missing:
-        raise ValueError(f"BAGEL FlowGRPO pipeline: the prompt's additional_information[{EXTRA_KEY!r}] lacks "
-                         f"{sorted(missing)} (see bagel_served.sample_request)")
-    raw = dict(extra["bagel"])
-    for k in ("window_range", "cfg_interval"):
-        if raw.get(k) is not None:
-            raw[k] = tuple(raw[k])
+    who = "BAGEL FlowGRPO pipeline"
+    raw = request_params(sp, EXTRA_KEY, "bagel", ("window_range", "cfg_interval"), who, "bagel_served.sampling_extra")
+    sample = request_sample(prompt, EXTRA_KEY, ("prompt_ids", "seed", "index", "group_id"), who,
+                            "bagel_served.sample_request")
     return (torch.tensor(sample["prompt_ids"], dtype=torch.long), BagelSampling(**raw), int(sample["seed"]),
             int(sample["index"]), int(sample["group_id"]))
 

@@ -46,6 +46,8 @@ from megatron_omni.rollout.vllm_omni.pipeline import (
     check_full_weights,
     diffusers_shapes,
     lazy_classes,
+    request_params,
+    request_sample,
 )
 
 HYBRID_PIPELINE_CLASS = "megatron_omni.rollout.vllm_omni.hybrid.FlowGRPOHybridDiTPipeline"
@@ -94,22 +96,13 @@ def hybrid_request(prompt_embeds: torch.Tensor, generator_state: torch.Tensor, i
 
 def parse_hybrid_request(prompt: Any, sampling: Any) -> tuple[torch.Tensor, ARDiTSamplingParams, int, torch.Tensor]:
     """(prompt_embeds [L, D], params, index, generator state) of one request; raises naming what is missing."""
-    extra = (getattr(sampling, "extra_args", None) or {}).get(HYBRID_KEY)
-    if not isinstance(extra, Mapping) or "params" not in extra:
-        raise ValueError(f"hybrid DiT pipeline: sampling_params.extra_args[{HYBRID_KEY!r}] with 'params' is "
-                         "required (see hybrid_sampling_extra())")
+    raw = request_params(sampling, HYBRID_KEY, "params", ("grid", "window_range"), "hybrid DiT pipeline",
+                         "hybrid_sampling_extra()")
     if not isinstance(prompt, Mapping) or not isinstance(prompt.get("prompt_embeds"), torch.Tensor):
         raise ValueError("hybrid DiT pipeline: each prompt must be a dict with 'prompt_embeds' (the connector "
                          f"output), got {prompt!r:.80}")
-    sample = (prompt.get("additional_information") or {}).get(HYBRID_KEY) or {}
-    missing = {"index", "generator_state"} - set(sample)
-    if missing:
-        raise ValueError(f"hybrid DiT pipeline: prompt additional_information[{HYBRID_KEY!r}] lacks "
-                         f"{sorted(missing)} (see hybrid_request())")
-    raw = dict(extra["params"])
-    for key in ("grid", "window_range"):
-        if raw.get(key) is not None:
-            raw[key] = tuple(raw[key])
+    sample = request_sample(prompt, HYBRID_KEY, ("index", "generator_state"), "hybrid DiT pipeline",
+                            "hybrid_request()")
     return prompt["prompt_embeds"], ARDiTSamplingParams(**raw), int(sample["index"]), sample["generator_state"]
 
 

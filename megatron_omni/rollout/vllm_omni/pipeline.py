@@ -216,22 +216,36 @@ def sample_prompt(prompt: str, seed: int, index: int, group_id: int) -> dict[str
                                                                     "group_id": int(group_id)}}}
 
 
+def request_params(sampling: Any, key: str, field: str, tuples: Sequence[str], who: str, see: str) -> dict[str, Any]:
+    """The call's parameters a request carries, `sampling.extra_args[key][field]`, as a dict whose `tuples` entries
+    (JSON lists on the way) are tuples again; raises naming what is missing (`who`: the pipeline, `see`: the function
+    that builds them). Shared by our pipeline classes' request parsers."""
+    extra = (getattr(sampling, "extra_args", None) or {}).get(key)
+    if not isinstance(extra, Mapping) or field not in extra:
+        raise ValueError(f"{who}: sampling_params.extra_args[{key!r}] with {field!r} is required (see {see})")
+    raw = dict(extra[field])
+    for name in tuples:
+        if raw.get(name) is not None:
+            raw[name] = tuple(raw[name])
+    return raw
+
+
+def request_sample(prompt: Any, key: str, fields: Iterable[str], who: str, see: str) -> Mapping[str, Any]:
+    """One request's own values, `prompt["additional_information"][key]`, holding every one of `fields`; raises
+    naming those it lacks (`who`, `see` as in `request_params`)."""
+    sample = ((prompt.get("additional_information") if isinstance(prompt, Mapping) else None) or {}).get(key) or {}
+    missing = set(fields) - set(sample)
+    if missing:
+        raise ValueError(f"{who}: prompt additional_information[{key!r}] lacks {sorted(missing)} (see {see})")
+    return sample
+
+
 def parse_request(prompt: Any, sampling: Any) -> tuple[str, SamplingParams, int, int, int]:
     """(text, SamplingParams, seed, index, group_id) of one request; raises naming what is missing."""
-    extra = (getattr(sampling, "extra_args", None) or {}).get(EXTRA_KEY)
-    if not isinstance(extra, Mapping) or "params" not in extra:
-        raise ValueError(f"FlowGRPO pipeline: sampling_params.extra_args[{EXTRA_KEY!r}] with 'params' is required "
-                         "(see sampling_extra())")
+    raw = request_params(sampling, EXTRA_KEY, "params", ("window_range",), "FlowGRPO pipeline", "sampling_extra()")
     if not isinstance(prompt, Mapping) or not isinstance(prompt.get("prompt"), str):
         raise ValueError(f"FlowGRPO pipeline: each prompt must be a dict with a 'prompt' string, got {prompt!r:.80}")
-    sample = (prompt.get("additional_information") or {}).get(EXTRA_KEY)
-    missing = {"seed", "index", "group_id"} - set(sample or {})
-    if missing:
-        raise ValueError(f"FlowGRPO pipeline: prompt additional_information[{EXTRA_KEY!r}] lacks {sorted(missing)} "
-                         "(see sample_prompt())")
-    raw = dict(extra["params"])
-    if raw.get("window_range") is not None:
-        raw["window_range"] = tuple(raw["window_range"])
+    sample = request_sample(prompt, EXTRA_KEY, ("seed", "index", "group_id"), "FlowGRPO pipeline", "sample_prompt()")
     return (prompt["prompt"], SamplingParams(**raw), int(sample["seed"]), int(sample["index"]),
             int(sample["group_id"]))
 
