@@ -11,8 +11,10 @@ What differs from a fresh interpreter, and how the suite keeps it honest:
   interpreters), not here;
 - numpy's global generator is reseeded in each rank (a fresh interpreter seeds it from the OS), and the variables
   the preloaded imports set (cv2's LD_LIBRARY_PATH, say) are set in the rank's environment as its imports would;
-- vLLM and vLLM-Omni are not preloaded (vLLM reads its logging config from the environment at import, and
-  vLLM-Omni patches libraries when imported): a rank that uses them imports them itself, and an engine's worker
+- vLLM-Omni's engine entry point is preloaded too (`vllm_omni_preload`), so every rank holds what vLLM-Omni's
+  import patches (vLLM's kernels, transformers' GLM-Image config, inductor's divisibility check: nothing a rank
+  without an engine calls); vLLM reads its logging config and plugins from the environment at import, so a rank
+  whose VLLM_LOGGING* / VLLM_CONFIGURE_LOGGING / VLLM_PLUGINS differ runs in a plain interpreter. An engine's worker
   processes fork from the rank's own fork server as they do outside the suite (`cpu_worker.worker_context`);
 - a request whose start-up environment differs (PYTHONPATH with a fault-injection sitecustomize, say) runs in a
   plain interpreter, as does every command when MEGATRON_OMNI_TEST_ZYGOTE=0 is set."""

@@ -19,17 +19,20 @@ import sys
 import threading
 
 # What a tiny run of each family imports (torch, megatron-core, diffusers' models and loaders, transformers, the
-# reward client, matplotlib for the reward curve). Not vLLM or vLLM-Omni: vLLM configures its logging from the
-# environment at import (a test gives one rank a logging config that does not exist), so a rank imports it itself.
+# reward client, matplotlib for the reward curve), and vLLM-Omni's engine entry point, which every rank that starts an
+# engine imports (vLLM configures its logging from the environment at import: a test gives one rank a logging config
+# that does not exist, and STARTUP_VARIABLES sends that rank to a plain interpreter).
 PRELOAD = ("torch", "numpy", "megatron.core", "diffusers", "diffusers.models", "diffusers.loaders.lora_base",
            "diffusers.models.autoencoders.autoencoder_asym_kl", "transformers", "transformers.modeling_layers",
            "matplotlib.pyplot", "megatron_omni.train", "megatron_omni.trainer.flowgrpo",
-           "megatron_omni.trainer.rewards")
+           "megatron_omni.trainer.rewards", "tests.e2e.zygote.vllm_omni_preload")
 # Variables an interpreter's start or the preloaded imports read (sys.path, the hash seed, shared libraries,
-# huggingface_hub's offline and cache settings, torch's logging): a request whose values differ from the server's (a
-# fault-injection sitecustomize on PYTHONPATH, say) is answered "exec" and its client starts a plain interpreter.
-# Variables read when a run uses them (torchrun's, inductor's cache folder, OMP_NUM_THREADS: set per rank) pass.
-STARTUP_VARIABLES = ("PYTHON", "HF_", "LD_", "TRANSFORMERS_", "DIFFUSERS_", "MPL", "TORCH_LOGS")
+# huggingface_hub's offline and cache settings, torch's logging, vLLM's logging and plugins): a request whose values
+# differ from the server's (a fault-injection sitecustomize on PYTHONPATH, say) is answered "exec" and its client
+# starts a plain interpreter. Variables read when a run uses them (torchrun's, inductor's cache folder, vLLM's engine
+# settings, OMP_NUM_THREADS: set per rank) pass.
+STARTUP_VARIABLES = ("PYTHON", "HF_", "LD_", "TRANSFORMERS_", "DIFFUSERS_", "MPL", "TORCH_LOGS", "VLLM_LOGGING",
+                     "VLLM_CONFIGURE_LOGGING", "VLLM_PLUGINS")
 IGNORED = ("PYTHONUNBUFFERED", "MEGATRON_OMNI_TEST_ZYGOTE")
 
 
