@@ -238,21 +238,13 @@ class ServedBagelPipeline:
         others, and a failure is raised on every rank (none waits for an answer that never comes)."""
         if self.group is None:
             return compute()
-        box: list[Any] = [None]
-        if self.owns:
-            try:
-                result = compute()
-                box = [("ok", result if send else None)]
-            except Exception as exc:
-                box = [("failed", f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}")]
-                dist.broadcast_object_list(box, src=self.owner, group=self.group)
-                raise
-            dist.broadcast_object_list(box, src=self.owner, group=self.group)
-            return result
-        dist.broadcast_object_list(box, src=self.owner, group=self.group)
-        if box[0][0] == "failed":
-            raise RuntimeError(f"the served BAGEL engine's owner (rank {self.owner}) failed in {what}: {box[0][1]}")
-        return box[0][1]
+        from megatron_omni.rollout.vllm_omni.faults import shared_by_owner
+
+        def failure(_died: bool, kind: str, message: str) -> Exception:
+            return RuntimeError(f"the served BAGEL engine's owner (rank {self.owner}) failed in {what}: {kind}: "
+                                f"{message}")
+
+        return shared_by_owner(compute, self.owner, self.group, failure, send=send)
 
     def generate(self, prompt_ids: Sequence[torch.Tensor], sampling: BagelSampling, seeds: Sequence[int],
                  group_ids: Sequence[int] | None = None) -> BagelTrajectory:

@@ -49,6 +49,7 @@ from megatron_omni.rollout.vllm_omni.faults import (
     EngineWorkerDied,
     dead_workers,
     root_cause,
+    shared_by_owner,
     worker_died_message,
     worker_processes,
 )
@@ -262,22 +263,14 @@ class VllmOmniRolloutEngine:
         comes. Without peers, `compute()`."""
         if self.peers is None:
             return compute()
-        box: list[Any] = [None]
-        if dist.get_rank() == self.peers.ranks[0]:
-            try:
-                box = [("ok", compute())]
-            except Exception as exc:
-                box = [("failed", isinstance(exc, EngineWorkerDied), str(exc).splitlines()[0] if str(exc) else
-                        type(exc).__name__)]
-                dist.broadcast_object_list(box, src=self.peers.ranks[0], group=self.peers.group)
-                raise
-        dist.broadcast_object_list(box, src=self.peers.ranks[0], group=self.peers.group)
-        if box[0][0] == "failed":
-            _, died, message = box[0]
+        owner = self.peers.ranks[0]
+
+        def failure(died: bool, kind: str, message: str) -> Exception:
             if died:
-                raise EngineWorkerDied(message)
-            raise RuntimeError(f"the vLLM-Omni engine's owner (rank {self.peers.ranks[0]}) failed: {message}")
-        return box[0][1]
+                return EngineWorkerDied(message or kind)
+            return RuntimeError(f"the vLLM-Omni engine's owner (rank {owner}) failed: {message or kind}")
+
+        return shared_by_owner(compute, owner, self.peers.group, failure)
 
     def _run_with_peers(self, requests: list[dict[str, Any]], params: SamplingParams, extra: dict[str, Any],
                         on_sample: Callable[[FinishedSample], None] | None) -> list[dict[str, Any]]:

@@ -6,14 +6,18 @@ vLLM-Omni's `mp` executor watches its worker processes (a monitor thread on thei
 marks itself failed and shuts down, and every request or `collective_rpc` in flight or after fails within about a
 second, but with a message that names neither the worker nor what it was doing ("Executor shut down", or an empty
 reply list). After an eviction the engine no longer holds the executor, so the worker processes are taken once, when
-the engine starts (`worker_processes`), and read here when a call fails.
+the engine starts (`worker_processes`), and read here when a call fails. Where several ranks share one engine, its
+owner's result or failure reaches them all (`shared_by_owner`).
 """
 
 from __future__ import annotations
 
 import signal
 import time
+from collections.abc import Callable
 from typing import Any
+
+import torch.distributed as dist
 
 
 class EngineWorkerDied(RuntimeError):
@@ -22,6 +26,30 @@ class EngineWorkerDied(RuntimeError):
 
 class EngineStartError(RuntimeError):
     """The vLLM-Omni engine did not start; the message is one line naming the folder and the cause."""
+
+
+def shared_by_owner(compute: Callable[[], Any], owner: int, group: Any,
+                    failure: Callable[[bool, str, str], Exception], send: bool = True) -> Any:
+    """`compute()` on the global rank `owner` of `group` (the ranks sharing its engine), collective over the group:
+    the others get its result (None where not `send`: they learn only that it succeeded), or its failure, so none
+    waits for an answer that never comes. The owner re-raises its own exception; the others raise
+    `failure(died, kind, message)`: whether it was an `EngineWorkerDied`, its type's name and its first line."""
+    box: list[Any] = [None]
+    if dist.get_rank() == owner:
+        try:
+            result = compute()
+        except Exception as exc:
+            first = str(exc).splitlines()[0] if str(exc) else ""
+            box = [("failed", isinstance(exc, EngineWorkerDied), type(exc).__name__, first)]
+            dist.broadcast_object_list(box, src=owner, group=group)
+            raise
+        box = [("ok", result if send else None)]
+        dist.broadcast_object_list(box, src=owner, group=group)
+        return result
+    dist.broadcast_object_list(box, src=owner, group=group)
+    if box[0][0] == "failed":
+        raise failure(*box[0][1:])
+    return box[0][1]
 
 
 def worker_processes(omni: Any) -> list[Any]:
