@@ -14,7 +14,7 @@ Printed per rollout: mean |logp_trainer - logp_rollout| before correction and af
 weights (`algorithms.importance`, cap `--cap`, transition level) with the share they truncate, the mean OCR
 similarity of the images (rapidocr, in process), their mean legibility (`RapidOcrReader.legibility`: the same
 recognizer's per-character geometric-mean CTC probability of the target word, continuous where the similarity is
-a step), and the seconds of a rollout of one prompt's seeds (median of
+a step), and the seconds of a rollout of one prompt's first 12 seeds (median of
 `--runs` interleaved runs after a warm-up: the machine is shared; on a CPU the FP8 engine only emulates FP8, so
 it is slower, not faster). Then the
 cost of re-quantizing after a sync: in place (`FakeQuantizedTransformer.refresh`, what the engine does),
@@ -24,8 +24,9 @@ each measure, one line: how many samples score the same, the sd of the paired di
 interval, and whether the paired bootstrap's 95% interval is narrower than +-0.02 and, if not, about how many
 samples (`--seeds`) would make it so. The last two lines are the ratios fp8 / bf16 (target >= 0.97) with their
 95% paired-bootstrap intervals: the OCR reward's, then the legibility's (last: every sample informs it, where
-most samples' OCR rewards tie; docs/quantization.md). No default run reaches +-0.02 on a CPU (about 7,200 samples
-for either measure); the default `--seeds 12` (384 samples) took 11 minutes on the shared 2 cores, about +-0.09.
+most samples' OCR rewards tie; docs/quantization.md). The default `--seeds 12` (384 samples, minutes) gives about
++-0.09; +-0.02 takes about 7,800 samples: `--seeds 288` (9,216 samples, 30 min on 2 idle cores) measured OCR 0.983
+[0.964, 1.001] and legibility 0.975 [0.957, 0.993].
 """
 
 from __future__ import annotations
@@ -98,6 +99,8 @@ def _requantize_costs(engine: DiffusersRolloutEngine, runs: int) -> dict[str, fl
     return {k: statistics.median(v[1:]) for k, v in times.items()}  # the first (warm-up) run dropped
 
 
+TIMED_SEEDS = 12  # samples of each timed rollout (one prompt's first seeds)
+SCORE_CHUNK = 256  # samples recomputed and scored at a time (the progress bar's unit)
 CI_HALF_WIDTH = 0.02  # the printed ratio must carry a 95% interval at least this narrow to tell 0.97 from 1.0
 
 
@@ -131,7 +134,8 @@ def delta_ratio_ci(a: list[float], b: list[float]) -> tuple[float, float, float]
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--seeds", type=int, default=12, help="seeds per prompt (12: 384 samples, ~11 min on 2 cores)")
+    ap.add_argument("--seeds", type=int, default=12,
+                    help="seeds per prompt (12: 384 samples, minutes; 288: 9,216, the +-0.02 interval, 30 min)")
     ap.add_argument("--runs", type=int, default=5, help="interleaved timed rollouts of each engine (after a warm-up)")
     ap.add_argument("--cap", type=float, default=2.0, help="truncated importance weight cap")
     ap.add_argument("--out-dir", default="runs/quantized_rollout")
@@ -151,23 +155,31 @@ def main() -> None:
     trainer = _trainer(engines["bf16"])
     scorer = build_scorer("ocr")
 
-    trajs = {name: engine.generate(prompts, params, group_size=a.seeds, seeds=seeds)
-             for name, engine in tqdm(engines.items(), desc="rollouts")}
-    # speed: a smaller rollout (the first prompt's seeds), interleaved, so both see the same machine load
+    trajs = {}
+    for name, engine in engines.items():
+        with tqdm(total=len(seeds), desc=f"{name} rollout", unit="sample") as bar:
+            trajs[name] = engine.generate(prompts, params, group_size=a.seeds, seeds=seeds,
+                                          on_sample=lambda _sample, bar=bar: bar.update())
+    # speed: a smaller rollout (the first prompt's first TIMED_SEEDS seeds), interleaved, so both see the same load
+    timed = min(a.seeds, TIMED_SEEDS)
     seconds: dict[str, list[float]] = {k: [] for k in engines}
     for _ in tqdm(range(a.runs + 1), desc="timed rollouts (interleaved)"):
         for name, engine in engines.items():
             t0 = time.perf_counter()
-            engine.generate(prompts[:1], params, group_size=a.seeds, seeds=seeds[:a.seeds])
+            engine.generate(prompts[:1], params, group_size=timed, seeds=seeds[:timed])
             seconds[name].append(time.perf_counter() - t0)
     rows = {}
     for name, traj in trajs.items():
-        with torch.no_grad():
-            old = recompute_log_probs(traj, trainer, batch_size=32, dtype=torch.bfloat16).log_probs
-        iw = truncated_importance_weights(old, traj.log_probs, cap=a.cap)
-        pil = [to_pil_rgb(to_uint8_hwc(im)) for im in traj.images]
-        rewards = scorer(pil, traj.prompts)
-        legible = scorer.reader.legibility(pil, [resolve_target(p, None) for p in traj.prompts])
+        old, rewards, legible = [], [], []
+        for start in tqdm(range(0, len(seeds), SCORE_CHUNK), desc=f"{name}: recompute and score",
+                          unit=f"x{SCORE_CHUNK} samples"):
+            part = traj.select(range(start, min(start + SCORE_CHUNK, len(seeds))))
+            with torch.no_grad():
+                old.append(recompute_log_probs(part, trainer, batch_size=32, dtype=torch.bfloat16).log_probs)
+            pil = [to_pil_rgb(to_uint8_hwc(im)) for im in part.images]
+            rewards += scorer(pil, part.prompts)
+            legible += scorer.reader.legibility(pil, [resolve_target(p, None) for p in part.prompts])
+        iw = truncated_importance_weights(torch.cat(old), traj.log_probs, cap=a.cap)
         rows[name] = {"before": float(iw.metrics["dlogp_abs_mean_before"]),
                       "after": float(iw.metrics["dlogp_abs_mean_after"]),
                       "truncated": float(iw.metrics["is_truncated_frac"]),
@@ -189,7 +201,7 @@ def main() -> None:
     n = len(seeds)
     print(f"OCR miniature pipeline, {len(prompts)} prompts x {a.seeds} seeds = {n} samples, {params.num_steps} "
           f"steps, window {params.window_size}, CFG {params.guidance_scale}; trainer: Megatron bf16, tp 1; "
-          f"seconds: median of {a.runs} interleaved rollouts of one prompt x {a.seeds} seeds")
+          f"seconds: median of {a.runs} interleaved rollouts of one prompt x {timed} seeds")
     print(f"{'rollout':8s} {'|dlogp| before':>15s} {'after (cap ' + str(a.cap) + ')':>17s} {'truncated':>10s} "
           f"{'OCR':>7s} {'legibility':>10s} {'seconds':>8s}")
     for name, r in rows.items():
